@@ -1,0 +1,59 @@
+"""Group-relative advantages (pure tensor functions).
+
+Rewards come as a [B, G] tensor: B prompts (groups), G sampled completions each.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def group_advantages(rewards: Tensor, baseline: str, normalizer: str, eps: float = 1e-6) -> Tensor:
+    """Advantage of every sample relative to its group.
+
+    rewards: [B, G]. Returns [B, G] in the rewards' dtype.
+    baseline:   "mean" -> r - mean_i ; "none" -> r
+    normalizer: "std"  -> / (unbiased std_i + eps)
+                "mean" -> / (mean_i + eps), and 0 for a group whose mean is 0 (MaxRL)
+                "none" -> unchanged
+    With baseline "mean", a group whose rewards are all equal gets advantage exactly 0.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [B, G], got shape {tuple(rewards.shape)}")
+    group_size = rewards.shape[1]
+    if normalizer == "std" and group_size < 2:
+        raise ValueError("normalizer 'std' needs a group size of at least 2")
+    mean = rewards.mean(dim=1, keepdim=True)
+    if baseline == "mean":
+        centered = rewards - mean
+        all_equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+        centered = torch.where(all_equal, torch.zeros_like(centered), centered)
+    elif baseline == "none":
+        centered = rewards
+    else:
+        raise ValueError(f"unknown baseline {baseline!r}")
+
+    if normalizer == "std":
+        return centered / (rewards.std(dim=1, keepdim=True, unbiased=True) + eps)
+    if normalizer == "mean":
+        scaled = centered / (mean + eps)
+        return torch.where(mean == 0, torch.zeros_like(scaled), scaled)
+    if normalizer == "none":
+        return centered
+    raise ValueError(f"unknown normalizer {normalizer!r}")
+
+
+def informative_groups(rewards: Tensor) -> Tensor:
+    """[B] bool: groups whose rewards are not all equal (DAPO dynamic sampling keeps these)."""
+    return ~(rewards == rewards[:, :1]).all(dim=1)
+
+
+def advantage_metrics(rewards: Tensor, advantages: Tensor) -> dict[str, float]:
+    """Summary of one rollout batch's rewards [B, G] and advantages [B, G]."""
+    return {
+        "reward_mean": rewards.float().mean().item(),
+        "advantage_mean": advantages.float().mean().item(),
+        "advantage_std": advantages.float().std(unbiased=False).item(),
+        "zero_advantage_group_frac": (advantages == 0).all(dim=1).float().mean().item(),
+    }

@@ -1,0 +1,195 @@
+"""Per-token policy-gradient surrogates and their exact reduction (pure tensor functions).
+
+Shapes: N sequences, T token positions. Position t of every [N, T] tensor refers to the same token;
+``response_mask`` is 1 only on tokens the policy generated (EOS included) and 0 on prompt, padding,
+tool observations and anything after EOS. Values at masked positions never reach the loss or gradient.
+
+Reductions are exact under micro-batching: the denominators (:class:`Denominators`) are computed once
+for the whole optimizer step, and each micro-batch contributes ``sum(...) / denominator``, so summing
+micro-batch gradients gives the whole-batch gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from grpolab.algorithms import AlgorithmSpec
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss, ratio or gradient norm is NaN or infinite; raised before any optimizer step."""
+
+
+@dataclass
+class PolicyLossInput:
+    """The data contract of one (micro-)batch of an update.
+
+    logprobs:        [N, T] current policy, requires grad
+    old_logprobs:    [N, T] frozen before the first update on this rollout batch
+    advantages:      [N]    one per sequence
+    response_mask:   [N, T] 1 on policy-generated tokens, else 0
+    ref_logprobs:    [N, T] reference policy, optional (KL penalty / metric)
+    engine_logprobs: [N, T] rollout engine's log-probs of the sampled tokens, optional
+    """
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    response_mask: Tensor
+    ref_logprobs: Tensor | None = None
+    engine_logprobs: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Denominators:
+    """Divisors of one optimizer step: of the policy objective and of the KL term (its token count)."""
+
+    policy: float
+    kl: float
+
+
+def step_denominators(spec: AlgorithmSpec, response_mask: Tensor, max_new_tokens: int) -> Denominators:
+    """Denominators for an optimizer step over the sequences of ``response_mask`` [n, T].
+
+    Count every sequence of the step, including those later pruned for zero advantage.
+    sequence -> n; token -> total response tokens; constant -> Z (spec.loss_denominator, else
+    n x max_new_tokens: independent of response lengths).
+    """
+    n_seqs = response_mask.shape[0]
+    n_tokens = max(float(response_mask.sum().item()), 1.0)
+    if spec.aggregation == "sequence":
+        policy = float(n_seqs)
+    elif spec.aggregation == "token":
+        policy = n_tokens
+    else:
+        policy = spec.loss_denominator or float(n_seqs * max_new_tokens)
+    return Denominators(policy=policy, kl=n_tokens)
+
+
+@dataclass
+class TokenMetrics:
+    """Token-summed diagnostics of one or more micro-batches; ``merge`` then ``means``."""
+
+    tokens: float = 0.0
+    sums: dict[str, float] = field(default_factory=dict)
+    ratio_min: float = float("inf")
+    ratio_max: float = float("-inf")
+
+    def add(self, name: str, per_token: Tensor, mask: Tensor) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float((per_token.detach().double() * mask).sum())
+
+    def merge(self, other: "TokenMetrics") -> "TokenMetrics":
+        sums = dict(self.sums)
+        for k, v in other.sums.items():
+            sums[k] = sums.get(k, 0.0) + v
+        return TokenMetrics(self.tokens + other.tokens, sums,
+                            min(self.ratio_min, other.ratio_min), max(self.ratio_max, other.ratio_max))
+
+    def means(self) -> dict[str, float]:
+        out = {name: total / max(self.tokens, 1.0) for name, total in self.sums.items()}
+        if "clip_low_frac" in out:
+            out["clip_frac"] = out["clip_low_frac"] + out["clip_high_frac"]
+        if self.tokens:
+            out["ratio_min"], out["ratio_max"] = self.ratio_min, self.ratio_max
+        out["response_tokens"] = self.tokens
+        return out
+
+
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    """x where mask is set, else 0 (so garbage at masked positions cannot make NaN/inf)."""
+    return torch.where(mask.bool(), x, torch.zeros_like(x))
+
+
+def token_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """w = exp(logp - logp_old) per token [N, T]; exactly 1 at masked positions."""
+    return torch.exp(_masked(logprobs - old_logprobs, mask))
+
+
+def sequence_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's s = exp(mean over response tokens of (logp - logp_old)), [N]."""
+    log_ratio = _masked(logprobs - old_logprobs, mask).sum(1) / mask.sum(1).clamp(min=1)
+    return torch.exp(log_ratio)
+
+
+def per_token_surrogate(inp: PolicyLossInput, spec: AlgorithmSpec) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-token loss [N, T] (to be minimised) and the ratio, low-clip and high-clip indicators [N, T].
+
+    The clip indicators mark tokens whose gradient the clip (or CISPO's truncation) changed.
+    """
+    mask = inp.response_mask
+    adv = inp.advantages[:, None].to(inp.logprobs.dtype)
+    logp = _masked(inp.logprobs, mask)
+    no_clip = torch.zeros_like(logp, dtype=torch.bool)
+
+    if spec.weight == "gspo":
+        ratio = sequence_ratio(inp.logprobs, inp.old_logprobs, mask)[:, None].expand_as(logp)
+    else:
+        ratio = token_ratio(inp.logprobs, inp.old_logprobs, mask)
+
+    if spec.weight == "none":
+        return -adv * logp, ratio, no_clip, no_clip
+    if spec.weight == "noclip":
+        return -adv * ratio, ratio, no_clip, no_clip
+    if spec.weight in ("clip", "gspo"):
+        clipped = ratio.clamp(1 - spec.eps_low, 1 + spec.eps_high)
+        loss = -torch.minimum(ratio * adv, clipped * adv)
+        low = (adv < 0) & (ratio < 1 - spec.eps_low)
+        high = (adv > 0) & (ratio > 1 + spec.eps_high)
+        return loss, ratio, low, high
+    if spec.weight == "cispo":
+        truncated_weight = ratio.clamp(max=1 + spec.eps_high).detach()
+        return -truncated_weight * adv * logp, ratio, no_clip, ratio > 1 + spec.eps_high
+    raise ValueError(f"unknown weight {spec.weight!r}")
+
+
+def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, denominator: float) -> Tensor:
+    """Reduce [N, T] to a scalar: this micro-batch's share of the optimizer step's objective.
+
+    sequence: sum_i(sum_t l*m / sum_t m) / denominator (= sequences in the step)
+    token / constant: sum(l*m) / denominator (= tokens in the step, or Z)
+    """
+    per_token = _masked(per_token, mask)
+    if aggregation == "sequence":
+        return (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / denominator
+    return per_token.sum() / denominator
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """k3 estimator of KL(policy || ref) per token [N, T]: exp(ref - logp) - (ref - logp) - 1."""
+    delta = _masked(ref_logprobs - logprobs, mask)
+    return torch.exp(delta) - delta - 1
+
+
+def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denominators) -> tuple[Tensor, TokenMetrics]:
+    """Scalar loss of one micro-batch (its share of the step) and its token metrics.
+
+    loss = aggregate(surrogate) + beta * sum(k3 * m) / (tokens in the step)
+    Raises NonFiniteError on a non-finite loss or ratio.
+    """
+    mask = inp.response_mask.to(inp.logprobs.dtype)
+    surrogate, ratio, clip_low, clip_high = per_token_surrogate(inp, spec)
+    loss = aggregate(surrogate, mask, spec.aggregation, denominators.policy)
+
+    metrics = TokenMetrics(tokens=float(mask.sum()))
+    if inp.ref_logprobs is not None:
+        kl = kl_k3(inp.logprobs, inp.ref_logprobs, mask)
+        metrics.add("kl_ref", kl, mask)
+        if spec.beta > 0:
+            loss = loss + spec.beta * _masked(kl, mask).sum() / denominators.kl
+
+    ratio_on_mask = ratio.detach()[mask.bool()]
+    if not torch.isfinite(loss) or not torch.isfinite(ratio_on_mask).all():
+        raise NonFiniteError(f"non-finite loss ({loss.item()}) or ratio in the policy update")
+
+    token_w = token_ratio(inp.logprobs.detach(), inp.old_logprobs, mask)
+    metrics.add("ratio_mean", ratio, mask)
+    metrics.add("clip_low_frac", clip_low.to(mask.dtype), mask)
+    metrics.add("clip_high_frac", clip_high.to(mask.dtype), mask)
+    metrics.add("approx_kl_old_new", (token_w - 1) - torch.log(token_w), mask)
+    if ratio_on_mask.numel():
+        metrics.ratio_min = float(ratio_on_mask.min())
+        metrics.ratio_max = float(ratio_on_mask.max())
+    return loss, metrics

@@ -1,0 +1,133 @@
+"""The update schedule over one rollout batch: epochs x optimizer steps, micro-batches, guards.
+
+Model-agnostic: the caller supplies ``policy_logprobs(indices) -> (logprobs [n, T], entropy [n, T] | None)``
+for the sequences at ``indices`` (the current policy, with grad). The trainer turns its model into
+such a function; tests use plain parameter tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from grpolab.algorithms import AlgorithmSpec
+from grpolab.losses import NonFiniteError, PolicyLossInput, TokenMetrics, policy_loss, step_denominators
+
+PolicyLogprobs = Callable[[Tensor], tuple[Tensor, Tensor | None]]
+
+
+@dataclass
+class UpdateData:
+    """One rollout batch, flattened to N = B x G sequences.
+
+    advantages [N]; response_mask [N, T]; old_logprobs [N, T] (frozen before the first update);
+    ref_logprobs / engine_logprobs [N, T] or None.
+    """
+
+    advantages: Tensor
+    response_mask: Tensor
+    old_logprobs: Tensor
+    ref_logprobs: Tensor | None = None
+    engine_logprobs: Tensor | None = None
+
+    def loss_input(self, indices: Tensor, logprobs: Tensor) -> PolicyLossInput:
+        pick = lambda t: None if t is None else t[indices]  # noqa: E731
+        return PolicyLossInput(logprobs=logprobs, old_logprobs=self.old_logprobs[indices],
+                               advantages=self.advantages[indices], response_mask=self.response_mask[indices],
+                               ref_logprobs=pick(self.ref_logprobs), engine_logprobs=pick(self.engine_logprobs))
+
+
+@dataclass
+class UpdateResult:
+    """Counts and merged metrics of all optimizer steps on one rollout batch."""
+
+    attempted: int = 0
+    actual: int = 0
+    grad_norms: list[float] = field(default_factory=list)
+    tokens: TokenMetrics = field(default_factory=TokenMetrics)
+    first_step: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        out = self.tokens.means()
+        out.update(attempted_updates=self.attempted, actual_updates=self.actual)
+        if self.grad_norms:
+            out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+            out["grad_norm_max"] = max(self.grad_norms)
+        out.update({f"first_update/{k}": v for k, v in self.first_step.items()})
+        return out
+
+
+def check_schedule(spec: AlgorithmSpec, n_sequences: int, micro_batch_size: int) -> None:
+    """Raise ValueError when the batch cannot be split as the schedule asks."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if n_sequences % spec.steps_per_epoch:
+        raise ValueError(f"rollout batch of {n_sequences} sequences cannot be split into "
+                         f"{spec.steps_per_epoch} equal optimizer steps")
+
+
+def minibatches(spec: AlgorithmSpec, n: int, generator: torch.Generator | None) -> Iterable[Tensor]:
+    """Index tensors of every optimizer step: epochs x steps_per_epoch equal slices of [0, n)."""
+    size = n // spec.steps_per_epoch
+    for _ in range(spec.epochs):
+        shuffle = spec.shuffle_minibatches and spec.steps_per_epoch > 1
+        order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+        yield from order.split(size)
+
+
+def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor, policy_logprobs: PolicyLogprobs,
+                         micro_batch_size: int, max_new_tokens: int) -> TokenMetrics:
+    """Backward the loss of one optimizer step over ``indices`` [n], micro-batch by micro-batch.
+
+    Zero-advantage sequences are not fed to the model when pruning is on and beta is 0 (their loss
+    and gradient are exactly 0; the denominators still count them, so the gradient is identical).
+    """
+    denominators = step_denominators(spec, data.response_mask[indices], max_new_tokens)
+    fed = indices
+    if spec.prune_zero_advantage and spec.beta == 0:
+        fed = indices[data.advantages[indices] != 0]
+    merged = TokenMetrics()
+    for micro in fed.split(micro_batch_size):
+        logprobs, entropy = policy_logprobs(micro)
+        loss, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
+        loss.backward()
+        if entropy is not None:
+            metrics.add("entropy", entropy, data.response_mask[micro].to(entropy.dtype))
+        merged = merged.merge(metrics)
+    return merged
+
+
+def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLogprobs,
+               optimizer: torch.optim.Optimizer, parameters: list[Tensor], *, micro_batch_size: int,
+               max_new_tokens: int, max_grad_norm: float | None = 1.0,
+               generator: torch.Generator | None = None) -> UpdateResult:
+    """Every optimizer step the schedule asks for on one rollout batch.
+
+    A step whose advantages are all zero is skipped (counted as attempted, not actual). Gradient norm
+    is clipped to ``max_grad_norm`` (None = no clipping); a non-finite norm raises NonFiniteError
+    before the optimizer step.
+    """
+    check_schedule(spec, data.advantages.shape[0], micro_batch_size)
+    result = UpdateResult()
+    for indices in minibatches(spec, data.advantages.shape[0], generator):
+        result.attempted += 1
+        if not (data.advantages[indices] != 0).any():
+            continue
+        optimizer.zero_grad(set_to_none=True)
+        step_metrics = accumulate_gradients(spec, data, indices, policy_logprobs, micro_batch_size, max_new_tokens)
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm else float("inf"))
+        if not torch.isfinite(grad_norm):
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"non-finite gradient norm ({grad_norm.item()}) before optimizer step "
+                                 f"{result.actual + 1}")
+        optimizer.step()
+        result.actual += 1
+        result.grad_norms.append(float(grad_norm))
+        if result.actual == 1:
+            result.first_step = step_metrics.means()
+        result.tokens = result.tokens.merge(step_metrics)
+    optimizer.zero_grad(set_to_none=True)
+    return result

@@ -1,0 +1,173 @@
+"""Loss values and gradients against the float64 reference, plus the invariants of each objective."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpolab.algorithms import PRESETS, AlgorithmSpec
+from grpolab.losses import (NonFiniteError, PolicyLossInput, aggregate, policy_loss, sequence_ratio,
+                            step_denominators)
+from reference import reference_loss
+
+WEIGHTS = ["none", "noclip", "clip", "gspo", "cispo"]
+AGGREGATIONS = ["sequence", "token", "constant"]
+MAX_NEW = 12
+
+
+def make_batch(seed: int, n: int = 6, t: int = 16, spread: float = 0.4, with_ref: bool = True):
+    """Random batch: a prompt prefix, a response of random length, then padding (all float64)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(n, t, dtype=torch.float64)
+    for i in range(n):
+        start = int(torch.randint(0, min(4, t - 1) + 1, (1,), generator=g))
+        length = int(torch.randint(1, t - start + 1, (1,), generator=g))
+        mask[i, start:start + length] = 1
+    old = -torch.rand(n, t, generator=g, dtype=torch.float64) * 3
+    logp = old + torch.randn(n, t, generator=g, dtype=torch.float64) * spread
+    ref = old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.3 if with_ref else None
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    adv[0] = 0.0
+    return logp, old, adv, mask, ref
+
+
+def impl_loss_and_grad(spec, logp, old, adv, mask, ref=None):
+    leaf = logp.clone().requires_grad_(True)
+    denominators = step_denominators(spec, mask, MAX_NEW)
+    loss, metrics = policy_loss(PolicyLossInput(leaf, old, adv, mask, ref), spec, denominators)
+    loss.backward()
+    return loss.detach(), leaf.grad, metrics
+
+
+def ref_loss_and_grad(spec, logp, old, adv, mask, ref=None):
+    leaf = logp.clone().requires_grad_(True)
+    loss = reference_loss(leaf, old, adv, mask, weight=spec.weight, aggregation=spec.aggregation,
+                          eps_low=spec.eps_low, eps_high=spec.eps_high, z=spec.loss_denominator,
+                          max_new_tokens=MAX_NEW, ref=ref, beta=spec.beta)
+    loss.backward()
+    return loss.detach(), leaf.grad
+
+
+def assert_matches_reference(spec, seed, spread=0.4):
+    logp, old, adv, mask, ref = make_batch(seed, spread=spread)
+    loss, grad, _ = impl_loss_and_grad(spec, logp, old, adv, mask, ref)
+    ref_value, ref_grad = ref_loss_and_grad(spec, logp, old, adv, mask, ref)
+    torch.testing.assert_close(loss, ref_value, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("weight,aggregation", list(itertools.product(WEIGHTS, AGGREGATIONS)))
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_every_weighting_and_aggregation_matches_reference(weight, aggregation, beta):
+    spec = AlgorithmSpec(name="t", weight=weight, aggregation=aggregation, eps_low=0.1, eps_high=0.3,
+                         beta=beta)
+    # a spread big enough that clipping is active on some tokens
+    assert_matches_reference(spec, seed=hash((weight, aggregation)) % 1000, spread=0.4)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_matches_reference(name):
+    spec = PRESETS[name]
+    spread = 3e-4 if spec.weight == "gspo" else 0.3  # put GSPO's tiny ratios near its clip edges
+    for seed in range(3):
+        assert_matches_reference(spec, seed=seed, spread=spread)
+
+
+def test_clipping_really_happens_in_the_reference_batches():
+    logp, old, adv, mask, _ = make_batch(0, spread=0.4)
+    _, _, metrics = impl_loss_and_grad(PRESETS["grpo"], logp, old, adv, mask)
+    assert metrics.means()["clip_frac"] > 0
+
+
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_ratio_is_one_and_nothing_clipped_when_policy_equals_old(weight):
+    logp, _, adv, mask, _ = make_batch(1)
+    spec = AlgorithmSpec(name="t", weight=weight, eps_high=0.2)
+    _, _, metrics = impl_loss_and_grad(spec, logp, logp.clone(), adv, mask)
+    m = metrics.means()
+    assert m["ratio_mean"] == 1.0 and m["ratio_min"] == 1.0 and m["ratio_max"] == 1.0
+    assert m["clip_frac"] == 0.0 and m["approx_kl_old_new"] == 0.0
+
+
+@pytest.mark.parametrize("weight,aggregation", list(itertools.product(WEIGHTS, AGGREGATIONS)))
+def test_masked_positions_never_change_loss_or_gradient(weight, aggregation):
+    spec = AlgorithmSpec(name="t", weight=weight, aggregation=aggregation, beta=0.1)
+    logp, old, adv, mask, ref = make_batch(2)
+    loss_a, grad_a, _ = impl_loss_and_grad(spec, logp, old, adv, mask, ref)
+    off = mask == 0
+    garbage = lambda x, v: torch.where(off, torch.full_like(x, v), x)  # noqa: E731
+    loss_b, grad_b, _ = impl_loss_and_grad(spec, garbage(logp, 80.0), garbage(old, -90.0), adv, mask,
+                                           garbage(ref, 70.0))
+    assert torch.equal(loss_a, loss_b)
+    assert torch.equal(grad_a, grad_b)
+    assert (grad_b[off] == 0).all()
+
+
+def test_gspo_ratio_is_exp_of_mean_token_log_ratio():
+    logp, old, _, mask, _ = make_batch(3)
+    s = sequence_ratio(logp, old, mask)
+    for i in range(mask.shape[0]):
+        toks = mask[i].bool()
+        expected = torch.exp((logp[i, toks] - old[i, toks]).mean())
+        torch.testing.assert_close(s[i], expected, rtol=1e-12, atol=0)
+
+
+def test_cispo_gradient_is_detached_clipped_weight_times_advantage_times_grad_logp():
+    spec = PRESETS["cispo"].override(eps_high=0.25)
+    logp, old, adv, mask, _ = make_batch(4, spread=0.5)
+    _, grad, metrics = impl_loss_and_grad(spec, logp, old, adv, mask)
+    w = torch.exp(logp - old).clamp(max=1.25)
+    expected = -w * adv[:, None] * mask / mask.sum()  # token aggregation
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
+    assert metrics.means()["clip_high_frac"] > 0
+
+
+def test_constant_denominator_does_not_depend_on_response_lengths():
+    spec = PRESETS["dr_grpo"]
+    short = torch.zeros(4, 20)
+    short[:, 2:4] = 1
+    long = torch.zeros(4, 20)
+    long[:, 2:19] = 1
+    assert step_denominators(spec, short, 512).policy == step_denominators(spec, long, 512).policy == 4 * 512
+    assert step_denominators(spec.override(loss_denominator=1000.0), long, 512).policy == 1000.0
+    assert step_denominators(PRESETS["dapo"], long, 512).policy == long.sum().item()
+
+
+def test_sequence_aggregation_is_mean_of_sequence_means():
+    per_token = torch.tensor([[1.0, 3.0, 0.0], [4.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    assert aggregate(per_token, mask, "sequence", 2.0).item() == pytest.approx((2.0 + 4.0) / 2)
+    assert aggregate(per_token, mask, "token", 3.0).item() == pytest.approx(8.0 / 3)
+
+
+def test_kl_metric_is_reported_at_beta_zero_and_not_in_the_loss():
+    logp, old, adv, mask, ref = make_batch(5)
+    spec = PRESETS["grpo"]
+    loss_with_ref, grad_with_ref, metrics = impl_loss_and_grad(spec, logp, old, adv, mask, ref)
+    loss_no_ref, grad_no_ref, _ = impl_loss_and_grad(spec, logp, old, adv, mask, None)
+    assert metrics.means()["kl_ref"] > 0
+    assert torch.equal(loss_with_ref, loss_no_ref) and torch.equal(grad_with_ref, grad_no_ref)
+
+
+def test_non_finite_logprob_on_the_response_raises():
+    logp, old, adv, mask, _ = make_batch(6)
+    i, t = mask.nonzero()[0].tolist()
+    logp[i, t] = float("nan")
+    with pytest.raises(NonFiniteError):
+        impl_loss_and_grad(PRESETS["grpo"], logp, old, adv, mask)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 7), t=st.integers(2, 12),
+       weight=st.sampled_from(WEIGHTS), aggregation=st.sampled_from(AGGREGATIONS))
+def test_property_matches_reference_on_random_shapes(seed, n, t, weight, aggregation):
+    spec = AlgorithmSpec(name="t", weight=weight, aggregation=aggregation, eps_low=0.15, eps_high=0.25, beta=0.02)
+    logp, old, adv, mask, ref = make_batch(seed, n=n, t=t)
+    loss, grad, _ = impl_loss_and_grad(spec, logp, old, adv, mask, ref)
+    ref_value, ref_grad = ref_loss_and_grad(spec, logp, old, adv, mask, ref)
+    torch.testing.assert_close(loss, ref_value, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
