@@ -125,6 +125,7 @@ def get_algorithm(name: str, **overrides: Any) -> AlgorithmSpec:
     return PRESETS[name].override(**overrides) if overrides else PRESETS[name]
 
 
-def describe_validation_error(err: ValidationError) -> list[str]:
-    """One readable line per bad field."""
-    return [f"{'.'.join(str(p) for p in e['loc']) or 'algorithm'}: {e['msg']}" for e in err.errors()]
+def describe_validation_error(err: ValidationError, root: str = "config") -> list[str]:
+    """One readable line per bad field: ``dotted.field: message``."""
+    return [f"{'.'.join(str(p) for p in e['loc']) or root}: {e['msg'].removeprefix('Value error, ')}"
+            for e in err.errors()]

@@ -94,7 +94,7 @@ class TokenMetrics:
             out["clip_frac"] = out["clip_low_frac"] + out["clip_high_frac"]
         if self.tokens:
             out["ratio_min"], out["ratio_max"] = self.ratio_min, self.ratio_max
-        out["response_tokens"] = self.tokens
+        out["trained_tokens"] = self.tokens
         return out
 
 
@@ -189,6 +189,8 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
     metrics.add("clip_low_frac", clip_low.to(mask.dtype), mask)
     metrics.add("clip_high_frac", clip_high.to(mask.dtype), mask)
     metrics.add("approx_kl_old_new", (token_w - 1) - torch.log(token_w), mask)
+    if inp.engine_logprobs is not None:  # trainer vs rollout-engine log-prob mismatch
+        metrics.add("engine_logprob_absdiff", (_masked(inp.logprobs.detach() - inp.engine_logprobs, mask)).abs(), mask)
     if ratio_on_mask.numel():
         metrics.ratio_min = float(ratio_on_mask.min())
         metrics.ratio_max = float(ratio_on_mask.max())

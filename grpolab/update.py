@@ -23,19 +23,21 @@ PolicyLogprobs = Callable[[Tensor], tuple[Tensor, Tensor | None]]
 class UpdateData:
     """One rollout batch, flattened to N = B x G sequences.
 
-    advantages [N]; response_mask [N, T]; old_logprobs [N, T] (frozen before the first update);
-    ref_logprobs / engine_logprobs [N, T] or None.
+    advantages [N]; response_mask [N, T]; old_logprobs [N, T] frozen before the first update, or None
+    for a single-update schedule, where the current log-probs detached are exactly those (the policy has
+    not moved yet) and no extra forward pass is needed; ref_logprobs / engine_logprobs [N, T] or None.
     """
 
     advantages: Tensor
     response_mask: Tensor
-    old_logprobs: Tensor
+    old_logprobs: Tensor | None
     ref_logprobs: Tensor | None = None
     engine_logprobs: Tensor | None = None
 
     def loss_input(self, indices: Tensor, logprobs: Tensor) -> PolicyLossInput:
         pick = lambda t: None if t is None else t[indices]  # noqa: E731
-        return PolicyLossInput(logprobs=logprobs, old_logprobs=self.old_logprobs[indices],
+        old = logprobs.detach() if self.old_logprobs is None else self.old_logprobs[indices]
+        return PolicyLossInput(logprobs=logprobs, old_logprobs=old,
                                advantages=self.advantages[indices], response_mask=self.response_mask[indices],
                                ref_logprobs=pick(self.ref_logprobs), engine_logprobs=pick(self.engine_logprobs))
 
@@ -60,10 +62,13 @@ class UpdateResult:
         return out
 
 
-def check_schedule(spec: AlgorithmSpec, n_sequences: int, micro_batch_size: int) -> None:
+def check_schedule(spec: AlgorithmSpec, n_sequences: int, micro_batch_size: int,
+                   old_logprobs_missing: bool = False) -> None:
     """Raise ValueError when the batch cannot be split as the schedule asks."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if old_logprobs_missing and not spec.is_single_update:
+        raise ValueError("old_logprobs are required for more than one optimizer step per rollout batch")
     if n_sequences % spec.steps_per_epoch:
         raise ValueError(f"rollout batch of {n_sequences} sequences cannot be split into "
                          f"{spec.steps_per_epoch} equal optimizer steps")
@@ -110,7 +115,7 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
     is clipped to ``max_grad_norm`` (None = no clipping); a non-finite norm raises NonFiniteError
     before the optimizer step.
     """
-    check_schedule(spec, data.advantages.shape[0], micro_batch_size)
+    check_schedule(spec, data.advantages.shape[0], micro_batch_size, data.old_logprobs is None)
     result = UpdateResult()
     for indices in minibatches(spec, data.advantages.shape[0], generator):
         result.attempted += 1

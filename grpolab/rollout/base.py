@@ -1,0 +1,115 @@
+"""The rollout-engine contract shared by every engine (transformers, vLLM, ...).
+
+Token conventions:
+
+* ``Completion.completion_ids`` holds exactly the tokens the policy generated: it includes the
+  EOS token when generation stopped on EOS (EOS is a policy action and is trained on), ends with
+  the last token of the stop string when generation stopped on a stop string, and never holds
+  anything after that.
+* ``Completion.logprobs[i]`` is the engine's log-probability of ``completion_ids[i]`` given the
+  prompt and the previous completion tokens, under ``softmax(logits / temperature)`` at the
+  *sampling temperature* (temperature 1 for greedy, ``temperature == 0``). top-k / top-p
+  truncation is *not* applied to these log-probs, so they are directly comparable with
+  ``grpolab.logprobs.token_logprobs(..., temperature=params.temperature)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+from torch import nn
+
+__all__ = ["SamplingParams", "Completion", "RolloutEngine", "FinishReason"]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample completions.
+
+    max_new_tokens: hard cap on completion length (finish_reason "length" when reached
+        without stopping).
+    temperature: 0 means greedy decoding; otherwise logits are divided by it.
+    top_p: nucleus sampling mass (1.0 disables).
+    top_k: keep the k most likely tokens (0 disables).
+    stop_strings: generation stops once the completion text contains any of these; the
+        completion is cut right after the token that completed the first occurrence.
+    seed: seeds the engine's sampler for this call (see each engine for its scope).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        if isinstance(self.stop_strings, str) or any(not s for s in self.stop_strings):
+            raise ValueError("stop_strings must be a tuple of non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature at which engines report ``Completion.logprobs`` (1.0 when greedy)."""
+        return 1.0 if self.greedy else self.temperature
+
+
+@dataclass
+class Completion:
+    """One sampled completion of one prompt.
+
+    prompt_ids: the prompt tokens as given to the engine.
+    completion_ids: generated tokens (EOS / stop-string tokens included, nothing after).
+    logprobs: one float per completion token, see the module docstring.
+    finish_reason: "stop" (EOS or stop string) or "length" (hit max_new_tokens).
+    text: decoded completion (special tokens such as EOS skipped).
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(
+                f"{len(self.logprobs)} logprobs for {len(self.completion_ids)} completion tokens"
+            )
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A sampler of completions from the current policy."""
+
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        """``n`` completions for each prompt; outer list in prompt order, inner of length n."""
+        ...
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Make the engine sample from ``model``'s current weights."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's resources."""
+        ...

@@ -1,0 +1,112 @@
+"""Fixtures: a character-level tokenizer and tiny random causal LMs, built and saved locally.
+
+Nothing is downloaded. Models are saved with ``save_pretrained`` into a session tmp dir and
+loaded back with ``AutoModelForCausalLM`` / ``AutoTokenizer``, like real checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    Olmo2Config,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<eos>"]
+TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
+ARCHS = ("llama", "qwen2", "qwen3", "olmo2")
+
+# Tiny models run fastest on one thread, and several threads on a busy 2-core machine can be
+# ~100x slower (OpenMP oversubscription). Override with GRPOLAB_TEST_THREADS.
+torch.set_num_threads(int(os.environ.get("GRPOLAB_TEST_THREADS", "1")))
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """Char-level WordLevel tokenizer: printable ASCII + the 4 tags as single tokens (107 ids)."""
+    chars = list(dict.fromkeys(string.printable))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def _config(arch: str, vocab_size: int, pad_id: int, eos_id: int):
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+        # larger than the 0.02 default so that distributions are far from uniform
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(**{**common, "head_dim": 8, "tie_word_embeddings": True})
+    if arch == "olmo2":
+        return Olmo2Config(**common)
+    raise ValueError(f"unknown arch {arch!r}")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("char_tokenizer")
+    build_char_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    """One saved tiny random checkpoint (model + tokenizer) per architecture."""
+    dirs = {}
+    for i, arch in enumerate(ARCHS):
+        torch.manual_seed(1234 + i)
+        config = _config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        path = tmp_path_factory.mktemp(f"tiny_{arch}")
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        dirs[arch] = path
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tiny_model_dirs) -> Callable[[str], torch.nn.Module]:
+    """``make_tiny_model(arch)`` -> a fresh float32 tiny model in eval mode, loaded from disk."""
+
+    def make(arch: str) -> torch.nn.Module:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[arch], dtype=torch.float32)
+        return model.eval()
+
+    return make

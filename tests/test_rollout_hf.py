@@ -1,0 +1,211 @@
+"""HFEngine: the rollout contract on tiny random models (no mocks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpolab.batching import collate
+from grpolab.logprobs import token_logprobs
+from grpolab.rollout import Completion, HFEngine, RolloutEngine, SamplingParams
+from grpolab.rollout.hf import trim_completion
+
+PROMPTS = ["12+34=", "7+8=<think>", "a"]
+
+
+@pytest.fixture
+def model(make_tiny_model):
+    return make_tiny_model("llama")
+
+
+@pytest.fixture
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+def _flat(groups: list[list[Completion]]) -> list[Completion]:
+    return [c for g in groups for c in g]
+
+
+def _sampled_logits(model, completions: list[Completion], pad_id: int):
+    """Full-forward logits [T, V] that predicted each completion token, and the tokens [T]."""
+    batch = collate(completions, pad_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    # column t of response_mask <-> logits at t - 1
+    resp = batch.response_mask[:, 1:].bool()
+    return logits[:, :-1][resp], batch.input_ids[:, 1:][resp]
+
+
+def test_shapes_and_finish_reasons(model, tokenizer, prompts):
+    engine = HFEngine(model, tokenizer, max_batch_size=5)  # 12 rows -> 3 generate calls
+    assert isinstance(engine, RolloutEngine)
+    assert engine.eos_token_ids == [tokenizer.eos_token_id]
+    out = engine.generate(prompts, 4, SamplingParams(max_new_tokens=12, seed=0))
+    assert [len(g) for g in out] == [4, 4, 4]
+    for prompt, group in zip(prompts, out):
+        for c in group:
+            assert c.prompt_ids == prompt
+            assert 1 <= len(c.completion_ids) <= 12 and len(c.logprobs) == len(c.completion_ids)
+            assert all(lp <= 0 for lp in c.logprobs)
+            ends_on_eos = c.completion_ids[-1] == tokenizer.eos_token_id
+            assert c.finish_reason == ("stop" if ends_on_eos else "length")
+            if c.finish_reason == "length":
+                assert len(c.completion_ids) == 12
+            assert tokenizer.eos_token_id not in c.completion_ids[:-1]
+            assert c.text == tokenizer.decode(c.completion_ids, skip_special_tokens=True)
+
+
+def test_eos_included_and_nothing_after(model, tokenizer, prompts):
+    params = SamplingParams(max_new_tokens=16, seed=3)
+    free = _flat(HFEngine(model, tokenizer).generate(prompts, 2, params))
+    # use a token the model actually emits as the EOS; rerunning with the same seed must cut there
+    eos = free[0].completion_ids[2]
+    engine = HFEngine(model, tokenizer, eos_token_ids=[eos])
+    cut = _flat(engine.generate(prompts, 2, params))
+    assert sum(eos in c.completion_ids for c in free) >= 1
+    for f, c in zip(free, cut):
+        if eos in f.completion_ids:
+            k = f.completion_ids.index(eos)
+            assert c.completion_ids == f.completion_ids[: k + 1] and c.finish_reason == "stop"
+            assert c.logprobs == pytest.approx(f.logprobs[: k + 1], abs=1e-6)
+        else:
+            assert c.completion_ids == f.completion_ids
+
+
+@pytest.mark.parametrize("stop_len", [1, 3])
+def test_stop_strings_trim(model, tokenizer, prompts, stop_len):
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, seed=5)
+    engine = HFEngine(model, tokenizer)
+    free = _flat(engine.generate(prompts, 2, params))
+    text = tokenizer.decode(free[1].completion_ids, skip_special_tokens=False)
+    stop = text[4 : 4 + stop_len]
+    stopped = _flat(engine.generate(
+        prompts, 2, SamplingParams(max_new_tokens=20, temperature=0.8, seed=5, stop_strings=(stop, "\x00"))))
+    for f, s in zip(free, stopped):
+        ids = f.completion_ids
+        first = next((k for k in range(len(ids))
+                      if stop in tokenizer.decode(ids[: k + 1], skip_special_tokens=False)), None)
+        if first is None:
+            assert s.completion_ids == ids and s.finish_reason == f.finish_reason
+        else:
+            assert s.completion_ids == ids[: first + 1] and s.finish_reason == "stop"
+            assert s.text.endswith(stop)
+    assert stopped[1].finish_reason == "stop"
+
+
+def test_trim_completion_rules():
+    eos, pad = 2, 0
+    assert trim_completion([5, 6, 2, 0, 0], [eos]) == ([5, 6, 2], "stop")
+    assert trim_completion([5, 6, 7], [eos]) == ([5, 6, 7], "length")
+    assert trim_completion([5, 6, 7, pad], [eos], stop_index=1) == ([5, 6], "stop")
+    # pad == eos after a stop string: the pads are not generated EOS tokens
+    assert trim_completion([5, 6, 2, 2], [eos], stop_index=1) == ([5, 6], "stop")
+    assert trim_completion([5, 2, 7, 8], [eos, 9], stop_index=3) == ([5, 2], "stop")
+
+
+def test_seed_determinism_and_rng_isolation(model, tokenizer, prompts):
+    engine = HFEngine(model, tokenizer)
+    params = SamplingParams(max_new_tokens=10, seed=11)
+    state = torch.get_rng_state()
+    a = _flat(engine.generate(prompts, 3, params))
+    assert torch.equal(torch.get_rng_state(), state)  # seeded calls leave the global RNG alone
+    b = _flat(engine.generate(prompts, 3, params))
+    c = _flat(engine.generate(prompts, 3, SamplingParams(max_new_tokens=10, seed=12)))
+    assert [x.completion_ids for x in a] == [x.completion_ids for x in b]
+    assert [x.completion_ids for x in a] != [x.completion_ids for x in c]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "olmo2"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
+def test_engine_logprobs_match_token_logprobs(make_tiny_model, tokenizer, prompts, arch,
+                                              temperature, top_k, top_p):
+    model = make_tiny_model(arch)
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p, seed=1)
+    completions = _flat(HFEngine(model, tokenizer).generate(prompts, 3, params))
+    batch = collate(completions, tokenizer.pad_token_id)
+    with torch.no_grad():
+        lp = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature,
+                            chunk_size=5).logprobs
+    mask = batch.response_mask.bool()
+    assert (batch.engine_logprobs - lp)[mask].abs().max().item() < 1e-4
+
+
+def test_greedy_is_argmax_continuation(model, tokenizer, prompts):
+    out = HFEngine(model, tokenizer).generate(prompts, 2, SamplingParams(max_new_tokens=8, temperature=0))
+    for prompt, group in zip(prompts, out):
+        assert group[0].completion_ids == group[1].completion_ids
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(len(group[0].completion_ids)):
+                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        assert group[0].completion_ids == ids[len(prompt):]
+        # greedy log-probs are reported at temperature 1
+        batch = collate(group[:1], tokenizer.pad_token_id)
+        with torch.no_grad():
+            lp = token_logprobs(model, batch.input_ids, batch.attention_mask).logprobs
+        m = batch.response_mask.bool()
+        assert torch.allclose(batch.engine_logprobs[m], lp[m], atol=1e-4)
+
+
+def _ranks(model, completions, pad_id):
+    """Rank (0 = most likely) of every sampled completion token under the model."""
+    logits, tokens = _sampled_logits(model, completions, pad_id)
+    chosen = logits.gather(1, tokens[:, None])
+    return (logits > chosen).sum(1)
+
+
+def test_top_k_zero_is_really_disabled(model, tokenizer, prompts):
+    """With vocab 107 > 50, tokens ranked >= 50 must be reachable (transformers' default top_k=50
+    would make them impossible), even when the model's own generation config says otherwise."""
+    assert model.config.vocab_size > 60
+    # checkpoint defaults the engine must not inherit (min_p is not a SamplingParams field)
+    model.generation_config.top_k = 3
+    model.generation_config.min_p = 0.9
+    model.generation_config.do_sample = True
+    saved = model.generation_config
+    params = SamplingParams(max_new_tokens=16, temperature=5.0, top_k=0, seed=0)
+    completions = _flat(HFEngine(model, tokenizer).generate(prompts, 8, params))
+    assert model.generation_config is saved
+    assert _ranks(model, completions, tokenizer.pad_token_id).max().item() >= 50
+
+
+def test_top_k_and_top_p_are_honoured(model, tokenizer, prompts):
+    engine = HFEngine(model, tokenizer)
+    topk = _flat(engine.generate(prompts, 6, SamplingParams(max_new_tokens=12, temperature=3.0, top_k=4, seed=0)))
+    assert _ranks(model, topk, tokenizer.pad_token_id).max().item() < 4
+
+    temperature, top_p = 2.0, 0.5
+    nucleus = _flat(engine.generate(
+        prompts, 6, SamplingParams(max_new_tokens=12, temperature=temperature, top_p=top_p, seed=0)))
+    logits, tokens = _sampled_logits(model, nucleus, tokenizer.pad_token_id)
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    p_tok = probs.gather(1, tokens[:, None])
+    mass_above = (probs * (probs > p_tok)).sum(1)  # mass of strictly more likely tokens
+    assert (mass_above < top_p + 1e-6).all()
+    assert _ranks(model, nucleus, tokenizer.pad_token_id).max().item() >= 1  # not just greedy
+
+
+def test_mode_restored_and_sync_is_noop(model, tokenizer, prompts):
+    engine = HFEngine(model, tokenizer)
+    model.train()
+    engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=3, seed=0))
+    assert model.training
+    model.eval()
+    engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=3, seed=0))
+    assert not model.training
+    engine.sync_weights(model)
+    assert engine.model is model
+    engine.close()
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError):
+        SamplingParams(max_new_tokens=4, top_k=-1)
+    with pytest.raises(ValueError):
+        SamplingParams(max_new_tokens=4, top_p=0.0)
+    with pytest.raises(ValueError):
+        SamplingParams(max_new_tokens=4, stop_strings="</answer>")  # type: ignore[arg-type]
+    assert SamplingParams(max_new_tokens=4, temperature=0).greedy
