@@ -1,9 +1,14 @@
-"""The `grpolab` command: thin argument parsing that hands off to one module per sub-command."""
+"""The `grpolab` command: thin argument parsing that hands off to one module per sub-command.
+
+``grpolab train --config run.toml --optim.lr 3e-4 --algo dapo`` sets any config field by its dotted
+name; ``grpolab demo`` is ``train`` with the built-in defaults (tiny model, arithmetic task).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from rich.console import Console
 
@@ -22,19 +27,73 @@ def print_algorithms(console: Console) -> None:
         console.print(f"{'':<18}loss = {spec.formula()}", highlight=False, soft_wrap=True)
 
 
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``--a.b value`` / ``--a.b=value`` pairs -> {"a.b": parsed value}; dashes in names become underscores."""
+    from grpolab.config import ConfigError, parse_value
+
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --optim.lr 3e-4")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{name} needs a value")
+            i += 1
+            value = args[i]
+        overrides[name.replace("-", "_")] = parse_value(value)
+        i += 1
+    return overrides
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpolab", description=__doc__)
+    parser = argparse.ArgumentParser(prog="grpolab", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("algorithms", help="list every algorithm preset with its settings and formula")
+    train = sub.add_parser("train", help="train with a TOML config; --dotted.name value overrides any field")
+    train.add_argument("--config", help="TOML file (fields by section, e.g. [optim] lr = 1e-4)")
+    sub.add_parser("demo", help="train the built-in tiny model on the built-in task (CPU, minutes)")
     return parser
 
 
+def run_training(config_path: str | None, extra: list[str], console: Console) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from grpolab.config import load_config
+    from grpolab.trainer import train
+
+    hf_logging.disable_progress_bar()
+
+    cfg = load_config(config_path, parse_overrides(extra))
+    train(cfg, console)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
     console = Console()
     if args.command == "algorithms":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         print_algorithms(console)
-    return 0
+        return 0
+    from grpolab.config import ConfigError
+    from grpolab.losses import NonFiniteError
+    from grpolab.rundir import RunDirError
+
+    try:
+        return run_training(getattr(args, "config", None), extra, console)
+    except (ConfigError, RunDirError, FileNotFoundError, NonFiniteError, ValueError) as err:
+        for line in str(err).splitlines():
+            console.print(f"[red]error:[/red] {line}", highlight=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/red]")
+        return 130
 
 
 if __name__ == "__main__":

@@ -219,13 +219,13 @@ class HFEngine:
                 params.stop_strings, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
                 plen, batch)
             criteria.append(stopper)
+        # the warpers below do temperature / top-k / top-p; neutral values here (greedy takes none)
+        neutral = {} if params.greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
             do_sample=not params.greedy,
             num_beams=1,
-            temperature=1.0,  # the warpers below do temperature / top-k / top-p
-            top_k=0,
-            top_p=1.0,
+            **neutral,
             use_cache=True,
             pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_ids,

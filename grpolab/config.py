@@ -1,0 +1,149 @@
+"""Run configuration: a TOML file plus command-line overrides, validated up front.
+
+Every field has a dotted name (``optim.lr``, ``algorithm.eps_high``, ``rollout.group_size``); a TOML
+file sets any of them in its table, and ``--optim.lr 3e-4`` on the command line overrides it.
+Validation reports one line per bad field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from grpolab.algorithms import PRESETS, AlgorithmSpec, describe_validation_error
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message has one line per problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(None, description="local Hugging Face model dir; None = the demo's tiny model")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class TaskConfig(_Section):
+    name: Literal["arithmetic"] = "arithmetic"
+    seed: int = Field(0, description="data seed, separate from the run seed so runs share their data")
+    n_train: int = Field(4000, ge=1)
+    n_val: int = Field(500, ge=1)
+    digits: int = Field(2, ge=1, description="arithmetic: digits per operand")
+    operands: int = Field(2, ge=2, description="arithmetic: numbers per problem")
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf"] = "hf"
+    prompts_per_step: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=1)
+    max_new_tokens: int = Field(48, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = disabled")
+    stop_strings: list[str] = Field(default_factory=list)
+    max_batch_size: int = Field(128, ge=1, description="sequences generated at once")
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(32, ge=1)
+
+
+class EvalConfig(_Section):
+    every: int = Field(10, ge=1)
+    n_examples: int | None = Field(None, ge=1, description="None = the whole validation split")
+    pass_k: list[int] = Field(default_factory=list, description="e.g. [1, 8]: sampled pass@k")
+    pass_n: int = Field(8, ge=1, description="samples per problem for pass@k")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(25, ge=1)
+
+
+class RunConfig(_Section):
+    seed: int = 0
+    steps: int = Field(60, ge=1)
+    output_dir: str | None = None
+    reference: Literal["none", "frozen"] = Field("none", description="frozen copy of the start policy for KL")
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    algorithm: AlgorithmSpec = Field(default_factory=lambda: PRESETS["grpo"])
+    rollout: RolloutConfig = RolloutConfig()
+    optim: OptimConfig = OptimConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _expand_preset(cls, value: Any) -> Any:
+        """``{name: dapo, eps_high: 0.3}`` -> the dapo preset with eps_high overridden."""
+        if not isinstance(value, dict):
+            return value
+        fields = dict(value)
+        name = fields.pop("name", "grpo")
+        if name not in PRESETS:
+            raise ValueError(f"unknown algorithm {name!r}; choose one of: {', '.join(PRESETS)}")
+        return {**PRESETS[name].model_dump(), **fields, "name": name}
+
+    @model_validator(mode="after")
+    def _check_batch_shapes(self) -> "RunConfig":
+        spec = self.algorithm
+        n = self.rollout.prompts_per_step * self.rollout.group_size
+        if n % spec.steps_per_epoch:
+            raise ValueError(f"rollout batch of {n} completions cannot be split into {spec.steps_per_epoch} "
+                             f"optimizer steps (algorithm {spec.name})")
+        if spec.normalizer == "std" and self.rollout.group_size < 2:
+            raise ValueError("rollout.group_size must be >= 2 for a std-normalised advantage")
+        if any(k > self.eval.pass_n for k in self.eval.pass_k):
+            raise ValueError(f"eval.pass_k {self.eval.pass_k} needs eval.pass_n >= the largest k")
+        return self
+
+    def needs_reference(self) -> bool:
+        return self.reference == "frozen" or self.algorithm.beta > 0
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as a TOML literal (numbers, booleans, lists, quoted strings), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``data[a][b] = value`` for dotted name ``a.b``."""
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+    node[leaf] = value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read ``path`` (TOML), apply dotted ``overrides``, validate. Raises ConfigError with one line per problem."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    for dotted, value in (overrides or {}).items():
+        apply_override(data, "algorithm.name" if dotted == "algo" else dotted, value)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError("\n".join(describe_validation_error(err))) from None

@@ -1,0 +1,40 @@
+"""Validation: greedy accuracy, format rate, length, and sampled pass@k (unbiased estimator)."""
+
+from __future__ import annotations
+
+from math import comb
+from statistics import mean
+
+from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
+from grpolab.tasks.base import Example, Task
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def grade_completions(task: Task, examples: list[Example], completions: list[list[Completion]]):
+    """Grades [prompt][sample] of the completions of each example."""
+    return [[task.grade(c.text, ex, c.truncated) for c in group] for ex, group in zip(examples, completions)]
+
+
+def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_ids: list[list[int]],
+             max_new_tokens: int, pass_k: list[int], pass_n: int, seed: int) -> dict[str, float]:
+    """Greedy metrics over ``examples`` and, when ``pass_k`` is set, pass@k from ``pass_n`` samples at T=1."""
+    greedy = engine.generate(prompt_ids, 1, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
+    grades = [g[0] for g in grade_completions(task, examples, greedy)]
+    out = {
+        "val/accuracy": mean(g.answer_reward for g in grades),
+        "val/format_rate": mean(g.format_reward for g in grades),
+        "val/completion_len_mean": mean(len(c[0].completion_ids) for c in greedy),
+        "val/truncation_rate": mean(c[0].truncated for c in greedy),
+    }
+    if pass_k:
+        sampled = engine.generate(prompt_ids, pass_n, SamplingParams(max_new_tokens=max_new_tokens, seed=seed))
+        correct = [sum(g.answer_reward > 0 for g in group) for group in grade_completions(task, examples, sampled)]
+        for k in pass_k:
+            out[f"val/pass@{k}"] = mean(pass_at_k(pass_n, c, k) for c in correct)
+    return out

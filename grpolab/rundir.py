@@ -1,0 +1,70 @@
+"""The run directory: refuse to overwrite, metrics as JSON lines, atomic checkpoints, summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+class RunDirError(FileExistsError):
+    """The output directory already holds something; nothing was written."""
+
+
+def create_run_dir(output_dir: str | None, label: str, root: str = "runs") -> Path:
+    """A new, empty run directory. ``output_dir`` may exist only if empty; default runs/<time>-<label>."""
+    run_dir = Path(output_dir) if output_dir else Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}"
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise RunDirError(f"output directory already exists and is not empty: {run_dir} (choose another --output-dir)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: non-finite floats become null (json would write NaN, which is not JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` atomically (temp file in the same folder, then rename)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "w") as f:
+        json.dump({k: _clean(v) for k, v in data.items()}, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``metrics.jsonl``."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def save_checkpoint(model, tokenizer, run_dir: Path, step: int) -> Path:
+    """Hugging Face model + tokenizer in checkpoints/step_NNNNNN, written to a temp dir then renamed."""
+    parent = run_dir / "checkpoints"
+    parent.mkdir(exist_ok=True)
+    target = parent / f"step_{step:06d}"
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{target.name}-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

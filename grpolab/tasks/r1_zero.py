@@ -1,0 +1,93 @@
+"""The r1_zero prompt format and its grader (GUIDE section 3).
+
+The model continues the prompt after ``<think>``; a well-formed completion looks like
+``" reasoning </think> <answer> 42 </answer>"``. Grading is pure string work and never raises.
+"""
+
+from __future__ import annotations
+
+import re
+
+from grpolab.tasks.base import Grade
+
+R1_ZERO_TEMPLATE = (
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. "
+    "The Assistant first thinks about the reasoning process in the mind and then provides the User "
+    "with the answer. The reasoning process is enclosed within <think> </think> and answer is enclosed "
+    "within <answer> </answer> tags, respectively, i.e., <think> reasoning process here </think> "
+    "<answer> answer here </answer>.\n"
+    "User: {question}\n"
+    "Assistant: <think>"
+)
+
+THINK_CLOSE_ANSWER_OPEN = "</think> <answer>"
+ANSWER_CLOSE = "</answer>"
+
+# One number: optional sign, digits with an optional fraction, or a bare fraction (".5").
+_NUMBER = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
+
+
+def r1_zero_prompt(question: str) -> str:
+    """Insert ``question`` into the r1_zero template."""
+    return R1_ZERO_TEMPLATE.format(question=question)
+
+
+def parse_r1_zero(completion: str) -> tuple[bool, str | None]:
+    """Split a completion into (format_ok, answer).
+
+    The format is ok when ``"</think> <answer>"`` occurs and ``"</answer>"`` follows it; the answer
+    is the stripped text between them. Otherwise returns ``(False, None)``.
+    """
+    start = completion.find(THINK_CLOSE_ANSWER_OPEN)
+    if start < 0:
+        return False, None
+    rest = completion[start + len(THINK_CLOSE_ANSWER_OPEN) :]
+    end = rest.find(ANSWER_CLOSE)
+    if end < 0:
+        return False, None
+    return True, rest[:end].strip()
+
+
+def _canonical(number: str) -> str:
+    """Canonical decimal string: no '+', no leading zeros, no trailing fractional zeros, no '-0'."""
+    sign = "-" if number.startswith("-") else ""
+    int_part, _, frac = number.lstrip("+-").partition(".")
+    int_part = int_part.lstrip("0") or "0"
+    frac = frac.rstrip("0")
+    out = int_part + ("." + frac if frac else "")
+    return out if out == "0" else sign + out
+
+
+def normalize_number(text: str) -> str | None:
+    """Canonical form of the single number in ``text``, or None.
+
+    Commas and ``$`` are removed, surrounding words or units are ignored, and trailing zeros are
+    dropped: ``"$1,234.00 dollars"`` -> ``"1234"``, ``"-0.50"`` -> ``"-0.5"``. Text with no number or
+    with more than one number (``"3 or 4"``, ``"3/4"``) gives None.
+    """
+    numbers = _NUMBER.findall(text.replace(",", "").replace("$", ""))
+    if len(numbers) != 1:
+        return None
+    return _canonical(numbers[0])
+
+
+def answers_match(predicted: str, gold: str) -> bool:
+    """Numeric match after normalisation; exact stripped-string match when gold is not a number."""
+    gold_number = normalize_number(gold)
+    if gold_number is None:
+        return predicted.strip() == gold.strip()
+    return normalize_number(predicted) == gold_number
+
+
+def grade_r1_zero(completion: str, gold: str, truncated: bool) -> Grade:
+    """Grade an r1_zero completion against the gold answer.
+
+    Rewards: truncated -> (format 0, answer 0); malformed -> (0, 0); well-formed with a wrong
+    answer -> (1, 0); well-formed and numerically equal to gold -> (1, 1).
+    """
+    if truncated:
+        return Grade(format_reward=0.0, answer_reward=0.0)
+    format_ok, answer = parse_r1_zero(completion)
+    if not format_ok or answer is None:
+        return Grade(format_reward=0.0, answer_reward=0.0)
+    return Grade(format_reward=1.0, answer_reward=1.0 if answers_match(answer, gold) else 0.0)

@@ -1,0 +1,261 @@
+"""A tiny, real Hugging Face causal LM for CPU demos: tokenizer, model and a cached warm start.
+
+``warm_start_model(task)`` trains a byte-level BPE tokenizer (``tokenizers``) on the task's prompts
+and solutions, builds a randomly initialised ~1M-parameter Llama, fine-tunes it briefly on worked
+solutions (loss on completion tokens only) and saves both with ``save_pretrained``. The returned
+folder loads with ``AutoTokenizer`` / ``AutoModelForCausalLM`` like any local model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+from grpolab.tasks.base import Task
+
+TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+WARM_START_VERSION = 1  # bump when the recipe changes, to invalidate old caches
+
+
+def build_tokenizer(
+    corpus: Iterable[str], vocab_size: int = 512, max_token_length: int | None = None
+) -> PreTrainedTokenizerFast:
+    """Train a small byte-level BPE tokenizer on ``corpus``.
+
+    Every byte is in the base alphabet, so any text encodes and decodes exactly. Digits are always
+    split one per token; the r1_zero tags are single (non-special) tokens, so decoding with
+    ``skip_special_tokens=True`` keeps them; ``<|endoftext|>`` is EOS and ``<|pad|>`` is padding.
+    Pre-tokenisation does not split on spaces, so the fixed prompt preamble merges into a few
+    multi-word tokens (at most ``max_token_length`` characters each).
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (EOS_TOKEN, PAD_TOKEN)])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        max_token_length=max_token_length,
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=512,
+    )
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerFast,
+    arch: str = "llama",
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = True,
+) -> PreTrainedModel:
+    """A randomly initialised causal LM of model type ``arch`` ("llama", "qwen2", "qwen3", ...).
+
+    Seed torch before calling for a reproducible initialisation.
+    """
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+class WarmStartSettings(BaseModel):
+    """Tokenizer, model size and supervised warm-start recipe (all part of the cache key)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seed: int = 0
+    vocab_size: int = 512
+    max_token_length: int | None = None
+    arch: str = "llama"
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 512
+    tie_word_embeddings: bool = True
+    steps: int = Field(default=150, ge=0)
+    batch_size: int = Field(default=64, ge=1)
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    max_examples: int | None = Field(default=None, description="use only the first N solved examples")
+
+
+def default_cache_root() -> Path:
+    """``$GRPOLAB_CACHE/tiny`` if set, else ``~/.cache/grpolab/tiny``."""
+    base = os.environ.get("GRPOLAB_CACHE")
+    return (Path(base) if base else Path.home() / ".cache" / "grpolab") / "tiny"
+
+
+def _solved(task: Task, settings: WarmStartSettings) -> list[tuple[str, str]]:
+    pairs = [(task.prompt(e), e.solution) for e in task.train_examples() if e.solution]
+    pairs = pairs[: settings.max_examples] if settings.max_examples is not None else pairs
+    if not pairs:
+        raise ValueError(f"task {task.name!r} has no training examples with solutions")
+    return pairs
+
+
+def warm_start_key(task: Task, settings: WarmStartSettings) -> str:
+    """Short hash of the recipe version, the settings and the solved examples used."""
+    h = hashlib.sha256()
+    h.update(json.dumps([WARM_START_VERSION, task.name, settings.model_dump()], sort_keys=True).encode())
+    for prompt, solution in _solved(task, settings):
+        h.update(f"{len(prompt)}:{prompt}{len(solution)}:{solution}".encode())
+    return h.hexdigest()[:12]
+
+
+def _encode(tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, str]]) -> list[tuple[list[int], int]]:
+    """Token ids of prompt + solution + EOS, and the prompt length (loss starts after it)."""
+    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    solutions = tokenizer([s for _, s in pairs], add_special_tokens=False)["input_ids"]
+    return [(p + s + [tokenizer.eos_token_id], len(p)) for p, s in zip(prompts, solutions)]
+
+
+def _batch(rows: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, n_prompt) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+        mask[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def supervised_warm_start(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    pairs: list[tuple[str, str]],
+    settings: WarmStartSettings,
+) -> list[float]:
+    """Fine-tune ``model`` in place on (prompt, solution) pairs; returns the loss per step.
+
+    AdamW, linear warmup then constant lr, random batches drawn epoch by epoch from a generator
+    seeded with ``settings.seed``; cross-entropy on solution and EOS tokens only.
+    """
+    rows = _encode(tokenizer, pairs)
+    gen = torch.Generator().manual_seed(settings.seed)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: min(1.0, (step + 1) / max(1, settings.warmup_steps))
+    )
+    order: list[int] = []
+    losses: list[float] = []
+    model.train()
+    for _ in range(settings.steps):
+        if len(order) < settings.batch_size:
+            order += torch.randperm(len(rows), generator=gen).tolist()
+        picked, order = order[: settings.batch_size], order[settings.batch_size :]
+        loss = model(**_batch([rows[i] for i in picked], tokenizer.pad_token_id)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def warm_start_model(
+    task: Task, settings: WarmStartSettings | None = None, cache_dir: str | Path | None = None
+) -> Path:
+    """Path of a warm-started tiny model for ``task``, training and caching it on first use.
+
+    The folder is ``<cache_dir or default_cache_root()>/<warm_start_key>``; it holds the
+    ``save_pretrained`` output of model and tokenizer plus ``warm_start.json`` (settings, losses,
+    seconds). It is written to a temporary folder and renamed into place, so a half-written cache is
+    never returned. Deterministic for a given seed on CPU.
+    """
+    settings = settings or WarmStartSettings()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    target = root / warm_start_key(task, settings)
+    if (target / "warm_start.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    pairs = _solved(task, settings)
+    tokenizer = build_tokenizer(
+        (p + s for p, s in pairs), settings.vocab_size, settings.max_token_length
+    )
+    torch.manual_seed(settings.seed)
+    model = build_model(
+        tokenizer,
+        settings.arch,
+        hidden_size=settings.hidden_size,
+        num_layers=settings.num_layers,
+        num_heads=settings.num_heads,
+        intermediate_size=settings.intermediate_size,
+        tie_word_embeddings=settings.tie_word_embeddings,
+    )
+    losses = supervised_warm_start(model, tokenizer, pairs, settings)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        info = {
+            "task": task.name,
+            "settings": settings.model_dump(),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "examples": len(pairs),
+            "losses": losses,
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+        (tmp / "warm_start.json").write_text(json.dumps(info, indent=1))
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / "warm_start.json").exists():
+            raise
+        # another process finished the same warm start first: keep theirs
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,271 @@
+"""The RL loop, top to bottom: rollout -> reward -> group advantage -> update -> sync.
+
+The trainer reads an ``AlgorithmSpec``'s fields (advantage, schedule, dynamic sampling); it never
+looks at an algorithm's name.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass
+from statistics import mean
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+import grpolab
+from grpolab.advantages import advantage_metrics, group_advantages, informative_groups
+from grpolab.batching import TrainBatch, collate
+from grpolab.config import RunConfig
+from grpolab.evaluation import evaluate, grade_completions
+from grpolab.logprobs import token_logprobs
+from grpolab.models import frozen_copy, load_policy, resolve_model_dir
+from grpolab.rollout.base import Completion, SamplingParams
+from grpolab.rollout.hf import HFEngine
+from grpolab.rundir import MetricsLog, create_run_dir, save_checkpoint, write_json
+from grpolab.tasks import make_task
+from grpolab.tasks.base import Example, Grade
+from grpolab.update import UpdateData, run_update
+
+
+class PromptStream:
+    """Training examples in a fresh seeded shuffle each epoch, ``take(k)`` at a time."""
+
+    def __init__(self, examples: list[Example], seed: int):
+        self.examples, self.rng, self.queue = examples, random.Random(seed), []
+
+    def take(self, k: int) -> list[Example]:
+        while len(self.queue) < k:
+            order = list(self.examples)
+            self.rng.shuffle(order)
+            self.queue += order
+        taken, self.queue = self.queue[:k], self.queue[k:]
+        return taken
+
+
+@dataclass
+class RolloutBatch:
+    """B groups of G completions with their grades; ``rounds`` > 1 when dynamic sampling resampled."""
+
+    examples: list[Example]
+    completions: list[list[Completion]]
+    grades: list[list[Grade]]
+    rounds: int = 1
+
+    def rewards(self) -> torch.Tensor:
+        """[B, G] float32."""
+        return torch.tensor([[g.reward for g in group] for group in self.grades], dtype=torch.float32)
+
+    def flat(self) -> list[Completion]:
+        return [c for group in self.completions for c in group]
+
+
+class Trainer:
+    """Owns the model, engine, optimizer and run directory of one run."""
+
+    def __init__(self, cfg: RunConfig, console: Console | None = None):
+        self.cfg, self.spec = cfg, cfg.algorithm
+        self.console = console or Console()
+        torch.manual_seed(cfg.seed)
+        self.task = make_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
+        self.model_dir = resolve_model_dir(cfg.model.path, self.task)  # before the run dir: fail early
+        self.run_dir = create_run_dir(cfg.output_dir, self.spec.name)
+        self.model, self.tokenizer = load_policy(self.model_dir, cfg.model.dtype)
+        self.model.eval()
+        self.reference = frozen_copy(self.model) if cfg.needs_reference() else None
+        self.engine = HFEngine(self.model, self.tokenizer, max_batch_size=cfg.rollout.max_batch_size)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                           weight_decay=cfg.optim.weight_decay)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.prompts = PromptStream(self.task.train_examples(), cfg.seed)
+        self.val_examples = self.task.validation_examples()[: cfg.eval.n_examples]
+        self.prompt_ids = self._tokenize_prompts(self.task.train_examples() + self.val_examples)
+        self.minibatch_gen = torch.Generator().manual_seed(cfg.seed)
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.updates = {"attempted": 0, "actual": 0}
+        self._write_manifest()
+
+    # ---- set-up helpers -------------------------------------------------------------------
+    def _tokenize_prompts(self, examples: list[Example]) -> dict[str, list[int]]:
+        """Prompt token ids by example id; refuses prompts that leave no room for the completion."""
+        ids = self.tokenizer([self.task.prompt(e) for e in examples], add_special_tokens=False)["input_ids"]
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit:
+            too_long = [e.id for e, p in zip(examples, ids) if len(p) + self.cfg.rollout.max_new_tokens > limit]
+            if too_long:
+                raise ValueError(f"{len(too_long)} prompts + rollout.max_new_tokens exceed the model's context of "
+                                 f"{limit} tokens (example ids: {', '.join(too_long[:10])})")
+        return {e.id: p for e, p in zip(examples, ids)}
+
+    def _write_manifest(self) -> None:
+        write_json(self.run_dir / "config.json", self.cfg.model_dump(mode="json"))
+        write_json(self.run_dir / "manifest.json", {
+            "grpolab": grpolab.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "command": sys.argv, "model_dir": str(self.model_dir),
+            "task": self.task.name, "train_examples": len(self.task.train_examples()),
+            "val_examples": len(self.val_examples), "algorithm": self.spec.model_dump(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        })
+
+    def _sampling(self, step: int, round_: int) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, stop_strings=tuple(r.stop_strings),
+                              seed=self.cfg.seed * 1_000_003 + step * 1_009 + round_)
+
+    # ---- 1. rollout and 2. reward ---------------------------------------------------------
+    def rollout(self, step: int) -> RolloutBatch:
+        """G completions for each of B prompts, graded. With dynamic sampling, groups whose rewards are
+        all equal are dropped and more prompts sampled, up to ``max_resample_rounds`` extra rounds; a
+        batch still short is topped up with dropped groups so its size never changes."""
+        want, group = self.cfg.rollout.prompts_per_step, self.cfg.rollout.group_size
+        kept, dropped, rounds = RolloutBatch([], [], []), RolloutBatch([], [], []), 0
+        while len(kept.examples) < want and rounds <= self.spec.max_resample_rounds:
+            examples = self.prompts.take(want - len(kept.examples))
+            completions = self.engine.generate([self.prompt_ids[e.id] for e in examples], group,
+                                               self._sampling(step, rounds))
+            grades = grade_completions(self.task, examples, completions)
+            rounds += 1
+            batch = RolloutBatch(examples, completions, grades)
+            keep = informative_groups(batch.rewards()) if self.spec.dynamic_sampling else torch.ones(len(examples), dtype=torch.bool)
+            for i, k in enumerate(keep.tolist()):
+                target = kept if k else dropped
+                target.examples.append(examples[i])
+                target.completions.append(completions[i])
+                target.grades.append(grades[i])
+        short = want - len(kept.examples)
+        return RolloutBatch(kept.examples + dropped.examples[:short], kept.completions + dropped.completions[:short],
+                            kept.grades + dropped.grades[:short], rounds)
+
+    # ---- 3. advantages and 4. update ------------------------------------------------------
+    def _logprobs(self, model, batch: TrainBatch, indices: torch.Tensor, with_entropy: bool):
+        """Log-probs (and entropy) [n, T] of the rows ``indices``, padded back to the batch width T."""
+        sub = batch.select(indices)
+        stats = token_logprobs(model, sub.input_ids, sub.attention_mask, temperature=self.cfg.rollout.temperature,
+                               with_entropy=with_entropy)
+        pad = (0, batch.input_ids.shape[1] - sub.input_ids.shape[1])
+        return F.pad(stats.logprobs, pad), None if stats.entropy is None else F.pad(stats.entropy, pad)
+
+    @torch.no_grad()
+    def _frozen_logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
+        chunks = torch.arange(len(batch)).split(self.cfg.optim.micro_batch_size)
+        return torch.cat([self._logprobs(model, batch, idx, False)[0] for idx in chunks])
+
+    def update(self, rollout: RolloutBatch) -> dict[str, Any]:
+        rewards = rollout.rewards()
+        advantages = group_advantages(rewards, self.spec.baseline, self.spec.normalizer, self.spec.adv_eps)
+        batch = collate(rollout.flat(), self.tokenizer.pad_token_id)
+        # With one optimizer step the policy is still the sampling policy: old = current, detached
+        # (exactly the log-probs frozen before the update, without a second forward pass).
+        old = None if self.spec.is_single_update else self._frozen_logprobs(self.model, batch)
+        ref = self._frozen_logprobs(self.reference, batch) if self.reference is not None else None
+        data = UpdateData(advantages=advantages.flatten(), response_mask=batch.response_mask, old_logprobs=old,
+                          ref_logprobs=ref, engine_logprobs=batch.engine_logprobs)
+        self.model.train()
+        try:
+            result = run_update(self.spec, data, lambda idx: self._logprobs(self.model, batch, idx, True),
+                                self.optimizer, self.params, micro_batch_size=self.cfg.optim.micro_batch_size,
+                                max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen)
+        finally:
+            self.model.eval()
+        self.updates["attempted"] += result.attempted
+        self.updates["actual"] += result.actual
+        return {**advantage_metrics(rewards, advantages), **result.metrics()}
+
+    # ---- evaluation, the loop, the summary ------------------------------------------------
+    def evaluate(self, step: int) -> dict[str, float]:
+        started = time.perf_counter()
+        out = evaluate(self.engine, self.task, self.val_examples, [self.prompt_ids[e.id] for e in self.val_examples],
+                       self.cfg.rollout.max_new_tokens, self.cfg.eval.pass_k, self.cfg.eval.pass_n,
+                       seed=self.cfg.seed + 7)
+        out["time/eval"] = time.perf_counter() - started
+        self.log.write({"step": step, **out})
+        return out
+
+    def run(self) -> dict[str, Any]:
+        cfg, started = self.cfg, time.perf_counter()
+        evals = {0: self.evaluate(0)}
+        self.console.print(f"[bold]{self.spec.name}[/] on {self.task.name}: step 0 validation accuracy "
+                           f"{evals[0]['val/accuracy']:.3f} -> run dir {self.run_dir}")
+        rewards: list[float] = []
+        columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                   TextColumn("reward {task.fields[reward]:.3f}  val acc {task.fields[acc]:.3f}"), TimeRemainingColumn()]
+        with Progress(*columns, console=self.console, transient=False) as progress:
+            bar = progress.add_task("train", total=cfg.steps, reward=0.0, acc=evals[0]["val/accuracy"])
+            for step in range(1, cfg.steps + 1):
+                record = self.train_step(step)
+                rewards.append(record["reward_mean"])
+                if step % cfg.eval.every == 0 or step == cfg.steps:
+                    evals[step] = self.evaluate(step)
+                if step % cfg.checkpoint.every == 0 or step == cfg.steps:
+                    save_checkpoint(self.model, self.tokenizer, self.run_dir, step)
+                progress.update(bar, advance=1, reward=record["reward_mean"],
+                                acc=evals[max(evals)]["val/accuracy"])
+        return self._summarize(evals, rewards, time.perf_counter() - started)
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One rollout batch: rollout -> reward -> advantage -> update -> sync; logs and returns its metrics."""
+        t0 = time.perf_counter()
+        rollout = self.rollout(step)                    # 1. rollout (+ 2. reward, graded inside)
+        t1 = time.perf_counter()
+        metrics = self.update(rollout)                  # 3. group advantages + 4. policy update
+        t2 = time.perf_counter()
+        self.engine.sync_weights(self.model)            # 5. sync the new weights to the engine
+        t3 = time.perf_counter()
+        flat = rollout.flat()
+        grades = [g for group in rollout.grades for g in group]
+        tokens = sum(len(c.completion_ids) for c in flat)
+        record = {
+            "step": step, **metrics,
+            "accuracy": mean(g.answer_reward for g in grades), "format_rate": mean(g.format_reward for g in grades),
+            "response_tokens": tokens, "completion_len_mean": tokens / len(flat), "truncation_rate": mean(c.truncated for c in flat),
+            "rollout_rounds": rollout.rounds, "total_attempted_updates": self.updates["attempted"],
+            "total_actual_updates": self.updates["actual"],
+            "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2, "tokens_per_s": tokens / (t1 - t0),
+        }
+        self.log.write(record)
+        return record
+
+    def _summarize(self, evals: dict[int, dict[str, float]], rewards: list[float], seconds: float) -> dict[str, Any]:
+        first, last = evals[0], evals[max(evals)]
+        window = max(1, len(rewards) // 10)
+        summary = {
+            "algorithm": self.spec.name, "run_dir": str(self.run_dir), "steps": self.cfg.steps,
+            "val_accuracy": {"start": first["val/accuracy"], "final": last["val/accuracy"]},
+            "val_format_rate": {"start": first["val/format_rate"], "final": last["val/format_rate"]},
+            "train_reward": {"first": mean(rewards[:window]), "last": mean(rewards[-window:])},
+            "updates": dict(self.updates), "wall_seconds": seconds,
+            "final_checkpoint": str(self.run_dir / "checkpoints" / f"step_{self.cfg.steps:06d}"),
+        }
+        write_json(self.run_dir / "summary.json", summary)
+        table = Table(title=f"{self.spec.name}: start -> end")
+        for column in ("metric", "start", "end"):
+            table.add_column(column)
+        for key in ("val/accuracy", "val/format_rate", "val/completion_len_mean"):
+            table.add_row(key, f"{first[key]:.3f}", f"{last[key]:.3f}")
+        table.add_row("train reward", f"{summary['train_reward']['first']:.3f}", f"{summary['train_reward']['last']:.3f}")
+        table.add_row("updates (actual/attempted)", "", f"{self.updates['actual']}/{self.updates['attempted']}")
+        self.console.print(table)
+        self.console.print(f"{seconds:.0f} s; run directory: {self.run_dir}")
+        return summary
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
+    """Run ``cfg`` to the end; the engine is closed whatever happens."""
+    trainer = Trainer(cfg, console)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()

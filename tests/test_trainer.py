@@ -1,0 +1,151 @@
+"""End to end on the tiny model: every preset runs real RL steps through the whole loop."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpolab.algorithms import PRESETS
+from grpolab.cli import main
+from grpolab.config import RunConfig, load_config
+from grpolab.evaluation import pass_at_k
+from grpolab.rundir import RunDirError, read_metrics
+from grpolab.tasks import ArithmeticTask
+from grpolab.tinymodel import WarmStartSettings, warm_start_model
+from grpolab.trainer import Trainer, train
+
+TASK = {"n_train": 400, "n_val": 16}
+QUICK_WARM_START = WarmStartSettings(steps=120, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
+                                     batch_size=32, lr=5e-3)
+
+
+@pytest.fixture(scope="session")
+def warm_model_dir(tmp_path_factory):
+    """A briefly warm-started tiny model: some samples right, some wrong (so advantages are non-zero)."""
+    return warm_start_model(ArithmeticTask(**TASK), QUICK_WARM_START, cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def quick_config(model_dir, out, **overrides) -> RunConfig:
+    base = {"model.path": str(model_dir), "output_dir": str(out), "steps": 2, "task.n_train": TASK["n_train"],
+            "task.n_val": TASK["n_val"], "rollout.prompts_per_step": 4, "rollout.group_size": 8,
+            "rollout.max_new_tokens": 40, "optim.micro_batch_size": 16, "optim.lr": 1e-3, "eval.every": 2,
+            "checkpoint.every": 2}
+    return load_config(None, {**base, **overrides})
+
+
+def params_of(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_runs_real_rl_steps(name, warm_model_dir, tmp_path):
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo=name))
+    actual = 0
+    for step in (1, 2):
+        before = params_of(trainer.model)
+        record = trainer.train_step(step)
+        after = params_of(trainer.model)
+        numbers = [v for v in record.values() if isinstance(v, float)]
+        assert all(math.isfinite(v) for v in numbers), record
+        if record["actual_updates"]:
+            assert not same(before, after), "an actual update must change the parameters"
+            if PRESETS[name].is_single_update:
+                assert record["first_update/ratio_mean"] == 1.0 and record["first_update/clip_frac"] == 0.0
+        else:
+            assert same(before, after), "a skipped update must leave the parameters alone"
+        actual += record["actual_updates"]
+        assert record["attempted_updates"] == PRESETS[name].epochs * PRESETS[name].steps_per_epoch
+    trainer.close()
+    assert actual > 0, "the warm-started model should give some groups with mixed rewards"
+
+
+def test_all_zero_rewards_skip_the_update(warm_model_dir, tmp_path):
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", **{"rollout.max_new_tokens": 2}))
+    before = params_of(trainer.model)
+    record = trainer.train_step(1)  # two tokens cannot hold an answer: every reward is 0
+    assert record["reward_mean"] == 0.0 and record["actual_updates"] == 0 and record["attempted_updates"] == 1
+    assert same(before, params_of(trainer.model))
+
+
+def test_dynamic_sampling_keeps_the_batch_size(warm_model_dir, tmp_path):
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo="dapo"))
+    batch = trainer.rollout(1)
+    assert len(batch.examples) == 4 and all(len(g) == 8 for g in batch.completions)
+    rewards = batch.rewards()
+    informative = (rewards != rewards[:, :1]).any(1)
+    # informative groups come first; uninformative ones only top up after the resample rounds ran out
+    assert informative.tolist() == sorted(informative.tolist(), reverse=True)
+    assert batch.rounds == 1 or batch.rounds <= PRESETS["dapo"].max_resample_rounds + 1
+
+
+def test_full_run_writes_metrics_checkpoints_summary_and_is_deterministic(warm_model_dir, tmp_path):
+    summaries = [train(quick_config(warm_model_dir, tmp_path / f"run{i}", **{"reference": "frozen"}))
+                 for i in range(2)]
+    run = tmp_path / "run0"
+    metrics = read_metrics(run / "metrics.jsonl")
+    steps = [m for m in metrics if "reward_mean" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for key in ("reward_mean", "accuracy", "format_rate", "advantage_std", "kl_ref", "completion_len_mean",
+                "truncation_rate", "time/rollout", "time/train", "time/sync", "tokens_per_s",
+                "total_attempted_updates", "total_actual_updates"):
+        assert key in steps[-1] or key in ("kl_ref", "grad_norm"), key
+    assert [m["step"] for m in metrics if "val/accuracy" in m] == [0, 2]
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary["val_accuracy"]) == {"start", "final"} and summary["steps"] == 2
+    model = AutoModelForCausalLM.from_pretrained(summary["final_checkpoint"])
+    assert model.num_parameters() > 0
+    assert not list((run / "checkpoints").glob(".*")), "no temp dirs left behind"
+    other = read_metrics(tmp_path / "run1" / "metrics.jsonl")
+    untimed = lambda ms: [{k: v for k, v in m.items() if not k.startswith("time/") and k != "tokens_per_s"} for m in ms]  # noqa: E731
+    assert untimed(metrics) == untimed(other)
+    assert summaries[0]["val_accuracy"] == summaries[1]["val_accuracy"]
+
+
+def test_existing_run_dir_is_refused_and_left_alone(warm_model_dir, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("precious\n")
+    with pytest.raises(RunDirError):
+        Trainer(quick_config(warm_model_dir, out))
+    assert (out / "metrics.jsonl").read_text() == "precious\n"
+    assert main(["train", "--model.path", str(warm_model_dir), "--output-dir", str(out)]) == 2
+
+
+def test_cli_rejects_bad_input_with_one_line_each(tmp_path, capsys):
+    assert main(["train", "--algo", "ppo"]) == 2
+    assert "unknown algorithm 'ppo'" in capsys.readouterr().out
+    assert main(["train", "--model.path", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "model directory not found" in capsys.readouterr().out
+    assert not (tmp_path / "o").exists()
+    assert main(["train", "--optim.lr", "-1", "--algorithm.eps_low", "2"]) == 2
+    out = capsys.readouterr().out
+    assert "optim.lr" in out and "algorithm.eps_low" in out
+    assert main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "config file not found" in capsys.readouterr().out
+
+
+def test_toml_config_with_command_line_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('steps = 7\n[algorithm]\nname = "dapo"\neps_high = 0.3\n[optim]\nlr = 2e-4\n')
+    cfg = load_config(path, {"optim.lr": 5e-4, "rollout.group_size": 4})
+    assert (cfg.steps, cfg.algorithm.name, cfg.algorithm.eps_high, cfg.optim.lr, cfg.rollout.group_size) == \
+        (7, "dapo", 0.3, 5e-4, 4)
+    assert cfg.algorithm.aggregation == "token"  # the rest of the preset is kept
+
+
+def test_pass_at_k_matches_brute_force():
+    from itertools import combinations
+
+    for n, c, k in [(8, 0, 1), (8, 3, 1), (8, 3, 4), (5, 5, 2), (6, 2, 6)]:
+        samples = [1] * c + [0] * (n - c)
+        subsets = list(combinations(range(n), k))
+        brute = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
