@@ -56,18 +56,31 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train with a TOML config; --dotted.name value overrides any field")
     train.add_argument("--config", help="TOML file (fields by section, e.g. [optim] lr = 1e-4)")
     sub.add_parser("demo", help="train the built-in tiny model on the built-in task (CPU, minutes)")
+    probe = sub.add_parser("probe", help="capacity check: two real updates at the config's worst-case shapes")
+    probe.add_argument("--config", help="TOML file, as for train")
+    probe.add_argument("--report", default="probe_report.json", help="where to write the JSON report (must not exist)")
     return parser
 
 
-def run_training(config_path: str | None, extra: list[str], console: Console) -> int:
+def run_command(args: argparse.Namespace, extra: list[str], console: Console) -> int:
+    from pathlib import Path
+
     from transformers.utils import logging as hf_logging
 
     from grpolab.config import load_config
-    from grpolab.trainer import train
 
     hf_logging.disable_progress_bar()
+    cfg = load_config(getattr(args, "config", None), parse_overrides(extra))
+    if args.command == "probe":
+        from grpolab.probe import run_probe
 
-    cfg = load_config(config_path, parse_overrides(extra))
+        report = run_probe(cfg, Path(args.report))
+        console.print(f"probe: peak memory {report['peak_memory_mb']:.0f} MB ({report['peak_memory_kind']}), "
+                      f"{report['batch']['sequences']} x {report['batch']['sequence_length']} tokens; "
+                      f"report in {args.report}")
+        return 0
+    from grpolab.trainer import train
+
     train(cfg, console)
     return 0
 
@@ -81,13 +94,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         print_algorithms(console)
         return 0
-    from grpolab.config import ConfigError
     from grpolab.losses import NonFiniteError
-    from grpolab.rundir import RunDirError
 
     try:
-        return run_training(getattr(args, "config", None), extra, console)
-    except (ConfigError, RunDirError, FileNotFoundError, NonFiniteError, ValueError) as err:
+        return run_command(args, extra, console)
+    except (FileNotFoundError, FileExistsError, ValueError, NonFiniteError) as err:
         for line in str(err).splitlines():
             console.print(f"[red]error:[/red] {line}", highlight=False, soft_wrap=True)
         return 2

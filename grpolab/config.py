@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -26,16 +26,36 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     path: str | None = Field(None, description="local Hugging Face model dir; None = the demo's tiny model")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto = bfloat16 on cuda, float32 on cpu")
+    gradient_checkpointing: bool = Field(False, description="recompute decoder layers in the backward pass")
+    logprob_chunk_size: int = Field(64, ge=1, description="sequence positions per output-layer chunk")
 
 
-class TaskConfig(_Section):
+class ArithmeticTaskConfig(_Section):
+    """The built-in task: multi-digit addition with a worked chain of thought."""
+
     name: Literal["arithmetic"] = "arithmetic"
-    seed: int = Field(0, description="data seed, separate from the run seed so runs share their data")
     n_train: int = Field(4000, ge=1)
     n_val: int = Field(500, ge=1)
-    digits: int = Field(2, ge=1, description="arithmetic: digits per operand")
-    operands: int = Field(2, ge=2, description="arithmetic: numbers per problem")
+    seed: int = Field(0, description="data seed, separate from the run seed so runs share their data")
+    digits: int = Field(2, ge=1, description="digits per operand")
+    operands: int = Field(2, ge=2, description="numbers per problem")
+
+
+class GSM8KTaskConfig(_Section):
+    """GSM8K from local copies of the official files (the first n rows, as the reference runs)."""
+
+    name: Literal["gsm8k"] = "gsm8k"
+    train_path: str
+    test_path: str
+    n_train: int | None = Field(6400, ge=1, description="first N train rows (None = all)")
+    n_val: int | None = Field(1024, ge=1, description="first M test rows as validation (None = all)")
+    question_field: str = "question"
+    answer_field: str = "answer"
+
+
+TaskConfig = Annotated[Union[ArithmeticTaskConfig, GSM8KTaskConfig], Field(discriminator="name")]
 
 
 class RolloutConfig(_Section):
@@ -43,6 +63,7 @@ class RolloutConfig(_Section):
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(48, ge=1)
+    max_prompt_tokens: int | None = Field(None, ge=1, description="longer prompts are an error, never truncated")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = disabled")
@@ -75,12 +96,17 @@ class RunConfig(_Section):
     output_dir: str | None = None
     reference: Literal["none", "frozen"] = Field("none", description="frozen copy of the start policy for KL")
     model: ModelConfig = ModelConfig()
-    task: TaskConfig = TaskConfig()
+    task: TaskConfig = ArithmeticTaskConfig()
     algorithm: AlgorithmSpec = Field(default_factory=lambda: PRESETS["grpo"])
     rollout: RolloutConfig = RolloutConfig()
     optim: OptimConfig = OptimConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _default_task(cls, value: Any) -> Any:
+        return {"name": "arithmetic", **value} if isinstance(value, dict) else value
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -103,12 +129,17 @@ class RunConfig(_Section):
                              f"optimizer steps (algorithm {spec.name})")
         if spec.normalizer == "std" and self.rollout.group_size < 2:
             raise ValueError("rollout.group_size must be >= 2 for a std-normalised advantage")
+        if self.model.path is None and self.task.name != "arithmetic":
+            raise ValueError(f"model.path (--model DIR) is required for task {self.task.name!r}")
         if any(k > self.eval.pass_n for k in self.eval.pass_k):
             raise ValueError(f"eval.pass_k {self.eval.pass_k} needs eval.pass_n >= the largest k")
         return self
 
     def needs_reference(self) -> bool:
         return self.reference == "frozen" or self.algorithm.beta > 0
+
+
+ALIASES = {"algo": "algorithm.name", "model": "model.path", "task": "task.name"}
 
 
 def parse_value(text: str) -> Any:
@@ -142,7 +173,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML ({err})") from None
     for dotted, value in (overrides or {}).items():
-        apply_override(data, "algorithm.name" if dotted == "algo" else dotted, value)
+        apply_override(data, ALIASES.get(dotted, dotted), value)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -12,6 +15,21 @@ from grpolab.tasks.base import Task
 from grpolab.tinymodel import warm_start_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("model.device is 'cuda' but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: BF16 weights on GPU, FP32 on CPU (log-prob math is FP32 either way)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
 
 
 def resolve_model_dir(path: str | None, task: Task) -> Path:
@@ -26,13 +44,25 @@ def resolve_model_dir(path: str | None, task: Task) -> Path:
     return model_dir
 
 
-def load_policy(model_dir: Path, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
+                attn_implementation: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model and tokenizer through the Auto classes; the tokenizer gets a pad token if it has none."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
-    return model, tokenizer
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
+    return model.to(device), tokenizer
+
+
+def model_record(model: PreTrainedModel, model_dir: Path) -> dict[str, Any]:
+    """What identifies the starting model: its directory, a SHA-256 of its config, its revision if known."""
+    config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    revision = getattr(model.config, "_commit_hash", None)
+    if revision is None and model_dir.parent.name == "snapshots":  # a Hugging Face cache snapshot
+        revision = model_dir.name
+    return {"dir": str(model_dir), "config_sha256": hashlib.sha256(config.encode()).hexdigest(),
+            "revision": revision, "architecture": type(model).__name__,
+            "parameters": sum(p.numel() for p in model.parameters())}
 
 
 def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -122,7 +123,8 @@ class WarmStartSettings(BaseModel):
     steps: int = Field(default=150, ge=0)
     batch_size: int = Field(default=64, ge=1)
     lr: float = 3e-3
-    warmup_steps: int = 10
+    warmup_steps: int = Field(default=10, ge=0)
+    final_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     weight_decay: float = 0.0
     max_examples: int | None = Field(default=None, description="use only the first N solved examples")
 
@@ -169,6 +171,15 @@ def _batch(rows: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Te
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
+def _lr_factor(step: int, settings: WarmStartSettings) -> float:
+    """Linear warmup, then cosine decay to ``settings.final_lr_ratio`` at the last step."""
+    if step < settings.warmup_steps:
+        return (step + 1) / settings.warmup_steps
+    span = max(1, settings.steps - 1 - settings.warmup_steps)
+    progress = min(1.0, (step - settings.warmup_steps) / span)
+    return settings.final_lr_ratio + (1 - settings.final_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def supervised_warm_start(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerFast,
@@ -177,7 +188,7 @@ def supervised_warm_start(
 ) -> list[float]:
     """Fine-tune ``model`` in place on (prompt, solution) pairs; returns the loss per step.
 
-    AdamW, linear warmup then constant lr, random batches drawn epoch by epoch from a generator
+    AdamW with warmup and cosine decay, random batches drawn epoch by epoch from a generator
     seeded with ``settings.seed``; cross-entropy on solution and EOS tokens only.
     """
     rows = _encode(tokenizer, pairs)
@@ -185,9 +196,7 @@ def supervised_warm_start(
     opt = torch.optim.AdamW(
         model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: min(1.0, (step + 1) / max(1, settings.warmup_steps))
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: _lr_factor(step, settings))
     order: list[int] = []
     losses: list[float] = []
     model.train()

@@ -26,8 +26,9 @@ from grpolab.advantages import advantage_metrics, group_advantages, informative_
 from grpolab.batching import TrainBatch, collate
 from grpolab.config import RunConfig
 from grpolab.evaluation import evaluate, grade_completions
-from grpolab.logprobs import token_logprobs
-from grpolab.models import frozen_copy, load_policy, resolve_model_dir
+from grpolab.logprobs import enable_gradient_checkpointing, token_logprobs
+from grpolab.models import (frozen_copy, load_policy, model_record, resolve_device, resolve_dtype,
+                            resolve_model_dir)
 from grpolab.rollout.base import Completion, SamplingParams
 from grpolab.rollout.hf import HFEngine
 from grpolab.rundir import MetricsLog, create_run_dir, save_checkpoint, write_json
@@ -78,7 +79,10 @@ class Trainer:
         self.task = make_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
         self.model_dir = resolve_model_dir(cfg.model.path, self.task)  # before the run dir: fail early
         self.run_dir = create_run_dir(cfg.output_dir, self.spec.name)
-        self.model, self.tokenizer = load_policy(self.model_dir, cfg.model.dtype)
+        self.device = resolve_device(cfg.model.device)
+        self.model, self.tokenizer = load_policy(self.model_dir, resolve_dtype(cfg.model.dtype, self.device), self.device)
+        if cfg.model.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.model.eval()
         self.reference = frozen_copy(self.model) if cfg.needs_reference() else None
         self.engine = HFEngine(self.model, self.tokenizer, max_batch_size=cfg.rollout.max_batch_size)
@@ -95,27 +99,33 @@ class Trainer:
 
     # ---- set-up helpers -------------------------------------------------------------------
     def _tokenize_prompts(self, examples: list[Example]) -> dict[str, list[int]]:
-        """Prompt token ids by example id; refuses prompts that leave no room for the completion."""
+        """Prompt token ids by example id. Refuses (listing example ids) prompts longer than
+        rollout.max_prompt_tokens or leaving no room for max_new_tokens in the model's context."""
         ids = self.tokenizer([self.task.prompt(e) for e in examples], add_special_tokens=False)["input_ids"]
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        if limit:
-            too_long = [e.id for e, p in zip(examples, ids) if len(p) + self.cfg.rollout.max_new_tokens > limit]
-            if too_long:
-                raise ValueError(f"{len(too_long)} prompts + rollout.max_new_tokens exceed the model's context of "
-                                 f"{limit} tokens (example ids: {', '.join(too_long[:10])})")
+        limit = self.cfg.rollout.max_prompt_tokens or float("inf")
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context:
+            limit = min(limit, context - self.cfg.rollout.max_new_tokens)
+        too_long = [e.id for e, p in zip(examples, ids) if len(p) > limit]
+        if too_long:
+            raise ValueError(f"{len(too_long)} prompts are longer than {limit} tokens (rollout.max_prompt_tokens, "
+                             f"or the model's context minus rollout.max_new_tokens); never truncated. Example ids: "
+                             f"{', '.join(too_long[:20])}{' ...' if len(too_long) > 20 else ''}")
         return {e.id: p for e, p in zip(examples, ids)}
 
     def _write_manifest(self) -> None:
         write_json(self.run_dir / "config.json", self.cfg.model_dump(mode="json"))
+        fingerprint = getattr(self.task, "data_fingerprint", None)
         write_json(self.run_dir / "manifest.json", {
             "grpolab": grpolab.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "command": sys.argv, "model_dir": str(self.model_dir),
-            "task": self.task.name, "train_examples": len(self.task.train_examples()),
+            "python": platform.python_version(), "command": sys.argv, "device": str(self.device),
+            "model": model_record(self.model, self.model_dir), "task": self.task.name,
+            "data": fingerprint() if fingerprint else None, "train_examples": len(self.task.train_examples()),
             "val_examples": len(self.val_examples), "algorithm": self.spec.model_dump(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         })
 
-    def _sampling(self, step: int, round_: int) -> SamplingParams:
+    def sampling_params(self, step: int, round_: int) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k, stop_strings=tuple(r.stop_strings),
@@ -131,7 +141,7 @@ class Trainer:
         while len(kept.examples) < want and rounds <= self.spec.max_resample_rounds:
             examples = self.prompts.take(want - len(kept.examples))
             completions = self.engine.generate([self.prompt_ids[e.id] for e in examples], group,
-                                               self._sampling(step, rounds))
+                                               self.sampling_params(step, rounds))
             grades = grade_completions(self.task, examples, completions)
             rounds += 1
             batch = RolloutBatch(examples, completions, grades)
@@ -146,32 +156,32 @@ class Trainer:
                             kept.grades + dropped.grades[:short], rounds)
 
     # ---- 3. advantages and 4. update ------------------------------------------------------
-    def _logprobs(self, model, batch: TrainBatch, indices: torch.Tensor, with_entropy: bool):
+    def logprobs_of(self, model, batch: TrainBatch, indices: torch.Tensor, with_entropy: bool):
         """Log-probs (and entropy) [n, T] of the rows ``indices``, padded back to the batch width T."""
         sub = batch.select(indices)
         stats = token_logprobs(model, sub.input_ids, sub.attention_mask, temperature=self.cfg.rollout.temperature,
-                               with_entropy=with_entropy)
+                               chunk_size=self.cfg.model.logprob_chunk_size, with_entropy=with_entropy)
         pad = (0, batch.input_ids.shape[1] - sub.input_ids.shape[1])
         return F.pad(stats.logprobs, pad), None if stats.entropy is None else F.pad(stats.entropy, pad)
 
     @torch.no_grad()
     def _frozen_logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
         chunks = torch.arange(len(batch)).split(self.cfg.optim.micro_batch_size)
-        return torch.cat([self._logprobs(model, batch, idx, False)[0] for idx in chunks])
+        return torch.cat([self.logprobs_of(model, batch, idx, False)[0] for idx in chunks])
 
     def update(self, rollout: RolloutBatch) -> dict[str, Any]:
         rewards = rollout.rewards()
         advantages = group_advantages(rewards, self.spec.baseline, self.spec.normalizer, self.spec.adv_eps)
-        batch = collate(rollout.flat(), self.tokenizer.pad_token_id)
+        batch = collate(rollout.flat(), self.tokenizer.pad_token_id).to(self.device)
         # With one optimizer step the policy is still the sampling policy: old = current, detached
         # (exactly the log-probs frozen before the update, without a second forward pass).
         old = None if self.spec.is_single_update else self._frozen_logprobs(self.model, batch)
         ref = self._frozen_logprobs(self.reference, batch) if self.reference is not None else None
-        data = UpdateData(advantages=advantages.flatten(), response_mask=batch.response_mask, old_logprobs=old,
+        data = UpdateData(advantages=advantages.flatten().to(self.device), response_mask=batch.response_mask, old_logprobs=old,
                           ref_logprobs=ref, engine_logprobs=batch.engine_logprobs)
         self.model.train()
         try:
-            result = run_update(self.spec, data, lambda idx: self._logprobs(self.model, batch, idx, True),
+            result = run_update(self.spec, data, lambda idx: self.logprobs_of(self.model, batch, idx, True),
                                 self.optimizer, self.params, micro_batch_size=self.cfg.optim.micro_batch_size,
                                 max_new_tokens=self.cfg.rollout.max_new_tokens,
                                 max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen)

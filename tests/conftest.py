@@ -24,6 +24,7 @@ from transformers import (
     Qwen3Config,
 )
 
+GSM8K_DIR = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<eos>"]
 TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
 ARCHS = ("llama", "qwen2", "qwen3", "olmo2")
@@ -47,7 +48,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _config(arch: str, vocab_size: int, pad_id: int, eos_id: int):
+def _config(arch: str, vocab_size: int, pad_id: int, eos_id: int, max_positions: int = 256):
     common = dict(
         vocab_size=vocab_size,
         hidden_size=32,
@@ -55,7 +56,7 @@ def _config(arch: str, vocab_size: int, pad_id: int, eos_id: int):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         pad_token_id=pad_id,
         eos_token_id=eos_id,
         bos_token_id=None,
@@ -86,19 +87,29 @@ def tokenizer(tokenizer_dir):
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dirs(tmp_path_factory, tokenizer) -> dict[str, Path]:
+def save_tiny_models(tmp_path_factory, tokenizer, max_positions: int) -> dict[str, Path]:
     """One saved tiny random checkpoint (model + tokenizer) per architecture."""
     dirs = {}
     for i, arch in enumerate(ARCHS):
         torch.manual_seed(1234 + i)
-        config = _config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+        config = _config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, max_positions)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        path = tmp_path_factory.mktemp(f"tiny_{arch}")
+        path = tmp_path_factory.mktemp(f"tiny_{arch}_{max_positions}")
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         dirs[arch] = path
     return dirs
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    return save_tiny_models(tmp_path_factory, tokenizer, max_positions=256)
+
+
+@pytest.fixture(scope="session")
+def long_context_model_dirs(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    """Tiny random models whose context holds a character-level GSM8K prompt plus 512 new tokens."""
+    return save_tiny_models(tmp_path_factory, tokenizer, max_positions=2048)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ from typing import Any
 
 from grpolab.tasks.arithmetic import ArithmeticTask, column_addition_solution
 from grpolab.tasks.base import Example, Grade, Task
+from grpolab.tasks.gsm8k import GSM8KTask
 from grpolab.tasks.r1_zero import (
     R1_ZERO_TEMPLATE,
     grade_r1_zero,
@@ -14,7 +15,7 @@ from grpolab.tasks.r1_zero import (
     r1_zero_prompt,
 )
 
-TASKS: dict[str, type] = {"arithmetic": ArithmeticTask}
+TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "gsm8k": GSM8KTask}
 
 
 def make_task(name: str, **kwargs: Any) -> Task:
@@ -28,6 +29,7 @@ __all__ = [
     "R1_ZERO_TEMPLATE",
     "TASKS",
     "ArithmeticTask",
+    "GSM8KTask",
     "Example",
     "Grade",
     "Task",

@@ -100,4 +100,4 @@ class ArithmeticTask:
 
     def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
         """r1_zero grading against the exact sum."""
-        return grade_r1_zero(completion, example.answer, truncated)
+        return grade_r1_zero(completion, example.answer, truncated, symbolic=False)  # '57+38' must not count

@@ -71,15 +71,14 @@ def normalize_number(text: str) -> str | None:
     return _canonical(numbers[0])
 
 
-def answers_match(predicted: str, gold: str) -> bool:
-    """Numeric match after normalisation; exact stripped-string match when gold is not a number."""
-    gold_number = normalize_number(gold)
-    if gold_number is None:
-        return predicted.strip() == gold.strip()
-    return normalize_number(predicted) == gold_number
+def answers_match(predicted: str, gold: str, symbolic: bool = True) -> bool:
+    """Plain-number match, else (when ``symbolic``) math-verify with a time bound (``grpolab.tasks.answers``)."""
+    from grpolab.tasks.answers import answers_match as match
+
+    return match(predicted, gold, symbolic=symbolic)
 
 
-def grade_r1_zero(completion: str, gold: str, truncated: bool) -> Grade:
+def grade_r1_zero(completion: str, gold: str, truncated: bool, symbolic: bool = True) -> Grade:
     """Grade an r1_zero completion against the gold answer.
 
     Rewards: truncated -> (format 0, answer 0); malformed -> (0, 0); well-formed with a wrong
@@ -90,4 +89,4 @@ def grade_r1_zero(completion: str, gold: str, truncated: bool) -> Grade:
     format_ok, answer = parse_r1_zero(completion)
     if not format_ok or answer is None:
         return Grade(format_reward=0.0, answer_reward=0.0)
-    return Grade(format_reward=1.0, answer_reward=1.0 if answers_match(answer, gold) else 0.0)
+    return Grade(format_reward=1.0, answer_reward=1.0 if answers_match(answer, gold, symbolic) else 0.0)

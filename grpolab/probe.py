@@ -1,0 +1,128 @@
+"""`grpolab probe`: will this config fit? Two real optimizer updates at the worst-case shapes.
+
+Every sequence of the rollout batch is the longest training prompt followed by a full
+``max_new_tokens`` completion (random tokens, random +-1 advantages), so the update sees the largest
+tensors the run can produce. Update 1, a real generation from the longest prompt, update 2; then a
+JSON report of peak memory, tensor shapes, parameter tensors that received gradient, optimizer state
+and seconds per phase.
+"""
+
+from __future__ import annotations
+
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpolab.batching import TrainBatch, collate
+from grpolab.config import RunConfig
+from grpolab.losses import NonFiniteError
+from grpolab.models import model_record
+from grpolab.rollout.base import Completion
+from grpolab.rundir import write_json
+from grpolab.trainer import Trainer
+from grpolab.update import UpdateData, accumulate_gradients
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: peak allocated by torch; CPU: peak resident memory of the process."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worst_case_batch(trainer: Trainer, generator: torch.Generator) -> tuple[TrainBatch, str]:
+    """N = prompts x group rows of (longest training prompt + max_new_tokens random tokens)."""
+    cfg = trainer.cfg.rollout
+    longest_id = max((e.id for e in trainer.task.train_examples()), key=lambda i: len(trainer.prompt_ids[i]))
+    prompt = trainer.prompt_ids[longest_id]
+    vocab = trainer.model.get_output_embeddings().weight.shape[0]
+    rows = []
+    for _ in range(cfg.prompts_per_step * cfg.group_size):
+        tokens = torch.randint(0, vocab, (cfg.max_new_tokens,), generator=generator).tolist()
+        rows.append(Completion(prompt, tokens, [0.0] * len(tokens), "length", ""))
+    return collate(rows, trainer.tokenizer.pad_token_id).to(trainer.device), longest_id
+
+
+def probe_update(trainer: Trainer, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, Any]:
+    """One optimizer step over the whole batch, as the trainer does it; counts the gradients it produced."""
+    started = time.perf_counter()
+    data = UpdateData(advantages=advantages, response_mask=batch.response_mask, old_logprobs=None)
+    trainer.model.train()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    spec = trainer.spec.override(epochs=1, steps_per_epoch=1)
+    metrics = accumulate_gradients(spec, data, torch.arange(len(batch)),
+                                   lambda idx: trainer.logprobs_of(trainer.model, batch, idx, True),
+                                   trainer.cfg.optim.micro_batch_size, trainer.cfg.rollout.max_new_tokens)
+    with_grad = sum(1 for p in trainer.params if p.grad is not None and bool(p.grad.abs().sum() > 0))
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainer.params, trainer.cfg.optim.max_grad_norm)
+    if not torch.isfinite(grad_norm):
+        raise NonFiniteError(f"non-finite gradient norm ({grad_norm.item()}) in the probe update")
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.model.eval()
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize()
+    return {"seconds": time.perf_counter() - started, "grad_norm": float(grad_norm),
+            "parameter_tensors_with_nonzero_grad": with_grad, "parameter_tensors": len(trainer.params),
+            "trained_tokens": metrics.tokens}
+
+
+def run_probe(cfg: RunConfig, report_path: Path) -> dict[str, Any]:
+    """Run the probe for ``cfg`` and write its JSON report to ``report_path`` (which must not exist)."""
+    if report_path.exists():
+        raise FileExistsError(f"probe report already exists: {report_path}")
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = Trainer(cfg.model_copy(update={"output_dir": str(Path(scratch) / "run")}))
+        try:
+            report = _probe(trainer)
+        finally:
+            trainer.close()
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(report_path, report)
+    return report
+
+
+def _probe(trainer: Trainer) -> dict[str, Any]:
+    cfg, device = trainer.cfg, trainer.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    batch, longest_id = worst_case_batch(trainer, generator)
+    signs = torch.randint(0, 2, (len(batch),), generator=generator).float() * 2 - 1
+    advantages = signs.to(device)
+
+    first = probe_update(trainer, batch, advantages)
+    started = time.perf_counter()
+    prompt = trainer.prompt_ids[longest_id]
+    completions = trainer.engine.generate([prompt], cfg.rollout.group_size, trainer.sampling_params(0, 0))[0]
+    trainer.engine.sync_weights(trainer.model)
+    generation = {"seconds": time.perf_counter() - started, "completions": len(completions),
+                  "tokens": sum(len(c.completion_ids) for c in completions)}
+    second = probe_update(trainer, batch, advantages)
+
+    state = trainer.optimizer.state
+    hidden = trainer.model.config.hidden_size
+    vocab = trainer.model.get_output_embeddings().weight.shape[0]
+    mb, length, chunk = cfg.optim.micro_batch_size, batch.input_ids.shape[1], cfg.model.logprob_chunk_size
+    return {
+        "model": model_record(trainer.model, trainer.model_dir), "device": str(device),
+        "dtype": str(next(trainer.model.parameters()).dtype), "algorithm": trainer.spec.name,
+        "batch": {"sequences": len(batch), "longest_prompt_id": longest_id, "prompt_tokens": len(prompt),
+                  "max_new_tokens": cfg.rollout.max_new_tokens, "sequence_length": length,
+                  "micro_batch_size": mb, "logprob_chunk_size": chunk,
+                  "gradient_checkpointing": cfg.model.gradient_checkpointing},
+        "shapes": {"input_ids": [len(batch), length], "micro_batch": [mb, length], "hidden_states": [mb, length, hidden],
+                   "logits_chunk": [mb, min(chunk, length - 1), vocab], "full_logits_avoided": [mb, length, vocab]},
+        "updates": [first, second],
+        "generation": generation,
+        "optimizer_state_initialised": len(state) > 0 and all(len(s) > 0 for s in state.values()),
+        "optimizer_state_tensors": len(state),
+        "peak_memory_mb": peak_memory_mb(device),
+        "peak_memory_kind": "cuda max allocated" if device.type == "cuda" else "process max resident",
+        "phase_seconds": {"update_1": first["seconds"], "generation": generation["seconds"],
+                          "update_2": second["seconds"]},
+    }
