@@ -56,6 +56,10 @@ class AlgorithmSpec(BaseModel):
     loss_denominator: float | None = Field(
         None, gt=0, description="Z for aggregation=constant; default = sequences per step x max new tokens"
     )
+    # truncated importance sampling for the rollout engine / trainer mismatch: each token's loss times
+    # sg(min(pi_old / pi_engine, cap)), per token or with one product ratio per sequence; off by default
+    engine_correction: Literal["none", "token", "sequence"] = "none"
+    engine_correction_cap: float = Field(2.0, gt=0)
     # KL penalty to a reference policy (k3), reduced as a per-token mean over each optimizer step
     beta: float = Field(0.0, ge=0)
     # schedule over one rollout batch

@@ -145,6 +145,19 @@ def per_token_surrogate(inp: PolicyLossInput, spec: AlgorithmSpec) -> tuple[Tens
     raise ValueError(f"unknown weight {spec.weight!r}")
 
 
+def engine_correction_weight(old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, level: str,
+                             cap: float) -> Tensor:
+    """Truncated importance weight [N, T] of the trainer's sampling policy over the engine's (detached).
+
+    token:    min(exp(logp_old - logp_engine), cap) per token
+    sequence: min(exp(sum_t (logp_old - logp_engine)), cap), the same for every token of a sequence
+    """
+    log_ratio = _masked(old_logprobs - engine_logprobs, mask).detach()
+    if level == "sequence":
+        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(log_ratio)
+    return torch.exp(log_ratio).clamp(max=cap)
+
+
 def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, denominator: float) -> Tensor:
     """Reduce [N, T] to a scalar: this micro-batch's share of the optimizer step's objective.
 
@@ -171,9 +184,15 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
     """
     mask = inp.response_mask.to(inp.logprobs.dtype)
     surrogate, ratio, clip_low, clip_high = per_token_surrogate(inp, spec)
+    metrics = TokenMetrics(tokens=float(mask.sum()))
+    if spec.engine_correction != "none" and inp.engine_logprobs is not None:
+        weight = engine_correction_weight(inp.old_logprobs, inp.engine_logprobs, mask, spec.engine_correction,
+                                          spec.engine_correction_cap)
+        surrogate = surrogate * weight
+        metrics.add("engine_is_weight_mean", weight, mask)
+        metrics.add("engine_is_capped_frac", (weight >= spec.engine_correction_cap).to(mask.dtype), mask)
     loss = aggregate(surrogate, mask, spec.aggregation, denominators.policy)
 
-    metrics = TokenMetrics(tokens=float(mask.sum()))
     if inp.ref_logprobs is not None:
         kl = kl_k3(inp.logprobs, inp.ref_logprobs, mask)
         metrics.add("kl_ref", kl, mask)

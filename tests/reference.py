@@ -29,7 +29,7 @@ def reference_advantages(rewards: list[list[float]], baseline: str, normalizer: 
 
 
 def reference_loss(logp, old, adv, mask, *, weight, aggregation, eps_low=0.2, eps_high=0.2,
-                   z=None, max_new_tokens=None, ref=None, beta=0.0):
+                   z=None, max_new_tokens=None, ref=None, beta=0.0, engine=None, correction="none", cap=2.0):
     """Scalar float64 loss of one optimizer step. logp: [N, T] float64 leaf; others plain tensors."""
     n, t_len = mask.shape
     seq_token_losses = []
@@ -56,6 +56,13 @@ def reference_loss(logp, old, adv, mask, *, weight, aggregation, eps_low=0.2, ep
                     losses.append(-torch.minimum(w * a, torch.clamp(w, 1 - eps_low, 1 + eps_high) * a))
                 elif weight == "cispo":
                     losses.append(-torch.clamp(w, max=1 + eps_high).detach() * a * logp[i, t])
+        if correction != "none":
+            if correction == "token":
+                factors = [min(math.exp(float(old[i, t] - engine[i, t])), cap) for t in tokens]
+            else:
+                seq = min(math.exp(sum(float(old[i, t] - engine[i, t]) for t in tokens)), cap)
+                factors = [seq for _ in tokens]
+            losses = [loss * f for loss, f in zip(losses, factors)]
         seq_token_losses.append(losses)
         if ref is not None:
             for t in tokens:

@@ -171,3 +171,38 @@ def test_property_matches_reference_on_random_shapes(seed, n, t, weight, aggrega
     ref_value, ref_grad = ref_loss_and_grad(spec, logp, old, adv, mask, ref)
     torch.testing.assert_close(loss, ref_value, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "cispo", "rft"])
+def test_engine_mismatch_correction_matches_reference(level, name):
+    spec = PRESETS[name].override(engine_correction=level, engine_correction_cap=1.5)
+    logp, old, adv, mask, _ = make_batch(11, spread=0.2)
+    g = torch.Generator().manual_seed(12)
+    engine = old + torch.randn(old.shape, generator=g, dtype=torch.float64) * 0.3
+    leaf = logp.clone().requires_grad_(True)
+    loss, metrics = policy_loss(PolicyLossInput(leaf, old, adv, mask, engine_logprobs=engine), spec,
+                                step_denominators(spec, mask, MAX_NEW))
+    loss.backward()
+    ref_leaf = logp.clone().requires_grad_(True)
+    want = reference_loss(ref_leaf, old, adv, mask, weight=spec.weight, aggregation=spec.aggregation,
+                          eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=MAX_NEW, engine=engine,
+                          correction=level, cap=1.5)
+    want.backward()
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-10, atol=1e-12)
+    m = metrics.means()
+    assert 0 < m["engine_is_capped_frac"] < 1 if level == "token" else m["engine_is_capped_frac"] >= 0
+    assert m["engine_logprob_absdiff"] > 0
+
+
+def test_engine_correction_is_off_by_default_and_inert_when_engine_matches():
+    logp, old, adv, mask, _ = make_batch(13)
+    base, base_grad, _ = impl_loss_and_grad(PRESETS["grpo"], logp, old, adv, mask)
+    spec = PRESETS["grpo"].override(engine_correction="token")
+    leaf = logp.clone().requires_grad_(True)
+    loss, _ = policy_loss(PolicyLossInput(leaf, old, adv, mask, engine_logprobs=old.clone()), spec,
+                          step_denominators(spec, mask, MAX_NEW))
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), base, rtol=1e-12, atol=0)
+    torch.testing.assert_close(leaf.grad, base_grad, rtol=1e-12, atol=0)
