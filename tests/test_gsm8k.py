@@ -204,3 +204,15 @@ def test_optional_packages_missing_give_clear_errors(tmp_path: Path, monkeypatch
 def test_ids_unique_across_splits(small_task: GSM8KTask) -> None:
     examples: list[Example] = small_task.train_examples() + small_task.validation_examples()
     assert len({e.id for e in examples}) == len(examples)
+
+
+def test_hub_sources_are_parsed_and_need_the_datasets_package(monkeypatch):
+    import sys
+
+    from grpolab.tasks.datasets import DataError, load_source
+
+    with pytest.raises(DataError, match="expected hub:NAME:SPLIT"):
+        load_source("hub:openai/gsm8k")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(DataError, match="datasets"):
+        load_source("hub:openai/gsm8k:main:test")

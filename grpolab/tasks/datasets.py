@@ -108,6 +108,22 @@ def load_hub_rows(
     return [_to_qa(f"{source} row {i}", dict(rec), question_field, answer_field) for i, rec in enumerate(records)]
 
 
+HUB_PREFIX = "hub:"
+
+
+def load_source(source: str | Path, question_field: str = "question", answer_field: str = "answer") -> list[dict[str, str]]:
+    """Rows from a local ``.jsonl`` / ``.parquet`` file, or ``hub:NAME[:CONFIG]:SPLIT`` through ``datasets``
+    (e.g. ``hub:openai/gsm8k:main:test``)."""
+    text = str(source)
+    if not text.startswith(HUB_PREFIX):
+        return load_rows(source, question_field, answer_field)
+    parts = text[len(HUB_PREFIX):].split(":")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise DataError(f"{text!r}: expected hub:NAME:SPLIT or hub:NAME:CONFIG:SPLIT")
+    name, config, split = (parts[0], None, parts[1]) if len(parts) == 2 else parts
+    return load_hub_rows(name, split, config, question_field=question_field, answer_field=answer_field)
+
+
 def first_n(rows: list[dict[str, str]], n: int | None, source: str = "data") -> list[dict[str, str]]:
     """The first ``n`` rows (all when ``n`` is None); DataError when fewer than ``n`` exist."""
     if n is None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from grpolab.tasks.answers import plain_number
 from grpolab.tasks.base import Example, Grade
-from grpolab.tasks.datasets import DataError, first_n, load_rows, rows_sha256, text_sha256
+from grpolab.tasks.datasets import DataError, first_n, load_source, rows_sha256, text_sha256
 from grpolab.tasks.r1_zero import R1_ZERO_TEMPLATE, grade_r1_zero, r1_zero_prompt
 
 FINAL_ANSWER_MARK = "####"
@@ -62,7 +62,7 @@ class GSM8KTask:
     """GSM8K from local ``.jsonl`` (or ``.parquet``) copies of the official train and test files.
 
     Args:
-        train_path: the train file (7,473 rows officially).
+        train_path: the train file (7,473 rows officially), or ``hub:openai/gsm8k:main:train``.
         test_path: the test file (1,319 rows); its first ``n_val`` rows are the validation split.
         n_train: take the first ``n_train`` train rows (None = all).
         n_val: take the first ``n_val`` test rows (None = all).
@@ -80,7 +80,7 @@ class GSM8KTask:
     def __post_init__(self) -> None:
         splits = {}
         for split, path, n in (("train", self.train_path, self.n_train), ("test", self.test_path, self.n_val)):
-            rows = first_n(load_rows(path, self.question_field, self.answer_field), n, source=str(path))
+            rows = first_n(load_source(path, self.question_field, self.answer_field), n, source=str(path))
             splits[split] = (rows, gsm8k_examples(rows, split, str(path)))
         object.__setattr__(self, "_splits", splits)
 
