@@ -95,6 +95,8 @@ class RunConfig(_Section):
     steps: int = Field(60, ge=1)
     output_dir: str | None = None
     reference: Literal["none", "frozen"] = Field("none", description="frozen copy of the start policy for KL")
+    threads: int | None = Field(None, ge=1, description="CPU threads for torch (None = torch's default); "
+                                "1 avoids oversubscription when other work shares the cores")
     model: ModelConfig = ModelConfig()
     task: TaskConfig = ArithmeticTaskConfig()
     algorithm: AlgorithmSpec = Field(default_factory=lambda: PRESETS["grpo"])

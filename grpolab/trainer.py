@@ -76,6 +76,8 @@ class Trainer:
         self.cfg, self.spec = cfg, cfg.algorithm
         self.console = console or Console()
         torch.manual_seed(cfg.seed)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         self.task = make_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
         self.model_dir = resolve_model_dir(cfg.model.path, self.task)  # before the run dir: fail early
         self.run_dir = create_run_dir(cfg.output_dir, self.spec.name)

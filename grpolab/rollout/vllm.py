@@ -1,0 +1,328 @@
+"""Rollout engine on vLLM, colocated with training, weights synced every step, the sync checked.
+
+``VLLMEngine`` follows the ``grpolab.rollout.base`` contract exactly like ``HFEngine`` (EOS and
+stop-string tokens kept last, finish reasons "stop"/"length", ``Completion.logprobs`` =
+log-softmax(logits / temperature) of the sampled token, untruncated). vLLM runs with
+``logprobs_mode="processed_logprobs"`` (after temperature and top-k/top-p): with top-k/top-p
+disabled that is the contract, so top-k/top-p sampling is refused rather than reported with
+renormalised log-probs (vLLM's "raw" modes are at temperature 1).
+
+``sync_weights(model)``: "file" (CPU, any device) writes the parameters as safetensors into a
+private folder and reloads them in the workers (``vllm_worker.WorkerExtension``, which also
+fixes the CPU backend's stale packed lm_head with tied embeddings); "cuda_ipc" (GPU only, not
+run here) uses vLLM's CUDA-IPC weight transfer. The prefix cache is reset after a sync. Sleep
+mode (``sleep_level`` 1/2, CUDA/ROCm/XPU only; skipped with a logged note elsewhere) frees the
+accelerator between rollouts. ``verify_weight_sync`` raises ``WeightSyncError`` when engine and
+trainer log-probs disagree: a missed or failed sync shows up there.
+
+vLLM is imported lazily (the check and the exception import without it). Creating an engine
+spawns engine-core processes: scripts need an ``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from grpolab.rollout.base import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    from grpolab.rollout.vllm_worker import VLLMSubprocessEngine
+
+__all__ = ["SyncCheck", "VLLMEngine", "VLLMSubprocessEngine", "WeightSyncError", "engine_logprob_matrix",
+           "logprob_diff", "request_seed", "save_weights", "verify_weight_sync"]
+
+logger = logging.getLogger(__name__)
+WeightSync = Literal["auto", "file", "cuda_ipc"]
+_SEED_STRIDE = 1_000_003
+WORKER_EXTENSION = "grpolab.rollout.vllm_worker.WorkerExtension"
+
+
+def __getattr__(name: str):
+    if name == "VLLMSubprocessEngine":  # the engine under another interpreter lives with its server
+        from grpolab.rollout.vllm_worker import VLLMSubprocessEngine
+
+        return VLLMSubprocessEngine
+    raise AttributeError(name)
+
+
+# ---- the sync check (pure torch) -------------------------------------------------------------
+class WeightSyncError(RuntimeError):
+    """The engine's log-probs disagree with the trainer's: it is not sampling from its weights."""
+
+
+@dataclass(frozen=True)
+class SyncCheck:
+    """|engine log-prob - trainer log-prob| over the response tokens."""
+
+    mean_abs_diff: float
+    max_abs_diff: float
+    num_tokens: int
+
+
+def engine_logprob_matrix(completions: Sequence[Completion], width: int | None = None) -> Tensor:
+    """FloatTensor[N, T] of the engine's log-probs at their ``collate`` columns (0 elsewhere).
+
+    Row i holds ``completions[i].logprobs`` at columns ``len(prompt) .. len(prompt) + k - 1``.
+    """
+    need = max((len(c.prompt_ids) + len(c.completion_ids) for c in completions), default=0)
+    out = torch.zeros(len(completions), max(width or 0, need), dtype=torch.float32)
+    for row, c in enumerate(completions):
+        p = len(c.prompt_ids)
+        out[row, p : p + len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return out
+
+
+def logprob_diff(engine: Tensor | Sequence[Completion], trainer: Tensor, response_mask: Tensor) -> SyncCheck:
+    """Mean and max |engine - trainer| over the tokens where ``response_mask`` is set.
+
+    engine: FloatTensor[N, T] (e.g. ``TrainBatch.engine_logprobs``) or the completions in row order.
+    trainer: FloatTensor[N, T], ``token_logprobs(...).logprobs`` of the same rows.
+    response_mask: [N, T], nonzero exactly on completion tokens.
+    """
+    if not isinstance(engine, Tensor):
+        engine = engine_logprob_matrix(engine, trainer.shape[1])
+    if engine.shape != trainer.shape or trainer.shape != response_mask.shape:
+        raise ValueError(f"shape mismatch: engine {tuple(engine.shape)}, trainer {tuple(trainer.shape)}, "
+                         f"mask {tuple(response_mask.shape)}")
+    mask = response_mask.detach().bool()
+    diff = (engine.detach().float().to(trainer.device) - trainer.detach().float())[mask.to(trainer.device)].abs()
+    if diff.numel() == 0:
+        return SyncCheck(0.0, 0.0, 0)
+    return SyncCheck(float(diff.mean()), float(diff.max()), int(diff.numel()))
+
+
+def verify_weight_sync(engine: Tensor | Sequence[Completion], trainer: Tensor, response_mask: Tensor, *,
+                       max_abs_diff: float | None = None, mean_abs_diff: float | None = None) -> SyncCheck:
+    """``logprob_diff`` plus a check: raises ``WeightSyncError`` when a given threshold is exceeded.
+
+    Call it on the first rollout after a ``sync_weights`` (before the update), with the trainer's
+    log-probs at the sampling temperature. Float32 engine and trainer agree to ~1e-5; bf16 much less.
+    """
+    if max_abs_diff is None and mean_abs_diff is None:
+        raise ValueError("give max_abs_diff and/or mean_abs_diff")
+    check = logprob_diff(engine, trainer, response_mask)
+    over = [f"{name} {value:.3g} > {limit:.3g}" for name, value, limit in (
+        ("max |diff|", check.max_abs_diff, max_abs_diff), ("mean |diff|", check.mean_abs_diff, mean_abs_diff))
+        if limit is not None and value > limit]
+    if over:
+        raise WeightSyncError(
+            f"engine and trainer log-probs disagree over {check.num_tokens} response tokens ({'; '.join(over)}): "
+            "the rollout engine is not sampling from the trainer's current weights "
+            "(missed or failed sync_weights, or a dtype / temperature mismatch)")
+    return check
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def request_seed(seed: int | None, prompt_index: int, n: int) -> int | None:
+    """Seed of prompt ``prompt_index``'s request; vLLM gives its j-th sample ``seed + j`` (j < n),
+    so requests of one call never share a seed."""
+    return None if seed is None else (seed * _SEED_STRIDE + prompt_index * n) % (2**63)
+
+
+def save_weights(model: nn.Module, folder: str | Path) -> Path:
+    """Write ``model``'s parameters (tied ones once, as named_parameters lists them) as safetensors."""
+    from safetensors.torch import save_file
+
+    path = Path(folder) / "model.safetensors"
+    tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()}
+    save_file(tensors, str(path))
+    return path
+
+
+def _context_len(model_dir: str) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    return int(getattr(config, "max_position_embeddings", 0) or 0)
+
+
+def _eos_ids(model_dir: str, tokenizer) -> list[int]:
+    """Tokenizer EOS plus the checkpoint's generation_config EOS ids (as HFEngine uses)."""
+    from transformers import GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        gen = None
+    ids: list[int] = []
+    for source in (getattr(tokenizer, "eos_token_id", None), gen):
+        for i in source if isinstance(source, (list, tuple)) else [source]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+# ---- the engine ------------------------------------------------------------------------------
+class VLLMEngine:
+    """``RolloutEngine`` on a vLLM ``LLM`` created once per run from ``model_dir``.
+
+    model_dir: a saved transformers checkpoint (with its tokenizer) of the policy's architecture.
+    tokenizer: decodes ``Completion.text`` and gives the EOS id; default: loaded from model_dir.
+    dtype: vLLM weight/activation dtype ("float32" on CPU; match the trainer's for a tight check).
+    gpu_memory_utilization: GPU share for vLLM (weights + KV cache); leave room for the trainer.
+    kv_cache_bytes: explicit KV-cache size (bytes); CPU default 256 MiB unless
+        VLLM_CPU_KVCACHE_SPACE is set.
+    sleep_level: 1 or 2 to sleep between rollouts (weights offloaded / discarded, KV freed) where
+        the platform supports it; None never sleeps.
+    weight_sync: "file", "cuda_ipc" or "auto" (cuda_ipc on a CUDA platform, else file).
+    eos_token_ids: ids that end generation; default tokenizer EOS + generation_config EOS.
+    llm_kwargs: passed on to ``vllm.LLM``.
+    """
+
+    def __init__(self, model_dir: str | Path, tokenizer=None, *, dtype: str = "float32", seed: int = 0,
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.3,
+                 kv_cache_bytes: int | None = None, sleep_level: int | None = None, enforce_eager: bool = True,
+                 weight_sync: WeightSync = "auto", eos_token_ids: Sequence[int] | None = None,
+                 sync_dir: str | Path | None = None, **llm_kwargs: Any):
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        if sleep_level not in (None, 1, 2):
+            raise ValueError(f"sleep_level must be None, 1 or 2, got {sleep_level}")
+        self.model_dir = str(model_dir)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _eos_ids(self.model_dir, tokenizer)
+        if not self.eos_token_ids:
+            raise ValueError("no EOS token id: pass eos_token_ids")
+        cuda = current_platform.is_cuda_alike()
+        self.weight_sync = ("cuda_ipc" if cuda else "file") if weight_sync == "auto" else weight_sync
+        if self.weight_sync == "cuda_ipc":
+            if not cuda:
+                raise ValueError("weight_sync='cuda_ipc' needs a CUDA platform")
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # IPC handles are pickled
+            from vllm.config import WeightTransferConfig
+
+            llm_kwargs.setdefault("weight_transfer_config", WeightTransferConfig(backend="ipc"))
+        if sleep_level is not None and not current_platform.is_sleep_mode_available():
+            logger.warning("vLLM sleep mode is not supported on this platform (%s): sleep_level=%s ignored",
+                           current_platform.device_type, sleep_level)
+            sleep_level = None
+        self.sleep_level = sleep_level
+        if current_platform.is_cpu():
+            if kv_cache_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+                kv_cache_bytes = 256 << 20
+            # a partly prefilled seeded request crashes the CPU sampler ("CPU Generator does not use
+            # offset"): never split a prompt, so the step budget must hold a whole context
+            context = max_model_len or _context_len(self.model_dir)
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
+            llm_kwargs.setdefault("max_num_batched_tokens", max(8192, context))
+        if kv_cache_bytes is not None:
+            llm_kwargs.setdefault("kv_cache_memory_bytes", kv_cache_bytes)
+        self._ipc = None  # CudaIPCWeightSender, built on the first cuda_ipc sync
+        self._asleep = False
+        self.llm = LLM(model=self.model_dir, tokenizer=self.model_dir, dtype=dtype, seed=seed,
+                       max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                       enforce_eager=enforce_eager, enable_sleep_mode=sleep_level is not None,
+                       logprobs_mode="processed_logprobs", generation_config="vllm",
+                       worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True, **llm_kwargs)
+        self._owns_sync_dir = sync_dir is None
+        self._sync_dir = Path(sync_dir) if sync_dir is not None else Path(tempfile.mkdtemp(prefix="grpolab-vllm-"))
+
+    # ---- sampling ----
+    def sampling_params(self, params: SamplingParams, n: int, seed: int | None):
+        """The ``vllm.SamplingParams`` of one prompt's request (n samples)."""
+        from vllm import SamplingParams as VSamplingParams
+
+        if params.top_k > 0 or params.top_p < 1.0:
+            raise ValueError("VLLMEngine samples with top_k=0 and top_p=1 only: vLLM reports log-probs "
+                             "renormalised over the top-k/top-p set, not the untruncated ones of the contract")
+        return VSamplingParams(
+            n=n, temperature=params.temperature, top_p=1.0, top_k=0, max_tokens=params.max_new_tokens,
+            seed=seed, logprobs=0, stop=list(params.stop_strings), include_stop_str_in_output=True,
+            stop_token_ids=self.eos_token_ids, ignore_eos=True,  # EOS = exactly eos_token_ids
+            skip_special_tokens=False, repetition_penalty=1.0, min_tokens=0)
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        """``n`` completions per prompt, ``[len(prompts)][n]``, prompt order kept."""
+        from vllm.inputs import TokensPrompt
+
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        if not prompts:
+            return []
+        self._wake()
+        k = 1 if params.greedy else n  # vLLM refuses greedy n > 1: sample once, copy (deterministic)
+        requests = [self.sampling_params(params, k, request_seed(params.seed, i, n)) for i in range(len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
+                                    use_tqdm=False)
+        result = [[self._completion(list(p), c) for c in sorted(o.outputs, key=lambda c: c.index)]
+                  for p, o in zip(prompts, outputs)]
+        self._sleep()
+        return result if k == n else [[copy.deepcopy(g[0]) for _ in range(n)] for g in result]
+
+    def _completion(self, prompt: list[int], out) -> Completion:
+        ids = list(out.token_ids)
+        if out.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM finished a request with {out.finish_reason!r} ({out.stop_reason!r})")
+        if out.logprobs is None or len(out.logprobs) != len(ids):
+            raise RuntimeError("vLLM returned no log-prob for some sampled tokens")
+        logprobs = [float(step[t].logprob) for step, t in zip(out.logprobs, ids)]
+        return Completion(prompt_ids=prompt, completion_ids=ids, logprobs=logprobs,
+                          finish_reason=out.finish_reason,
+                          text=self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    # ---- weights ----
+    def sync_weights(self, model: nn.Module) -> None:
+        """Load ``model``'s current parameters into the engine (waking it if asleep)."""
+        if self.weight_sync == "cuda_ipc" and next(model.parameters()).is_cuda:
+            self._reload(lambda: self._sync_cuda_ipc(model))
+        else:
+            self.sync_from_folder(save_weights(model, self._sync_dir).parent)
+
+    def sync_from_folder(self, folder: str | Path) -> None:
+        """Reload the weights from a folder of checkpoint-format safetensors (HF parameter names)."""
+        self._reload(lambda: self.llm.collective_rpc("grpolab_reload_weights", kwargs={"weights_path": str(folder)}))
+
+    def _reload(self, push: Callable[[], object]) -> None:
+        if self._asleep:
+            self.llm.wake_up(tags=["weights"])
+        push()
+        self._wake()
+        self.llm.reset_prefix_cache()  # its KV was computed with the old weights
+
+    def _sync_cuda_ipc(self, model: nn.Module) -> None:
+        if self._ipc is None or self._ipc.model is not model:
+            from grpolab.rollout.vllm_worker import CudaIPCWeightSender
+
+            self._ipc = CudaIPCWeightSender(self.llm, model)
+        self._ipc.send()
+
+    # ---- sleep / shutdown ----
+    def _sleep(self) -> None:
+        if self.sleep_level is not None and not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        """Shut the engine-core processes down and remove the sync folder (idempotent)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        self._ipc = None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+        if self._owns_sync_dir:
+            shutil.rmtree(self._sync_dir, ignore_errors=True)

@@ -1,0 +1,255 @@
+"""vLLM plumbing for ``grpolab.rollout.vllm``: worker extension, GPU weight transfer, and the
+engine under another interpreter (``--vllm-python``).
+
+``WorkerExtension`` is mixed into vLLM's worker class (``LLM(worker_extension_cls=...)``, vLLM's
+hook for RL frameworks); its methods run in every worker via ``llm.collective_rpc(name)``.
+``CudaIPCWeightSender`` is the GPU-only in-process weight update (vLLM's CUDA-IPC transfer).
+
+``VLLMSubprocessEngine`` (trainer side) runs a ``VLLMEngine`` in its own process under another
+Python (one with vLLM installed), started as ``python -m grpolab.rollout.vllm_worker ADDRESS``.
+They talk over a local Unix socket (``multiprocessing.connection``, authenticated) in JSON, one
+request / one reply; weights go through a safetensors file the trainer writes and the server
+reloads. The server exits when asked to, or when the trainer's side of the channel closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import asdict
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from grpolab.rollout.base import Completion, SamplingParams
+
+__all__ = ["CudaIPCWeightSender", "VLLMSubprocessEngine", "WorkerExtension", "serve"]
+
+_AUTHKEY_ENV = "GRPOLAB_VLLM_AUTHKEY"
+
+
+class WorkerExtension:
+    """Methods added to vLLM's worker (``self`` is the worker)."""
+
+    def grpolab_reload_weights(self, weights_path: str) -> None:
+        """``reload_weights`` from a folder of checkpoint-format safetensors, then re-process the
+        output layers on CPU.
+
+        The CPU backend repacks the lm_head weight into a GEMM-friendly copy after loading; with
+        tied embeddings the reload updates the shared tensor but skips the lm_head layer (no
+        ``lm_head.*`` in the checkpoint), leaving its packed copy stale: re-run its processing.
+        """
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+        from vllm.platforms import current_platform
+
+        self.reload_weights(weights_path=weights_path)
+        if current_platform.is_cpu():
+            for module in self.model_runner.get_model().modules():
+                if isinstance(module, ParallelLMHead):
+                    module.quant_method.process_weights_after_loading(module)
+
+
+class CudaIPCWeightSender:
+    """GPU only (not run on the CPU dev machine): pushes a CUDA ``model``'s parameters into an
+    in-process ``vllm.LLM`` (built with ``WeightTransferConfig(backend="ipc")``) with vLLM's CUDA-IPC
+    weight transfer; it is also the ``VLLMWeightSyncClient`` the transfer drives."""
+
+    def __init__(self, llm, model: nn.Module):
+        from vllm.distributed.weight_transfer import ModuleSource
+        from vllm.distributed.weight_transfer.ipc_engine import (
+            IPCTrainerInitInfo,
+            IPCTrainerWeightTransferEngine,
+        )
+
+        self.llm, self.model = llm, model
+        self._sender = IPCTrainerWeightTransferEngine.trainer_init(
+            IPCTrainerInitInfo(rank=0), client=self, source=ModuleSource(model))
+
+    def send(self) -> None:
+        self._sender.send_weights()  # start_weight_update -> update_weights -> finish_weight_update
+
+    # VLLMWeightSyncClient: LLM's own methods take request dicts
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        from vllm.distributed.weight_transfer.clients import (
+            _json_safe_update_payload,  # pickles IPC handles
+        )
+
+        self.llm.update_weights({"update_info": _json_safe_update_payload(update_info)})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+# ---- the channel -------------------------------------------------------------------------------
+def _send(conn: Connection, message: dict[str, Any]) -> None:
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def _recv(conn: Connection) -> dict[str, Any]:
+    return json.loads(conn.recv_bytes())
+
+
+def _handle(engine, message: dict[str, Any]) -> dict[str, Any]:
+    op = message["op"]
+    if op == "generate":
+        params = SamplingParams(**{**message["params"], "stop_strings": tuple(message["params"]["stop_strings"])})
+        groups = engine.generate(message["prompts"], message["n"], params)
+        return {"completions": [[asdict(c) for c in group] for group in groups]}
+    if op == "sync":
+        engine.sync_from_folder(message["folder"])
+        return {}
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _exit_with_parent(interval: float = 1.0) -> None:
+    """Daemon thread: end this process if its parent (the trainer) dies, even before it connects."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os._exit(1)  # vLLM's engine-core processes follow their own parent (this one) out
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def serve(address: str) -> None:
+    """Server loop: build a ``VLLMEngine`` from the first message, then answer until "close"/EOF."""
+    from grpolab.rollout.vllm import VLLMEngine
+
+    _exit_with_parent()
+    with Listener(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV))) as listener:
+        conn = listener.accept()
+    engine = None
+    try:
+        init = _recv(conn)
+        try:
+            engine = VLLMEngine(init["model_dir"], **init["kwargs"])
+            _send(conn, {"ok": True, "eos_token_ids": engine.eos_token_ids})
+        except Exception:  # noqa: BLE001 - any failure goes back to the trainer
+            _send(conn, {"ok": False, "error": traceback.format_exc()})
+            return
+        while True:
+            try:
+                message = _recv(conn)
+            except EOFError:  # the trainer is gone
+                return
+            if message["op"] == "close":
+                break
+            try:
+                _send(conn, {"ok": True, **_handle(engine, message)})
+            except Exception:  # noqa: BLE001 - any failure goes back to the trainer
+                _send(conn, {"ok": False, "error": traceback.format_exc()})
+    finally:
+        if engine is not None:
+            engine.close()
+    _send(conn, {"ok": True})
+    conn.close()
+
+
+# ---- the trainer side ----------------------------------------------------------------------------
+class VLLMSubprocessEngine:
+    """``RolloutEngine`` whose ``VLLMEngine`` runs in a child process under ``python``.
+
+    model_dir, tokenizer: as for ``VLLMEngine`` (the tokenizer decodes ``Completion.text`` here).
+    python: interpreter with vLLM (and grpolab's dependencies); grpolab itself is put on its path.
+    start_timeout: seconds to wait for the server's socket (the engine start is not counted).
+    engine_kwargs: keyword arguments of ``VLLMEngine`` (JSON values only).
+    """
+
+    def __init__(self, model_dir: str | Path, tokenizer=None, *, python: str, start_timeout: float = 120.0,
+                 **engine_kwargs: Any):
+        from grpolab.rollout.vllm import save_weights
+
+        self._save_weights = save_weights
+        self.tokenizer = tokenizer
+        self._dir = Path(tempfile.mkdtemp(prefix="grpolab-vllm-proc-"))
+        address = str(self._dir / "socket")
+        authkey = secrets.token_bytes(32)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, _AUTHKEY_ENV: authkey.hex(),
+               "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        self._proc = subprocess.Popen([python, "-m", "grpolab.rollout.vllm_worker", address], env=env)
+        self._conn: Connection | None = None
+        try:
+            self._conn = self._connect(address, authkey, start_timeout)
+            reply = self._call({"model_dir": str(model_dir), "kwargs": engine_kwargs})
+        except BaseException:
+            self.close()
+            raise
+        self.eos_token_ids: list[int] = reply["eos_token_ids"]
+
+    def _connect(self, address: str, authkey: bytes, timeout: float) -> Connection:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with code {self._proc.returncode} before connecting")
+            try:
+                return Client(address, family="AF_UNIX", authkey=authkey)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"vLLM server did not listen on {address} within {timeout} s") from None
+                time.sleep(0.1)
+
+    def _call(self, message: dict[str, Any]) -> dict[str, Any]:
+        if self._conn is None:
+            raise RuntimeError("engine is closed")
+        _send(self._conn, message)
+        try:
+            reply = _recv(self._conn)
+        except EOFError:
+            raise RuntimeError(f"vLLM server died (exit code {self._proc.poll()})") from None
+        if not reply.pop("ok"):
+            raise RuntimeError(f"vLLM server failed:\n{reply['error']}")
+        return reply
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        """``n`` completions per prompt, ``[len(prompts)][n]``, prompt order kept."""
+        reply = self._call({"op": "generate", "prompts": [list(p) for p in prompts], "n": n, "params": asdict(params)})
+        groups = [[Completion(**c) for c in group] for group in reply["completions"]]
+        if self.tokenizer is not None:
+            for c in (c for group in groups for c in group):
+                c.text = self.tokenizer.decode(c.completion_ids, skip_special_tokens=True)
+        return groups
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Write ``model``'s parameters to a file in this engine's folder; the server reloads them."""
+        self._call({"op": "sync", "folder": str(self._save_weights(model, self._dir).parent)})
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Ask the server to shut its engine down and exit (killed after ``timeout`` s); idempotent."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                _send(conn, {"op": "close"})
+                _recv(conn)
+            except (EOFError, OSError):
+                pass
+            conn.close()
+        if self._proc.poll() is None:
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
