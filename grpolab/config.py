@@ -60,7 +60,7 @@ TaskConfig = Annotated[Union[ArithmeticTaskConfig, GSM8KTaskConfig], Field(discr
 
 class RolloutConfig(_Section):
     engine: Literal["hf"] = "hf"
-    prompts_per_step: int = Field(16, ge=1)
+    prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(48, ge=1)
     max_prompt_tokens: int | None = Field(None, ge=1, description="longer prompts are an error, never truncated")
@@ -68,7 +68,7 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = disabled")
     stop_strings: list[str] = Field(default_factory=list)
-    max_batch_size: int = Field(128, ge=1, description="sequences generated at once")
+    max_batch_size: int = Field(256, ge=1, description="sequences generated at once")
 
 
 class OptimConfig(_Section):
@@ -80,19 +80,19 @@ class OptimConfig(_Section):
 
 
 class EvalConfig(_Section):
-    every: int = Field(10, ge=1)
+    every: int = Field(20, ge=1)
     n_examples: int | None = Field(None, ge=1, description="None = the whole validation split")
     pass_k: list[int] = Field(default_factory=list, description="e.g. [1, 8]: sampled pass@k")
     pass_n: int = Field(8, ge=1, description="samples per problem for pass@k")
 
 
 class CheckpointConfig(_Section):
-    every: int = Field(25, ge=1)
+    every: int = Field(50, ge=1)
 
 
 class RunConfig(_Section):
     seed: int = 0
-    steps: int = Field(60, ge=1)
+    steps: int = Field(100, ge=1)
     output_dir: str | None = None
     reference: Literal["none", "frozen"] = Field("none", description="frozen copy of the start policy for KL")
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (None = torch's default); "

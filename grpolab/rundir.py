@@ -16,12 +16,12 @@ class RunDirError(FileExistsError):
     """The output directory already holds something; nothing was written."""
 
 
-def create_run_dir(output_dir: str | None, label: str, root: str = "runs") -> Path:
-    """A new, empty run directory. ``output_dir`` may exist only if empty; default runs/<time>-<label>."""
+def resolve_run_dir(output_dir: str | None, label: str, root: str = "runs") -> Path:
+    """Where a new run goes (not created yet): ``output_dir``, which may exist only if empty, or
+    runs/<time>-<label>. Raises RunDirError for a directory that already holds something."""
     run_dir = Path(output_dir) if output_dir else Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}"
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         raise RunDirError(f"output directory already exists and is not empty: {run_dir} (choose another --output-dir)")
-    run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
 

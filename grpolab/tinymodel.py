@@ -21,7 +21,13 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 from grpolab.tasks.base import Task
 
@@ -81,9 +87,11 @@ def build_model(
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = True,
 ) -> PreTrainedModel:
-    """A randomly initialised causal LM of model type ``arch`` ("llama", "qwen2", "qwen3", ...).
+    """A randomly initialised causal LM of model type ``arch`` ("llama", "qwen3", ...).
 
-    Seed torch before calling for a reproducible initialisation.
+    Seed torch before calling for a reproducible initialisation. Note: with transformers 5,
+    ``AutoTokenizer`` loads a folder whose model type is ``qwen2`` as ``Qwen2Tokenizer`` and swaps
+    in Qwen's pre-tokenizer, so ``save_checked`` refuses that arch.
     """
     config = AutoConfig.for_model(
         arch,
@@ -120,11 +128,11 @@ class WarmStartSettings(BaseModel):
     num_heads: int = 4
     intermediate_size: int = 512
     tie_word_embeddings: bool = True
-    steps: int = Field(default=150, ge=0)
+    steps: int = Field(default=250, ge=0)
     batch_size: int = Field(default=64, ge=1)
     lr: float = 3e-3
     warmup_steps: int = Field(default=10, ge=0)
-    final_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    final_lr_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
     weight_decay: float = 0.0
     max_examples: int | None = Field(default=None, description="use only the first N solved examples")
 
@@ -215,6 +223,24 @@ def supervised_warm_start(
     return losses
 
 
+def save_checked(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, folder: Path, probe: str
+) -> None:
+    """``save_pretrained`` both, then check the Auto classes load back the same tokenizer.
+
+    transformers maps some model types to their own tokenizer class on load (``qwen2`` gets
+    ``Qwen2Tokenizer``, which replaces the pre-tokenizer); such an arch is refused here.
+    """
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    loaded = AutoTokenizer.from_pretrained(folder)
+    if loaded(probe)["input_ids"] != tokenizer(probe)["input_ids"]:
+        raise ValueError(
+            f"AutoTokenizer reloads a different tokenizer ({type(loaded).__name__}) for model type "
+            f"{model.config.model_type!r}; use arch='llama' or 'qwen3'"
+        )
+
+
 def warm_start_model(
     task: Task, settings: WarmStartSettings | None = None, cache_dir: str | Path | None = None
 ) -> Path:
@@ -249,8 +275,7 @@ def warm_start_model(
     losses = supervised_warm_start(model, tokenizer, pairs, settings)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_checked(model, tokenizer, tmp, probe=pairs[0][0] + pairs[0][1])
         info = {
             "task": task.name,
             "settings": settings.model_dump(),

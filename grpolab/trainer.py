@@ -31,7 +31,7 @@ from grpolab.models import (frozen_copy, load_policy, model_record, resolve_devi
                             resolve_model_dir)
 from grpolab.rollout.base import Completion, SamplingParams
 from grpolab.rollout.hf import HFEngine
-from grpolab.rundir import MetricsLog, create_run_dir, save_checkpoint, write_json
+from grpolab.rundir import MetricsLog, resolve_run_dir, save_checkpoint, write_json
 from grpolab.tasks import make_task
 from grpolab.tasks.base import Example, Grade
 from grpolab.update import UpdateData, run_update
@@ -80,7 +80,7 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         self.task = make_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
         self.model_dir = resolve_model_dir(cfg.model.path, self.task)  # before the run dir: fail early
-        self.run_dir = create_run_dir(cfg.output_dir, self.spec.name)
+        self.run_dir = resolve_run_dir(cfg.output_dir, self.spec.name)  # refuse a used directory early
         self.device = resolve_device(cfg.model.device)
         self.model, self.tokenizer = load_policy(self.model_dir, resolve_dtype(cfg.model.dtype, self.device), self.device)
         if cfg.model.gradient_checkpointing:
@@ -95,6 +95,7 @@ class Trainer:
         self.val_examples = self.task.validation_examples()[: cfg.eval.n_examples]
         self.prompt_ids = self._tokenize_prompts(self.task.train_examples() + self.val_examples)
         self.minibatch_gen = torch.Generator().manual_seed(cfg.seed)
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # only once everything above validated
         self.log = MetricsLog(self.run_dir / "metrics.jsonl")
         self.updates = {"attempted": 0, "actual": 0}
         self._write_manifest()

@@ -45,6 +45,7 @@ def test_prompt_longer_than_the_limit_is_an_error_listing_ids(long_context_model
     cfg = small_gsm8k(long_context_model_dirs["llama"], tmp_path / "run", **{"rollout.max_prompt_tokens": 420})
     with pytest.raises(ValueError, match=r"prompts are longer than 420 tokens.*Example ids: train-"):
         Trainer(cfg)
+    assert not (tmp_path / "run").exists(), "a refused run leaves nothing on disk"
 
 
 def test_gsm8k_needs_an_existing_model_dir(tmp_path, capsys):
