@@ -121,3 +121,18 @@ def make_tiny_model(tiny_model_dirs) -> Callable[[str], torch.nn.Module]:
         return model.eval()
 
     return make
+
+
+def assert_engine_contract(out, prompts, tokenizer, max_new_tokens: int) -> None:
+    """The rollout-engine contract (grpolab.rollout.base) on ``out`` = engine.generate(prompts, n, ...)."""
+    for prompt, group in zip(prompts, out):
+        for c in group:
+            assert c.prompt_ids == prompt
+            assert 1 <= len(c.completion_ids) <= max_new_tokens and len(c.logprobs) == len(c.completion_ids)
+            assert all(lp <= 0 for lp in c.logprobs)
+            ends_on_eos = c.completion_ids[-1] == tokenizer.eos_token_id
+            assert c.finish_reason == ("stop" if ends_on_eos else "length")
+            if c.finish_reason == "length":
+                assert len(c.completion_ids) == max_new_tokens
+            assert tokenizer.eos_token_id not in c.completion_ids[:-1]
+            assert c.text == tokenizer.decode(c.completion_ids, skip_special_tokens=True)

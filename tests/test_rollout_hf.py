@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_engine_contract
 from grpolab.batching import collate
 from grpolab.logprobs import token_logprobs
 from grpolab.rollout import Completion, HFEngine, RolloutEngine, SamplingParams
@@ -43,17 +44,7 @@ def test_shapes_and_finish_reasons(model, tokenizer, prompts):
     assert engine.eos_token_ids == [tokenizer.eos_token_id]
     out = engine.generate(prompts, 4, SamplingParams(max_new_tokens=12, seed=0))
     assert [len(g) for g in out] == [4, 4, 4]
-    for prompt, group in zip(prompts, out):
-        for c in group:
-            assert c.prompt_ids == prompt
-            assert 1 <= len(c.completion_ids) <= 12 and len(c.logprobs) == len(c.completion_ids)
-            assert all(lp <= 0 for lp in c.logprobs)
-            ends_on_eos = c.completion_ids[-1] == tokenizer.eos_token_id
-            assert c.finish_reason == ("stop" if ends_on_eos else "length")
-            if c.finish_reason == "length":
-                assert len(c.completion_ids) == 12
-            assert tokenizer.eos_token_id not in c.completion_ids[:-1]
-            assert c.text == tokenizer.decode(c.completion_ids, skip_special_tokens=True)
+    assert_engine_contract(out, prompts, tokenizer, max_new_tokens=12)
 
 
 def test_eos_included_and_nothing_after(model, tokenizer, prompts):

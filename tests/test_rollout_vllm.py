@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from conftest import assert_engine_contract
 from grpolab.batching import collate
 from grpolab.logprobs import token_logprobs
 from grpolab.rollout import Completion, HFEngine, RolloutEngine, SamplingParams
@@ -140,17 +141,7 @@ def test_contract(engine, tokenizer, prompts):
     out = engine.generate(prompts, 8, SamplingParams(max_new_tokens=12, seed=0))
     assert [len(g) for g in out] == [8, 8, 8]
     flat = _flat(out)
-    for prompt, group in zip(prompts, out):
-        for c in group:
-            assert c.prompt_ids == prompt
-            assert 1 <= len(c.completion_ids) <= 12 and len(c.logprobs) == len(c.completion_ids)
-            assert all(lp <= 0 for lp in c.logprobs)
-            ends_on_eos = c.completion_ids[-1] == tokenizer.eos_token_id
-            assert c.finish_reason == ("stop" if ends_on_eos else "length")
-            if c.finish_reason == "length":
-                assert len(c.completion_ids) == 12
-            assert tokenizer.eos_token_id not in c.completion_ids[:-1]
-            assert c.text == tokenizer.decode(c.completion_ids, skip_special_tokens=True)
+    assert_engine_contract(out, prompts, tokenizer, max_new_tokens=12)
     assert any(c.finish_reason == "stop" for c in flat) and any(c.finish_reason == "length" for c in flat)
     assert len({tuple(c.completion_ids) for c in out[0]}) > 1  # the n samples differ
     again = engine.generate(prompts, 8, SamplingParams(max_new_tokens=12, seed=0))
