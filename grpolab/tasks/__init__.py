@@ -10,7 +10,6 @@ from grpolab.tasks.gsm8k import GSM8KTask
 from grpolab.tasks.r1_zero import (
     R1_ZERO_TEMPLATE,
     grade_r1_zero,
-    normalize_number,
     parse_r1_zero,
     r1_zero_prompt,
 )
@@ -36,7 +35,6 @@ __all__ = [
     "column_addition_solution",
     "grade_r1_zero",
     "make_task",
-    "normalize_number",
     "parse_r1_zero",
     "r1_zero_prompt",
 ]

@@ -6,7 +6,6 @@ The model continues the prompt after ``<think>``; a well-formed completion looks
 
 from __future__ import annotations
 
-import re
 
 from grpolab.tasks.base import Grade
 
@@ -24,7 +23,6 @@ THINK_CLOSE_ANSWER_OPEN = "</think> <answer>"
 ANSWER_CLOSE = "</answer>"
 
 # One number: optional sign, digits with an optional fraction, or a bare fraction (".5").
-_NUMBER = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 
 
 def r1_zero_prompt(question: str) -> str:
@@ -46,29 +44,6 @@ def parse_r1_zero(completion: str) -> tuple[bool, str | None]:
     if end < 0:
         return False, None
     return True, rest[:end].strip()
-
-
-def _canonical(number: str) -> str:
-    """Canonical decimal string: no '+', no leading zeros, no trailing fractional zeros, no '-0'."""
-    sign = "-" if number.startswith("-") else ""
-    int_part, _, frac = number.lstrip("+-").partition(".")
-    int_part = int_part.lstrip("0") or "0"
-    frac = frac.rstrip("0")
-    out = int_part + ("." + frac if frac else "")
-    return out if out == "0" else sign + out
-
-
-def normalize_number(text: str) -> str | None:
-    """Canonical form of the single number in ``text``, or None.
-
-    Commas and ``$`` are removed, surrounding words or units are ignored, and trailing zeros are
-    dropped: ``"$1,234.00 dollars"`` -> ``"1234"``, ``"-0.50"`` -> ``"-0.5"``. Text with no number or
-    with more than one number (``"3 or 4"``, ``"3/4"``) gives None.
-    """
-    numbers = _NUMBER.findall(text.replace(",", "").replace("$", ""))
-    if len(numbers) != 1:
-        return None
-    return _canonical(numbers[0])
 
 
 def answers_match(predicted: str, gold: str, symbolic: bool = True) -> bool:
