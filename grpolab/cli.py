@@ -7,6 +7,7 @@ name; ``grpolab demo`` is ``train`` with the built-in defaults (tiny model, arit
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Any
 
@@ -59,7 +60,34 @@ def build_parser() -> argparse.ArgumentParser:
     probe = sub.add_parser("probe", help="capacity check: two real updates at the config's worst-case shapes")
     probe.add_argument("--config", help="TOML file, as for train")
     probe.add_argument("--report", default="probe_report.json", help="where to write the JSON report (must not exist)")
+    bench = sub.add_parser("bench", help="time every available rollout engine side by side: generation "
+                           "(rollout) or whole RL steps with the phase split (step)")
+    bench.add_argument("kind", choices=["rollout", "step"])
+    bench.add_argument("--config", help="TOML file, as for train (default: the demo's settings)")
+    bench.add_argument("--engines", help="comma-separated, e.g. hf,vllm (default: every available engine)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed generations / steps after one warm-up")
+    bench.add_argument("--json", help="also write the figures to this JSON file (must not exist)")
     return parser
+
+
+def run_bench(args: argparse.Namespace, cfg, console: Console) -> None:
+    import json
+    from pathlib import Path
+
+    from grpolab.bench import available_engines
+    from grpolab.bench import run_bench as bench
+
+    engines = args.engines.split(",") if args.engines else available_engines(cfg)
+    unknown = sorted(set(engines) - {"hf", "vllm"})
+    if unknown or args.repeats < 1:
+        raise ValueError(f"unknown engine(s) {', '.join(unknown)}; choose from hf, vllm" if unknown
+                         else "--repeats must be >= 1")
+    if args.json and Path(args.json).exists():
+        raise FileExistsError(f"--json {args.json} already exists; not overwritten")
+    results = bench(args.kind, cfg, engines, args.repeats, console)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"kind": args.kind, "config": cfg.model_dump(mode="json"),
+                                               "results": results}, indent=2))
 
 
 def run_command(args: argparse.Namespace, extra: list[str], console: Console) -> int:
@@ -79,10 +107,17 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
                       f"{report['batch']['sequences']} x {report['batch']['sequence_length']} tokens; "
                       f"report in {args.report}")
         return 0
+    if args.command == "bench":
+        run_bench(args, cfg, console)
+        return 0
     from grpolab.trainer import train
 
     train(cfg, console)
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,10 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         print_algorithms(console)
         return 0
     from grpolab.losses import NonFiniteError
+    from grpolab.rollout.vllm import WeightSyncError
 
+    signal.signal(signal.SIGTERM, _interrupt)  # a terminated run shuts its engine down like Ctrl-C
     try:
         return run_command(args, extra, console)
-    except (FileNotFoundError, FileExistsError, ValueError, NonFiniteError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError, NonFiniteError, WeightSyncError) as err:
         for line in str(err).splitlines():
             console.print(f"[red]error:[/red] {line}", highlight=False, soft_wrap=True)
         return 2

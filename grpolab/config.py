@@ -58,8 +58,21 @@ class GSM8KTaskConfig(_Section):
 TaskConfig = Annotated[Union[ArithmeticTaskConfig, GSM8KTaskConfig], Field(discriminator="name")]
 
 
+class VLLMConfig(_Section):
+    """The vLLM engine's settings (used when rollout.engine is "vllm")."""
+
+    python: str | None = Field(None, description="run vLLM under this interpreter, in its own process "
+                               "(e.g. a venv that pins vLLM's torch); None = in this process")
+    sleep_level: Literal[0, 1, 2] = Field(1, description="sleep between rollouts where the platform supports "
+                                          "it (GPU): 1 frees the KV cache, 2 also drops the weights; 0 never")
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="GPU share for vLLM; the rest trains")
+    kv_cache_gib: float | None = Field(None, gt=0, description="explicit KV-cache size; None = vLLM's default "
+                                       "on GPU, 0.25 GiB on CPU")
+
+
 class RolloutConfig(_Section):
-    engine: Literal["hf"] = "hf"
+    engine: Literal["hf", "vllm"] = Field("hf", description="hf: transformers generate on the training model; "
+                                          "vllm: colocated vLLM, weights synced every step")
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(48, ge=1)
@@ -68,7 +81,31 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = disabled")
     stop_strings: list[str] = Field(default_factory=list)
-    max_batch_size: int = Field(256, ge=1, description="sequences generated at once")
+    max_batch_size: int = Field(256, ge=1, description="sequences generated at once (hf engine)")
+    vllm: VLLMConfig = VLLMConfig()
+    sync_check: bool | None = Field(None, description="compare engine and trainer log-probs of the sampled "
+                                    "tokens every step (None = on for vllm, off for hf)")
+    sync_max_diff: float | None = Field(None, gt=0, description="stop when max |engine - trainer log-prob| "
+                                        "exceeds this; None = 1e-3 in float32, off in bfloat16")
+    sync_mean_diff: float | None = Field(None, gt=0, description="stop when the mean |diff| exceeds this; "
+                                         "None = 1e-4 in float32, 0.1 in bfloat16")
+
+    @model_validator(mode="after")
+    def _vllm_python_means_vllm(self) -> "RolloutConfig":
+        if self.vllm.python is not None and self.engine != "vllm":
+            if "engine" in self.model_fields_set:
+                raise ValueError("rollout.vllm.python (--vllm-python) needs rollout.engine 'vllm'")
+            self.engine = "vllm"
+        return self
+
+    def checks_sync(self) -> bool:
+        return self.engine == "vllm" if self.sync_check is None else self.sync_check
+
+    def sync_limits(self, dtype: str) -> tuple[float | None, float | None]:
+        """(max, mean) |diff| limits for the trainer's dtype; explicit settings win."""
+        max_default, mean_default = (1e-3, 1e-4) if dtype == "float32" else (None, 0.1)
+        return (self.sync_max_diff if self.sync_max_diff is not None else max_default,
+                self.sync_mean_diff if self.sync_mean_diff is not None else mean_default)
 
 
 class OptimConfig(_Section):
@@ -141,7 +178,8 @@ class RunConfig(_Section):
         return self.reference == "frozen" or self.algorithm.beta > 0
 
 
-ALIASES = {"algo": "algorithm.name", "model": "model.path", "task": "task.name"}
+ALIASES = {"algo": "algorithm.name", "model": "model.path", "task": "task.name", "engine": "rollout.engine",
+           "vllm_python": "rollout.vllm.python"}
 
 
 def parse_value(text: str) -> Any:

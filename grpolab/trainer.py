@@ -27,10 +27,17 @@ from grpolab.batching import TrainBatch, collate
 from grpolab.config import RunConfig
 from grpolab.evaluation import evaluate, grade_completions
 from grpolab.logprobs import enable_gradient_checkpointing, token_logprobs
-from grpolab.models import (frozen_copy, load_policy, model_record, resolve_device, resolve_dtype,
-                            resolve_model_dir)
+from grpolab.models import (
+    frozen_copy,
+    load_policy,
+    model_record,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_dir,
+)
 from grpolab.rollout.base import Completion, SamplingParams
-from grpolab.rollout.hf import HFEngine
+from grpolab.rollout.select import build_engine, dtype_name
+from grpolab.rollout.vllm import verify_weight_sync
 from grpolab.rundir import MetricsLog, resolve_run_dir, save_checkpoint, write_json
 from grpolab.tasks import make_task
 from grpolab.tasks.base import Example, Grade
@@ -60,6 +67,7 @@ class RolloutBatch:
     completions: list[list[Completion]]
     grades: list[list[Grade]]
     rounds: int = 1
+    seconds: dict[str, float] | None = None  # {"generate": s, "reward": s}
 
     def rewards(self) -> torch.Tensor:
         """[B, G] float32."""
@@ -87,7 +95,6 @@ class Trainer:
             enable_gradient_checkpointing(self.model)
         self.model.eval()
         self.reference = frozen_copy(self.model) if cfg.needs_reference() else None
-        self.engine = HFEngine(self.model, self.tokenizer, max_batch_size=cfg.rollout.max_batch_size)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                            weight_decay=cfg.optim.weight_decay)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -95,10 +102,16 @@ class Trainer:
         self.val_examples = self.task.validation_examples()[: cfg.eval.n_examples]
         self.prompt_ids = self._tokenize_prompts(self.task.train_examples() + self.val_examples)
         self.minibatch_gen = torch.Generator().manual_seed(cfg.seed)
-        self.run_dir.mkdir(parents=True, exist_ok=True)  # only once everything above validated
-        self.log = MetricsLog(self.run_dir / "metrics.jsonl")
         self.updates = {"attempted": 0, "actual": 0}
-        self._write_manifest()
+        self.engine = build_engine(cfg.rollout, self.model, self.tokenizer, self.model_dir, seed=cfg.seed,
+                                   max_model_len=max(map(len, self.prompt_ids.values())) + cfg.rollout.max_new_tokens)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)  # only once everything above validated
+            self.log = MetricsLog(self.run_dir / "metrics.jsonl")
+            self._write_manifest()
+        except BaseException:
+            self.engine.close()
+            raise
 
     # ---- set-up helpers -------------------------------------------------------------------
     def _tokenize_prompts(self, examples: list[Example]) -> dict[str, list[int]]:
@@ -125,8 +138,20 @@ class Trainer:
             "model": model_record(self.model, self.model_dir), "task": self.task.name,
             "data": fingerprint() if fingerprint else None, "train_examples": len(self.task.train_examples()),
             "val_examples": len(self.val_examples), "algorithm": self.spec.model_dump(),
+            "rollout_engine": self._engine_record(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         })
+
+    def _engine_record(self) -> dict[str, Any]:
+        r = self.cfg.rollout
+        record: dict[str, Any] = {"engine": r.engine}
+        if r.engine == "vllm":
+            record["python"] = r.vllm.python or sys.executable
+            if r.vllm.python is None:
+                import vllm
+
+                record["vllm"] = vllm.__version__
+        return record
 
     def sampling_params(self, step: int, round_: int) -> SamplingParams:
         r = self.cfg.rollout
@@ -141,11 +166,16 @@ class Trainer:
         batch still short is topped up with dropped groups so its size never changes."""
         want, group = self.cfg.rollout.prompts_per_step, self.cfg.rollout.group_size
         kept, dropped, rounds = RolloutBatch([], [], []), RolloutBatch([], [], []), 0
+        seconds = {"generate": 0.0, "reward": 0.0}
         while len(kept.examples) < want and rounds <= self.spec.max_resample_rounds:
             examples = self.prompts.take(want - len(kept.examples))
+            t0 = time.perf_counter()
             completions = self.engine.generate([self.prompt_ids[e.id] for e in examples], group,
                                                self.sampling_params(step, rounds))
+            t1 = time.perf_counter()
             grades = grade_completions(self.task, examples, completions)
+            seconds["generate"] += t1 - t0
+            seconds["reward"] += time.perf_counter() - t1
             rounds += 1
             batch = RolloutBatch(examples, completions, grades)
             keep = informative_groups(batch.rewards()) if self.spec.dynamic_sampling else torch.ones(len(examples), dtype=torch.bool)
@@ -156,7 +186,7 @@ class Trainer:
                 target.grades.append(grades[i])
         short = want - len(kept.examples)
         return RolloutBatch(kept.examples + dropped.examples[:short], kept.completions + dropped.completions[:short],
-                            kept.grades + dropped.grades[:short], rounds)
+                            kept.grades + dropped.grades[:short], rounds, seconds)
 
     # ---- 3. advantages and 4. update ------------------------------------------------------
     def logprobs_of(self, model, batch: TrainBatch, indices: torch.Tensor, with_entropy: bool):
@@ -177,8 +207,11 @@ class Trainer:
         advantages = group_advantages(rewards, self.spec.baseline, self.spec.normalizer, self.spec.adv_eps)
         batch = collate(rollout.flat(), self.tokenizer.pad_token_id).to(self.device)
         # With one optimizer step the policy is still the sampling policy: old = current, detached
-        # (exactly the log-probs frozen before the update, without a second forward pass).
-        old = None if self.spec.is_single_update else self._frozen_logprobs(self.model, batch)
+        # (exactly the log-probs frozen before the update, without a second forward pass), unless
+        # the sync check needs them anyway.
+        check = self.cfg.rollout.checks_sync()
+        old = None if self.spec.is_single_update and not check else self._frozen_logprobs(self.model, batch)
+        sync = self._check_sync(batch, old) if check else {}
         ref = self._frozen_logprobs(self.reference, batch) if self.reference is not None else None
         data = UpdateData(advantages=advantages.flatten().to(self.device), response_mask=batch.response_mask, old_logprobs=old,
                           ref_logprobs=ref, engine_logprobs=batch.engine_logprobs)
@@ -192,7 +225,15 @@ class Trainer:
             self.model.eval()
         self.updates["attempted"] += result.attempted
         self.updates["actual"] += result.actual
-        return {**advantage_metrics(rewards, advantages), **result.metrics()}
+        return {**advantage_metrics(rewards, advantages), **result.metrics(), **sync}
+
+    def _check_sync(self, batch: TrainBatch, trainer_logprobs: torch.Tensor) -> dict[str, float]:
+        """Engine vs trainer log-probs of the sampled tokens, right after the last sync: logged, and
+        a ``WeightSyncError`` past the limits (a missed or partial sync)."""
+        max_diff, mean_diff = self.cfg.rollout.sync_limits(dtype_name(next(self.model.parameters()).dtype))
+        found = verify_weight_sync(batch.engine_logprobs, trainer_logprobs, batch.response_mask,
+                                   max_abs_diff=max_diff, mean_abs_diff=mean_diff)
+        return {"sync/logprob_diff_mean": found.mean_abs_diff, "sync/logprob_diff_max": found.max_abs_diff}
 
     # ---- evaluation, the loop, the summary ------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
@@ -228,7 +269,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         """One rollout batch: rollout -> reward -> advantage -> update -> sync; logs and returns its metrics."""
         t0 = time.perf_counter()
-        rollout = self.rollout(step)                    # 1. rollout (+ 2. reward, graded inside)
+        rollout = self.rollout(step)                    # 1. rollout + 2. reward
         t1 = time.perf_counter()
         metrics = self.update(rollout)                  # 3. group advantages + 4. policy update
         t2 = time.perf_counter()
@@ -243,7 +284,9 @@ class Trainer:
             "response_tokens": tokens, "completion_len_mean": tokens / len(flat), "truncation_rate": mean(c.truncated for c in flat),
             "rollout_rounds": rollout.rounds, "total_attempted_updates": self.updates["attempted"],
             "total_actual_updates": self.updates["actual"],
-            "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2, "tokens_per_s": tokens / (t1 - t0),
+            "time/generate": rollout.seconds["generate"], "time/reward": rollout.seconds["reward"],
+            "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
+            "tokens_per_s": tokens / rollout.seconds["generate"],
         }
         self.log.write(record)
         return record

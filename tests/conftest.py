@@ -24,6 +24,10 @@ from transformers import (
     Qwen3Config,
 )
 
+from grpolab.config import RunConfig, load_config
+from grpolab.tasks import ArithmeticTask
+from grpolab.tinymodel import WarmStartSettings, warm_start_model
+
 GSM8K_DIR = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<eos>"]
 TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
@@ -136,3 +140,57 @@ def assert_engine_contract(out, prompts, tokenizer, max_new_tokens: int) -> None
                 assert len(c.completion_ids) == max_new_tokens
             assert tokenizer.eos_token_id not in c.completion_ids[:-1]
             assert c.text == tokenizer.decode(c.completion_ids, skip_special_tokens=True)
+
+
+def descendants(root: int | None = None) -> set[int]:
+    """Live descendants of ``root`` (default: this process), from /proc; multiprocessing's resource
+    tracker excepted (it outlives its users by design and exits with the interpreter)."""
+    parent: dict[int, int] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except (OSError, ValueError):
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if state != "Z":
+            parent[int(entry)] = int(ppid)
+    found, frontier = set(), {root or os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - found
+        found |= frontier
+    return {pid for pid in found if b"resource_tracker" not in _cmdline(pid)}
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+# ---- a briefly warm-started demo model for RL-loop tests ---------------------------------------
+TASK = {"n_train": 60, "n_val": 16, "digits": 1}  # one-digit sums: a few seconds of warm start give ~30% reward
+QUICK_WARM_START = WarmStartSettings(steps=150, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
+                                     batch_size=32, lr=5e-3)
+
+
+@pytest.fixture(scope="session")
+def warm_model_dir(tmp_path_factory):
+    """A briefly warm-started tiny model: some samples right, some wrong (so advantages are non-zero)."""
+    return warm_start_model(ArithmeticTask(**TASK), QUICK_WARM_START, cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def quick_config(model_dir, out, **overrides) -> RunConfig:
+    base = {"model.path": str(model_dir), "output_dir": str(out), "steps": 2,
+            **{f"task.{k}": v for k, v in TASK.items()}, "rollout.prompts_per_step": 4, "rollout.group_size": 8,
+            "rollout.max_new_tokens": 40, "optim.micro_batch_size": 16, "optim.lr": 1e-3, "eval.every": 2,
+            "checkpoint.every": 2}
+    return load_config(None, {**base, **overrides})
+
+
+def params_of(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))

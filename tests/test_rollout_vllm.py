@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_engine_contract
+from conftest import descendants as _children
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from conftest import assert_engine_contract
 from grpolab.batching import collate
 from grpolab.logprobs import token_logprobs
 from grpolab.rollout import Completion, HFEngine, RolloutEngine, SamplingParams
@@ -36,31 +36,6 @@ TOL = 1e-4
 
 def _flat(groups: list[list[Completion]]) -> list[Completion]:
     return [c for g in groups for c in g]
-
-
-def _children() -> set[int]:
-    """Live descendants of this test process (from /proc), multiprocessing's resource tracker excepted."""
-    parent: dict[int, int] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except (OSError, ValueError):
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if state != "Z":
-            parent[int(entry)] = int(ppid)
-    found, frontier = set(), {os.getpid()}
-    while frontier:
-        frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - found
-        found |= frontier
-    return {pid for pid in found if b"resource_tracker" not in _cmdline(pid)}
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def _trainer_logprobs(model, completions: list[Completion], pad_id: int, temperature: float):

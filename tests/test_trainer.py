@@ -6,43 +6,15 @@ import json
 import math
 
 import pytest
-import torch
+from conftest import params_of, quick_config, same
 from transformers import AutoModelForCausalLM
 
 from grpolab.algorithms import PRESETS
 from grpolab.cli import main
-from grpolab.config import RunConfig, load_config
+from grpolab.config import load_config
 from grpolab.evaluation import pass_at_k
 from grpolab.rundir import RunDirError, read_metrics
-from grpolab.tasks import ArithmeticTask
-from grpolab.tinymodel import WarmStartSettings, warm_start_model
 from grpolab.trainer import Trainer, train
-
-TASK = {"n_train": 60, "n_val": 16, "digits": 1}  # one-digit sums: a few seconds of warm start give ~30% reward
-QUICK_WARM_START = WarmStartSettings(steps=150, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
-                                     batch_size=32, lr=5e-3)
-
-
-@pytest.fixture(scope="session")
-def warm_model_dir(tmp_path_factory):
-    """A briefly warm-started tiny model: some samples right, some wrong (so advantages are non-zero)."""
-    return warm_start_model(ArithmeticTask(**TASK), QUICK_WARM_START, cache_dir=tmp_path_factory.mktemp("cache"))
-
-
-def quick_config(model_dir, out, **overrides) -> RunConfig:
-    base = {"model.path": str(model_dir), "output_dir": str(out), "steps": 2,
-            **{f"task.{k}": v for k, v in TASK.items()}, "rollout.prompts_per_step": 4, "rollout.group_size": 8,
-            "rollout.max_new_tokens": 40, "optim.micro_batch_size": 16, "optim.lr": 1e-3, "eval.every": 2,
-            "checkpoint.every": 2}
-    return load_config(None, {**base, **overrides})
-
-
-def params_of(model) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -87,14 +59,14 @@ def test_dynamic_sampling_keeps_the_batch_size(warm_model_dir, tmp_path):
 
 
 def test_full_run_writes_metrics_checkpoints_summary_and_is_deterministic(warm_model_dir, tmp_path):
-    summaries = [train(quick_config(warm_model_dir, tmp_path / f"run{i}", **{"reference": "frozen"}))
+    summaries = [train(quick_config(warm_model_dir, tmp_path / f"run{i}", reference="frozen"))
                  for i in range(2)]
     run = tmp_path / "run0"
     metrics = read_metrics(run / "metrics.jsonl")
     steps = [m for m in metrics if "reward_mean" in m]
     assert [m["step"] for m in steps] == [1, 2]
     for key in ("reward_mean", "accuracy", "format_rate", "advantage_std", "kl_ref", "completion_len_mean",
-                "truncation_rate", "time/rollout", "time/train", "time/sync", "tokens_per_s",
+                "truncation_rate", "time/generate", "time/reward", "time/train", "time/sync", "time/step", "tokens_per_s",
                 "total_attempted_updates", "total_actual_updates"):
         assert key in steps[-1] or key in ("kl_ref", "grad_norm"), key
     assert [m["step"] for m in metrics if "val/accuracy" in m] == [0, 2]
@@ -104,7 +76,7 @@ def test_full_run_writes_metrics_checkpoints_summary_and_is_deterministic(warm_m
     assert model.num_parameters() > 0
     assert not list((run / "checkpoints").glob(".*")), "no temp dirs left behind"
     other = read_metrics(tmp_path / "run1" / "metrics.jsonl")
-    untimed = lambda ms: [{k: v for k, v in m.items() if not k.startswith("time/") and k != "tokens_per_s"} for m in ms]  # noqa: E731
+    untimed = lambda ms: [{k: v for k, v in m.items() if not k.startswith("time/") and k != "tokens_per_s"} for m in ms]
     assert untimed(metrics) == untimed(other)
     assert summaries[0]["val_accuracy"] == summaries[1]["val_accuracy"]
 

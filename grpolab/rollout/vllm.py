@@ -210,7 +210,7 @@ class VLLMEngine:
 
             llm_kwargs.setdefault("weight_transfer_config", WeightTransferConfig(backend="ipc"))
         if sleep_level is not None and not current_platform.is_sleep_mode_available():
-            logger.warning("vLLM sleep mode is not supported on this platform (%s): sleep_level=%s ignored",
+            logger.info("vLLM sleep mode is not supported on this platform (%s): sleep_level=%s ignored",
                            current_platform.device_type, sleep_level)
             sleep_level = None
         self.sleep_level = sleep_level

@@ -1,0 +1,71 @@
+"""Choosing the rollout engine from the config and the command line, and `grpolab bench` on hf."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from conftest import TASK, quick_config
+
+from grpolab.cli import main
+from grpolab.config import ConfigError, load_config
+from grpolab.trainer import Trainer
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def test_engine_options_and_sync_limits():
+    cfg = load_config(None, {})
+    assert cfg.rollout.engine == "hf" and not cfg.rollout.checks_sync()
+    cfg = load_config(None, {"engine": "vllm"})
+    assert cfg.rollout.checks_sync() and cfg.rollout.sync_limits("float32") == (1e-3, 1e-4)
+    assert cfg.rollout.sync_limits("bfloat16") == (None, 0.1)
+    cfg = load_config(None, {"vllm_python": "/opt/py/bin/python", "rollout.sync_max_diff": 0.5})
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.vllm.python == "/opt/py/bin/python"
+    assert cfg.rollout.sync_limits("float32") == (0.5, 1e-4)
+    assert load_config(None, {"rollout.sync_check": True}).rollout.checks_sync()
+    with pytest.raises(ConfigError, match="needs rollout.engine 'vllm'"):
+        load_config(None, {"engine": "hf", "vllm_python": "/opt/py/bin/python"})
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        load_config(None, {"engine": "sglang"})
+    with pytest.raises(ConfigError, match="rollout.vllm.sleep_level"):
+        load_config(None, {"rollout.vllm.sleep_level": 3})
+
+
+def test_bad_engine_input_is_one_line_and_leaves_no_run_dir(warm_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    base = ["train", "--model", str(warm_model_dir), "--output-dir", str(out)]
+    assert main([*base, "--vllm-python", str(tmp_path / "no-python")]) == 2
+    assert "no such interpreter" in capsys.readouterr().out
+    if not HAS_VLLM:
+        assert main([*base, "--engine", "vllm"]) == 2
+        assert "needs vLLM" in capsys.readouterr().out
+    assert not out.exists()
+
+
+def test_hf_engine_checks_its_own_logprobs_when_asked(warm_model_dir, tmp_path):
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", **{"rollout.sync_check": True}))
+    record = trainer.train_step(1)
+    trainer.close()
+    assert record["sync/logprob_diff_max"] < 1e-4  # generate's KV-cached log-probs vs a full forward
+    assert record["first_update/ratio_mean"] == 1.0
+
+
+@pytest.mark.parametrize("kind", ["rollout", "step"])
+def test_bench_prints_and_writes_figures(kind, warm_model_dir, tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    args = ["bench", kind, "--engines", "hf", "--repeats", "1", "--json", str(report), "--model", str(warm_model_dir),
+            *(x for k, v in TASK.items() for x in (f"--task.{k}", str(v))), "--rollout.prompts_per_step", "4",
+            "--rollout.max_new_tokens", "24", "--threads", "1"]
+    assert main(args) == 0
+    results = json.loads(report.read_text())["results"]
+    assert list(results) == ["hf"]
+    figures = results["hf"]
+    assert figures["tokens_per_s"] > 0
+    if kind == "step":
+        assert 0 < figures["sync_share"] < 1 and figures["step"] >= figures["generate"] + figures["train"]
+    assert f"bench {kind}" in capsys.readouterr().out
+    assert main(args) == 2  # the report exists: refused, not overwritten
+    assert json.loads(report.read_text())["results"] == results
+    assert main([*args[:2], "--engines", "tgi"]) == 2

@@ -1,0 +1,116 @@
+"""The RL loop on the vLLM engine: several real steps with the sync checked every step, a skipped
+sync caught, the engine under another interpreter, and a clean shutdown on Ctrl-C / SIGTERM.
+
+Skipped without vLLM (the README's test set-up installs the CPU build). Each test starts an engine
+(~20 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import descendants, params_of, quick_config, same
+
+from grpolab.cli import main
+from grpolab.rollout.vllm import WeightSyncError
+from grpolab.rundir import read_metrics
+from grpolab.trainer import Trainer
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+TOL = 1e-4  # float32 engine vs trainer
+
+
+def wait_gone(pids_before: set[int], timeout: float = 15.0) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while (extra := descendants() - pids_before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return extra
+
+
+def test_rl_steps_sync_checked_every_step_and_a_skipped_sync_is_caught(warm_model_dir, tmp_path):
+    before = descendants()
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", engine="vllm", algo="grpo"))
+    try:
+        assert descendants() - before, "the vLLM engine-core process runs"
+        for step in (1, 2, 3):
+            start = params_of(trainer.model)
+            record = trainer.train_step(step)
+            assert record["sync/logprob_diff_max"] < TOL and record["sync/logprob_diff_mean"] < TOL / 10
+            assert record["first_update/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+            if record["actual_updates"]:
+                assert not same(start, params_of(trainer.model))
+        assert record["time/sync"] > 0
+        # skip one sync: the update moves the trainer, the engine keeps the old weights
+        trainer.engine.sync_weights, sync = (lambda model: None), trainer.engine.sync_weights
+        assert trainer.train_step(4)["actual_updates"] > 0
+        with pytest.raises(WeightSyncError, match="not sampling from the trainer's current weights"):
+            trainer.train_step(5)
+        sync(trainer.model)  # a real sync repairs it
+        assert trainer.train_step(6)["sync/logprob_diff_max"] < TOL
+    finally:
+        trainer.close()
+    assert wait_gone(before) == set(), "no engine process outlives the run"
+
+
+def test_multi_epoch_preset_and_vllm_under_another_interpreter_via_cli(warm_model_dir, tmp_path):
+    """--vllm-python: the engine runs in its own process; off-policy preset (old log-probs frozen
+    once and reused by the sync check)."""
+    before = descendants()
+    out = tmp_path / "run"
+    cfg = quick_config(warm_model_dir, out, algo="offpolicy_clip")
+    args = ["train", "--model", cfg.model.path, "--output-dir", str(out), "--vllm-python", sys.executable,
+            "--algo", "offpolicy_clip", "--steps", "2", "--task.digits", "1", "--task.n_train", "60",
+            "--task.n_val", "16", "--rollout.prompts_per_step", "4", "--rollout.max_new_tokens", "40",
+            "--optim.micro_batch_size", "16", "--optim.lr", "1e-3"]
+    assert main(args) == 0
+    steps = [m for m in read_metrics(out / "metrics.jsonl") if "reward_mean" in m]
+    assert len(steps) == 2 and all(m["sync/logprob_diff_max"] < TOL for m in steps)
+    manifest = (out / "manifest.json").read_text()
+    assert '"engine": "vllm"' in manifest and sys.executable in manifest
+    assert wait_gone(before) == set()
+
+
+def session_members(sid: int) -> set[int]:
+    """Live processes of session ``sid`` (orphans re-parented to init included)."""
+    members = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            members.add(int(entry))
+    return members
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, signum):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "grpolab.cli", "train", "--model", str(warm_model_dir), "--output-dir", str(out),
+               "--engine", "vllm", "--steps", "1000", "--task.digits", "1", "--task.n_train", "60",
+               "--task.n_val", "16", "--rollout.prompts_per_step", "4", "--threads", "1"]
+    proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "metrics.jsonl").exists() or "reward_mean" not in (out / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
+            time.sleep(0.5)
+        assert len(session_members(proc.pid)) > 1, "trainer plus the vLLM engine-core process"
+        proc.send_signal(signum)
+        output = proc.communicate(timeout=60)[0].decode()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, output[-3000:]
+    assert "interrupted" in output
+    deadline = time.monotonic() + 15
+    while session_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert session_members(proc.pid) == set(), "orphaned processes after the interrupt"
