@@ -61,17 +61,19 @@ def test_rl_steps_sync_checked_every_step_and_a_skipped_sync_is_caught(warm_mode
 
 def test_multi_epoch_preset_and_vllm_under_another_interpreter_via_cli(warm_model_dir, tmp_path):
     """--vllm-python: the engine runs in its own process; off-policy preset (old log-probs frozen
-    once and reused by the sync check)."""
+    once and reused by the sync check) with the engine/trainer correction on."""
     before = descendants()
     out = tmp_path / "run"
     cfg = quick_config(warm_model_dir, out, algo="offpolicy_clip")
     args = ["train", "--model", cfg.model.path, "--output-dir", str(out), "--vllm-python", sys.executable,
-            "--algo", "offpolicy_clip", "--steps", "2", "--task.digits", "1", "--task.n_train", "60",
+            "--algo", "offpolicy_clip", "--algorithm.engine_correction", "token", "--steps", "2", "--task.digits", "1", "--task.n_train", "60",
             "--task.n_val", "16", "--rollout.prompts_per_step", "4", "--rollout.max_new_tokens", "40",
             "--optim.micro_batch_size", "16", "--optim.lr", "1e-3"]
     assert main(args) == 0
     steps = [m for m in read_metrics(out / "metrics.jsonl") if "reward_mean" in m]
     assert len(steps) == 2 and all(m["sync/logprob_diff_max"] < TOL for m in steps)
+    weights = [v for m in steps for k, v in m.items() if k.endswith("engine_is_weight_mean")]
+    assert weights and all(v == pytest.approx(1.0, abs=1e-3) for v in weights)  # TIS ~ 1 when in sync
     manifest = (out / "manifest.json").read_text()
     assert '"engine": "vllm"' in manifest and sys.executable in manifest
     assert wait_gone(before) == set()
@@ -90,20 +92,26 @@ def session_members(sid: int) -> set[int]:
     return members
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, signum):
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "ctrl-c, vllm in a child interpreter"])
+def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, how):
+    """Ctrl-C in a terminal signals the whole process group (engine processes included); SIGTERM
+    (``kill PID``) reaches the trainer alone. Either way: exit code 130 and no process left."""
     out = tmp_path / "run"
+    engine = ["--vllm-python", sys.executable] if "child" in how else ["--engine", "vllm"]
     command = [sys.executable, "-m", "grpolab.cli", "train", "--model", str(warm_model_dir), "--output-dir", str(out),
-               "--engine", "vllm", "--steps", "1000", "--task.digits", "1", "--task.n_train", "60",
-               "--task.n_val", "16", "--rollout.prompts_per_step", "4", "--threads", "1"]
+               *engine, "--steps", "1000", "--task.digits", "1", "--task.n_train", "60", "--task.n_val", "16",
+               "--rollout.prompts_per_step", "4", "--threads", "1"]
     proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
         while not (out / "metrics.jsonl").exists() or "reward_mean" not in (out / "metrics.jsonl").read_text():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
             time.sleep(0.5)
-        assert len(session_members(proc.pid)) > 1, "trainer plus the vLLM engine-core process"
-        proc.send_signal(signum)
+        assert len(session_members(proc.pid)) > 1, "trainer plus the vLLM engine processes"
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
         output = proc.communicate(timeout=60)[0].decode()
     finally:
         if proc.poll() is None:

@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -134,6 +135,7 @@ def serve(address: str) -> None:
     from grpolab.rollout.vllm import VLLMEngine
 
     _exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches us too: the trainer decides
     with Listener(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV))) as listener:
         conn = listener.accept()
     engine = None
