@@ -102,11 +102,12 @@ def _table(kind: str, cfg: RunConfig, results: dict[str, Any]) -> Table:
             table.add_row(name, f"{m['tokens']:.0f}", f"{m['seconds']:.3f}", f"{m['tokens_per_s']:.0f}",
                           f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}x", f"{m['sync_seconds']:.4f}")
         return table
-    for column in ("engine", *(f"{p} s" for p in PHASES), "speed-up", "sync share", "tokens/s", "max |diff|"):
+    table.caption = "seconds per phase, mean over the timed steps; max |diff| = engine vs trainer log-prob"
+    for column in ("engine", *PHASES, "speed-up", "sync %", "tok/s", "max |diff|"):
         table.add_column(column, justify="right")
     for name, m in results.items():
         diff = m["logprob_diff_max"]
         table.add_row(name, *(f"{m[p]:.3f}" for p in PHASES), f"{base['step'] / m['step']:.2f}x",
-                      f"{100 * m['sync_share']:.1f}%", f"{m['tokens_per_s']:.0f}",
+                      f"{100 * m['sync_share']:.1f}", f"{m['tokens_per_s']:.0f}",
                       "-" if diff is None or math.isnan(diff) else f"{diff:.1e}")
     return table

@@ -7,6 +7,7 @@ Skipped without vLLM (the README's test set-up installs the CPU build). Each tes
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -122,3 +123,15 @@ def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, how):
     while session_members(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert session_members(proc.pid) == set(), "orphaned processes after the interrupt"
+
+
+def test_bench_step_times_both_engines(warm_model_dir, tmp_path):
+    report = tmp_path / "bench.json"
+    args = ["bench", "step", "--engines", "hf,vllm", "--repeats", "1", "--json", str(report),
+            "--model", str(warm_model_dir), "--task.digits", "1", "--task.n_train", "60", "--task.n_val", "16",
+            "--rollout.prompts_per_step", "4", "--rollout.max_new_tokens", "24", "--threads", "1"]
+    assert main(args) == 0
+    results = json.loads(report.read_text())["results"]
+    assert list(results) == ["hf", "vllm"]
+    assert results["vllm"]["logprob_diff_max"] < TOL and 0 < results["vllm"]["sync"] < results["vllm"]["step"]
+    assert all(results[e]["tokens_per_s"] > 0 for e in results)

@@ -31,7 +31,7 @@ def build_engine(cfg: RolloutConfig, model: nn.Module, tokenizer, model_dir: Pat
         from grpolab.rollout.hf import HFEngine
 
         return HFEngine(model, tokenizer, max_batch_size=cfg.max_batch_size)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would bury the run's output
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
     v = cfg.vllm
     kwargs = {"dtype": dtype_name(next(model.parameters()).dtype), "seed": seed, "max_model_len": max_model_len,
               "gpu_memory_utilization": v.gpu_memory_utilization, "sleep_level": v.sleep_level or None,

@@ -224,6 +224,7 @@ class VLLMEngine:
             llm_kwargs.setdefault("max_num_batched_tokens", max(8192, context))
         if kv_cache_bytes is not None:
             llm_kwargs.setdefault("kv_cache_memory_bytes", kv_cache_bytes)
+        llm_kwargs.setdefault("use_tqdm_on_load", False)  # no progress bar per weight sync
         self._ipc = None  # CudaIPCWeightSender, built on the first cuda_ipc sync
         self._asleep = False
         self.llm = LLM(model=self.model_dir, tokenizer=self.model_dir, dtype=dtype, seed=seed,
