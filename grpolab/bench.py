@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -91,10 +92,11 @@ def run_bench(kind: str, cfg: RunConfig, engines: list[str], repeats: int, conso
 
 
 def _table(kind: str, cfg: RunConfig, results: dict[str, Any]) -> Table:
-    r = cfg.rollout
-    base = next(iter(results.values()))
-    table = Table(title=f"bench {kind}: {r.prompts_per_step} prompts x {r.group_size}, <= {r.max_new_tokens} new "
-                        f"tokens, temperature {r.temperature:g}; ratios to {next(iter(results))}")
+    r, first = cfg.rollout, next(iter(results))
+    base = results[first]
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False,
+                  title=f"bench {kind}: {r.prompts_per_step} prompts x {r.group_size}, <= {r.max_new_tokens} new "
+                        f"tokens, temperature {r.temperature:g}; ratios to {first}")
     if kind == "rollout":
         for column in ("engine", "tokens/call", "seconds/call", "tokens/s", "speed-up", "sync s"):
             table.add_column(column, justify="right")
@@ -102,12 +104,13 @@ def _table(kind: str, cfg: RunConfig, results: dict[str, Any]) -> Table:
             table.add_row(name, f"{m['tokens']:.0f}", f"{m['seconds']:.3f}", f"{m['tokens_per_s']:.0f}",
                           f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}x", f"{m['sync_seconds']:.4f}")
         return table
-    table.caption = "seconds per phase, mean over the timed steps; max |diff| = engine vs trainer log-prob"
-    for column in ("engine", *PHASES, "speed-up", "sync %", "tok/s", "max |diff|"):
+    table.caption = ("seconds per phase (mean of the timed steps): generate, reward, train, sync, whole step; "
+                     f"vs {first}: step speed-up; max|d|: engine vs trainer log-probs")
+    for column in ("engine", "gen", "reward", "train", "sync", "step", f"vs {first}", "sync%", "tok/s", "max|d|"):
         table.add_column(column, justify="right")
     for name, m in results.items():
         diff = m["logprob_diff_max"]
-        table.add_row(name, *(f"{m[p]:.3f}" for p in PHASES), f"{base['step'] / m['step']:.2f}x",
+        table.add_row(name, *(f"{m[p]:.2f}" for p in PHASES), f"{base['step'] / m['step']:.2f}x",
                       f"{100 * m['sync_share']:.1f}", f"{m['tokens_per_s']:.0f}",
-                      "-" if diff is None or math.isnan(diff) else f"{diff:.1e}")
+                      "-" if diff is None or math.isnan(diff) else f"{diff:.0e}")
     return table
