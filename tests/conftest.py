@@ -171,7 +171,7 @@ def _cmdline(pid: int) -> bytes:
 # ---- a briefly warm-started demo model for RL-loop tests ---------------------------------------
 TASK = {"n_train": 60, "n_val": 16, "digits": 1}  # one-digit sums: a few seconds of warm start give ~30% reward
 QUICK_WARM_START = WarmStartSettings(steps=150, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
-                                     batch_size=32, lr=5e-3)
+                                     batch_size=32, lr=5e-3, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")
