@@ -20,7 +20,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from torch import nn
 
-__all__ = ["SamplingParams", "Completion", "RolloutEngine", "FinishReason"]
+__all__ = ["SamplingParams", "Completion", "RolloutEngine", "FinishReason", "collect_eos_ids"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -113,3 +113,14 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release the engine's resources."""
         ...
+
+
+def collect_eos_ids(tokenizer, generation_eos: int | list[int] | None) -> list[int]:
+    """The ids that end generation: the tokenizer's EOS, then the generation config's (an id or a
+    list, as ``GenerationConfig.eos_token_id``), without duplicates."""
+    ids: list[int] = []
+    for source in (getattr(tokenizer, "eos_token_id", None), generation_eos):
+        for i in source if isinstance(source, (list, tuple)) else [source]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids

@@ -31,7 +31,12 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from grpolab.rollout.base import Completion, FinishReason, SamplingParams
+from grpolab.rollout.base import (
+    Completion,
+    FinishReason,
+    SamplingParams,
+    collect_eos_ids,
+)
 
 __all__ = ["HFEngine", "trim_completion"]
 
@@ -121,16 +126,6 @@ def trim_completion(
     return list(tokens[: cut + 1]), "stop"
 
 
-def _eos_ids(model: nn.Module, tokenizer) -> list[int]:
-    ids: list[int] = []
-    for source in (getattr(tokenizer, "eos_token_id", None),
-                   getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
-        for i in source if isinstance(source, (list, tuple)) else [source]:
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-    return ids
-
-
 class HFEngine:
     """``RolloutEngine`` that samples from the (training) model with ``model.generate``.
 
@@ -149,7 +144,8 @@ class HFEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
-        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else collect_eos_ids(
+            tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         if not self.eos_token_ids:
             raise ValueError("no EOS token id: pass eos_token_ids")
         pad = getattr(tokenizer, "pad_token_id", None)

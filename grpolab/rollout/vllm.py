@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
-from grpolab.rollout.base import Completion, SamplingParams
+from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
 
 if TYPE_CHECKING:
     from grpolab.rollout.vllm_worker import VLLMSubprocessEngine
@@ -148,20 +148,14 @@ def _context_len(model_dir: str) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 0)
 
 
-def _eos_ids(model_dir: str, tokenizer) -> list[int]:
-    """Tokenizer EOS plus the checkpoint's generation_config EOS ids (as HFEngine uses)."""
+def _generation_eos(model_dir: str) -> int | list[int] | None:
+    """The checkpoint's generation_config EOS id(s), if it has a generation config."""
     from transformers import GenerationConfig
 
     try:
-        gen = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        return GenerationConfig.from_pretrained(model_dir).eos_token_id
     except OSError:
-        gen = None
-    ids: list[int] = []
-    for source in (getattr(tokenizer, "eos_token_id", None), gen):
-        for i in source if isinstance(source, (list, tuple)) else [source]:
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-    return ids
+        return None
 
 
 # ---- the engine ------------------------------------------------------------------------------
@@ -197,7 +191,8 @@ class VLLMEngine:
 
             tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.tokenizer = tokenizer
-        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _eos_ids(self.model_dir, tokenizer)
+        self.eos_token_ids = (list(eos_token_ids) if eos_token_ids is not None
+                              else collect_eos_ids(tokenizer, _generation_eos(self.model_dir)))
         if not self.eos_token_ids:
             raise ValueError("no EOS token id: pass eos_token_ids")
         cuda = current_platform.is_cuda_alike()
