@@ -70,12 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_bench(args: argparse.Namespace, cfg, console: Console) -> None:
+def bench_command(args: argparse.Namespace, cfg, console: Console) -> None:
     import json
     from pathlib import Path
 
-    from grpolab.bench import available_engines
-    from grpolab.bench import run_bench as bench
+    from grpolab.bench import available_engines, run_bench
 
     engines = args.engines.split(",") if args.engines else available_engines(cfg)
     unknown = sorted(set(engines) - {"hf", "vllm"})
@@ -84,7 +83,7 @@ def run_bench(args: argparse.Namespace, cfg, console: Console) -> None:
                          else "--repeats must be >= 1")
     if args.json and Path(args.json).exists():
         raise FileExistsError(f"--json {args.json} already exists; not overwritten")
-    results = bench(args.kind, cfg, engines, args.repeats, console)
+    results = run_bench(args.kind, cfg, engines, args.repeats, console)
     if args.json:
         Path(args.json).write_text(json.dumps({"kind": args.kind, "config": cfg.model_dump(mode="json"),
                                                "results": results}, indent=2))
@@ -108,7 +107,7 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
                       f"report in {args.report}")
         return 0
     if args.command == "bench":
-        run_bench(args, cfg, console)
+        bench_command(args, cfg, console)
         return 0
     from grpolab.trainer import train
 
