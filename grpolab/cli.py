@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print_algorithms(console)
         return 0
     from grpolab.losses import NonFiniteError
-    from grpolab.rollout.vllm import WeightSyncError
+    from grpolab.rollout.sync_check import WeightSyncError
 
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated run shuts its engine down like Ctrl-C
     try:

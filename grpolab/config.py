@@ -30,6 +30,8 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto = bfloat16 on cuda, float32 on cpu")
     gradient_checkpointing: bool = Field(False, description="recompute decoder layers in the backward pass")
     logprob_chunk_size: int = Field(64, ge=1, description="sequence positions per output-layer chunk")
+    like_overrides: dict[str, int] = Field(default_factory=dict, description="size fields of a like:NAME "
+                                           "model, e.g. {num_hidden_layers = 2}; width and vocabulary stay real")
 
 
 class ArithmeticTaskConfig(_Section):
@@ -64,7 +66,9 @@ class VLLMConfig(_Section):
     python: str | None = Field(None, description="run vLLM under this interpreter, in its own process "
                                "(e.g. a venv that pins vLLM's torch); None = in this process")
     sleep_level: Literal[0, 1, 2] = Field(1, description="sleep between rollouts where the platform supports "
-                                          "it (GPU): 1 frees the KV cache, 2 also drops the weights; 0 never")
+                                          "it (GPU): 1 offloads the weights to CPU memory and frees the KV "
+                                          "cache, 2 drops the weights (the engine restores the policy's before "
+                                          "every generation); 0 never")
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="GPU share for vLLM; the rest trains")
     kv_cache_gib: float | None = Field(None, gt=0, description="explicit KV-cache size; None = vLLM's default "
                                        "on GPU, 0.25 GiB on CPU")
@@ -89,6 +93,10 @@ class RolloutConfig(_Section):
                                         "exceeds this; None = 1e-3 in float32, off in bfloat16")
     sync_mean_diff: float | None = Field(None, gt=0, description="stop when the mean |diff| exceeds this; "
                                          "None = 1e-4 in float32, 0.1 in bfloat16")
+    sync_noise_multiple: float | None = Field(3.0, gt=1, description="the first checked rollout (engine and "
+                                              "trainer hold the same weights) records the noise floor, its mean "
+                                              "|diff|; stop when a later step exceeds this multiple of it. "
+                                              "None = absolute limits only")
 
     @model_validator(mode="after")
     def _vllm_python_means_vllm(self) -> "RolloutConfig":
@@ -114,12 +122,19 @@ class OptimConfig(_Section):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(32, ge=1)
+    precision: Literal["fp32_master", "bf16_compensated", "bf16"] = Field(
+        "fp32_master", description="with bf16 compute (model.dtype): fp32_master = fp32 weights and AdamW "
+        "under bf16 autocast; bf16_compensated = bf16 weights, AdamW with Kahan summation (torch-optimi); "
+        "bf16 = plain AdamW on bf16 weights (small updates round away; warns)")
+    full_metrics: bool = Field(True, description="a no-grad forward of the sequences that need no gradient "
+                               "(pruned zero-advantage rows, skipped steps) so entropy, KL and ratio metrics "
+                               "cover every response token; False saves that forward")
 
 
 class EvalConfig(_Section):
     every: int = Field(20, ge=1)
     n_examples: int | None = Field(None, ge=1, description="None = the whole validation split")
-    pass_k: list[int] = Field(default_factory=list, description="e.g. [1, 8]: sampled pass@k")
+    pass_k: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, description="e.g. [1, 8]: sampled pass@k")
     pass_n: int = Field(8, ge=1, description="samples per problem for pass@k")
 
 
@@ -166,8 +181,25 @@ class RunConfig(_Section):
         if n % spec.steps_per_epoch:
             raise ValueError(f"rollout batch of {n} completions cannot be split into {spec.steps_per_epoch} "
                              f"optimizer steps (algorithm {spec.name})")
-        if spec.normalizer == "std" and self.rollout.group_size < 2:
-            raise ValueError("rollout.group_size must be >= 2 for a std-normalised advantage")
+        if spec.baseline == "mean" and self.rollout.group_size < 2:
+            raise ValueError(f"rollout.group_size 1 with the group-mean baseline of {spec.name}: every "
+                             "advantage would be 0 and nothing would train; use group_size >= 2")
+        if self.rollout.engine == "vllm":
+            from grpolab.rollout.vllm import VLLM_MAX_TEMPERATURE
+
+            r = self.rollout
+            if r.temperature > VLLM_MAX_TEMPERATURE:
+                raise ValueError(f"rollout.temperature {r.temperature:g}: the vLLM engine samples at "
+                                 f"temperatures up to {VLLM_MAX_TEMPERATURE:g}")
+            if r.top_p < 1 or r.top_k > 0:
+                raise ValueError("rollout.top_p / top_k: the vLLM engine samples with top_p = 1 and top_k = 0 "
+                                 "only (vLLM reports log-probs renormalised over the truncated set)")
+        like = (self.model.path or "").startswith("like:")
+        if self.model.like_overrides and not like:
+            raise ValueError("model.like_overrides applies only to a like:NAME model")
+        if like and self.rollout.engine == "vllm":
+            raise ValueError("a like:NAME model has random weights and no weight files for vLLM to load; "
+                             "use rollout.engine 'hf'")
         if self.model.path is None and self.task.name != "arithmetic":
             raise ValueError(f"model.path (--model DIR) is required for task {self.task.name!r}")
         if any(k > self.eval.pass_n for k in self.eval.pass_k):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from math import comb
 from statistics import mean
 
@@ -21,19 +22,29 @@ def grade_completions(task: Task, examples: list[Example], completions: list[lis
     return [[task.grade(c.text, ex, c.truncated) for c in group] for ex, group in zip(examples, completions)]
 
 
+def greedy(sampling: SamplingParams) -> SamplingParams:
+    """The rollout's settings (token limit, stop strings) for greedy decoding."""
+    return replace(sampling, temperature=0.0, top_p=1.0, top_k=0, seed=None)
+
+
 def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_ids: list[list[int]],
-             max_new_tokens: int, pass_k: list[int], pass_n: int, seed: int) -> dict[str, float]:
-    """Greedy metrics over ``examples`` and, when ``pass_k`` is set, pass@k from ``pass_n`` samples at T=1."""
-    greedy = engine.generate(prompt_ids, 1, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
-    grades = [g[0] for g in grade_completions(task, examples, greedy)]
+             sampling: SamplingParams, pass_k: list[int], pass_n: int, seed: int) -> dict[str, float]:
+    """Greedy metrics over ``examples`` and, when ``pass_k`` is set, pass@k from ``pass_n`` samples.
+
+    ``sampling`` is the training rollout's: every generation here keeps its token limit and stop
+    strings, so completions are cut and graded exactly as in training; the pass@k samples also use
+    its temperature / top-p / top-k, with ``seed``.
+    """
+    completions = engine.generate(prompt_ids, 1, greedy(sampling))
+    grades = [g[0] for g in grade_completions(task, examples, completions)]
     out = {
         "val/accuracy": mean(g.answer_reward for g in grades),
         "val/format_rate": mean(g.format_reward for g in grades),
-        "val/completion_len_mean": mean(len(c[0].completion_ids) for c in greedy),
-        "val/truncation_rate": mean(c[0].truncated for c in greedy),
+        "val/completion_len_mean": mean(len(c[0].completion_ids) for c in completions),
+        "val/truncation_rate": mean(c[0].truncated for c in completions),
     }
     if pass_k:
-        sampled = engine.generate(prompt_ids, pass_n, SamplingParams(max_new_tokens=max_new_tokens, seed=seed))
+        sampled = engine.generate(prompt_ids, pass_n, replace(sampling, seed=seed))
         correct = [sum(g.answer_reward > 0 for g in group) for group in grade_completions(task, examples, sampled)]
         for k in pass_k:
             out[f"val/pass@{k}"] = mean(pass_at_k(pass_n, c, k) for c in correct)

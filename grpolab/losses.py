@@ -94,7 +94,7 @@ class TokenMetrics:
             out["clip_frac"] = out["clip_low_frac"] + out["clip_high_frac"]
         if self.tokens:
             out["ratio_min"], out["ratio_max"] = self.ratio_min, self.ratio_max
-        out["trained_tokens"] = self.tokens
+        out["metric_tokens"] = self.tokens  # response tokens the metrics cover
         return out
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from grpolab.like import LIKE_PREFIX, is_like_dir, like_model_dir
 from grpolab.tasks.base import Task
 from grpolab.tinymodel import warm_start_model
 
@@ -32,8 +33,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_model_dir(path: str | None, task: Task) -> Path:
-    """The model directory to train: ``path`` (must exist), or the demo's cached warm-started tiny model."""
+def resolve_model_dir(path: str | None, task: Task, like_overrides: dict[str, int] | None = None) -> Path:
+    """The model directory to train: ``path`` (must exist), the cached folder of a ``like:NAME`` model
+    (random weights at a reference model's shapes; ``like_overrides`` may shrink it), or the demo's
+    cached warm-started tiny model."""
+    is_like = path is not None and path.startswith(LIKE_PREFIX)
+    if like_overrides and not is_like:
+        raise ValueError("model.like_overrides applies only to like: models")
+    if is_like:
+        return like_model_dir(path[len(LIKE_PREFIX):], task, like_overrides)
     if path is None:
         return warm_start_model(task)
     model_dir = Path(path).expanduser()
@@ -46,11 +54,21 @@ def resolve_model_dir(path: str | None, task: Task) -> Path:
 
 def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
                 attn_implementation: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model and tokenizer through the Auto classes; the tokenizer gets a pad token if it has none."""
+    """Model and tokenizer through the Auto classes; the tokenizer gets a pad token if it has none.
+
+    A ``like:`` folder has no weights: its model is built with ``from_config`` from seed 0 (the same
+    weights every time), in a forked RNG so that the caller's global torch RNG state is untouched.
+    """
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
+    if is_like_dir(model_dir):
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.random.fork_rng(devices=[]):  # initialisation runs on the CPU
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
     return model.to(device), tokenizer
 
 

@@ -21,17 +21,27 @@ from grpolab.batching import TrainBatch, collate
 from grpolab.config import RunConfig
 from grpolab.losses import NonFiniteError
 from grpolab.models import model_record
+from grpolab.precision import memory_table
 from grpolab.rollout.base import Completion
 from grpolab.rundir import write_json
 from grpolab.trainer import Trainer
 from grpolab.update import UpdateData, accumulate_gradients
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """CUDA: peak allocated by torch; CPU: peak resident memory of the process."""
+def peak_memory_mb(device: torch.device, reset: bool = False) -> float:
+    """CUDA: peak allocated by torch (since the last reset; ``reset`` starts a new window);
+    CPU: peak resident memory of the process (never reset)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values()
+               for t in state.values() if isinstance(t, torch.Tensor))
 
 
 def worst_case_batch(trainer: Trainer, generator: torch.Generator) -> tuple[TrainBatch, str]:
@@ -54,7 +64,7 @@ def probe_update(trainer: Trainer, batch: TrainBatch, advantages: torch.Tensor) 
     trainer.model.train()
     trainer.optimizer.zero_grad(set_to_none=True)
     spec = trainer.spec.override(epochs=1, steps_per_epoch=1)
-    metrics = accumulate_gradients(spec, data, torch.arange(len(batch)),
+    step = accumulate_gradients(spec, data, torch.arange(len(batch)),
                                    lambda idx: trainer.logprobs_of(trainer.model, batch, idx, True),
                                    trainer.cfg.optim.micro_batch_size, trainer.cfg.rollout.max_new_tokens)
     with_grad = sum(1 for p in trainer.params if p.grad is not None and bool(p.grad.abs().sum() > 0))
@@ -68,7 +78,7 @@ def probe_update(trainer: Trainer, batch: TrainBatch, advantages: torch.Tensor) 
         torch.cuda.synchronize()
     return {"seconds": time.perf_counter() - started, "grad_norm": float(grad_norm),
             "parameter_tensors_with_nonzero_grad": with_grad, "parameter_tensors": len(trainer.params),
-            "trained_tokens": metrics.tokens}
+            "trained_tokens": step.metrics.tokens}
 
 
 def run_probe(cfg: RunConfig, report_path: Path) -> dict[str, Any]:
@@ -95,14 +105,19 @@ def _probe(trainer: Trainer) -> dict[str, Any]:
     signs = torch.randint(0, 2, (len(batch),), generator=generator).float() * 2 - 1
     advantages = signs.to(device)
 
+    phase_peaks = {"setup": peak_memory_mb(device, reset=True)}
     first = probe_update(trainer, batch, advantages)
+    phase_peaks["update_1"] = peak_memory_mb(device, reset=True)
     started = time.perf_counter()
     prompt = trainer.prompt_ids[longest_id]
     completions = trainer.engine.generate([prompt], cfg.rollout.group_size, trainer.sampling_params(0, 0))[0]
     trainer.engine.sync_weights(trainer.model)
     generation = {"seconds": time.perf_counter() - started, "completions": len(completions),
                   "tokens": sum(len(c.completion_ids) for c in completions)}
+    phase_peaks["generation"] = peak_memory_mb(device, reset=True)
     second = probe_update(trainer, batch, advantages)
+    phase_peaks["update_2"] = peak_memory_mb(device)
+    n_params = sum(p.numel() for p in trainer.model.parameters())
 
     state = trainer.optimizer.state
     hidden = trainer.model.config.hidden_size
@@ -121,7 +136,11 @@ def _probe(trainer: Trainer) -> dict[str, Any]:
         "generation": generation,
         "optimizer_state_initialised": len(state) > 0 and all(len(s) > 0 for s in state.values()),
         "optimizer_state_tensors": len(state),
-        "peak_memory_mb": peak_memory_mb(device),
+        "precision": {"setting": trainer.precision.name, "weights": str(trainer.precision.storage),
+                      "compute": str(trainer.precision.compute), "optimizer_state_bytes": optimizer_state_bytes(
+                          trainer.optimizer), "bytes_by_setting": memory_table(n_params)},
+        "peak_memory_mb": max(phase_peaks.values()),
+        "phase_peak_memory_mb": phase_peaks,
         "peak_memory_kind": "cuda max allocated" if device.type == "cuda" else "process max resident",
         "phase_seconds": {"update_1": first["seconds"], "generation": generation["seconds"],
                           "update_2": second["seconds"]},

@@ -26,6 +26,7 @@ from grpolab.advantages import advantage_metrics, group_advantages, informative_
 from grpolab.batching import TrainBatch, collate
 from grpolab.config import RunConfig
 from grpolab.evaluation import evaluate, grade_completions
+from grpolab.like import is_like_dir
 from grpolab.logprobs import enable_gradient_checkpointing, token_logprobs
 from grpolab.models import (
     frozen_copy,
@@ -35,9 +36,10 @@ from grpolab.models import (
     resolve_dtype,
     resolve_model_dir,
 )
+from grpolab.precision import resolve_precision
 from grpolab.rollout.base import Completion, SamplingParams
 from grpolab.rollout.select import build_engine, dtype_name
-from grpolab.rollout.vllm import verify_weight_sync
+from grpolab.rollout.sync_check import MIN_NOISE_FLOOR, SyncMonitor
 from grpolab.rundir import MetricsLog, resolve_run_dir, save_checkpoint, write_json
 from grpolab.tasks import make_task
 from grpolab.tasks.base import Example, Grade
@@ -87,24 +89,33 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.task = make_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
-        self.model_dir = resolve_model_dir(cfg.model.path, self.task)  # before the run dir: fail early
+        self.model_dir = resolve_model_dir(cfg.model.path, self.task, cfg.model.like_overrides)  # fail early
         self.run_dir = resolve_run_dir(cfg.output_dir, self.spec.name)  # refuse a used directory early
+        self.val_examples = self._validation_examples()
+        if is_like_dir(self.model_dir):
+            self.console.print(f"{cfg.model.path}: random weights at the real shapes (for memory and speed): "
+                               "completions rarely stop and run to max_new_tokens", highlight=False)
         self.device = resolve_device(cfg.model.device)
-        self.model, self.tokenizer = load_policy(self.model_dir, resolve_dtype(cfg.model.dtype, self.device), self.device)
+        self.precision = resolve_precision(cfg.optim.precision, resolve_dtype(cfg.model.dtype, self.device))
+        self.model, self.tokenizer = load_policy(self.model_dir, self.precision.storage, self.device)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         self.model.eval()
-        self.reference = frozen_copy(self.model) if cfg.needs_reference() else None
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                           weight_decay=cfg.optim.weight_decay)
+        # frozen, so kept in the compute dtype (no master copy needed)
+        self.reference = frozen_copy(self.model).to(self.precision.compute) if cfg.needs_reference() else None
+        self.optimizer = self.precision.optimizer(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                                  weight_decay=cfg.optim.weight_decay)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.prompts = PromptStream(self.task.train_examples(), cfg.seed)
-        self.val_examples = self.task.validation_examples()[: cfg.eval.n_examples]
         self.prompt_ids = self._tokenize_prompts(self.task.train_examples() + self.val_examples)
         self.minibatch_gen = torch.Generator().manual_seed(cfg.seed)
         self.updates = {"attempted": 0, "actual": 0}
+        compute = dtype_name(self.precision.compute)
+        self.sync_monitor = SyncMonitor(*cfg.rollout.sync_limits(compute), noise_multiple=cfg.rollout.sync_noise_multiple,
+                                        min_floor=MIN_NOISE_FLOOR[compute])
         self.engine = build_engine(cfg.rollout, self.model, self.tokenizer, self.model_dir, seed=cfg.seed,
-                                   max_model_len=max(map(len, self.prompt_ids.values())) + cfg.rollout.max_new_tokens)
+                                   max_model_len=max(map(len, self.prompt_ids.values())) + cfg.rollout.max_new_tokens,
+                                   precision=self.precision)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)  # only once everything above validated
             self.log = MetricsLog(self.run_dir / "metrics.jsonl")
@@ -114,6 +125,13 @@ class Trainer:
             raise
 
     # ---- set-up helpers -------------------------------------------------------------------
+    def _validation_examples(self) -> list[Example]:
+        examples, wanted = self.task.validation_examples(), self.cfg.eval.n_examples
+        if wanted is not None and wanted > len(examples):
+            raise ValueError(f"eval.n_examples {wanted} > the {len(examples)} validation examples of task "
+                             f"{self.task.name!r}")
+        return examples[:wanted]
+
     def _tokenize_prompts(self, examples: list[Example]) -> dict[str, list[int]]:
         """Prompt token ids by example id. Refuses (listing example ids) prompts longer than
         rollout.max_prompt_tokens or leaving no room for max_new_tokens in the model's context."""
@@ -138,6 +156,8 @@ class Trainer:
             "model": model_record(self.model, self.model_dir), "task": self.task.name,
             "data": fingerprint() if fingerprint else None, "train_examples": len(self.task.train_examples()),
             "val_examples": len(self.val_examples), "algorithm": self.spec.model_dump(),
+            "precision": {"setting": self.precision.name, "weights": dtype_name(self.precision.storage),
+                          "compute": dtype_name(self.precision.compute)},
             "rollout_engine": self._engine_record(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         })
@@ -192,8 +212,9 @@ class Trainer:
     def logprobs_of(self, model, batch: TrainBatch, indices: torch.Tensor, with_entropy: bool):
         """Log-probs (and entropy) [n, T] of the rows ``indices``, padded back to the batch width T."""
         sub = batch.select(indices)
-        stats = token_logprobs(model, sub.input_ids, sub.attention_mask, temperature=self.cfg.rollout.temperature,
-                               chunk_size=self.cfg.model.logprob_chunk_size, with_entropy=with_entropy)
+        with self.precision.autocast(self.device):
+            stats = token_logprobs(model, sub.input_ids, sub.attention_mask, temperature=self.cfg.rollout.temperature,
+                                   chunk_size=self.cfg.model.logprob_chunk_size, with_entropy=with_entropy)
         pad = (0, batch.input_ids.shape[1] - sub.input_ids.shape[1])
         return F.pad(stats.logprobs, pad), None if stats.entropy is None else F.pad(stats.entropy, pad)
 
@@ -211,7 +232,7 @@ class Trainer:
         # the sync check needs them anyway.
         check = self.cfg.rollout.checks_sync()
         old = None if self.spec.is_single_update and not check else self._frozen_logprobs(self.model, batch)
-        sync = self._check_sync(batch, old) if check else {}
+        sync = self.sync_monitor.check(batch.engine_logprobs, old, batch.response_mask) if check else {}
         ref = self._frozen_logprobs(self.reference, batch) if self.reference is not None else None
         data = UpdateData(advantages=advantages.flatten().to(self.device), response_mask=batch.response_mask, old_logprobs=old,
                           ref_logprobs=ref, engine_logprobs=batch.engine_logprobs)
@@ -220,26 +241,19 @@ class Trainer:
             result = run_update(self.spec, data, lambda idx: self.logprobs_of(self.model, batch, idx, True),
                                 self.optimizer, self.params, micro_batch_size=self.cfg.optim.micro_batch_size,
                                 max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen)
+                                max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen,
+                                full_metrics=self.cfg.optim.full_metrics)
         finally:
             self.model.eval()
         self.updates["attempted"] += result.attempted
         self.updates["actual"] += result.actual
         return {**advantage_metrics(rewards, advantages), **result.metrics(), **sync}
 
-    def _check_sync(self, batch: TrainBatch, trainer_logprobs: torch.Tensor) -> dict[str, float]:
-        """Engine vs trainer log-probs of the sampled tokens, right after the last sync: logged, and
-        a ``WeightSyncError`` past the limits (a missed or partial sync)."""
-        max_diff, mean_diff = self.cfg.rollout.sync_limits(dtype_name(next(self.model.parameters()).dtype))
-        found = verify_weight_sync(batch.engine_logprobs, trainer_logprobs, batch.response_mask,
-                                   max_abs_diff=max_diff, mean_abs_diff=mean_diff)
-        return {"sync/logprob_diff_mean": found.mean_abs_diff, "sync/logprob_diff_max": found.max_abs_diff}
-
     # ---- evaluation, the loop, the summary ------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
         out = evaluate(self.engine, self.task, self.val_examples, [self.prompt_ids[e.id] for e in self.val_examples],
-                       self.cfg.rollout.max_new_tokens, self.cfg.eval.pass_k, self.cfg.eval.pass_n,
+                       self.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
                        seed=self.cfg.seed + 7)
         out["time/eval"] = time.perf_counter() - started
         self.log.write({"step": step, **out})

@@ -74,55 +74,87 @@ def check_schedule(spec: AlgorithmSpec, n_sequences: int, micro_batch_size: int,
                          f"{spec.steps_per_epoch} equal optimizer steps")
 
 
-def minibatches(spec: AlgorithmSpec, n: int, generator: torch.Generator | None) -> Iterable[Tensor]:
-    """Index tensors of every optimizer step: epochs x steps_per_epoch equal slices of [0, n)."""
+def minibatches(spec: AlgorithmSpec, n: int, generator: torch.Generator | None,
+                device: torch.device | str = "cpu") -> Iterable[Tensor]:
+    """Index tensors [n / steps_per_epoch] on ``device`` of every optimizer step: epochs x steps_per_epoch
+    equal slices of [0, n). The shuffle is drawn on the CPU generator, so it is the same on every device."""
     size = n // spec.steps_per_epoch
     for _ in range(spec.epochs):
         shuffle = spec.shuffle_minibatches and spec.steps_per_epoch > 1
         order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
-        yield from order.split(size)
+        yield from order.to(device).split(size)
+
+
+@dataclass
+class StepGradients:
+    """What one optimizer step's accumulation did: its token metrics, and whether any loss was
+    backpropagated (False: the step's whole loss is identically zero, nothing to update)."""
+
+    metrics: TokenMetrics
+    backward: bool
+
+
+def rows_with_gradient(spec: AlgorithmSpec, data: UpdateData, indices: Tensor) -> Tensor:
+    """Bool [n], on the device of ``indices``: the rows of one step that need a backward pass.
+
+    A row's loss is A_i x (surrogate) + beta x KL: it is identically zero, with zero gradient, when its
+    advantage is 0 and there is no KL penalty. Without pruning every row is fed, unless the whole
+    step's loss is zero.
+    """
+    nonzero = data.advantages[indices] != 0
+    has_kl = spec.beta > 0 and data.ref_logprobs is not None
+    if has_kl or (not spec.prune_zero_advantage and bool(nonzero.any())):
+        return torch.ones_like(nonzero)
+    return nonzero
 
 
 def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor, policy_logprobs: PolicyLogprobs,
-                         micro_batch_size: int, max_new_tokens: int) -> TokenMetrics:
+                         micro_batch_size: int, max_new_tokens: int, full_metrics: bool = True) -> StepGradients:
     """Backward the loss of one optimizer step over ``indices`` [n], micro-batch by micro-batch.
 
-    Zero-advantage sequences are not fed to the model when pruning is on and beta is 0 (their loss
-    and gradient are exactly 0; the denominators still count them, so the gradient is identical).
+    Rows whose loss is identically zero (``rows_with_gradient``) are not backpropagated: their
+    gradient is exactly 0 and the denominators still count them, so the gradient is identical. With
+    ``full_metrics`` they get a no-grad forward instead, so the token metrics (entropy, KL, ratio)
+    cover every response token of the step.
     """
     denominators = step_denominators(spec, data.response_mask[indices], max_new_tokens)
-    fed = indices
-    if spec.prune_zero_advantage and spec.beta == 0:
-        fed = indices[data.advantages[indices] != 0]
+    grad_rows = rows_with_gradient(spec, data, indices)
+    parts = [(indices[grad_rows], True)] + ([(indices[~grad_rows], False)] if full_metrics else [])
     merged = TokenMetrics()
-    for micro in fed.split(micro_batch_size):
-        logprobs, entropy = policy_logprobs(micro)
-        loss, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
-        loss.backward()
-        if entropy is not None:
-            metrics.add("entropy", entropy, data.response_mask[micro].to(entropy.dtype))
-        merged = merged.merge(metrics)
-    return merged
+    for rows, with_grad in parts:
+        for micro in rows.split(micro_batch_size) if len(rows) else ():
+            with torch.set_grad_enabled(with_grad):
+                logprobs, entropy = policy_logprobs(micro)
+                loss, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
+            if with_grad:
+                loss.backward()
+            if entropy is not None:
+                metrics.add("entropy", entropy, data.response_mask[micro].to(entropy.dtype))
+            merged = merged.merge(metrics)
+    return StepGradients(merged, backward=bool(grad_rows.any()))
 
 
 def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLogprobs,
                optimizer: torch.optim.Optimizer, parameters: list[Tensor], *, micro_batch_size: int,
                max_new_tokens: int, max_grad_norm: float | None = 1.0,
-               generator: torch.Generator | None = None) -> UpdateResult:
+               generator: torch.Generator | None = None, full_metrics: bool = True) -> UpdateResult:
     """Every optimizer step the schedule asks for on one rollout batch.
 
-    A step whose advantages are all zero is skipped (counted as attempted, not actual). Gradient norm
-    is clipped to ``max_grad_norm`` (None = no clipping); a non-finite norm raises NonFiniteError
-    before the optimizer step.
+    A step whose whole loss is zero (all advantages 0 and no KL penalty) is skipped: counted as
+    attempted, not actual, parameters untouched (its metrics are still measured with ``full_metrics``).
+    Gradient norm is clipped to ``max_grad_norm`` (None = no clipping); a non-finite norm raises
+    NonFiniteError before the optimizer step. Index tensors live on the device of ``data``.
     """
     check_schedule(spec, data.advantages.shape[0], micro_batch_size, data.old_logprobs is None)
     result = UpdateResult()
-    for indices in minibatches(spec, data.advantages.shape[0], generator):
+    for indices in minibatches(spec, data.advantages.shape[0], generator, data.advantages.device):
         result.attempted += 1
-        if not (data.advantages[indices] != 0).any():
-            continue
         optimizer.zero_grad(set_to_none=True)
-        step_metrics = accumulate_gradients(spec, data, indices, policy_logprobs, micro_batch_size, max_new_tokens)
+        step = accumulate_gradients(spec, data, indices, policy_logprobs, micro_batch_size, max_new_tokens,
+                                    full_metrics)
+        result.tokens = result.tokens.merge(step.metrics)
+        if not step.backward:
+            continue
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm else float("inf"))
         if not torch.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
@@ -132,7 +164,6 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
         result.actual += 1
         result.grad_norms.append(float(grad_norm))
         if result.actual == 1:
-            result.first_step = step_metrics.means()
-        result.tokens = result.tokens.merge(step_metrics)
+            result.first_step = step.metrics.means()
     optimizer.zero_grad(set_to_none=True)
     return result

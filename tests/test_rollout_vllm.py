@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from grpolab.batching import collate
 from grpolab.logprobs import token_logprobs
 from grpolab.rollout import Completion, HFEngine, RolloutEngine, SamplingParams
-from grpolab.rollout.vllm import (
+from grpolab.rollout.sync_check import (
     SyncCheck,
     WeightSyncError,
     engine_logprob_matrix,

@@ -19,7 +19,7 @@ import pytest
 from conftest import descendants, params_of, quick_config, same
 
 from grpolab.cli import main
-from grpolab.rollout.vllm import WeightSyncError
+from grpolab.rollout.sync_check import WeightSyncError
 from grpolab.rundir import read_metrics
 from grpolab.trainer import Trainer
 

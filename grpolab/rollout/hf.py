@@ -135,15 +135,19 @@ class HFEngine:
     max_batch_size: most sequences (prompts x n) generated together.
     eos_token_ids: ids that end generation; default: the tokenizer's EOS plus the EOS ids of
         ``model.generation_config``.
+    compute_context: a factory of the context generation runs in (the trainer's bf16 autocast
+        when its weights are float32 masters), so that sampling and training forwards agree.
     """
 
     def __init__(self, model: nn.Module, tokenizer, max_batch_size: int = 64,
-                 eos_token_ids: Sequence[int] | None = None):
+                 eos_token_ids: Sequence[int] | None = None,
+                 compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.compute_context = compute_context
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else collect_eos_ids(
             tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         if not self.eos_token_ids:
@@ -176,6 +180,7 @@ class HFEngine:
             model.generation_config = GenerationConfig()  # inherit nothing from the checkpoint
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.no_grad())
+                stack.enter_context(self.compute_context())
                 if params.seed is not None:
                     devices = [device] if device.type == "cuda" else []
                     stack.enter_context(torch.random.fork_rng(devices=devices))

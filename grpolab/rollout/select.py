@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from grpolab.config import RolloutConfig
+from grpolab.precision import TrainingPrecision
 from grpolab.rollout.base import RolloutEngine
 
 VLLM_MISSING = ("rollout.engine 'vllm' needs vLLM in this environment (GPU: pip install 'grpolab[vllm]'; "
@@ -23,17 +24,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def build_engine(cfg: RolloutConfig, model: nn.Module, tokenizer, model_dir: Path, *, seed: int,
-                 max_model_len: int) -> RolloutEngine:
+                 max_model_len: int, precision: TrainingPrecision) -> RolloutEngine:
     """The engine for ``cfg.engine``. vLLM starts from the checkpoint in ``model_dir`` (the trainer's
-    starting weights) in the trainer's dtype, so that engine and trainer log-probs can be compared;
-    ``max_model_len`` = longest prompt + max_new_tokens bounds its KV cache."""
+    starting weights) in the trainer's compute dtype, so that engine and trainer log-probs can be
+    compared; ``max_model_len`` = longest prompt + max_new_tokens bounds its KV cache. The hf engine
+    generates with the training model under the trainer's compute context (autocast)."""
     if cfg.engine == "hf":
         from grpolab.rollout.hf import HFEngine
 
-        return HFEngine(model, tokenizer, max_batch_size=cfg.max_batch_size)
+        device = next(model.parameters()).device
+        return HFEngine(model, tokenizer, max_batch_size=cfg.max_batch_size,
+                        compute_context=lambda: precision.autocast(device))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
     v = cfg.vllm
-    kwargs = {"dtype": dtype_name(next(model.parameters()).dtype), "seed": seed, "max_model_len": max_model_len,
+    kwargs = {"dtype": dtype_name(precision.compute), "seed": seed, "max_model_len": max_model_len,
               "gpu_memory_utilization": v.gpu_memory_utilization, "sleep_level": v.sleep_level or None,
               "kv_cache_bytes": None if v.kv_cache_gib is None else int(v.kv_cache_gib * 2**30)}
     if v.python is not None:

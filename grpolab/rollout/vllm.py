@@ -12,10 +12,11 @@ private folder and reloads them in the workers (``vllm_worker.WorkerExtension``,
 fixes the CPU backend's stale packed lm_head with tied embeddings); "cuda_ipc" (GPU only, not
 run here) uses vLLM's CUDA-IPC weight transfer. The prefix cache is reset after a sync. Sleep
 mode (``sleep_level`` 1/2, CUDA/ROCm/XPU only; skipped with a logged note elsewhere) frees the
-accelerator between rollouts. ``verify_weight_sync`` raises ``WeightSyncError`` when engine and
-trainer log-probs disagree: a missed or failed sync shows up there.
+accelerator between rollouts; level 2 discards the weights, so the engine pushes the latest ones
+again (last sync, else the checkpoint) whenever it wakes to generate (see ``VLLMEngine._wake``).
+The sync check is ``grpolab.rollout.sync_check``.
 
-vLLM is imported lazily (the check and the exception import without it). Creating an engine
+vLLM is imported lazily. Creating an engine
 spawns engine-core processes: scripts need an ``if __name__ == "__main__":`` guard.
 """
 
@@ -28,24 +29,26 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
 
 if TYPE_CHECKING:
     from grpolab.rollout.vllm_worker import VLLMSubprocessEngine
 
-__all__ = ["SyncCheck", "VLLMEngine", "VLLMSubprocessEngine", "WeightSyncError", "engine_logprob_matrix",
-           "logprob_diff", "request_seed", "save_weights", "verify_weight_sync"]
+__all__ = ["VLLM_MAX_TEMPERATURE", "VLLMEngine", "VLLMSubprocessEngine", "request_seed", "save_weights"]
 
 logger = logging.getLogger(__name__)
 WeightSync = Literal["auto", "file", "cuda_ipc"]
 _SEED_STRIDE = 1_000_003
+_SEED_LIMIT = 2**63  # every seed vLLM uses stays an int64 (it seeds a torch.Generator per request)
+VLLM_MAX_TEMPERATURE = 2.0
+"""Highest sampling temperature vLLM accepts: above it ``SamplingParams._verify_args``
+(vllm/sampling_params.py, vLLM 0.32) raises ``VLLMValidationError`` (not a ValueError) "temperature
+must be in [0, 2], got ..."."""
 WORKER_EXTENSION = "grpolab.rollout.vllm_worker.WorkerExtension"
 
 
@@ -57,88 +60,42 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-# ---- the sync check (pure torch) -------------------------------------------------------------
-class WeightSyncError(RuntimeError):
-    """The engine's log-probs disagree with the trainer's: it is not sampling from its weights."""
-
-
-@dataclass(frozen=True)
-class SyncCheck:
-    """|engine log-prob - trainer log-prob| over the response tokens."""
-
-    mean_abs_diff: float
-    max_abs_diff: float
-    num_tokens: int
-
-
-def engine_logprob_matrix(completions: Sequence[Completion], width: int | None = None) -> Tensor:
-    """FloatTensor[N, T] of the engine's log-probs at their ``collate`` columns (0 elsewhere).
-
-    Row i holds ``completions[i].logprobs`` at columns ``len(prompt) .. len(prompt) + k - 1``.
-    """
-    need = max((len(c.prompt_ids) + len(c.completion_ids) for c in completions), default=0)
-    out = torch.zeros(len(completions), max(width or 0, need), dtype=torch.float32)
-    for row, c in enumerate(completions):
-        p = len(c.prompt_ids)
-        out[row, p : p + len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
-    return out
-
-
-def logprob_diff(engine: Tensor | Sequence[Completion], trainer: Tensor, response_mask: Tensor) -> SyncCheck:
-    """Mean and max |engine - trainer| over the tokens where ``response_mask`` is set.
-
-    engine: FloatTensor[N, T] (e.g. ``TrainBatch.engine_logprobs``) or the completions in row order.
-    trainer: FloatTensor[N, T], ``token_logprobs(...).logprobs`` of the same rows.
-    response_mask: [N, T], nonzero exactly on completion tokens.
-    """
-    if not isinstance(engine, Tensor):
-        engine = engine_logprob_matrix(engine, trainer.shape[1])
-    if engine.shape != trainer.shape or trainer.shape != response_mask.shape:
-        raise ValueError(f"shape mismatch: engine {tuple(engine.shape)}, trainer {tuple(trainer.shape)}, "
-                         f"mask {tuple(response_mask.shape)}")
-    mask = response_mask.detach().bool()
-    diff = (engine.detach().float().to(trainer.device) - trainer.detach().float())[mask.to(trainer.device)].abs()
-    if diff.numel() == 0:
-        return SyncCheck(0.0, 0.0, 0)
-    return SyncCheck(float(diff.mean()), float(diff.max()), int(diff.numel()))
-
-
-def verify_weight_sync(engine: Tensor | Sequence[Completion], trainer: Tensor, response_mask: Tensor, *,
-                       max_abs_diff: float | None = None, mean_abs_diff: float | None = None) -> SyncCheck:
-    """``logprob_diff`` plus a check: raises ``WeightSyncError`` when a given threshold is exceeded.
-
-    Call it on the first rollout after a ``sync_weights`` (before the update), with the trainer's
-    log-probs at the sampling temperature. Float32 engine and trainer agree to ~1e-5; bf16 much less.
-    """
-    if max_abs_diff is None and mean_abs_diff is None:
-        raise ValueError("give max_abs_diff and/or mean_abs_diff")
-    check = logprob_diff(engine, trainer, response_mask)
-    over = [f"{name} {value:.3g} > {limit:.3g}" for name, value, limit in (
-        ("max |diff|", check.max_abs_diff, max_abs_diff), ("mean |diff|", check.mean_abs_diff, mean_abs_diff))
-        if limit is not None and value > limit]
-    if over:
-        raise WeightSyncError(
-            f"engine and trainer log-probs disagree over {check.num_tokens} response tokens ({'; '.join(over)}): "
-            "the rollout engine is not sampling from the trainer's current weights "
-            "(missed or failed sync_weights, or a dtype / temperature mismatch)")
-    return check
-
-
 # ---- helpers ---------------------------------------------------------------------------------
 def request_seed(seed: int | None, prompt_index: int, n: int) -> int | None:
-    """Seed of prompt ``prompt_index``'s request; vLLM gives its j-th sample ``seed + j`` (j < n),
-    so requests of one call never share a seed."""
-    return None if seed is None else (seed * _SEED_STRIDE + prompt_index * n) % (2**63)
+    """Seed of prompt ``prompt_index``'s request of ``n`` samples.
+
+    vLLM splits an n > 1 request into n child requests and seeds child j with ``seed + j``
+    (``ParentRequest._get_child_sampling_params``, vllm/v1/engine/parallel_sampling.py). Request i
+    gets the block ``[s, s + n)`` with ``s = n * ((seed * stride + i) mod (2**63 // n))``: the
+    blocks of one call's requests never overlap, and ``s + n - 1 < 2**63`` for any ``seed``.
+    """
+    if seed is None:
+        return None
+    return n * ((seed * _SEED_STRIDE + prompt_index) % (_SEED_LIMIT // n))
 
 
-def save_weights(model: nn.Module, folder: str | Path) -> Path:
-    """Write ``model``'s parameters (tied ones once, as named_parameters lists them) as safetensors."""
+def save_weights(model: nn.Module, folder: str | Path, dtype: str | None = None) -> Path:
+    """Write ``model``'s parameters (tied ones once, as named_parameters lists them) as safetensors,
+    cast to ``dtype`` (the engine's, e.g. "bfloat16" from float32 master weights) when given."""
+    import torch
     from safetensors.torch import save_file
 
     path = Path(folder) / "model.safetensors"
-    tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()}
+    cast = getattr(torch, dtype) if dtype else None
+    tensors = {name: p.detach().to("cpu", dtype=cast).contiguous() for name, p in model.named_parameters()}
     save_file(tensors, str(path))
     return path
+
+
+def _empty_cuda_cache() -> None:
+    """Before vLLM maps memory again: hand the blocks PyTorch's caching allocator keeps in *this*
+    process (freed training activations and gradients) back to the driver. vLLM's own
+    ``CuMemAllocator.wake_up`` (vllm/device_allocator/cumem.py) empties the cache of the engine-core
+    process, by default not this one."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _context_len(model_dir: str) -> int:
@@ -169,7 +126,8 @@ class VLLMEngine:
     kv_cache_bytes: explicit KV-cache size (bytes); CPU default 256 MiB unless
         VLLM_CPU_KVCACHE_SPACE is set.
     sleep_level: 1 or 2 to sleep between rollouts (weights offloaded / discarded, KV freed) where
-        the platform supports it; None never sleeps.
+        the platform supports it; None never sleeps. After a level-2 sleep the latest weights
+        (last ``sync_weights`` / ``sync_from_folder``, else ``model_dir``) are pushed again.
     weight_sync: "file", "cuda_ipc" or "auto" (cuda_ipc on a CUDA platform, else file).
     eos_token_ids: ids that end generation; default tokenizer EOS + generation_config EOS.
     llm_kwargs: passed on to ``vllm.LLM``.
@@ -185,7 +143,7 @@ class VLLMEngine:
 
         if sleep_level not in (None, 1, 2):
             raise ValueError(f"sleep_level must be None, 1 or 2, got {sleep_level}")
-        self.model_dir = str(model_dir)
+        self.model_dir, self.dtype = str(model_dir), dtype
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -221,7 +179,9 @@ class VLLMEngine:
             llm_kwargs.setdefault("kv_cache_memory_bytes", kv_cache_bytes)
         llm_kwargs.setdefault("use_tqdm_on_load", False)  # no progress bar per weight sync
         self._ipc = None  # CudaIPCWeightSender, built on the first cuda_ipc sync
-        self._asleep = False
+        self._sleeping: set[str] = set()  # vLLM memory tags now asleep: "weights", "kv_cache"
+        self._weights_lost = False  # a level-2 sleep discarded the weights: push them again on waking
+        self._push_latest: Callable[[], object] = lambda: self._load_folder(self.model_dir)  # until a sync
         self.llm = LLM(model=self.model_dir, tokenizer=self.model_dir, dtype=dtype, seed=seed,
                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                        enforce_eager=enforce_eager, enable_sleep_mode=sleep_level is not None,
@@ -238,6 +198,9 @@ class VLLMEngine:
         if params.top_k > 0 or params.top_p < 1.0:
             raise ValueError("VLLMEngine samples with top_k=0 and top_p=1 only: vLLM reports log-probs "
                              "renormalised over the top-k/top-p set, not the untruncated ones of the contract")
+        if params.temperature > VLLM_MAX_TEMPERATURE:
+            raise ValueError(f"VLLMEngine: temperature {params.temperature:g} is above vLLM's limit of "
+                             f"{VLLM_MAX_TEMPERATURE:g}")
         return VSamplingParams(
             n=n, temperature=params.temperature, top_p=1.0, top_k=0, max_tokens=params.max_new_tokens,
             seed=seed, logprobs=0, stop=list(params.stop_strings), include_stop_str_in_output=True,
@@ -254,9 +217,9 @@ class VLLMEngine:
             raise ValueError("empty prompt")
         if not prompts:
             return []
-        self._wake()
         k = 1 if params.greedy else n  # vLLM refuses greedy n > 1: sample once, copy (deterministic)
         requests = [self.sampling_params(params, k, request_seed(params.seed, i, n)) for i in range(len(prompts))]
+        self._wake()
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
                                     use_tqdm=False)
         result = [[self._completion(list(p), c) for c in sorted(o.outputs, key=lambda c: c.index)]
@@ -277,21 +240,30 @@ class VLLMEngine:
 
     # ---- weights ----
     def sync_weights(self, model: nn.Module) -> None:
-        """Load ``model``'s current parameters into the engine (waking it if asleep)."""
+        """Load ``model``'s current parameters into the engine (asleep, its weights wake; its KV
+        cache wakes at the next ``generate``)."""
         if self.weight_sync == "cuda_ipc" and next(model.parameters()).is_cuda:
             self._reload(lambda: self._sync_cuda_ipc(model))
         else:
-            self.sync_from_folder(save_weights(model, self._sync_dir).parent)
+            self.sync_from_folder(save_weights(model, self._sync_dir, self.dtype).parent)
 
     def sync_from_folder(self, folder: str | Path) -> None:
-        """Reload the weights from a folder of checkpoint-format safetensors (HF parameter names)."""
-        self._reload(lambda: self.llm.collective_rpc("grpolab_reload_weights", kwargs={"weights_path": str(folder)}))
+        """Reload the weights from a folder of checkpoint-format safetensors (HF parameter names).
+        The folder must keep them: a wake from a level-2 sleep reloads from it."""
+        folder = str(folder)
+        self._reload(lambda: self._load_folder(folder))
+
+    def _load_folder(self, folder: str) -> None:
+        self.llm.collective_rpc("grpolab_reload_weights", kwargs={"weights_path": folder})
 
     def _reload(self, push: Callable[[], object]) -> None:
-        if self._asleep:
-            self.llm.wake_up(tags=["weights"])
+        """Push new weights with ``push``, which also restores them after every later level-2 sleep.
+        Asleep, only the weights wake (vLLM's RL order, docs/features/sleep_mode.md: wake_up(["weights"]),
+        load, and the KV cache once needed); level 1 brings back the offloaded old weights first,
+        overwritten here."""
+        self._wake_weights()
         push()
-        self._wake()
+        self._push_latest, self._weights_lost = push, False
         self.llm.reset_prefix_cache()  # its KV was computed with the old weights
 
     def _sync_cuda_ipc(self, model: nn.Module) -> None:
@@ -302,15 +274,35 @@ class VLLMEngine:
         self._ipc.send()
 
     # ---- sleep / shutdown ----
+    # vLLM 0.32: sleep(level) frees the "weights" and "kv_cache" memory; level 1 copies the weights
+    # to CPU and wake_up copies them back, level 2 keeps only the model's buffers, and wake_up maps
+    # fresh memory for the weights with nothing restored in it (CuMemBackend.suspend / CuMemAllocator.
+    # wake_up, Worker.sleep / wake_up in vllm/v1/worker/gpu_worker.py). wake_up(tags) maps only the
+    # tags named (and only allocations still asleep); the scheduler resumes once no tag sleeps
+    # (EngineCore.wake_up). The tags are tracked here and each is woken exactly once.
     def _sleep(self) -> None:
-        if self.sleep_level is not None and not self._asleep:
+        if self.sleep_level is not None and not self._sleeping:
             self.llm.sleep(level=self.sleep_level)
-            self._asleep = True
+            self._sleeping = {"weights", "kv_cache"}
+            self._weights_lost = self.sleep_level == 2
+
+    def _wake_weights(self) -> None:
+        if "weights" in self._sleeping:
+            _empty_cuda_cache()
+            self.llm.wake_up(tags=["weights"])
+            self._sleeping.discard("weights")
 
     def _wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+        """Ready to generate: weights awake and holding the latest weights (pushed again after a
+        level-2 sleep), then the KV cache."""
+        self._wake_weights()
+        if self._weights_lost:
+            self._push_latest()
+            self._weights_lost = False
+        if "kv_cache" in self._sleeping:
+            _empty_cuda_cache()
+            self.llm.wake_up(tags=["kv_cache"])
+            self._sleeping.discard("kv_cache")
 
     def close(self) -> None:
         """Shut the engine-core processes down and remove the sync folder (idempotent)."""

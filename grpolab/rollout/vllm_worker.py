@@ -179,7 +179,7 @@ class VLLMSubprocessEngine:
                  **engine_kwargs: Any):
         from grpolab.rollout.vllm import save_weights
 
-        self._save_weights = save_weights
+        self._save_weights, self._engine_kwargs = save_weights, engine_kwargs
         self.tokenizer = tokenizer
         self._dir = Path(tempfile.mkdtemp(prefix="grpolab-vllm-proc-"))
         address = str(self._dir / "socket")
@@ -232,7 +232,8 @@ class VLLMSubprocessEngine:
 
     def sync_weights(self, model: nn.Module) -> None:
         """Write ``model``'s parameters to a file in this engine's folder; the server reloads them."""
-        self._call({"op": "sync", "folder": str(self._save_weights(model, self._dir).parent)})
+        folder = self._save_weights(model, self._dir, self._engine_kwargs.get("dtype")).parent
+        self._call({"op": "sync", "folder": str(folder)})
 
     def close(self, timeout: float = 60.0) -> None:
         """Ask the server to shut its engine down and exit (killed after ``timeout`` s); idempotent."""

@@ -1,0 +1,217 @@
+"""One command for a single-GPU machine without network: does the GPU path run, and with which numbers?
+
+Writes one JSON file (``--out``) with, section by section (a failing section records its error and
+the others still run):
+  gpu_tests        the GPU tests of the suite (``pytest -m gpu``): the update path on CUDA never mixes
+                   devices, bf16 RL steps with the sync check
+  rl_steps         a few bf16 RL steps of a small model on CUDA, hf engine, sync check on: reward,
+                   engine/trainer log-prob difference, the in-sync noise floor, seconds and peak memory
+  weights_changed  the fraction of weights one AdamW step at lr 1e-5 changes under each precision
+                   setting (of the stored weights, and of the bf16 weights an engine receives)
+  probe_olmo2_1b   ``grpolab probe`` at the OLMo-2-1B reference shapes (like:olmo2-1b, 256 completions
+                   of the longest training prompt + 512 tokens, micro-batch 1, chunk 32): peak memory
+                   per phase and seconds
+It finishes within about 8 minutes on one H200 (``--quick`` shrinks everything for a CPU rehearsal).
+
+The target has torch and transformers but no pydantic, math-verify or torch-optimi: prepare their
+wheels here with ``python benchmarks/gpu_check.py --download-wheels .gpu_wheels`` (pure Python or
+manylinux, a few MB) and carry that folder; ``--wheels .gpu_wheels`` installs them into a private
+folder there (no network, no changes to the interpreter's site-packages).
+
+    python benchmarks/gpu_check.py --wheels .gpu_wheels --out gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# what the target lacks, at the versions installed here (pydantic-core must match pydantic exactly)
+CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "math-verify",
+           "latex2sympy2_extended", "antlr4-python3-runtime", "torch-optimi")
+
+
+def download_wheels(folder: Path, python: str = "3.12") -> None:
+    from importlib.metadata import version
+
+    pins = [f"{name}=={version(name)}" for name in CARRIED]
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                    "--python-version", python, "--platform", "manylinux_2_17_x86_64",
+                    "--platform", "manylinux2014_x86_64", "-d", str(folder), *pins], check=True)
+
+
+def use_wheels(folder: Path) -> None:
+    """Install the carried wheels into ``folder/site`` (offline) and put it on the path."""
+    site = folder / "site"
+    if not site.is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--target", str(site),
+                        *map(str, sorted(folder.glob("*.whl")))], check=True)
+    sys.path.insert(0, str(site))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def section(report: dict, name: str, fn, *args) -> None:
+    """Run one section; its figures or its error go into the report, which is rewritten every time."""
+    started = time.perf_counter()
+    print(f"[gpu_check] {name} ...", flush=True)
+    try:
+        report[name] = {"ok": True, **fn(*args)}
+    except Exception as err:  # noqa: BLE001 - one broken section must not hide the others
+        report[name] = {"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    report[name]["seconds"] = round(time.perf_counter() - started, 2)
+    print(f"[gpu_check] {name}: {'ok' if report[name]['ok'] else report[name]['error']} "
+          f"({report[name]['seconds']} s)", flush=True)
+    Path(report["out"]).write_text(json.dumps(report, indent=2, default=str))
+
+
+def gpu_tests() -> dict:
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    tail = (run.stdout + run.stderr).strip().splitlines()[-15:]
+    if run.returncode != 0:
+        raise RuntimeError("pytest failed:\n" + "\n".join(tail))
+    return {"summary": tail[-1] if tail else ""}
+
+
+def small_config(device: str, out: Path, quick: bool):
+    """The demo's tiny model and task, bf16 (fp32 master weights), the sync check on."""
+    from grpolab.config import load_config
+
+    base = {"output_dir": str(out), "model.device": device, "model.dtype": "bfloat16", "task.n_train": 200,
+            "task.n_val": 32, "rollout.prompts_per_step": 16, "rollout.group_size": 8, "eval.every": 1000,
+            "checkpoint.every": 1000, "rollout.sync_check": True, "optim.lr": 1e-5}
+    if quick:
+        base.update({"rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 16})
+    return load_config(None, base)
+
+
+def peak_mb(device: str, reset: bool = True) -> float | None:
+    import torch
+
+    if device != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return round(peak, 1)
+
+
+def rl_steps(device: str, quick: bool) -> dict:
+    from rich.console import Console
+
+    from grpolab.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = Trainer(small_config(device, Path(scratch) / "run", quick), Console(quiet=True))
+        try:
+            peaks = {"load": peak_mb(device)}
+            steps = []
+            for step in range(1, (2 if quick else 5) + 1):
+                record = trainer.train_step(step)
+                steps.append({k: record.get(k) for k in (
+                    "reward_mean", "accuracy", "sync/logprob_diff_mean", "sync/logprob_diff_max",
+                    "sync/noise_floor_mean", "first_update/ratio_mean", "grad_norm", "actual_updates",
+                    "time/generate", "time/train", "time/step", "tokens_per_s")})
+            peaks["steps"] = peak_mb(device)
+            precision = trainer.precision
+        finally:
+            trainer.close()
+    return {"precision": precision.name, "weights": str(precision.storage), "compute": str(precision.compute),
+            "noise_floor_mean": steps[0]["sync/noise_floor_mean"], "steps": steps, "peak_memory_mb": peaks}
+
+
+def weights_changed(device: str, quick: bool) -> dict:
+    import torch
+
+    from grpolab.logprobs import token_logprobs
+    from grpolab.models import load_policy, resolve_model_dir
+    from grpolab.precision import resolve_precision
+    from grpolab.tasks import ArithmeticTask
+
+    task = ArithmeticTask(n_train=200, n_val=20)
+    # quick: the demo's tiny model (torch-optimi's CPU path is slow on a 150k-vocabulary embedding)
+    model_dir = resolve_model_dir(None, task) if quick else resolve_model_dir("like:qwen3-0.6b", task,
+                                                                             {"num_hidden_layers": 4})
+    rows, length = (2, 16) if quick else (8, 128)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(0)).to(device)
+    advantages = torch.linspace(-1, 1, rows, device=device)[:, None]
+    out = {}
+    for setting in ("fp32_master", "bf16_compensated", "bf16"):
+        precision = resolve_precision(setting, torch.bfloat16, warn=False)
+        model, _ = load_policy(model_dir, precision.storage, torch.device(device))
+        optimizer = precision.optimizer(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0)
+        before = [p.detach().clone() for p in model.parameters()]
+        with precision.autocast(torch.device(device)):
+            logprobs = token_logprobs(model, ids, torch.ones_like(ids), chunk_size=32).logprobs
+        (-(advantages * logprobs).mean()).backward()
+        optimizer.step()
+        n = sum(p.numel() for p in before)
+        stored = sum(int((p.detach() != b).sum()) for p, b in zip(model.parameters(), before))
+        sent = sum(int((p.detach().bfloat16() != b.bfloat16()).sum()) for p, b in zip(model.parameters(), before))
+        out[setting] = {"stored_changed": stored / n, "bf16_sent_changed": sent / n, "parameters": n}
+        del model, optimizer, before
+    return out
+
+
+def probe_olmo2_1b(device: str, quick: bool) -> dict:
+    from grpolab.config import load_config
+    from grpolab.probe import run_probe
+
+    overrides = {"model": "like:olmo2-1b", "model.device": device, "model.dtype": "bfloat16"}
+    if quick:
+        overrides.update({"model.like_overrides": {"num_hidden_layers": 1}, "rollout.prompts_per_step": 2,
+                          "rollout.group_size": 2, "rollout.max_new_tokens": 16, "task.n_train": 50, "task.n_val": 10})
+    cfg = load_config(ROOT / "configs" / "gsm8k_olmo2_1b.toml", overrides)
+    cfg = cfg.model_copy(update={"task": cfg.task.model_copy(update={
+        "train_path": str(ROOT / cfg.task.train_path), "test_path": str(ROOT / cfg.task.test_path)})})
+    with tempfile.TemporaryDirectory() as scratch:
+        report = run_probe(cfg, Path(scratch) / "probe.json")
+    keep = ("batch", "precision", "peak_memory_mb", "phase_peak_memory_mb", "phase_seconds", "updates", "generation")
+    return {k: report[k] for k in keep}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gpu_check.json")
+    parser.add_argument("--wheels", type=Path, help="folder of carried wheels (see --download-wheels)")
+    parser.add_argument("--download-wheels", type=Path, metavar="DIR", help="prepare the wheels, then exit")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a rehearsal on CPU")
+    args = parser.parse_args(argv)
+    if args.download_wheels:
+        download_wheels(args.download_wheels)
+        return 0
+    if args.wheels:
+        use_wheels(args.wheels.resolve())
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import transformers
+
+    torch.set_num_threads(min(4, os.cpu_count() or 1))  # the CPU-side work (warm start, init) is small
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA device (use --device cpu --quick for a rehearsal)")
+        return 2
+    report = {"out": args.out, "torch": torch.__version__, "transformers": transformers.__version__,
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "quick": args.quick}
+    section(report, "gpu_tests", gpu_tests)
+    for name, fn in (("rl_steps", rl_steps), ("weights_changed", weights_changed), ("probe_olmo2_1b", probe_olmo2_1b)):
+        section(report, name, fn, args.device, args.quick)
+    failed = [k for k, v in report.items() if isinstance(v, dict) and not v.get("ok", True)]
+    print(f"[gpu_check] wrote {args.out}; failed sections: {', '.join(failed) or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Edges of the loop: refused configurations, devices of indices, stop strings in evaluation,
+KL-only steps, and metrics over every response token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import params_of, quick_config, same
+from rich.console import Console
+from torch.overrides import TorchFunctionMode
+
+from grpolab.cli import main
+from grpolab.config import ConfigError, load_config
+from grpolab.evaluation import grade_completions, greedy
+from grpolab.trainer import Trainer
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"engine": "vllm", "rollout.temperature": 2.5}, "temperatures up to 2"),
+    ({"engine": "vllm", "rollout.top_p": 0.9}, "top_p = 1 and top_k = 0"),
+    ({"engine": "vllm", "rollout.top_k": 20}, "top_p = 1 and top_k = 0"),
+    ({"eval.pass_k": [0]}, "eval.pass_k.0"),
+    ({"rollout.group_size": 1}, "group_size 1"),
+    ({"rollout.group_size": 1, "algo": "dr_grpo"}, "every advantage would be 0"),
+    ({"model.like_overrides": {"num_hidden_layers": 2}}, "only to a like:NAME model"),
+    ({"model": "like:qwen3-0.6b", "engine": "vllm"}, "random weights"),
+])
+def test_configurations_that_cannot_run_or_learn_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_refusals_are_one_line_with_exit_2_and_write_nothing(warm_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    base = ["train", "--model", str(warm_model_dir), "--output-dir", str(out), "--task.n_val", "16"]
+    for extra in (["--engine", "vllm", "--rollout.temperature", "2.5"], ["--eval.n_examples", "17"]):
+        assert main([*base, *extra]) == 2
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:"), lines
+    assert not out.exists()
+
+
+def test_rft_with_group_size_one_is_allowed():  # no group baseline: every sample has its own reward
+    assert load_config(None, {"algo": "rft", "rollout.group_size": 1}).rollout.group_size == 1
+
+
+class IndexDevices(TorchFunctionMode):
+    """Records (device of the indexed tensor, device of the index) for every indexing call."""
+
+    def __init__(self):
+        super().__init__()
+        self.pairs: list[tuple[torch.device, torch.device]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__getitem__:
+            source, index = args[0], args[1]
+        elif func in (torch.Tensor.index_select, torch.index_select):
+            source, index = args[0], args[2] if len(args) > 2 else kwargs["index"]
+        else:
+            source = index = None
+        if isinstance(source, torch.Tensor) and isinstance(index, torch.Tensor):
+            self.pairs.append((source.device, index.device))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rft", "offpolicy_clip"])
+def test_every_index_of_an_update_lives_on_the_device_it_indexes(algo, warm_model_dir, tmp_path):
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo=algo), Console(quiet=True))
+    rollout = trainer.rollout(1)
+    with IndexDevices() as recorder:
+        trainer.update(rollout)
+    trainer.close()
+    assert len(recorder.pairs) > 5  # pruning masks, minibatch indices, batch selection
+    assert all(source == index for source, index in recorder.pairs), recorder.pairs
+
+
+def test_evaluation_with_stop_strings_grades_exactly_like_training(warm_model_dir, tmp_path):
+    cfg = quick_config(warm_model_dir, tmp_path / "run", **{"rollout.stop_strings": ["</think>"],
+                                                             "eval.n_examples": 8})
+    trainer = Trainer(cfg, Console(quiet=True))
+    metrics = trainer.evaluate(0)
+    prompts = [trainer.prompt_ids[e.id] for e in trainer.val_examples]
+    completions = trainer.engine.generate(prompts, 1, greedy(trainer.sampling_params(0, 0)))
+    grades = [g[0] for g in grade_completions(trainer.task, trainer.val_examples, completions)]
+    trainer.close()
+    assert all(c[0].text.endswith("</think>") or c[0].truncated for c in completions)
+    assert any(c[0].text.endswith("</think>") for c in completions)  # the stop string did cut
+    assert metrics["val/accuracy"] == sum(g.answer_reward for g in grades) / len(grades)
+    assert metrics["val/format_rate"] == sum(g.format_reward for g in grades) / len(grades)
+    assert metrics["val/truncation_rate"] == sum(c[0].truncated for c in completions) / len(completions)
+
+
+def test_kl_only_step_updates_the_parameters_and_logs_kl(warm_model_dir, tmp_path):
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", **{"algorithm.beta": 0.1,
+                                                                         "rollout.max_new_tokens": 2}))
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # a policy away from its reference
+    before = params_of(trainer.model)
+    record = trainer.train_step(1)  # two tokens hold no answer: every advantage is 0, only KL remains
+    trainer.close()
+    assert record["reward_mean"] == 0.0 and record["actual_updates"] == 1
+    assert record["kl_ref"] > 0 and not same(before, params_of(trainer.model))
+
+
+def test_metrics_cover_every_response_token_even_when_rows_are_pruned(warm_model_dir, tmp_path):
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo="rft", reference="frozen"))
+    rollout = trainer.rollout(1)
+    record = trainer.update(rollout)
+    tokens = sum(len(c.completion_ids) for c in rollout.flat())
+    assert record["metric_tokens"] == tokens and "kl_ref" in record and "entropy" in record
+    lean = Trainer(quick_config(warm_model_dir, tmp_path / "lean", algo="rft", **{"optim.full_metrics": False}))
+    lean_record = lean.update(rollout)
+    lean.close()
+    trainer.close()
+    wrong = sum(len(c.completion_ids) for c, g in zip(rollout.flat(), [g for gr in rollout.grades for g in gr])
+                if g.reward == 0)
+    assert lean_record["metric_tokens"] == tokens - wrong

@@ -1,0 +1,41 @@
+"""GPU-only checks (skipped without CUDA; ``benchmarks/gpu_check.py`` runs them on the GPU machine)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import params_of, quick_config, same
+from rich.console import Console
+from test_edges import IndexDevices
+
+from grpolab.trainer import Trainer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rft", "offpolicy_clip", "dapo"])
+def test_update_on_cuda_never_mixes_devices(algo, warm_model_dir, tmp_path):
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo=algo, **{"model.device": "cuda"}),
+                      Console(quiet=True))
+    rollout = trainer.rollout(1)
+    before = params_of(trainer.model)
+    with IndexDevices() as recorder:
+        result = trainer.update(rollout)
+    trainer.close()
+    assert recorder.pairs and all(source == index for source, index in recorder.pairs), recorder.pairs
+    assert result["actual_updates"] == 0 or not same(before, params_of(trainer.model))
+
+
+@pytest.mark.parametrize("precision", ["fp32_master", "bf16_compensated"])
+def test_bf16_rl_steps_on_cuda_with_the_sync_check(precision, warm_model_dir, tmp_path):
+    cfg = quick_config(warm_model_dir, tmp_path / "run", **{"model.device": "cuda", "model.dtype": "bfloat16",
+                                                             "optim.precision": precision, "rollout.sync_check": True})
+    trainer = Trainer(cfg, Console(quiet=True))
+    before = params_of(trainer.model)
+    records = [trainer.train_step(step) for step in (1, 2)]
+    trainer.close()
+    assert all(math.isfinite(v) for r in records for v in r.values() if isinstance(v, float))
+    assert records[0]["first_update/ratio_mean"] == pytest.approx(1.0, abs=1e-2) and not same(before, params_of(trainer.model))
+    assert records[0]["sync/noise_floor_mean"] < 0.05

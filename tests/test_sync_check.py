@@ -1,0 +1,93 @@
+"""The weight-sync check: non-finite differences fail, and a calibrated limit sees a stale bf16 engine."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import quick_config
+from rich.console import Console
+
+from grpolab.rollout.hf import HFEngine
+from grpolab.rollout.sync_check import SyncMonitor, WeightSyncError, verify_weight_sync
+from grpolab.trainer import Trainer
+
+
+def _pair(n=4, t=6, noise=1e-3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    trainer = -torch.rand(n, t, generator=g)
+    engine = trainer + noise * torch.randn(n, t, generator=g)
+    mask = torch.zeros(n, t)
+    mask[:, 2:] = 1
+    return engine, trainer, mask
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_engine_logprobs_fail_the_check(bad):
+    engine, trainer, mask = _pair()
+    engine[1, 3] = bad
+    with pytest.raises(WeightSyncError, match="disagree"):
+        verify_weight_sync(engine, trainer, mask, mean_abs_diff=10.0)
+    with pytest.raises(WeightSyncError):
+        verify_weight_sync(engine, trainer, mask, max_abs_diff=10.0)
+    with pytest.raises(WeightSyncError):
+        SyncMonitor(None, 0.1, noise_multiple=None).check(engine, trainer, mask)
+    engine[1, 3] = 0.0
+    engine[1, 0] = bad  # outside the response mask: ignored
+    verify_weight_sync(engine, trainer, mask, mean_abs_diff=10.0)
+
+
+def test_monitor_calibrates_on_the_first_check_then_enforces_a_multiple():
+    monitor = SyncMonitor(None, 0.1, noise_multiple=3.0, min_floor=1e-6)
+    engine, trainer, mask = _pair(noise=1e-3)
+    first = monitor.check(engine, trainer, mask)
+    assert monitor.noise_floor == pytest.approx(first["sync/logprob_diff_mean"])
+    assert first["sync/noise_floor_mean"] == monitor.noise_floor
+    monitor.check(*_pair(noise=1.5e-3, seed=1))  # noise of the same order passes
+    with pytest.raises(WeightSyncError, match="mean"):
+        monitor.check(*_pair(noise=5e-3, seed=2))  # far below the absolute 0.1, above 3 x the floor
+    assert SyncMonitor(None, 0.1, noise_multiple=None).check(*_pair(noise=5e-3, seed=2))  # absolute only: passes
+    floored = SyncMonitor(None, None, noise_multiple=3.0, min_floor=1e-2)
+    floored.check(*_pair(noise=1e-6))
+    floored.check(*_pair(noise=5e-3, seed=3))  # within 3 x the minimum floor
+
+
+class CopyEngine:
+    """A bf16 engine with its own copy of the weights, like vLLM: ``sync_weights`` copies (and
+    rounds) the trainer's weights into it, unless ``skip`` is set (a broken sync)."""
+
+    def __init__(self, model, tokenizer):
+        self.copy = copy.deepcopy(model).to(torch.bfloat16)
+        self.inner = HFEngine(self.copy, tokenizer, max_batch_size=256)
+        self.skip = False
+
+    def generate(self, prompts, n, params):
+        return self.inner.generate(prompts, n, params)
+
+    def sync_weights(self, model):
+        if not self.skip:
+            with torch.no_grad():
+                for mine, theirs in zip(self.copy.parameters(), model.parameters()):
+                    mine.copy_(theirs)
+
+    def close(self):
+        pass
+
+
+def test_a_broken_sync_in_bf16_is_caught_by_the_calibrated_limit(warm_model_dir, tmp_path):
+    cfg = quick_config(warm_model_dir, tmp_path / "run", **{"model.dtype": "bfloat16", "rollout.sync_check": True,
+                                                             "optim.lr": 1e-5, "rollout.prompts_per_step": 16})
+    trainer = Trainer(cfg, Console(quiet=True))
+    trainer.engine = CopyEngine(trainer.model, trainer.tokenizer)
+    limit = cfg.rollout.sync_limits("bfloat16")[1]
+    for step in range(1, 4):  # in sync: the calibrated limit holds
+        record = trainer.train_step(step)
+        assert record["sync/logprob_diff_mean"] < trainer.sync_monitor.calibrated_limit()
+    assert 0 < trainer.sync_monitor.noise_floor < limit / 10  # the absolute bf16 limit is far above the floor
+    trainer.engine.skip = True  # from now on the engine keeps the step-3 weights
+    with pytest.raises(WeightSyncError):
+        for step in range(4, 16):
+            record = trainer.train_step(step)
+            assert record["sync/logprob_diff_mean"] < limit  # the absolute limit alone never fires
+    assert step <= 14, "caught within ten stale steps at lr 1e-5"
