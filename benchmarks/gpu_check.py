@@ -128,8 +128,11 @@ def rl_steps(device: str, quick: bool) -> dict:
             "noise_floor_mean": steps[0]["sync/noise_floor_mean"], "steps": steps, "peak_memory_mb": peaks}
 
 
-def weights_changed(device: str, quick: bool) -> dict:
+def weights_changed(device: str, quick: bool, steps: int = 10) -> dict:
+    """Fraction of weights changed after 1 and ``steps`` AdamW steps at lr 1e-5, per precision setting:
+    of the stored weights, and of their bf16 casts (what an engine receives)."""
     import torch
+    from transformers import AutoConfig
 
     from grpolab.logprobs import token_logprobs
     from grpolab.models import load_policy, resolve_model_dir
@@ -141,8 +144,6 @@ def weights_changed(device: str, quick: bool) -> dict:
     model_dir = resolve_model_dir(None, task) if quick else resolve_model_dir("like:qwen3-0.6b", task,
                                                                              {"num_hidden_layers": 4})
     rows, length = (2, 16) if quick else (8, 128)
-    from transformers import AutoConfig
-
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(0)).to(device)
     advantages = torch.linspace(-1, 1, rows, device=device)[:, None]
@@ -152,14 +153,19 @@ def weights_changed(device: str, quick: bool) -> dict:
         model, _ = load_policy(model_dir, precision.storage, torch.device(device))
         optimizer = precision.optimizer(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0)
         before = [p.detach().clone() for p in model.parameters()]
-        with precision.autocast(torch.device(device)):
-            logprobs = token_logprobs(model, ids, torch.ones_like(ids), chunk_size=32).logprobs
-        (-(advantages * logprobs).mean()).backward()
-        optimizer.step()
         n = sum(p.numel() for p in before)
-        stored = sum(int((p.detach() != b).sum()) for p, b in zip(model.parameters(), before))
-        sent = sum(int((p.detach().bfloat16() != b.bfloat16()).sum()) for p, b in zip(model.parameters(), before))
-        out[setting] = {"stored_changed": stored / n, "bf16_sent_changed": sent / n, "parameters": n}
+        out[setting] = {"parameters": n}
+        for step in range(1, steps + 1):
+            optimizer.zero_grad(set_to_none=True)
+            with precision.autocast(torch.device(device)):
+                logprobs = token_logprobs(model, ids, torch.ones_like(ids), chunk_size=32).logprobs
+            (-(advantages * logprobs).mean()).backward()
+            optimizer.step()
+            if step in (1, steps):
+                pairs = list(zip(model.parameters(), before))
+                out[setting][f"after_{step}"] = {
+                    "stored_changed": sum(int((p.detach() != b).sum()) for p, b in pairs) / n,
+                    "bf16_sent_changed": sum(int((p.detach().bfloat16() != b.bfloat16()).sum()) for p, b in pairs) / n}
         del model, optimizer, before
     return out
 
@@ -170,7 +176,9 @@ def probe_olmo2_1b(device: str, quick: bool) -> dict:
 
     overrides = {"model": "like:olmo2-1b", "model.device": device, "model.dtype": "bfloat16"}
     if quick:
+        # float32: CPU bf16 matmuls at a 100k vocabulary take many minutes without bf16 hardware
         overrides.update({"model.like_overrides": {"num_hidden_layers": 1}, "rollout.prompts_per_step": 2,
+                          "model.dtype": "bfloat16" if device == "cuda" else "float32",
                           "rollout.group_size": 2, "rollout.max_new_tokens": 16, "task.n_train": 50, "task.n_val": 10})
     cfg = load_config(ROOT / "configs" / "gsm8k_olmo2_1b.toml", overrides)
     cfg = cfg.model_copy(update={"task": cfg.task.model_copy(update={

@@ -15,12 +15,14 @@ Token conventions:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 from torch import nn
 
-__all__ = ["SamplingParams", "Completion", "RolloutEngine", "FinishReason", "collect_eos_ids"]
+__all__ = ["SamplingParams", "Completion", "RolloutEngine", "FinishReason", "collect_eos_ids",
+           "let_an_interrupt_land"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -124,3 +126,11 @@ def collect_eos_ids(tokenizer, generation_eos: int | list[int] | None) -> list[i
             if i is not None and int(i) not in ids:
                 ids.append(int(i))
     return ids
+
+
+def let_an_interrupt_land(seconds: float = 1.0) -> None:
+    """Call before raising an engine failure. Engine processes share the terminal's process group:
+    on Ctrl-C they abort their requests or die a moment before the trainer's own KeyboardInterrupt
+    arrives. Waiting briefly lets that interrupt land first, so Ctrl-C is reported as an interrupt
+    (exit 130, clean shutdown), not as an engine failure."""
+    time.sleep(seconds)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 
-from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
+from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids, let_an_interrupt_land
 
 if TYPE_CHECKING:
     from grpolab.rollout.vllm_worker import VLLMSubprocessEngine
@@ -220,8 +220,12 @@ class VLLMEngine:
         k = 1 if params.greedy else n  # vLLM refuses greedy n > 1: sample once, copy (deterministic)
         requests = [self.sampling_params(params, k, request_seed(params.seed, i, n)) for i in range(len(prompts))]
         self._wake()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
-                                    use_tqdm=False)
+        try:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
+                                        use_tqdm=False)
+        except Exception:  # e.g. its engine core died of the terminal's Ctrl-C
+            let_an_interrupt_land()
+            raise
         result = [[self._completion(list(p), c) for c in sorted(o.outputs, key=lambda c: c.index)]
                   for p, o in zip(prompts, outputs)]
         self._sleep()
@@ -229,7 +233,8 @@ class VLLMEngine:
 
     def _completion(self, prompt: list[int], out) -> Completion:
         ids = list(out.token_ids)
-        if out.finish_reason not in ("stop", "length"):
+        if out.finish_reason not in ("stop", "length"):  # "abort": the engine core was interrupted
+            let_an_interrupt_land()
             raise RuntimeError(f"vLLM finished a request with {out.finish_reason!r} ({out.stop_reason!r})")
         if out.logprobs is None or len(out.logprobs) != len(ids):
             raise RuntimeError("vLLM returned no log-prob for some sampled tokens")

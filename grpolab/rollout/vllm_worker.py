@@ -32,7 +32,7 @@ from typing import Any
 
 from torch import nn
 
-from grpolab.rollout.base import Completion, SamplingParams
+from grpolab.rollout.base import Completion, SamplingParams, let_an_interrupt_land
 
 __all__ = ["CudaIPCWeightSender", "VLLMSubprocessEngine", "WorkerExtension", "serve"]
 
@@ -216,8 +216,10 @@ class VLLMSubprocessEngine:
         try:
             reply = _recv(self._conn)
         except EOFError:
+            let_an_interrupt_land()
             raise RuntimeError(f"vLLM server died (exit code {self._proc.poll()})") from None
         if not reply.pop("ok"):
+            let_an_interrupt_land()
             raise RuntimeError(f"vLLM server failed:\n{reply['error']}")
         return reply
 
