@@ -115,8 +115,17 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
     return 0
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+class _Interrupts:
+    """SIGINT / SIGTERM raise KeyboardInterrupt and are remembered: vLLM's engine processes share the
+    terminal's process group, die of the same Ctrl-C, and the library may catch the trainer's own
+    KeyboardInterrupt while it raises an engine error instead; the run is still an interrupted one."""
+
+    received = False
+
+    @classmethod
+    def handler(cls, signum: int, frame: Any) -> None:
+        cls.received = True
+        raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,16 +140,25 @@ def main(argv: list[str] | None = None) -> int:
     from grpolab.losses import NonFiniteError
     from grpolab.rollout.sync_check import WeightSyncError
 
-    signal.signal(signal.SIGTERM, _interrupt)  # a terminated run shuts its engine down like Ctrl-C
+    _Interrupts.received = False
+    previous = {sig: signal.signal(sig, _Interrupts.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return run_command(args, extra, console)
-    except (FileNotFoundError, FileExistsError, ValueError, NonFiniteError, WeightSyncError) as err:
-        for line in str(err).splitlines():
-            console.print(f"[red]error:[/red] {line}", highlight=False, soft_wrap=True)
-        return 2
     except KeyboardInterrupt:
         console.print("[red]interrupted[/red]")
         return 130
+    except Exception as err:
+        if _Interrupts.received:  # an engine process died of the same Ctrl-C
+            console.print("[red]interrupted[/red]")
+            return 130
+        if not isinstance(err, (FileNotFoundError, FileExistsError, ValueError, NonFiniteError, WeightSyncError)):
+            raise
+        for line in str(err).splitlines():
+            console.print(f"[red]error:[/red] {line}", highlight=False, soft_wrap=True)
+        return 2
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
