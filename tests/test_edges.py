@@ -117,3 +117,22 @@ def test_metrics_cover_every_response_token_even_when_rows_are_pruned(warm_model
     wrong = sum(len(c.completion_ids) for c, g in zip(rollout.flat(), [g for gr in rollout.grades for g in gr])
                 if g.reward == 0)
     assert lean_record["metric_tokens"] == tokens - wrong
+
+
+def test_an_engine_error_raised_by_the_same_ctrl_c_still_exits_as_interrupted(monkeypatch, capsys):
+    import signal
+
+    import grpolab.cli as cli
+
+    def engine_died_of_the_interrupt(*args):
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)  # the trainer's own Ctrl-C, caught inside the library
+        raise RuntimeError("vLLM finished a request with 'abort'")  # vLLM swallowed our KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_command", engine_died_of_the_interrupt)
+    before = signal.getsignal(signal.SIGINT)
+    assert cli.main(["demo"]) == 130 and "interrupted" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGINT) is before  # handlers restored
+    monkeypatch.setattr(cli, "run_command", lambda *a: (_ for _ in ()).throw(RuntimeError("real failure")))
+    with pytest.raises(RuntimeError, match="real failure"):
+        cli.main(["demo"])
