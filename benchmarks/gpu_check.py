@@ -11,7 +11,8 @@ the others still run):
   probe_olmo2_1b   ``grpolab probe`` at the OLMo-2-1B reference shapes (like:olmo2-1b, 256 completions
                    of the longest training prompt + 512 tokens, micro-batch 1, chunk 32): peak memory
                    per phase and seconds
-It finishes within about 8 minutes on one H200 (``--quick`` shrinks everything for a CPU rehearsal).
+Sized to finish well within 8 minutes on one H200 (an estimate: it has not run on a GPU yet);
+``--quick`` shrinks everything for a CPU rehearsal (about 5 minutes on 2 cores).
 
 The target has torch and transformers but no pydantic, math-verify or torch-optimi: prepare their
 wheels here with ``python benchmarks/gpu_check.py --download-wheels .gpu_wheels`` (pure Python or
@@ -93,26 +94,16 @@ def small_config(device: str, out: Path, quick: bool):
     return load_config(None, base)
 
 
-def peak_mb(device: str, reset: bool = True) -> float | None:
-    import torch
-
-    if device != "cuda":
-        return None
-    peak = torch.cuda.max_memory_allocated() / 2**20
-    if reset:
-        torch.cuda.reset_peak_memory_stats()
-    return round(peak, 1)
-
-
 def rl_steps(device: str, quick: bool) -> dict:
     from rich.console import Console
 
+    from grpolab.probe import peak_memory_mb
     from grpolab.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as scratch:
         trainer = Trainer(small_config(device, Path(scratch) / "run", quick), Console(quiet=True))
         try:
-            peaks = {"load": peak_mb(device)}
+            peaks = {"load": peak_memory_mb(trainer.device, reset=True)}
             steps = []
             for step in range(1, (2 if quick else 5) + 1):
                 record = trainer.train_step(step)
@@ -120,7 +111,7 @@ def rl_steps(device: str, quick: bool) -> dict:
                     "reward_mean", "accuracy", "sync/logprob_diff_mean", "sync/logprob_diff_max",
                     "sync/noise_floor_mean", "first_update/ratio_mean", "grad_norm", "actual_updates",
                     "time/generate", "time/train", "time/step", "tokens_per_s")})
-            peaks["steps"] = peak_mb(device)
+            peaks["steps"] = peak_memory_mb(trainer.device)
             precision = trainer.precision
         finally:
             trainer.close()

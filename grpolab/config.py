@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from grpolab.algorithms import PRESETS, AlgorithmSpec, describe_validation_error
+from grpolab.precision import PrecisionName
 
 
 class ConfigError(ValueError):
@@ -122,7 +123,7 @@ class OptimConfig(_Section):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(32, ge=1)
-    precision: Literal["fp32_master", "bf16_compensated", "bf16"] = Field(
+    precision: PrecisionName = Field(
         "fp32_master", description="with bf16 compute (model.dtype): fp32_master = fp32 weights and AdamW "
         "under bf16 autocast; bf16_compensated = bf16 weights, AdamW with Kahan summation (torch-optimi); "
         "bf16 = plain AdamW on bf16 weights (small updates round away; warns)")

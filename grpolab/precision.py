@@ -31,7 +31,6 @@ BYTES_PER_PARAMETER: dict[str, dict[str, int]] = {
     "fp32_master": {"weights": 4, "gradients": 4, "optimizer_state": 8},
     "bf16_compensated": {"weights": 2, "gradients": 2, "optimizer_state": 4 + 2},
     "bf16": {"weights": 2, "gradients": 2, "optimizer_state": 4},
-    "float32": {"weights": 4, "gradients": 4, "optimizer_state": 8},
 }
 
 BF16_WARNING = ("optim.precision 'bf16': AdamW updates bf16 weights directly, and an update smaller than "
@@ -65,9 +64,6 @@ class TrainingPrecision:
                          triton=False)
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
 
-    def memory_bytes(self, n_parameters: int) -> dict[str, int]:
-        """Weights, gradients and optimizer state of ``n_parameters`` under this setting."""
-        return {k: v * n_parameters for k, v in BYTES_PER_PARAMETER[self.name].items()}
 
 
 def resolve_precision(setting: str, compute: torch.dtype, warn: bool = True) -> TrainingPrecision:
@@ -87,4 +83,4 @@ def memory_table(n_parameters: int) -> dict[str, dict[str, int]]:
     """Bytes of weights, gradients and optimizer state under every bf16 setting (for the probe)."""
     return {name: {**{k: v * n_parameters for k, v in per.items()},
                    "total": sum(per.values()) * n_parameters}
-            for name, per in BYTES_PER_PARAMETER.items() if name != "float32"}
+            for name, per in BYTES_PER_PARAMETER.items()}

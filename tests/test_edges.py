@@ -75,6 +75,21 @@ def test_every_index_of_an_update_lives_on_the_device_it_indexes(algo, warm_mode
     assert all(source == index for source, index in recorder.pairs), recorder.pairs
 
 
+def test_step_indices_and_pruning_masks_are_made_on_the_data_device():
+    """On a CPU machine every tensor is on the CPU, so the recorder above cannot see a mix-up; the
+    "meta" device (shapes without data) shows where the index tensors are created."""
+    from grpolab.algorithms import PRESETS
+    from grpolab.update import UpdateData, minibatches, rows_with_gradient
+
+    meta = torch.device("meta")
+    for spec in (PRESETS["grpo"], PRESETS["offpolicy_clip"]):
+        steps = list(minibatches(spec, 256, torch.Generator().manual_seed(0), meta))
+        assert len(steps) == spec.steps_per_epoch and all(i.device == meta for i in steps)
+        data = UpdateData(advantages=torch.empty(256, device=meta), response_mask=torch.empty(256, 9, device=meta),
+                          old_logprobs=None)
+        assert rows_with_gradient(spec, data, steps[0]).device == meta
+
+
 def test_evaluation_with_stop_strings_grades_exactly_like_training(warm_model_dir, tmp_path):
     cfg = quick_config(warm_model_dir, tmp_path / "run", **{"rollout.stop_strings": ["</think>"],
                                                              "eval.n_examples": 8})

@@ -90,7 +90,7 @@ def test_precision_settings_and_memory_table():
     assert type(optimizer).__module__.startswith("optimi")
     table = memory_table(1000)
     assert table["fp32_master"]["total"] == 16000 and table["bf16_compensated"]["total"] == 10000
-    assert table["bf16"]["total"] == 8000 and set(table) == set(BYTES_PER_PARAMETER) - {"float32"}
+    assert table["bf16"]["total"] == 8000 and set(table) == set(BYTES_PER_PARAMETER)
 
 
 def run_rewards(model_dir, out, **overrides) -> tuple[list[float], list[float]]:
