@@ -111,6 +111,11 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         return 0
     from grpolab.trainer import train
 
+    if args.command == "demo":
+        from grpolab.demo import print_demo_plan
+        from grpolab.progress import Reporter
+
+        print_demo_plan(cfg, Reporter(console))
     train(cfg, console)
     return 0
 

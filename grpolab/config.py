@@ -148,8 +148,12 @@ class RunConfig(_Section):
     steps: int = Field(100, ge=1)
     output_dir: str | None = None
     reference: Literal["none", "frozen"] = Field("none", description="frozen copy of the start policy for KL")
-    threads: int | None = Field(None, ge=1, description="CPU threads for torch (None = torch's default); "
-                                "1 avoids oversubscription when other work shares the cores")
+    threads: int | None = Field(None, ge=1, description="CPU threads for torch; None = the cores other processes "
+                                "leave free (at most torch's default), measured at start; a setting above the free "
+                                "cores warns (oversubscription slows small models by orders of magnitude)")
+    log_every: int | None = Field(None, ge=1, description="a line of vital signs every k steps (reward, accuracy, "
+                                  "advantage std, KL, clip fraction, ratio, length, truncation, grad norm, s/step); "
+                                  "None = every step when the output is not a terminal, none on a terminal")
     model: ModelConfig = ModelConfig()
     task: TaskConfig = ArithmeticTaskConfig()
     algorithm: AlgorithmSpec = Field(default_factory=lambda: PRESETS["grpo"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from math import comb
 from statistics import mean
@@ -28,14 +29,22 @@ def greedy(sampling: SamplingParams) -> SamplingParams:
 
 
 def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_ids: list[list[int]],
-             sampling: SamplingParams, pass_k: list[int], pass_n: int, seed: int) -> dict[str, float]:
+             sampling: SamplingParams, pass_k: list[int], pass_n: int, seed: int, chunk: int | None = None,
+             on_items: Callable[[int], None] | None = None) -> dict[str, float]:
     """Greedy metrics over ``examples`` and, when ``pass_k`` is set, pass@k from ``pass_n`` samples.
 
     ``sampling`` is the training rollout's: every generation here keeps its token limit and stop
     strings, so completions are cut and graded exactly as in training; the pass@k samples also use
-    its temperature / top-p / top-k, with ``seed``.
+    its temperature / top-p / top-k, with ``seed``. Greedy completions are generated ``chunk``
+    prompts at a time (None: all at once; the hf engine's own batch size leaves its batches, and so
+    its results, unchanged), and ``on_items(k)`` is called as k more items finish.
     """
-    completions = engine.generate(prompt_ids, 1, greedy(sampling))
+    step = chunk or max(1, len(prompt_ids))
+    completions = []
+    for start in range(0, len(prompt_ids), step):
+        completions += engine.generate(prompt_ids[start:start + step], 1, greedy(sampling))
+        if on_items is not None:
+            on_items(len(prompt_ids[start:start + step]))
     grades = [g[0] for g in grade_completions(task, examples, completions)]
     out = {
         "val/accuracy": mean(g.answer_reward for g in grades),

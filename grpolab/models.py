@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpolab.like import LIKE_PREFIX, is_like_dir, like_model_dir
+from grpolab.progress import Reporter
 from grpolab.tasks.base import Task
 from grpolab.tinymodel import warm_start_model
 
@@ -33,17 +34,23 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_model_dir(path: str | None, task: Task, like_overrides: dict[str, int] | None = None) -> Path:
+def resolve_model_dir(path: str | None, task: Task, like_overrides: dict[str, int] | None = None,
+                      reporter: Reporter | None = None) -> Path:
     """The model directory to train: ``path`` (must exist), the cached folder of a ``like:NAME`` model
     (random weights at a reference model's shapes; ``like_overrides`` may shrink it), or the demo's
-    cached warm-started tiny model."""
+    cached warm-started tiny model (its warm start shown on ``reporter``)."""
     is_like = path is not None and path.startswith(LIKE_PREFIX)
     if like_overrides and not is_like:
         raise ValueError("model.like_overrides applies only to like: models")
     if is_like:
         return like_model_dir(path[len(LIKE_PREFIX):], task, like_overrides)
     if path is None:
-        return warm_start_model(task)
+        return warm_start_model(task, reporter=reporter)
+    return check_model_path(path)
+
+
+def check_model_path(path: str) -> Path:
+    """A local model directory ``path`` as a Path; raises FileNotFoundError when it is not one."""
     model_dir = Path(path).expanduser()
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")

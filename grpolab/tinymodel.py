@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from grpolab.progress import Reporter
 from grpolab.tasks.base import Task
 
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
@@ -195,11 +196,13 @@ def supervised_warm_start(
     tokenizer: PreTrainedTokenizerFast,
     pairs: list[tuple[str, str]],
     settings: WarmStartSettings,
+    on_step: Callable[[float], None] | None = None,
 ) -> list[float]:
     """Fine-tune ``model`` in place on (prompt, solution) pairs; returns the loss per step.
 
     AdamW with warmup and cosine decay, random batches drawn epoch by epoch from a generator
-    seeded with ``settings.seed``; cross-entropy on solution and EOS tokens only.
+    seeded with ``settings.seed``; cross-entropy on solution and EOS tokens only. ``on_step(loss)``
+    is called after every step.
     """
     rows = _encode(tokenizer, pairs)
     gen = torch.Generator().manual_seed(settings.seed)
@@ -221,6 +224,8 @@ def supervised_warm_start(
         opt.step()
         sched.step()
         losses.append(loss.item())
+        if on_step is not None:
+            on_step(losses[-1])
     model.eval()
     return losses
 
@@ -244,14 +249,16 @@ def save_checked(
 
 
 def warm_start_model(
-    task: Task, settings: WarmStartSettings | None = None, cache_dir: str | Path | None = None
+    task: Task, settings: WarmStartSettings | None = None, cache_dir: str | Path | None = None,
+    reporter: Reporter | None = None,
 ) -> Path:
     """Path of a warm-started tiny model for ``task``, training and caching it on first use.
 
     The folder is ``<cache_dir or default_cache_root()>/<warm_start_key>``; it holds the
     ``save_pretrained`` output of model and tokenizer plus ``warm_start.json`` (settings, losses,
     seconds). It is written to a temporary folder and renamed into place, so a half-written cache is
-    never returned. Deterministic for a given seed on CPU.
+    never returned. Deterministic for a given seed on CPU. ``reporter`` shows the steps, the loss
+    and the time left.
     """
     settings = settings or WarmStartSettings()
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
@@ -274,7 +281,14 @@ def warm_start_model(
         intermediate_size=settings.intermediate_size,
         tie_word_embeddings=settings.tie_word_embeddings,
     )
-    losses = supervised_warm_start(model, tokenizer, pairs, settings)
+    if reporter is None:
+        losses = supervised_warm_start(model, tokenizer, pairs, settings)
+    else:
+        reporter.line(f"warm start: {settings.steps} supervised steps on {len(pairs)} worked solutions, "
+                      f"cached afterwards in {target}")
+        with reporter.phase("warm start", total=settings.steps, unit="steps", every=max(1, settings.steps // 10)) as phase:
+            losses = supervised_warm_start(model, tokenizer, pairs, settings,
+                                           on_step=lambda loss: phase.advance(info=f"loss {loss:.3f}"))
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
         save_checked(model, tokenizer, tmp, probe=pairs[0][0] + pairs[0][1])

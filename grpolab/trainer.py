@@ -12,13 +12,12 @@ import sys
 import time
 from dataclasses import dataclass
 from statistics import mean
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 import transformers
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 import grpolab
@@ -26,9 +25,10 @@ from grpolab.advantages import advantage_metrics, group_advantages, informative_
 from grpolab.batching import TrainBatch, collate
 from grpolab.config import RunConfig
 from grpolab.evaluation import evaluate, grade_completions
-from grpolab.like import is_like_dir
+from grpolab.like import LIKE_PREFIX, is_like_dir
 from grpolab.logprobs import enable_gradient_checkpointing, token_logprobs
 from grpolab.models import (
+    check_model_path,
     frozen_copy,
     load_policy,
     model_record,
@@ -37,12 +37,14 @@ from grpolab.models import (
     resolve_model_dir,
 )
 from grpolab.precision import resolve_precision
+from grpolab.progress import Reporter, format_seconds
 from grpolab.rollout.base import Completion, SamplingParams
 from grpolab.rollout.select import build_engine, dtype_name
 from grpolab.rollout.sync_check import MIN_NOISE_FLOOR, SyncMonitor
 from grpolab.rundir import MetricsLog, resolve_run_dir, save_checkpoint, write_json
 from grpolab.tasks import make_task
 from grpolab.tasks.base import Example, Grade
+from grpolab.threads import choose_threads
 from grpolab.update import UpdateData, run_update
 
 
@@ -79,25 +81,51 @@ class RolloutBatch:
         return [c for group in self.completions for c in group]
 
 
+def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
+    """One log line of a step's vital signs (KL only when a reference exists, grad norm only when
+    an optimizer step ran)."""
+    def num(key: str, fmt: str) -> str:
+        value = record.get(key)
+        return "-" if value is None else format(value, fmt)
+
+    parts = [f"step {record['step']}/{steps}", f"reward {num('reward_mean', '.3f')}", f"acc {num('accuracy', '.3f')}",
+             f"adv_std {num('advantage_std', '.3f')}"]
+    if "kl_ref" in record:
+        parts.append(f"kl {num('kl_ref', '.4f')}")
+    clip = record.get("clip_low_frac", 0.0) + record.get("clip_high_frac", 0.0)
+    parts += [f"clip {clip:.3f}", f"ratio {num('ratio_mean', '.3f')}", f"len {num('completion_len_mean', '.1f')}",
+              f"trunc {num('truncation_rate', '.2f')}", f"gnorm {num('grad_norm', '.3f')}",
+              f"{record['time/step']:.1f} s/step", f"~{format_seconds(seconds_left)} left"]
+    return "  ".join(parts)
+
+
 class Trainer:
     """Owns the model, engine, optimizer and run directory of one run."""
 
     def __init__(self, cfg: RunConfig, console: Console | None = None):
         self.cfg, self.spec = cfg, cfg.algorithm
         self.console = console or Console()
+        self.reporter = Reporter(self.console)
         torch.manual_seed(cfg.seed)
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        self.task = make_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
-        self.model_dir = resolve_model_dir(cfg.model.path, self.task, cfg.model.like_overrides)  # fail early
-        self.run_dir = resolve_run_dir(cfg.output_dir, self.spec.name)  # refuse a used directory early
-        self.val_examples = self._validation_examples()
+        self.threads = choose_threads(cfg.threads)
+        torch.set_num_threads(self.threads.threads)
+        # bad input is refused before anything is printed: one error line
+        self.run_dir = resolve_run_dir(cfg.output_dir, self.spec.name)
+        with self.reporter.phase(f"load task {cfg.task.name}", done_note=None):
+            self.task = make_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
+            self.val_examples = self._validation_examples()
+        if cfg.model.path and not cfg.model.path.startswith(LIKE_PREFIX):
+            check_model_path(cfg.model.path)
+        self.reporter.line(self.threads.note)
+        self.model_dir = resolve_model_dir(cfg.model.path, self.task, cfg.model.like_overrides, self.reporter)
         if is_like_dir(self.model_dir):
-            self.console.print(f"{cfg.model.path}: random weights at the real shapes (for memory and speed): "
-                               "completions rarely stop and run to max_new_tokens", highlight=False)
+            self.reporter.line(f"{cfg.model.path}: random weights at the real shapes (for memory and speed): "
+                               "completions rarely stop and run to max_new_tokens")
         self.device = resolve_device(cfg.model.device)
         self.precision = resolve_precision(cfg.optim.precision, resolve_dtype(cfg.model.dtype, self.device))
-        self.model, self.tokenizer = load_policy(self.model_dir, self.precision.storage, self.device)
+        with self.reporter.phase(f"load model {self.model_dir}") as phase:
+            self.model, self.tokenizer = load_policy(self.model_dir, self.precision.storage, self.device)
+            phase.info = f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters on {self.device}"
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         self.model.eval()
@@ -113,9 +141,10 @@ class Trainer:
         compute = dtype_name(self.precision.compute)
         self.sync_monitor = SyncMonitor(*cfg.rollout.sync_limits(compute), noise_multiple=cfg.rollout.sync_noise_multiple,
                                         min_floor=MIN_NOISE_FLOOR[compute])
-        self.engine = build_engine(cfg.rollout, self.model, self.tokenizer, self.model_dir, seed=cfg.seed,
-                                   max_model_len=max(map(len, self.prompt_ids.values())) + cfg.rollout.max_new_tokens,
-                                   precision=self.precision)
+        with self.reporter.phase(f"start {cfg.rollout.engine} engine", done_note=cfg.rollout.engine != "hf" or None):
+            self.engine = build_engine(cfg.rollout, self.model, self.tokenizer, self.model_dir, seed=cfg.seed,
+                                       max_model_len=max(map(len, self.prompt_ids.values())) + cfg.rollout.max_new_tokens,
+                                       precision=self.precision)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)  # only once everything above validated
             self.log = MetricsLog(self.run_dir / "metrics.jsonl")
@@ -153,6 +182,7 @@ class Trainer:
         write_json(self.run_dir / "manifest.json", {
             "grpolab": grpolab.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "command": sys.argv, "device": str(self.device),
+            "cpu": {"threads": self.threads.threads, "cores": self.threads.cores, "busy_at_start": self.threads.busy},
             "model": model_record(self.model, self.model_dir), "task": self.task.name,
             "data": fingerprint() if fingerprint else None, "train_examples": len(self.task.train_examples()),
             "val_examples": len(self.val_examples), "algorithm": self.spec.model_dump(),
@@ -252,41 +282,49 @@ class Trainer:
     # ---- evaluation, the loop, the summary ------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
-        out = evaluate(self.engine, self.task, self.val_examples, [self.prompt_ids[e.id] for e in self.val_examples],
-                       self.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
-                       seed=self.cfg.seed + 7)
+        with self.reporter.phase(f"eval step {step}", total=len(self.val_examples), unit="items") as phase:
+            out = evaluate(self.engine, self.task, self.val_examples, [self.prompt_ids[e.id] for e in self.val_examples],
+                           self.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
+                           seed=self.cfg.seed + 7, chunk=self.cfg.rollout.max_batch_size, on_items=phase.advance)
+            phase.info = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in out.items())
         out["time/eval"] = time.perf_counter() - started
         self.log.write({"step": step, **out})
         return out
 
     def run(self) -> dict[str, Any]:
         cfg, started = self.cfg, time.perf_counter()
+        self.reporter.line(f"{self.spec.name} on {self.task.name}, {cfg.steps} steps -> run dir {self.run_dir}")
         evals = {0: self.evaluate(0)}
-        self.console.print(f"[bold]{self.spec.name}[/] on {self.task.name}: step 0 validation accuracy "
-                           f"{evals[0]['val/accuracy']:.3f} -> run dir {self.run_dir}")
         rewards: list[float] = []
-        columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                   TextColumn("reward {task.fields[reward]:.3f}  val acc {task.fields[acc]:.3f}"), TimeRemainingColumn()]
-        with Progress(*columns, console=self.console, transient=False) as progress:
-            bar = progress.add_task("train", total=cfg.steps, reward=0.0, acc=evals[0]["val/accuracy"])
+        log_every = cfg.log_every or (1 if self.reporter.plain else None)
+        with self.reporter.phase("train", total=cfg.steps, unit="steps", done_note=False) as bar:
             for step in range(1, cfg.steps + 1):
-                record = self.train_step(step)
+                record = self.train_step(step, bar.set_status)
                 rewards.append(record["reward_mean"])
+                if log_every and (step % log_every == 0 or step == cfg.steps):
+                    self.reporter.line(vital_signs(record, cfg.steps, bar.elapsed() / step * (cfg.steps - step)))
                 if step % cfg.eval.every == 0 or step == cfg.steps:
+                    bar.set_status("evaluate")
                     evals[step] = self.evaluate(step)
                 if step % cfg.checkpoint.every == 0 or step == cfg.steps:
-                    save_checkpoint(self.model, self.tokenizer, self.run_dir, step)
-                progress.update(bar, advance=1, reward=record["reward_mean"],
-                                acc=evals[max(evals)]["val/accuracy"])
+                    bar.set_status("checkpoint")
+                    with self.reporter.phase(f"checkpoint step {step}") as phase:
+                        phase.info = str(save_checkpoint(self.model, self.tokenizer, self.run_dir, step))
+                bar.set_status("")
+                bar.advance(info=f"reward {record['reward_mean']:.3f}, val acc {evals[max(evals)]['val/accuracy']:.3f}")
         return self._summarize(evals, rewards, time.perf_counter() - started)
 
-    def train_step(self, step: int) -> dict[str, Any]:
-        """One rollout batch: rollout -> reward -> advantage -> update -> sync; logs and returns its metrics."""
+    def train_step(self, step: int, status: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+        """One rollout batch: rollout -> reward -> advantage -> update -> sync; logs and returns its metrics.
+        ``status`` hears the phase it enters (generate, update, sync)."""
         t0 = time.perf_counter()
+        status("generate")
         rollout = self.rollout(step)                    # 1. rollout + 2. reward
         t1 = time.perf_counter()
+        status("update")
         metrics = self.update(rollout)                  # 3. group advantages + 4. policy update
         t2 = time.perf_counter()
+        status("sync")
         self.engine.sync_weights(self.model)            # 5. sync the new weights to the engine
         t3 = time.perf_counter()
         flat = rollout.flat()
@@ -325,7 +363,8 @@ class Trainer:
         table.add_row("train reward", f"{summary['train_reward']['first']:.3f}", f"{summary['train_reward']['last']:.3f}")
         table.add_row("updates (actual/attempted)", "", f"{self.updates['actual']}/{self.updates['attempted']}")
         self.console.print(table)
-        self.console.print(f"{seconds:.0f} s; run directory: {self.run_dir}")
+        self.reporter.line(f"done in {format_seconds(seconds)}. Run directory {self.run_dir}: summary.json, "
+                           f"metrics.jsonl, manifest.json; final checkpoint {summary['final_checkpoint']}")
         return summary
 
     def close(self) -> None:

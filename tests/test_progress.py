@@ -1,0 +1,187 @@
+"""Never silent: progress lines of long phases, per-step vital signs in log files, the demo's plan,
+thread choice, and a Python version that the metadata, the README and the code agree on."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from grpolab.config import load_config
+from grpolab.demo import print_demo_plan
+from grpolab.evaluation import evaluate
+from grpolab.models import load_policy
+from grpolab.progress import Reporter, format_seconds
+from grpolab.rollout.base import SamplingParams
+from grpolab.rollout.hf import HFEngine
+from grpolab.tasks import ArithmeticTask
+from grpolab.threads import busy_cores, choose_threads
+from grpolab.tinymodel import WarmStartSettings, warm_start_model
+from grpolab.trainer import train
+
+from conftest import quick_config
+
+ROOT = Path(__file__).resolve().parents[1]
+STAMP = r"^\d\d:\d\d:\d\d "
+
+
+def plain_console() -> tuple[Console, io.StringIO]:
+    out = io.StringIO()
+    return Console(file=out, force_terminal=False, width=80), out
+
+
+def test_plain_phase_prints_every_n_units_heartbeats_and_an_end_line():
+    console, out = plain_console()
+    reporter = Reporter(console, interval=0.2)
+    with reporter.phase("work", total=4, unit="steps", every=2) as phase:
+        for i in range(4):
+            phase.advance(info=f"loss {1 / (i + 1):.2f}")
+        time.sleep(0.5)  # nothing reported: heartbeats keep the log alive
+    lines = out.getvalue().splitlines()
+    assert all(re.match(STAMP, line) for line in lines), lines
+    assert any("work: 2/4 steps, loss 0.50" in line for line in lines)
+    assert any("work: 4/4 steps, loss 0.25" in line for line in lines)
+    assert any("still running" in line for line in lines)
+    assert "work: done in" in lines[-1] and "(loss 0.25)" in lines[-1]
+    reporter.line("x" * 200)
+    assert out.getvalue().splitlines()[-1].endswith("x" * 200)  # never wrapped at the console width
+
+
+def test_an_instant_phase_prints_only_its_end_line_and_a_slow_one_announces_itself():
+    console, out = plain_console()
+    reporter = Reporter(console, interval=30)
+    with reporter.phase("load model"):
+        pass
+    assert len(out.getvalue().splitlines()) == 1 and "load model: done in 0 s" in out.getvalue()
+    with reporter.phase("start engine", done_note=False):
+        time.sleep(2.5)
+    assert "start engine: running" in out.getvalue().splitlines()[-1]
+
+
+def test_terminal_phases_nest_and_keep_their_end_lines():
+    out = io.StringIO()
+    reporter = Reporter(Console(file=out, force_terminal=True, width=120), interval=30)
+    with reporter.phase("train", total=2, unit="steps", done_note=False) as bar:
+        bar.advance(info="reward 0.5")
+        with reporter.phase("eval step 1", total=3, unit="items") as inner:
+            inner.advance(3)
+        reporter.line("step 2/2  reward 0.6")
+        bar.advance()
+    text = out.getvalue()
+    assert "eval step 1: done in" in text and "step 2/2  reward 0.6" in text
+    assert reporter._live is None  # the display stops with the last phase
+
+
+def test_format_seconds():
+    assert [format_seconds(s) for s in (0.4, 59, 61, 3725)] == ["0 s", "59 s", "1m01s", "1h02m"]
+
+
+def test_warm_start_prints_steps_loss_and_time_left(tmp_path):
+    console, out = plain_console()
+    task = ArithmeticTask(n_train=64, n_val=8)
+    settings = WarmStartSettings(steps=10, batch_size=8, hidden_size=32, num_layers=1, num_heads=2,
+                                 intermediate_size=64, vocab_size=300)
+    warm_start_model(task, settings, cache_dir=tmp_path, reporter=Reporter(console))
+    text = out.getvalue()
+    assert "warm start: 10 supervised steps on 64 worked solutions, cached afterwards in" in text
+    for step in (1, 2, 10):
+        assert re.search(rf"warm start: {step}/10 steps, loss \d+\.\d{{3}}, \d+ s elapsed", text), text
+    assert re.search(r"warm start: 1/10 steps, .*~\d+ s left", text)
+    assert "warm start: done in" in text
+
+
+def test_a_run_logged_to_a_file_has_a_line_of_vital_signs_per_step(warm_model_dir, tmp_path):
+    console, out = plain_console()
+    train(quick_config(warm_model_dir, tmp_path / "run", steps=3, reference="frozen", **{"eval.every": 3}), console)
+    text = out.getvalue()
+    steps = [line for line in text.splitlines() if re.match(STAMP + r"step \d/3 ", line)]
+    assert len(steps) == 3, text
+    for field in (r"reward \d", r"acc \d", r"adv_std \d", r"kl -?\d", r"clip \d", r"ratio \d", r"len \d",
+                  r"trunc \d", r"gnorm [\d-]", r"[\d.]+ s/step", r"~\d+ s left"):
+        assert all(re.search(rf"  {field}", line) for line in steps), (field, steps)
+    assert re.search(r"eval step 0: done in .*accuracy \d\.\d{3}", text)
+    assert "cpu threads:" in text and "load model" in text
+    assert re.search(r"checkpoint step 3: done in .*step_000003", text)
+    assert "final checkpoint" in text and "summary.json" in text
+
+
+def test_log_every_thins_the_lines_and_kl_shows_only_with_a_reference(warm_model_dir, tmp_path):
+    console, out = plain_console()
+    train(quick_config(warm_model_dir, tmp_path / "run", steps=3, log_every=2, **{"eval.every": 3}), console)
+    steps = [line for line in out.getvalue().splitlines() if re.match(STAMP + r"step \d/3 ", line)]
+    assert [line.split()[2] for line in steps] == ["2/3", "3/3"]  # every 2nd and the last
+    assert not any(" kl " in line for line in steps)
+
+
+def test_greedy_evaluation_in_chunks_reports_items_and_gives_the_same_results(warm_model_dir):
+    model, tokenizer = load_policy(warm_model_dir)
+    task = ArithmeticTask(n_train=64, n_val=40)
+    examples = task.validation_examples()
+    prompts = [tokenizer(task.prompt(e), add_special_tokens=False)["input_ids"] for e in examples]
+    engine = HFEngine(model, tokenizer, max_batch_size=16)
+    sampling = SamplingParams(max_new_tokens=40, temperature=1.0)
+    done: list[int] = []
+    chunked = evaluate(engine, task, examples, prompts, sampling, [], 8, seed=0, chunk=16, on_items=done.append)
+    whole = evaluate(engine, task, examples, prompts, sampling, [], 8, seed=0)
+    assert done == [16, 16, 8] and chunked == whole
+
+
+def test_demo_plan_says_what_runs_and_how_long(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRPOLAB_CACHE", str(tmp_path))
+    console, out = plain_console()
+    print_demo_plan(load_config(None, {"threads": 1}), Reporter(console))
+    text = out.getvalue()
+    assert "grpolab demo: grpo on arithmetic with a 1.2M-parameter llama model, 1 cpu thread(s)" in text
+    assert re.search(r"1\. warm start: 200 supervised steps on worked solutions, ~\d+", text)
+    assert re.search(r"2\. RL: 100 steps of 32 prompts x 8 samples \(<= 48 new tokens\), ~\S+-\S+", text)
+    assert re.search(r"3\. evaluation: greedy accuracy on 500 problems, 6 times", text)
+    assert "runs/<time>-grpo" in text
+
+
+def test_the_demo_refuses_a_used_output_dir_in_one_line_before_its_plan(tmp_path, capsys):
+    from grpolab.cli import main
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("keep")
+    assert main(["demo", "--output-dir", str(tmp_path / "run")]) == 2
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: output directory already exists"), lines
+    assert (tmp_path / "run" / "notes.txt").read_text() == "keep"
+
+
+def test_threads_stay_within_the_free_cores(monkeypatch):
+    monkeypatch.setattr("grpolab.threads.usable_cores", lambda: 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert choose_threads(None, busy=0.2).threads == 4
+    assert choose_threads(None, busy=2.6).threads == 1
+    assert choose_threads(None, busy=9.0).threads == 1
+    over = choose_threads(3, busy=2.0)
+    assert over.threads == 3 and over.note.startswith("warning: --threads 3 but only 2 of 4 cores are free")
+    assert not choose_threads(2, busy=2.0).note.startswith("warning")
+    assert 0.0 <= busy_cores(0.1) <= os.cpu_count()
+
+
+def test_python_version_agrees_in_metadata_readme_and_code():
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert declared == ">=3.11"  # config.py reads TOML with the standard library's tomllib (3.11+)
+    assert "Python 3.11+" in (ROOT / "README.md").read_text()
+    assert sys.version_info >= (3, 11)
+    # the oldest declared version is the interpreter CI runs: the loader works there
+    assert load_config(None, {"optim.lr": 3e-4}).optim.lr == 3e-4
+
+
+@pytest.mark.slow
+def test_demo_output_piped_to_a_file_tells_the_story(tmp_path):
+    """The README's demo with its output going to a file (2 steps, the cached warm start)."""
+    out = subprocess.run([sys.executable, "-m", "grpolab.cli", "demo", "--steps", "2", "--output-dir",
+                          str(tmp_path / "run")], capture_output=True, text=True, check=True).stdout
+    assert "Estimated on this machine" in out and "step 2/2" in out and "final checkpoint" in out
