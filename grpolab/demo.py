@@ -1,8 +1,9 @@
 """What ``grpolab demo`` will do and roughly how long each part takes on this machine, said up front.
 
 The estimate times three training steps of a model with the demo model's shapes (about a second) and
-scales by ratios measured on 2 CPU cores at 1 and 2 threads: an RL step of the demo (32 prompts x 8
-samples, <= 48 new tokens) took 6-7.5x such a step, one greedy evaluation of 500 problems 7-11x.
+scales by ratios measured on 2 CPU cores (idle at 1 and 2 threads, and at 1 thread beside another
+CPU-bound process): a warm-start step took 0.7x such a step, an RL step of the demo (32 prompts x 8
+samples, <= 48 new tokens) 4.6-5.4x, one greedy evaluation of 500 problems 3.4-7.7x.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from grpolab.tasks import make_task
 from grpolab.threads import choose_threads
 from grpolab.tinymodel import WarmStartSettings, default_cache_root, warm_start_key
 
-RL_STEP_RATIO = (6.0, 7.5)  # RL step / calibration step, per 32 x 8 completions of <= 48 tokens
-EVAL_RATIO = (7.0, 11.0)  # evaluation / calibration step, per 500 problems
+WARM_START_RATIO = 0.72  # warm-start step / calibration step
+RL_STEP_RATIO = (4.5, 6.0)  # RL step / calibration step, per 32 x 8 completions of <= 48 tokens
+EVAL_RATIO = (3.5, 7.5)  # evaluation / calibration step, per 500 problems
 CALIBRATION_TOKENS = 64  # warm-start sequences: prompt + worked solution
 
 
@@ -73,7 +75,7 @@ def print_demo_plan(cfg: RunConfig, reporter: Reporter) -> None:
              f"{settings.arch} model, {torch.get_num_threads()} cpu thread(s). Estimated on this machine{engine}:"]
     if cfg.model.path is None and not (cache / "warm_start.json").exists():
         lines.append(f"  1. warm start: {settings.steps} supervised steps on worked solutions, "
-                     f"~{format_seconds(settings.steps * step)} (once; cached in {cache.parent})")
+                     f"~{format_seconds(settings.steps * step * WARM_START_RATIO)} (once; cached in {cache.parent})")
     else:
         lines.append("  1. warm start: cached, skipped")
     lines.append(f"  2. RL: {cfg.steps} steps of {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} "

@@ -128,8 +128,9 @@ class WarmStartSettings(BaseModel):
     num_layers: int = 4
     num_heads: int = 4
     intermediate_size: int = 512
-    # untied input/output embeddings and 200 steps: ~38% greedy accuracy to start, and GRPO / Dr. GRPO /
-    # MaxRL then reach ~98% in 100 demo steps (tied + 250 steps started similar but plateaued at 65-78%)
+    # untied input/output embeddings and 200 steps: 19% greedy accuracy to start (34-40% with seeds 1, 2),
+    # and GRPO then reaches 95-97% in 100 demo steps (benchmarks/demo_outcome.py; tied + 250 steps
+    # plateaued at 65-78% in an earlier measurement)
     tie_word_embeddings: bool = False
     steps: int = Field(default=200, ge=0)
     batch_size: int = Field(default=64, ge=1)
