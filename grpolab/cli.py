@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("algorithms", help="list every algorithm preset with its settings and formula")
     train = sub.add_parser("train", help="train with a TOML config; --dotted.name value overrides any field")
     train.add_argument("--config", help="TOML file (fields by section, e.g. [optim] lr = 1e-4)")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint "
+                       "(exactly: weights, optimizer, RNGs, data position); --steps N may extend it")
     sub.add_parser("demo", help="train the built-in tiny model on the built-in task (CPU, minutes)")
     probe = sub.add_parser("probe", help="capacity check: two real updates at the config's worst-case shapes")
     probe.add_argument("--config", help="TOML file, as for train")
@@ -94,10 +96,14 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
 
     from transformers.utils import logging as hf_logging
 
-    from grpolab.config import load_config
+    from grpolab.config import ConfigError, load_config, load_run_config
 
     hf_logging.disable_progress_bar()
-    cfg = load_config(getattr(args, "config", None), parse_overrides(extra))
+    resume = getattr(args, "resume", None)
+    if resume and args.config:
+        raise ConfigError("--resume takes the run's own config; drop --config")
+    cfg = load_run_config(resume, parse_overrides(extra)) if resume else load_config(getattr(args, "config", None),
+                                                                                      parse_overrides(extra))
     if args.command == "probe":
         from grpolab.probe import run_probe
 
@@ -116,7 +122,7 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         from grpolab.progress import Reporter
 
         print_demo_plan(cfg, Reporter(console))
-    train(cfg, console)
+    train(cfg, console, resume=bool(resume))
     return 0
 
 

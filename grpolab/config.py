@@ -7,6 +7,7 @@ Validation reports one line per bad field.
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -251,6 +252,29 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"{path}: not valid TOML ({err})") from None
     for dotted, value in (overrides or {}).items():
         apply_override(data, ALIASES.get(dotted, dotted), value)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError("\n".join(describe_validation_error(err))) from None
+
+
+RESUME_OVERRIDES = {"steps", "log_every"}
+
+
+def load_run_config(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """The config of the run in ``run_dir`` (its config.json), for a resume: only ``steps`` (to extend a
+    run) and ``log_every`` may change, so that the resumed run computes exactly what it started to."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"nothing to resume: {path} not found")
+    changed = sorted(set(overrides or {}) - RESUME_OVERRIDES)
+    if changed:
+        raise ConfigError(f"a resumed run keeps its config; only {', '.join(sorted(RESUME_OVERRIDES))} may change "
+                          f"(got {', '.join('--' + c for c in changed)})")
+    data = json.loads(path.read_text())
+    for dotted, value in (overrides or {}).items():
+        apply_override(data, dotted, value)
+    data["output_dir"] = str(run_dir)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

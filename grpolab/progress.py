@@ -34,9 +34,11 @@ def format_seconds(seconds: float) -> str:
 class Phase:
     """One long phase: ``advance`` as units finish, ``status`` for what it is doing now."""
 
-    def __init__(self, reporter: "Reporter", title: str, total: int | None, unit: str, every: int | None):
+    def __init__(self, reporter: "Reporter", title: str, total: int | None, unit: str, every: int | None,
+                 done: int = 0):
         self.reporter, self.title, self.total, self.unit, self.every = reporter, title, total, unit, every
-        self.done, self.info, self.status, self.lines = 0, "", "", 0
+        self.done, self.info, self.status, self.lines = done, "", "", 0
+        self.first = done  # units done before this phase started (a resumed run)
         self.started = time.monotonic()
         self.task_id = None
 
@@ -45,9 +47,9 @@ class Phase:
 
     def left(self) -> float | None:
         """Estimated seconds left, from the rate so far; None before the first unit or without a total."""
-        if not self.total or not self.done:
+        if not self.total or self.done <= self.first:
             return None
-        return self.elapsed() / self.done * (self.total - self.done)
+        return self.elapsed() / (self.done - self.first) * (self.total - self.done)
 
     def text(self) -> str:
         count = f"{self.done}/{self.total} {self.unit}" if self.total else (f"{self.done} {self.unit}" if self.done else "")
@@ -102,11 +104,11 @@ class Reporter:
 
     @contextmanager
     def phase(self, title: str, total: int | None = None, unit: str = "", every: int | None = None,
-              done_note: bool | None = True) -> Iterator[Phase]:
+              done_note: bool | None = True, done: int = 0) -> Iterator[Phase]:
         """A phase of ``total`` units (None: unknown). Plain output gets a 'running' line after a few
         seconds, a line every ``every`` units (None: by time only), heartbeats and an end line: always
         with ``done_note`` True, never with False, with None only when the phase printed a line."""
-        phase = Phase(self, title, total, unit, every)
+        phase = Phase(self, title, total, unit, every, done)
         self._open.append(phase)
         stop = threading.Event()
         if self.plain:
@@ -118,7 +120,7 @@ class Reporter:
                                       TextColumn("{task.fields[text]}"), TimeElapsedColumn(),
                                       console=self.console, transient=True)
                 self._live.start()
-            phase.task_id = self._live.add_task(title, total=total, text=phase.text())
+            phase.task_id = self._live.add_task(title, total=total, completed=done, text=phase.text())
         try:
             yield phase
         finally:

@@ -55,8 +55,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def save_checkpoint(model, tokenizer, run_dir: Path, step: int) -> Path:
-    """Hugging Face model + tokenizer in checkpoints/step_NNNNNN, written to a temp dir then renamed."""
+def save_checkpoint(model, tokenizer, run_dir: Path, step: int, state=None) -> Path:
+    """Hugging Face model + tokenizer (+ the run's ``state``: a ``RunState``) in checkpoints/step_NNNNNN,
+    written to a temp dir then renamed: a checkpoint folder is complete or absent."""
     parent = run_dir / "checkpoints"
     parent.mkdir(exist_ok=True)
     target = parent / f"step_{step:06d}"
@@ -64,7 +65,37 @@ def save_checkpoint(model, tokenizer, run_dir: Path, step: int) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if state is not None:
+            state.save(tmp)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def latest_resumable_checkpoint(run_dir: Path, state_file: str) -> Path | None:
+    """The newest checkpoints/step_NNNNNN folder holding ``state_file`` (temp folders start with '.')."""
+    found = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / state_file).is_file())
+    return found[-1] if found else None
+
+
+def rewind_metrics(path: Path, step: int) -> list[dict[str, Any]]:
+    """Keep the records of steps <= ``step`` in ``path`` (rewritten atomically) and return them. Records of
+    later steps (written before an interruption, redone on resume) and a torn last line move to
+    ``metrics.discarded.jsonl`` beside it, so nothing is lost."""
+    kept, dropped = [], []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped.append(line)
+            continue
+        (kept if record.get("step", 0) <= step else dropped).append(line)
+    if dropped:
+        with (path.parent / "metrics.discarded.jsonl").open("a") as f:
+            f.write("".join(line + "\n" for line in dropped))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return [json.loads(line) for line in kept]

@@ -6,11 +6,12 @@ looks at an algorithm's name.
 
 from __future__ import annotations
 
+import json
 import platform
-import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import mean
 from typing import Any, Callable
 
@@ -41,26 +42,19 @@ from grpolab.progress import Reporter, format_seconds
 from grpolab.rollout.base import Completion, SamplingParams
 from grpolab.rollout.select import build_engine, dtype_name
 from grpolab.rollout.sync_check import MIN_NOISE_FLOOR, SyncMonitor
-from grpolab.rundir import MetricsLog, resolve_run_dir, save_checkpoint, write_json
+from grpolab.run_state import STATE_FILE, PromptStream, RunState
+from grpolab.rundir import (
+    MetricsLog,
+    latest_resumable_checkpoint,
+    resolve_run_dir,
+    rewind_metrics,
+    save_checkpoint,
+    write_json,
+)
 from grpolab.tasks import make_task
 from grpolab.tasks.base import Example, Grade
 from grpolab.threads import choose_threads
 from grpolab.update import UpdateData, run_update
-
-
-class PromptStream:
-    """Training examples in a fresh seeded shuffle each epoch, ``take(k)`` at a time."""
-
-    def __init__(self, examples: list[Example], seed: int):
-        self.examples, self.rng, self.queue = examples, random.Random(seed), []
-
-    def take(self, k: int) -> list[Example]:
-        while len(self.queue) < k:
-            order = list(self.examples)
-            self.rng.shuffle(order)
-            self.queue += order
-        taken, self.queue = self.queue[:k], self.queue[k:]
-        return taken
 
 
 @dataclass
@@ -102,7 +96,9 @@ def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
 class Trainer:
     """Owns the model, engine, optimizer and run directory of one run."""
 
-    def __init__(self, cfg: RunConfig, console: Console | None = None):
+    def __init__(self, cfg: RunConfig, console: Console | None = None, resume: bool = False):
+        """A new run into ``cfg.output_dir`` (new or empty), or with ``resume`` the continuation of the run
+        in that directory from its newest complete checkpoint (weights, optimizer, RNGs, data position)."""
         self.cfg, self.spec = cfg, cfg.algorithm
         self.console = console or Console()
         self.reporter = Reporter(self.console)
@@ -110,7 +106,7 @@ class Trainer:
         self.threads = choose_threads(cfg.threads)
         torch.set_num_threads(self.threads.threads)
         # bad input is refused before anything is printed: one error line
-        self.run_dir = resolve_run_dir(cfg.output_dir, self.spec.name)
+        self.run_dir, self.resumed_from = self._run_dir(resume)
         with self.reporter.phase(f"load task {cfg.task.name}", done_note=None):
             self.task = make_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
             self.val_examples = self._validation_examples()
@@ -123,35 +119,66 @@ class Trainer:
                                "completions rarely stop and run to max_new_tokens")
         self.device = resolve_device(cfg.model.device)
         self.precision = resolve_precision(cfg.optim.precision, resolve_dtype(cfg.model.dtype, self.device))
-        with self.reporter.phase(f"load model {self.model_dir}") as phase:
-            self.model, self.tokenizer = load_policy(self.model_dir, self.precision.storage, self.device)
+        weights_dir = self.resumed_from or self.model_dir
+        with self.reporter.phase(f"load model {weights_dir}") as phase:
+            self.model, self.tokenizer = load_policy(weights_dir, self.precision.storage, self.device)
             phase.info = f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters on {self.device}"
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         self.model.eval()
-        # frozen, so kept in the compute dtype (no master copy needed)
-        self.reference = frozen_copy(self.model).to(self.precision.compute) if cfg.needs_reference() else None
+        # the start policy, frozen, so kept in the compute dtype (no master copy needed)
+        self.reference = None
+        if cfg.needs_reference():
+            start = load_policy(self.model_dir, self.precision.storage, self.device)[0] if resume else self.model
+            self.reference = frozen_copy(start).to(self.precision.compute)
         self.optimizer = self.precision.optimizer(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                                   weight_decay=cfg.optim.weight_decay)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.prompts = PromptStream(self.task.train_examples(), cfg.seed)
         self.prompt_ids = self._tokenize_prompts(self.task.train_examples() + self.val_examples)
         self.minibatch_gen = torch.Generator().manual_seed(cfg.seed)
-        self.updates = {"attempted": 0, "actual": 0}
         compute = dtype_name(self.precision.compute)
         self.sync_monitor = SyncMonitor(*cfg.rollout.sync_limits(compute), noise_multiple=cfg.rollout.sync_noise_multiple,
                                         min_floor=MIN_NOISE_FLOOR[compute])
+        self.state = RunState(self.optimizer, self.prompts, self.minibatch_gen, self.sync_monitor)
+        self.updates = self.state.updates
         with self.reporter.phase(f"start {cfg.rollout.engine} engine", done_note=cfg.rollout.engine != "hf" or None):
-            self.engine = build_engine(cfg.rollout, self.model, self.tokenizer, self.model_dir, seed=cfg.seed,
+            self.engine = build_engine(cfg.rollout, self.model, self.tokenizer, weights_dir, seed=cfg.seed,
                                        max_model_len=max(map(len, self.prompt_ids.values())) + cfg.rollout.max_new_tokens,
                                        precision=self.precision)
+        self.records: list[dict[str, Any]] = []  # the metrics of the steps before a resume
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)  # only once everything above validated
             self.log = MetricsLog(self.run_dir / "metrics.jsonl")
-            self._write_manifest()
+            if resume:
+                self.state.load(self.resumed_from)
+                self.updates = self.state.updates
+                self.records = rewind_metrics(self.log.path, self.state.step)
+                self._record_resume()
+            else:
+                self._write_manifest()
         except BaseException:
             self.engine.close()
             raise
+
+    def _run_dir(self, resume: bool) -> tuple[Path, Path | None]:
+        """(run directory, checkpoint resumed from). A new run refuses a used directory; a resumed one
+        needs its config and a complete checkpoint."""
+        if not resume:
+            return resolve_run_dir(self.cfg.output_dir, self.spec.name), None
+        run_dir = Path(self.cfg.output_dir or "")
+        checkpoint = latest_resumable_checkpoint(run_dir, STATE_FILE) if (run_dir / "config.json").is_file() else None
+        if checkpoint is None:
+            raise FileNotFoundError(f"nothing to resume in {run_dir}: no config.json or no complete checkpoint "
+                                    f"(checkpoints/step_NNNNNN with {STATE_FILE})")
+        return run_dir, checkpoint
+
+    def _record_resume(self) -> None:
+        path = self.run_dir / "manifest.json"
+        manifest = json.loads(path.read_text())
+        manifest.setdefault("resumes", []).append({"from_checkpoint": str(self.resumed_from), "step": self.state.step,
+                                                   "command": sys.argv, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        write_json(path, manifest)
 
     # ---- set-up helpers -------------------------------------------------------------------
     def _validation_examples(self) -> list[Example]:
@@ -292,24 +319,27 @@ class Trainer:
         return out
 
     def run(self) -> dict[str, Any]:
-        cfg, started = self.cfg, time.perf_counter()
-        self.reporter.line(f"{self.spec.name} on {self.task.name}, {cfg.steps} steps -> run dir {self.run_dir}")
-        evals = {0: self.evaluate(0)}
-        rewards: list[float] = []
+        cfg, started, first = self.cfg, time.perf_counter(), self.state.step + 1
+        resumed = f" (resumed after step {first - 1})" if first > 1 else ""
+        self.reporter.line(f"{self.spec.name} on {self.task.name}, {cfg.steps} steps{resumed} -> run dir {self.run_dir}")
+        evals = {r["step"]: r for r in self.records if "val/accuracy" in r} if first > 1 else {0: self.evaluate(0)}
+        rewards = [r["reward_mean"] for r in self.records if "reward_mean" in r]
         log_every = cfg.log_every or (1 if self.reporter.plain else None)
-        with self.reporter.phase("train", total=cfg.steps, unit="steps", done_note=False) as bar:
-            for step in range(1, cfg.steps + 1):
+        with self.reporter.phase("train", total=cfg.steps, unit="steps", done_note=False, done=first - 1) as bar:
+            for step in range(first, cfg.steps + 1):
                 record = self.train_step(step, bar.set_status)
+                self.state.step = step
                 rewards.append(record["reward_mean"])
                 if log_every and (step % log_every == 0 or step == cfg.steps):
-                    self.reporter.line(vital_signs(record, cfg.steps, bar.elapsed() / step * (cfg.steps - step)))
+                    left = bar.elapsed() / (step - first + 1) * (cfg.steps - step)
+                    self.reporter.line(vital_signs(record, cfg.steps, left))
                 if step % cfg.eval.every == 0 or step == cfg.steps:
                     bar.set_status("evaluate")
                     evals[step] = self.evaluate(step)
                 if step % cfg.checkpoint.every == 0 or step == cfg.steps:
                     bar.set_status("checkpoint")
                     with self.reporter.phase(f"checkpoint step {step}") as phase:
-                        phase.info = str(save_checkpoint(self.model, self.tokenizer, self.run_dir, step))
+                        phase.info = str(save_checkpoint(self.model, self.tokenizer, self.run_dir, step, self.state))
                 bar.set_status("")
                 bar.advance(info=f"reward {record['reward_mean']:.3f}, val acc {evals[max(evals)]['val/accuracy']:.3f}")
         return self._summarize(evals, rewards, time.perf_counter() - started)
@@ -371,9 +401,10 @@ class Trainer:
         self.engine.close()
 
 
-def train(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
-    """Run ``cfg`` to the end; the engine is closed whatever happens."""
-    trainer = Trainer(cfg, console)
+def train(cfg: RunConfig, console: Console | None = None, resume: bool = False) -> dict[str, Any]:
+    """Run ``cfg`` to the end (with ``resume``: continue the run in ``cfg.output_dir``); the engine is
+    closed whatever happens."""
+    trainer = Trainer(cfg, console, resume)
     try:
         return trainer.run()
     finally:

@@ -1,0 +1,90 @@
+"""A run's training state besides the weights: optimizer, every RNG, data position, counters.
+
+Saved as ``trainer_state.pt`` inside each checkpoint folder (written with it, atomically), so that
+``grpolab train --resume RUN_DIR`` continues from the newest complete checkpoint and, on CPU, gives
+exactly the metrics of an uninterrupted run. Engines hold no sampling state of their own: every
+generation is seeded from (run seed, step, round).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from grpolab.rollout.sync_check import SyncMonitor
+from grpolab.tasks.base import Example
+
+STATE_FILE = "trainer_state.pt"
+
+
+class PromptStream:
+    """Training examples in a fresh seeded shuffle each epoch, ``take(k)`` at a time."""
+
+    def __init__(self, examples: list[Example], seed: int):
+        self.examples, self.rng, self.queue = examples, random.Random(seed), []
+
+    def take(self, k: int) -> list[Example]:
+        while len(self.queue) < k:
+            order = list(self.examples)
+            self.rng.shuffle(order)
+            self.queue += order
+        taken, self.queue = self.queue[:k], self.queue[k:]
+        return taken
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.getstate(), "queue": [e.id for e in self.queue]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        by_id = {e.id: e for e in self.examples}
+        self.rng.setstate(state["rng"])
+        self.queue = [by_id[i] for i in state["queue"]]
+
+
+def rng_state() -> dict[str, Any]:
+    """The global RNGs: python, numpy, torch (CPU and every CUDA device)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RunState:
+    """The mutable parts of a run the weights do not hold, as one ``state_dict``: the step reached,
+    update counters, the optimizer, the prompt order, the mini-batch shuffle generator, the global
+    RNGs and the sync check's calibrated noise floor."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, prompts: PromptStream, minibatch_gen: torch.Generator,
+                 sync_monitor: SyncMonitor):
+        self.step = 0
+        self.updates = {"attempted": 0, "actual": 0}
+        self.optimizer, self.prompts, self.minibatch_gen, self.sync_monitor = optimizer, prompts, minibatch_gen, sync_monitor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "updates": dict(self.updates), "optimizer": self.optimizer.state_dict(),
+                "prompts": self.prompts.state_dict(), "minibatch_gen": self.minibatch_gen.get_state(),
+                "rng": rng_state(), "sync_noise_floor": self.sync_monitor.noise_floor}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.updates = state["step"], dict(state["updates"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.prompts.load_state_dict(state["prompts"])
+        self.minibatch_gen.set_state(state["minibatch_gen"])
+        set_rng_state(state["rng"])
+        self.sync_monitor.noise_floor = state["sync_noise_floor"]
+
+    def save(self, folder: Path) -> None:
+        torch.save(self.state_dict(), folder / STATE_FILE)
+
+    def load(self, folder: Path) -> None:
+        # our own file, written by save(): it holds python and numpy RNG states, hence weights_only=False
+        self.load_state_dict(torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False))

@@ -1,0 +1,103 @@
+"""Exact resume: a run interrupted after step k and resumed from its newest complete checkpoint gives
+the metrics and final weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import TASK, quick_config
+from grpolab.cli import main, parse_overrides
+from grpolab.config import ConfigError, load_config, load_run_config
+from grpolab.rundir import read_metrics
+from grpolab.trainer import Trainer, train
+
+OVERRIDES = {"steps": 4, "checkpoint.every": 2, "eval.every": 2, "reference": "frozen"}
+
+
+def untimed(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_000004").state_dict()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(warm_model_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("full") / "run"
+    train(quick_config(warm_model_dir, run, **OVERRIDES))
+    return run
+
+
+def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(warm_model_dir, uninterrupted,
+                                                                                tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    cfg = quick_config(warm_model_dir, run, **OVERRIDES)
+    original = Trainer.train_step
+
+    def die_at_step_4(self, step, *args):
+        if step == 4:
+            raise KeyboardInterrupt  # after step 3's records, before step 4's
+        return original(self, step, *args)
+
+    monkeypatch.setattr(Trainer, "train_step", die_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    monkeypatch.setattr(Trainer, "train_step", original)
+    assert max(r["step"] for r in read_metrics(run / "metrics.jsonl")) == 3
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "reward_m')  # a line torn by the kill
+
+    train(load_run_config(run), resume=True)
+    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
+    discarded = (run / "metrics.discarded.jsonl").read_text().splitlines()
+    assert len(discarded) == 2 and json.loads(discarded[0])["step"] == 3  # redone, kept aside
+    for (name, a), (_, b) in zip(final_weights(run).items(), final_weights(uninterrupted).items()):
+        assert torch.equal(a, b), name
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["resumes"][0]["step"] == 2 and manifest["resumes"][0]["from_checkpoint"].endswith("step_000002")
+
+
+def test_sigkill_mid_run_then_train_resume_matches_the_uninterrupted_run(warm_model_dir, uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    cfg = quick_config(warm_model_dir, run, **OVERRIDES, threads=1)
+    flat = {"model.path": str(warm_model_dir), "output_dir": str(run), "threads": 1, **OVERRIDES,
+            **{f"task.{k}": v for k, v in TASK.items()}, "rollout.prompts_per_step": 4,
+            "rollout.max_new_tokens": 40, "optim.micro_batch_size": 16, "optim.lr": 1e-3}
+    args = [f"--{k}={v}" for k, v in flat.items()]
+    assert load_config(None, parse_overrides(args)) == cfg  # the same run as in-process, on the command line
+    proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", "train", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and any(json.loads(line).get("step") == 3 for line in metrics.read_text().splitlines()
+                                    if line.endswith("}")):
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed at step 3"
+    assert main(["train", "--resume", str(run), "--threads", "1"]) == 2  # only --steps / --log_every may change
+    assert main(["train", "--resume", str(run)]) == 0
+    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
+    for (name, a), (_, b) in zip(final_weights(run).items(), final_weights(uninterrupted).items()):
+        assert torch.equal(a, b), name
+
+
+def test_resume_needs_a_run_with_a_complete_checkpoint(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        load_run_config(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "checkpoints" / ".step_000002-tmp").mkdir(parents=True)  # a write the kill interrupted
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().out
