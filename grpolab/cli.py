@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 
 from grpolab.algorithms import PRESETS
+from grpolab.stop import RunStopped, StopRequest
 
 
 def print_algorithms(console: Console) -> None:
@@ -122,20 +123,26 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         from grpolab.progress import Reporter
 
         print_demo_plan(cfg, Reporter(console))
-    train(cfg, console, resume=bool(resume))
+    train(cfg, console, resume=bool(resume), stop=_Interrupts.stop)
     return 0
 
 
 class _Interrupts:
-    """SIGINT / SIGTERM raise KeyboardInterrupt and are remembered: vLLM's engine processes share the
-    terminal's process group, die of the same Ctrl-C, and the library may catch the trainer's own
-    KeyboardInterrupt while it raises an engine error instead; the run is still an interrupted one."""
+    """SIGINT / SIGTERM are remembered. While the training loop runs, the first one asks it to stop after
+    the current step with a resumable checkpoint; otherwise (or the second time) they raise
+    KeyboardInterrupt. vLLM's engine processes share the terminal's process group, die of the same
+    Ctrl-C, and the library may catch the trainer's own KeyboardInterrupt while it raises an engine
+    error instead; the run is still an interrupted one."""
 
     received = False
+    stop = StopRequest()
 
     @classmethod
     def handler(cls, signum: int, frame: Any) -> None:
         cls.received = True
+        if cls.stop.armed and not cls.stop.requested:
+            cls.stop.requested = True
+            return
         raise KeyboardInterrupt
 
 
@@ -151,10 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     from grpolab.losses import NonFiniteError
     from grpolab.rollout.sync_check import WeightSyncError
 
-    _Interrupts.received = False
+    _Interrupts.received, _Interrupts.stop = False, StopRequest()
     previous = {sig: signal.signal(sig, _Interrupts.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return run_command(args, extra, console)
+    except RunStopped as stopped:
+        console.print(f"[red]interrupted:[/red] {stopped}", highlight=False, soft_wrap=True)
+        return 130
     except KeyboardInterrupt:
         console.print("[red]interrupted[/red]")
         return 130

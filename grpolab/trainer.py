@@ -43,6 +43,7 @@ from grpolab.rollout.base import Completion, SamplingParams
 from grpolab.rollout.select import build_engine, dtype_name
 from grpolab.rollout.sync_check import MIN_NOISE_FLOOR, SyncMonitor
 from grpolab.run_state import STATE_FILE, PromptStream, RunState
+from grpolab.stop import RunStopped, StopRequest
 from grpolab.rundir import (
     MetricsLog,
     latest_resumable_checkpoint,
@@ -318,14 +319,18 @@ class Trainer:
         self.log.write({"step": step, **out})
         return out
 
-    def run(self) -> dict[str, Any]:
+    def run(self, stop: StopRequest | None = None) -> dict[str, Any]:
+        """Steps from the state's step + 1 to ``cfg.steps``; with ``stop``, a requested stop ends the run
+        after the current step with a resumable checkpoint (``RunStopped``)."""
         cfg, started, first = self.cfg, time.perf_counter(), self.state.step + 1
+        stop = stop or StopRequest()
         resumed = f" (resumed after step {first - 1})" if first > 1 else ""
         self.reporter.line(f"{self.spec.name} on {self.task.name}, {cfg.steps} steps{resumed} -> run dir {self.run_dir}")
         evals = {r["step"]: r for r in self.records if "val/accuracy" in r} if first > 1 else {0: self.evaluate(0)}
         rewards = [r["reward_mean"] for r in self.records if "reward_mean" in r]
         log_every = cfg.log_every or (1 if self.reporter.plain else None)
         with self.reporter.phase("train", total=cfg.steps, unit="steps", done_note=False, done=first - 1) as bar:
+            stop.armed = True
             for step in range(first, cfg.steps + 1):
                 record = self.train_step(step, bar.set_status)
                 self.state.step = step
@@ -336,12 +341,16 @@ class Trainer:
                 if step % cfg.eval.every == 0 or step == cfg.steps:
                     bar.set_status("evaluate")
                     evals[step] = self.evaluate(step)
-                if step % cfg.checkpoint.every == 0 or step == cfg.steps:
+                if step % cfg.checkpoint.every == 0 or step == cfg.steps or stop.requested:
                     bar.set_status("checkpoint")
                     with self.reporter.phase(f"checkpoint step {step}") as phase:
                         phase.info = str(save_checkpoint(self.model, self.tokenizer, self.run_dir, step, self.state))
                 bar.set_status("")
                 bar.advance(info=f"reward {record['reward_mean']:.3f}, val acc {evals[max(evals)]['val/accuracy']:.3f}")
+                if stop.requested and step < cfg.steps:
+                    raise RunStopped(f"stopped after step {step} with a checkpoint; continue with: "
+                                     f"grpolab train --resume {self.run_dir}")
+            stop.armed = False
         return self._summarize(evals, rewards, time.perf_counter() - started)
 
     def train_step(self, step: int, status: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
@@ -401,11 +410,14 @@ class Trainer:
         self.engine.close()
 
 
-def train(cfg: RunConfig, console: Console | None = None, resume: bool = False) -> dict[str, Any]:
+def train(cfg: RunConfig, console: Console | None = None, resume: bool = False,
+          stop: StopRequest | None = None) -> dict[str, Any]:
     """Run ``cfg`` to the end (with ``resume``: continue the run in ``cfg.output_dir``); the engine is
     closed whatever happens."""
     trainer = Trainer(cfg, console, resume)
     try:
-        return trainer.run()
+        return trainer.run(stop)
     finally:
+        if stop is not None:
+            stop.armed = False
         trainer.close()

@@ -101,3 +101,28 @@ def test_resume_needs_a_run_with_a_complete_checkpoint(tmp_path, capsys):
     (tmp_path / "checkpoints" / ".step_000002-tmp").mkdir(parents=True)  # a write the kill interrupted
     assert main(["train", "--resume", str(tmp_path)]) == 2
     assert "no complete checkpoint" in capsys.readouterr().out
+
+
+def test_ctrl_c_ends_the_step_writes_a_checkpoint_and_says_how_to_resume(warm_model_dir, uninterrupted, tmp_path,
+                                                                         monkeypatch, capsys):
+    run = tmp_path / "run"
+    flat = {"model.path": str(warm_model_dir), "output_dir": str(run), **OVERRIDES,
+            **{f"task.{k}": v for k, v in TASK.items()}, "rollout.prompts_per_step": 4,
+            "rollout.max_new_tokens": 40, "optim.micro_batch_size": 16, "optim.lr": 1e-3}
+    original = Trainer.train_step
+
+    def ctrl_c_during_step_3(self, step, *args):
+        if step == 3:
+            signal.raise_signal(signal.SIGINT)  # the handler only asks for a stop: step 3 still completes
+        return original(self, step, *args)
+
+    monkeypatch.setattr(Trainer, "train_step", ctrl_c_during_step_3)
+    assert main(["train", *[f"--{k}={v}" for k, v in flat.items()]]) == 130
+    out = capsys.readouterr().out
+    assert f"stopped after step 3 with a checkpoint; continue with: grpolab train --resume {run}" in out
+    assert max(r["step"] for r in read_metrics(run / "metrics.jsonl")) == 3
+    assert (run / "checkpoints" / "step_000003" / "trainer_state.pt").is_file()
+    monkeypatch.setattr(Trainer, "train_step", original)
+    assert main(["train", "--resume", str(run)]) == 0
+    assert not (run / "metrics.discarded.jsonl").exists()  # nothing to redo
+    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
