@@ -70,7 +70,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engines", help="comma-separated, e.g. hf,vllm (default: every available engine)")
     bench.add_argument("--repeats", type=int, default=3, help="timed generations / steps after one warm-up")
     bench.add_argument("--json", help="also write the figures to this JSON file (must not exist)")
+    suite = sub.add_parser("suite", help="a queue of runs, one process each, resumable: run SUITE.toml "
+                           "--output-root DIR | resume DIR | status DIR")
+    suite.add_argument("action", choices=["run", "resume", "status"])
+    suite.add_argument("target", help="run: the suite TOML file; resume / status: the suite directory")
+    suite.add_argument("--output-root", help="run: a new or empty directory for the suite")
+    suite.add_argument("--dry-run", action="store_true", help="run: print every resolved config, command and the "
+                       "expected checkpoint footprint; write nothing")
     return parser
+
+
+def suite_command(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    from grpolab.suite.runner import SuiteRunner, prepare_suite, status_table
+
+    if args.action == "status":
+        console.print(status_table(Path(args.target)))
+        return 0
+    if args.action == "run":
+        if not args.output_root:
+            raise ValueError("suite run needs --output-root DIR (a new or empty directory)")
+        if prepare_suite(args.target, Path(args.output_root), console, args.dry_run) is None:
+            return 0
+        return SuiteRunner(Path(args.output_root).resolve(), console).execute()
+    return SuiteRunner(Path(args.target).resolve(), console).execute()
 
 
 def bench_command(args: argparse.Namespace, cfg, console: Console) -> None:
@@ -100,6 +124,10 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
     from grpolab.config import ConfigError, load_config, load_run_config
 
     hf_logging.disable_progress_bar()
+    if args.command == "suite":
+        if extra:
+            raise ConfigError(f"unexpected arguments {' '.join(extra)}; a suite's settings live in its TOML file")
+        return suite_command(args, console)
     resume = getattr(args, "resume", None)
     if resume and args.config:
         raise ConfigError("--resume takes the run's own config; drop --config")

@@ -240,18 +240,25 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read ``path`` (TOML), apply dotted ``overrides``, validate. Raises ConfigError with one line per problem."""
+    """Read ``path`` (TOML, or a run's config.json), apply dotted ``overrides``, validate. Raises ConfigError with one line per problem."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = tomllib.loads(path.read_text())
+            data = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: not valid JSON ({err})") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML ({err})") from None
     for dotted, value in (overrides or {}).items():
         apply_override(data, ALIASES.get(dotted, dotted), value)
+    return validate_config(data)
+
+
+def validate_config(data: dict[str, Any]) -> RunConfig:
+    """A run config from its nested dict; raises ConfigError with one line per problem."""
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
@@ -275,7 +282,4 @@ def load_run_config(run_dir: str | Path, overrides: dict[str, Any] | None = None
     for dotted, value in (overrides or {}).items():
         apply_override(data, dotted, value)
     data["output_dir"] = str(run_dir)
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError("\n".join(describe_validation_error(err))) from None
+    return validate_config(data)

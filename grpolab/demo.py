@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from grpolab.config import RunConfig
 from grpolab.like import LIKE_PREFIX
@@ -20,7 +20,7 @@ from grpolab.progress import Reporter, format_seconds
 from grpolab.rundir import resolve_run_dir
 from grpolab.tasks import make_task
 from grpolab.threads import choose_threads
-from grpolab.tinymodel import WarmStartSettings, default_cache_root, warm_start_key
+from grpolab.tinymodel import WarmStartSettings, default_cache_root, settings_config, warm_start_key
 
 WARM_START_RATIO = 0.72  # warm-start step / calibration step
 RL_STEP_RATIO = (4.5, 6.0)  # RL step / calibration step, per 32 x 8 completions of <= 48 tokens
@@ -31,10 +31,7 @@ CALIBRATION_TOKENS = 64  # warm-start sequences: prompt + worked solution
 def calibration_step_seconds(settings: WarmStartSettings, repeats: int = 3) -> tuple[float, int]:
     """(median seconds of one AdamW step on a batch shaped like the warm start's, parameter count) of a
     randomly initialised model with the demo model's shapes; the global RNG is left untouched."""
-    config = AutoConfig.for_model(settings.arch, vocab_size=settings.vocab_size, hidden_size=settings.hidden_size,
-                                  intermediate_size=settings.intermediate_size, num_hidden_layers=settings.num_layers,
-                                  num_attention_heads=settings.num_heads, num_key_value_heads=settings.num_heads,
-                                  tie_word_embeddings=settings.tie_word_embeddings)
+    config = settings_config(settings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)

@@ -25,6 +25,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
@@ -139,6 +140,16 @@ class WarmStartSettings(BaseModel):
     final_lr_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
     weight_decay: float = 0.0
     max_examples: int | None = Field(default=None, description="use only the first N solved examples")
+
+
+def settings_config(settings: WarmStartSettings) -> PretrainedConfig:
+    """The transformers config of the warm-start model, its vocabulary taken as ``settings.vocab_size``
+    (the trained tokenizer adds a few tokens): for timing and size estimates before the model exists."""
+    return AutoConfig.for_model(settings.arch, vocab_size=settings.vocab_size, hidden_size=settings.hidden_size,
+                                intermediate_size=settings.intermediate_size, num_hidden_layers=settings.num_layers,
+                                num_attention_heads=settings.num_heads, num_key_value_heads=settings.num_heads,
+                                head_dim=settings.hidden_size // settings.num_heads,
+                                tie_word_embeddings=settings.tie_word_embeddings)
 
 
 def default_cache_root() -> Path:

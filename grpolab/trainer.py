@@ -208,7 +208,8 @@ class Trainer:
         write_json(self.run_dir / "config.json", self.cfg.model_dump(mode="json"))
         fingerprint = getattr(self.task, "data_fingerprint", None)
         write_json(self.run_dir / "manifest.json", {
-            "grpolab": grpolab.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "grpolab": grpolab.__version__, "grpolab_source": str(Path(grpolab.__file__).resolve().parent),
+            "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "command": sys.argv, "device": str(self.device),
             "cpu": {"threads": self.threads.threads, "cores": self.threads.cores, "busy_at_start": self.threads.busy},
             "model": model_record(self.model, self.model_dir), "task": self.task.name,

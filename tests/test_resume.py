@@ -56,6 +56,9 @@ def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(w
     assert max(r["step"] for r in read_metrics(run / "metrics.jsonl")) == 3
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"step": 4, "reward_m')  # a line torn by the kill
+    torn = run / "checkpoints" / ".step_000003-x1y2"  # a checkpoint write the kill interrupted
+    torn.mkdir()
+    (torn / "model.safetensors").write_bytes(b"\0" * 10)
 
     train(load_run_config(run), resume=True)
     assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))

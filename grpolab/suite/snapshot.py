@@ -1,0 +1,83 @@
+"""What a suite executes, frozen before its first run: the package source, the data rows and the
+prompt template. Runs import the package from the snapshot (``PYTHONPATH``), so later edits of the
+working tree cannot change a queued run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import grpolab
+from grpolab.config import RunConfig
+from grpolab.tasks import make_task
+from grpolab.tasks.base import Example
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tree_sha256(root: Path) -> str:
+    """SHA-256 over the relative paths and contents of every file under ``root``, in sorted order."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(f"{path.relative_to(root).as_posix()}\0{file_sha256(path)}\0".encode())
+    return h.hexdigest()
+
+
+def git_state(folder: Path) -> dict[str, Any] | None:
+    """{commit, dirty} of the git checkout holding ``folder``; None when it is not one (or git is absent)."""
+    try:
+        commit = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True, timeout=30).stdout.strip()
+        status = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--", "."], capture_output=True,
+                                text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty": bool(status.strip())}
+
+
+def task_key(cfg: RunConfig) -> str:
+    return hashlib.sha256(json.dumps(cfg.task.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _write_rows(path: Path, examples: list[Example]) -> str:
+    path.write_text("".join(json.dumps({"id": e.id, "question": e.question, "answer": e.answer}) + "\n"
+                            for e in examples))
+    return file_sha256(path)
+
+
+def snapshot_data(cfg: RunConfig, folder: Path) -> dict[str, Any]:
+    """The rows a run trains and validates on, and its prompt template, written under ``folder``;
+    GSM8K's source files are copied there too (the run reads those copies). Returns their SHA-256s and,
+    under ``task_paths``, the config fields that must point at the copies."""
+    folder.mkdir(parents=True, exist_ok=True)
+    task_paths: dict[str, str] = {}
+    for field in ("train_path", "test_path"):  # file-backed tasks read the frozen copies
+        source = getattr(cfg.task, field, None)
+        if source is not None:
+            copy = folder / f"{field.removesuffix('_path')}{Path(source).suffix}"
+            shutil.copyfile(source, copy)
+            task_paths[f"task.{field}"] = str(copy)
+    task = make_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
+    template = task.prompt(Example(id="", question="{question}", answer=""))
+    (folder / "prompt_template.txt").write_text(template)
+    return {"train_sha256": _write_rows(folder / "train.jsonl", task.train_examples()),
+            "validation_sha256": _write_rows(folder / "validation.jsonl", task.validation_examples()),
+            "prompt_sha256": file_sha256(folder / "prompt_template.txt"), "task_paths": task_paths}
+
+
+def snapshot_code(folder: Path) -> dict[str, Any]:
+    """A copy of the installed package's source under ``folder/grpolab`` (PYTHONPATH=folder)."""
+    source = Path(grpolab.__file__).resolve().parent
+    shutil.copytree(source, folder / "grpolab", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return {"version": grpolab.__version__, "source": str(source), "git": git_state(source),
+            "sha256": tree_sha256(folder / "grpolab"), "path": str(folder)}

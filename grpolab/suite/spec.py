@@ -1,0 +1,102 @@
+"""A suite file: shared settings plus a list of runs (preset, seed, overrides, optional init_from).
+
+    [suite]
+    name = "demo_all"
+    [base]                 # any run config field, by section, as in a run's TOML
+    steps = 40
+    [base.eval]
+    every = 10
+    [[runs]]
+    name = "grpo"
+    algo = "grpo"
+    seed = 0
+    overrides = { "optim.lr" = 3e-4 }
+    [[runs]]
+    name = "maxrl_restart"
+    algo = "maxrl"
+    init_from = "grpo"     # start from that run's final checkpoint: fresh optimizer, this run's seed
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from grpolab.config import ConfigError, RunConfig, apply_override, validate_config
+
+
+class SuiteRun(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+    algo: str
+    seed: int = 0
+    overrides: dict[str, Any] = Field(default_factory=dict, description="dotted config fields")
+    init_from: str | None = Field(None, description="an earlier run of this suite whose final checkpoint starts this one")
+
+
+class SuiteSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    suite: dict[str, str] = Field(default_factory=dict)
+    base: dict[str, Any] = Field(default_factory=dict)
+    runs: list[SuiteRun] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _names(self) -> "SuiteSpec":
+        seen: set[str] = set()
+        for run in self.runs:
+            if run.name in seen:
+                raise ValueError(f"run name {run.name!r} is used twice")
+            if run.init_from is not None and run.init_from not in seen:
+                raise ValueError(f"run {run.name!r}: init_from {run.init_from!r} is not an earlier run of the suite")
+            seen.add(run.name)
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.suite.get("name", "suite")
+
+
+def load_suite(path: str | Path) -> SuiteSpec:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"suite file not found: {path}")
+    try:
+        return SuiteSpec.model_validate(tomllib.loads(path.read_text()))
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    except ValidationError as err:
+        raise ConfigError("\n".join(f"{path}: {e['msg']} ({'.'.join(map(str, e['loc']))})"
+                                    for e in err.errors())) from None
+
+
+def final_checkpoint(run_dir: Path, cfg: RunConfig) -> Path:
+    return run_dir / "checkpoints" / f"step_{cfg.steps:06d}"
+
+
+def resolve_runs(spec: SuiteSpec, root: Path) -> dict[str, RunConfig]:
+    """Every run's validated config, by name; problems are reported together, one line each."""
+    configs: dict[str, RunConfig] = {}
+    problems: list[str] = []
+    for run in spec.runs:
+        data = copy.deepcopy(spec.base)
+        data["algorithm"] = {**data.get("algorithm", {}), "name": run.algo}
+        data["seed"] = run.seed
+        data["output_dir"] = str(root / "runs" / run.name)
+        if run.init_from is not None and run.init_from in configs:
+            source = configs[run.init_from]
+            data.setdefault("model", {})["path"] = str(final_checkpoint(Path(source.output_dir), source))
+        try:
+            for dotted, value in run.overrides.items():
+                apply_override(data, dotted, value)
+            configs[run.name] = validate_config(data)
+        except ConfigError as err:
+            problems += [f"run {run.name}: {line}" for line in str(err).splitlines()]
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return configs

@@ -1,0 +1,199 @@
+"""Suites: queued runs in child processes from a snapshot, a manifest that never lies, exact resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TASK, descendants
+from grpolab.cli import main
+from grpolab.config import load_config
+from grpolab.rundir import read_metrics
+from grpolab.suite.manifest import MANIFEST, SuiteManifest
+from grpolab.suite.runner import completion_problems
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def suite_file(tmp_path: Path, model_dir: Path, first_overrides: str = "") -> Path:
+    task = "\n".join(f"{k} = {v}" for k, v in TASK.items())
+    path = tmp_path / "suite.toml"
+    path.write_text(f"""
+[suite]
+name = "tiny"
+[base]
+steps = 3
+threads = 1
+reference = "frozen"
+[base.model]
+path = "{model_dir}"
+[base.task]
+{task}
+[base.rollout]
+prompts_per_step = 4
+max_new_tokens = 40
+[base.optim]
+micro_batch_size = 16
+lr = 1e-3
+[base.eval]
+every = 3
+[base.checkpoint]
+every = 1
+[[runs]]
+name = "a"
+algo = "grpo"
+{first_overrides}
+[[runs]]
+name = "b"
+algo = "dr_grpo"
+seed = 1
+init_from = "a"
+""")
+    return path
+
+
+def untimed(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
+
+
+@pytest.fixture(scope="module")
+def finished(warm_model_dir, tmp_path_factory):
+    """An uninterrupted suite."""
+    tmp = tmp_path_factory.mktemp("suite")
+    assert main(["suite", "run", str(suite_file(tmp, warm_model_dir)), "--output-root", str(tmp / "out")]) == 0
+    return tmp / "out"
+
+
+def test_dry_run_prints_configs_commands_and_footprint_and_writes_nothing(warm_model_dir, tmp_path, capsys):
+    root = tmp_path / "out"
+    assert main(["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "grpolab.cli train --config" in out and out.count('"name": "dr_grpo"') == 1
+    assert str(root / "runs" / "a" / "checkpoints" / "step_000003") in out  # b starts from a's final checkpoint
+    assert "expected checkpoint footprint: about" in out
+    assert not root.exists()
+
+
+def test_a_suite_runs_every_run_from_its_snapshot_and_records_it(finished, capsys):
+    manifest = SuiteManifest.load(finished)
+    assert [r.state for r in manifest.runs] == ["completed", "completed"]
+    a, b = manifest.runs
+    assert a.exit_code == 0 and a.final_checkpoint_sha256 and len(a.config_sha256) == 64
+    assert set(a.data_sha256) == {"train", "validation", "prompt"} and a.data_sha256 == b.data_sha256
+    assert manifest.code["sha256"] and manifest.code["git"] is None or "commit" in manifest.code["git"]
+    for record in manifest.runs:
+        run_manifest = json.loads((Path(record.run_dir) / "manifest.json").read_text())
+        assert run_manifest["grpolab_source"] == str(finished / "snapshot" / "src" / "grpolab")
+        assert not completion_problems(Path(record.run_dir), load_config(record.config_file))
+    b_config = load_config(b.config_file)
+    assert b_config.model.path == a.final_checkpoint and b_config.seed == 1  # a warm start, not a resume
+    assert "resumes" not in json.loads((Path(b.run_dir) / "manifest.json").read_text())
+    assert (finished / "snapshot" / "data").is_dir() and (finished / "logs" / "a.log").is_file()
+    assert main(["suite", "status", str(finished)]) == 0
+    status = capsys.readouterr().out
+    assert "completed" in status and "3/3" in status
+
+
+def test_a_used_output_root_is_refused_and_left_alone(finished, warm_model_dir, tmp_path, capsys):
+    before = (finished / MANIFEST).read_bytes()
+    assert main(["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(finished)]) == 2
+    assert "already exists and is not empty" in capsys.readouterr().out
+    assert (finished / MANIFEST).read_bytes() == before
+
+
+def test_a_failed_run_stops_the_queue_with_its_reason(warm_model_dir, tmp_path):
+    spec = suite_file(tmp_path, warm_model_dir, first_overrides='overrides = { "eval.n_examples" = 17 }')
+    assert main(["suite", "run", str(spec), "--output-root", str(tmp_path / "out")]) == 1
+    a, b = SuiteManifest.load(tmp_path / "out").runs
+    assert (a.state, b.state) == ("failed", "queued") and a.exit_code == 2
+    assert a.reason == "eval.n_examples 17 > the 16 validation examples of task 'arithmetic'"
+
+
+def test_a_missing_start_model_is_refused_before_anything_is_written(warm_model_dir, tmp_path, capsys):
+    spec = suite_file(tmp_path, warm_model_dir, first_overrides='overrides = { "model.path" = "/nonexistent/model" }')
+    assert main(["suite", "run", str(spec), "--output-root", str(tmp_path / "out")]) == 2
+    assert "model directory not found: /nonexistent/model" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["demo_all", "reference_eight"])
+def test_the_shipped_suites_resolve(name, tmp_path, capsys):
+    assert main(["suite", "run", str(ROOT / "suites" / f"{name}.toml"), "--output-root", str(tmp_path / "o"),
+                 "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("grpolab.cli train --config") == {"demo_all": 12, "reference_eight": 8}[name]
+
+
+def test_exit_0_without_the_final_validation_record_is_not_completion(tmp_path):
+    cfg = load_config(None, {"steps": 2})
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 2, "reward_mean": 0.5}) + "\n")
+    checkpoint = tmp_path / "checkpoints" / "step_000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "model.safetensors").write_text("")
+    assert completion_problems(tmp_path, cfg) == ["the validation record of step 2"]
+
+
+def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupted_suite(finished, warm_model_dir,
+                                                                                        tmp_path):
+    """The suite runs from a copy of the package; that copy is broken once the suite has started (queued
+    runs must not care), Ctrl-C stops run a after a step, and resume finishes with identical numbers."""
+    package = tmp_path / "pkg"
+    shutil.copytree(ROOT / "grpolab", package / "grpolab", ignore=shutil.ignore_patterns("__pycache__"))
+    root = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(package)}
+    proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", "suite", "run", str(suite_file(tmp_path, warm_model_dir)),
+                             "--output-root", str(root)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not (root / MANIFEST).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with (package / "grpolab" / "trainer.py").open("a") as f:
+        f.write('\nraise SystemExit("edited after the suite started")\n')
+    metrics = root / "runs" / "a" / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and '"reward_mean"' in metrics.read_text():
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.05)
+    out = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode == 130, out
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("stopped", "queued") and "grpolab suite resume" in out
+    assert not descendants(proc.pid) and a.pid is None
+    assert main(["suite", "resume", str(root)]) == 0
+    resumed = SuiteManifest.load(root).runs
+    assert [r.state for r in resumed] == ["completed", "completed"] and resumed[0].attempts
+    for name in ("a", "b"):
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
+            untimed(read_metrics(finished / "runs" / name / "metrics.jsonl")), name
+    assert [r.final_checkpoint_sha256 for r in resumed] == [r.final_checkpoint_sha256
+                                                           for r in SuiteManifest.load(finished).runs]
+
+
+def test_a_suite_killed_outright_resumes_with_identical_numbers(finished, warm_model_dir, tmp_path):
+    """A power cut: the runner and its run die with SIGKILL; the manifest still says 'running'."""
+    root = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", "suite", "run", str(suite_file(tmp_path, warm_model_dir)),
+                             "--output-root", str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    metrics, deadline = root / "runs" / "a" / "metrics.jsonl", time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count('"reward_mean"') >= 2:
+            break
+        time.sleep(0.05)
+    child = SuiteManifest.load(root).runs[0].pid
+    proc.kill()
+    os.killpg(child, signal.SIGKILL)
+    proc.wait()
+    assert SuiteManifest.load(root).runs[0].state == "running"
+    assert main(["suite", "resume", str(root)]) == 0
+    for name in ("a", "b"):
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
+            untimed(read_metrics(finished / "runs" / name / "metrics.jsonl")), name
