@@ -18,7 +18,7 @@ from grpolab.cli import main
 from grpolab.config import load_config
 from grpolab.rundir import read_metrics
 from grpolab.suite.manifest import MANIFEST, SuiteManifest
-from grpolab.suite.runner import completion_problems
+from grpolab.suite.runner import completion_problems, last_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,6 +132,15 @@ def test_the_shipped_suites_resolve(name, tmp_path, capsys):
     assert out.count("grpolab.cli train --config") == {"demo_all": 12, "reference_eight": 8}[name]
 
 
+def test_the_reason_of_a_failure_is_its_error_line_or_the_end_of_its_traceback(tmp_path):
+    log = tmp_path / "a.log"
+    log.write_text("Traceback (most recent call last):\n  File x\nRuntimeError: probability tensor contains nan\n")
+    assert last_error(log) == "RuntimeError: probability tensor contains nan"
+    log.write_text("12:00:00 step 1/3 ...\nerror: non-finite loss (nan) or ratio in the policy update\n")
+    assert last_error(log) == "non-finite loss (nan) or ratio in the policy update"
+    assert last_error(tmp_path / "missing.log") is None
+
+
 def test_exit_0_without_the_final_validation_record_is_not_completion(tmp_path):
     cfg = load_config(None, {"steps": 2})
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 2, "reward_mean": 0.5}) + "\n")
@@ -197,3 +206,45 @@ def test_a_suite_killed_outright_resumes_with_identical_numbers(finished, warm_m
     for name in ("a", "b"):
         assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
             untimed(read_metrics(finished / "runs" / name / "metrics.jsonl")), name
+
+
+INJECT = {
+    "loss": """
+import grpolab.losses as losses
+_aggregate, calls = losses.aggregate, [0]
+def aggregate(*args, **kwargs):
+    calls[0] += 1
+    out = _aggregate(*args, **kwargs)
+    return out * float("nan") if calls[0] > 2 else out  # from the second step on (2 micro-batches a step)
+losses.aggregate = aggregate
+""",
+    "gradient": """
+import torch
+_clip, calls = torch.nn.utils.clip_grad_norm_, [0]
+def clip(parameters, *args, **kwargs):
+    parameters = list(parameters)
+    calls[0] += 1
+    if calls[0] > 1:
+        parameters[0].grad.fill_(float("nan"))
+    return _clip(parameters, *args, **kwargs)
+torch.nn.utils.clip_grad_norm_ = clip
+""",
+}
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_a_nan_stops_its_run_before_the_optimizer_step_and_stops_the_queue(where, warm_model_dir, tmp_path, monkeypatch):
+    """A NaN is injected into every run process (a sitecustomize module on PYTHONPATH) from step 2 on."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(INJECT[where])
+    monkeypatch.setenv("PYTHONPATH", str(hook))
+    root = tmp_path / "out"
+    assert main(["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root)]) == 1
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("failed", "queued") and a.exit_code == 2
+    assert ("non-finite loss (nan)" if where == "loss" else "non-finite gradient norm (nan)") in a.reason
+    assert max(r["step"] for r in read_metrics(root / "runs" / "a" / "metrics.jsonl")) == 1
+    last_good = root / "runs" / "a" / "checkpoints" / "step_000001"
+    assert sorted(p.name for p in (root / "runs" / "a" / "checkpoints").iterdir()) == ["step_000001"]
+    assert (last_good / "trainer_state.pt").is_file() and (last_good / "model.safetensors").is_file()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -80,10 +81,12 @@ def progress_of(run_dir: Path) -> tuple[int, float | None]:
 
 
 def last_error(log: Path) -> str | None:
-    """The last 'error:' line of a run's log (the one-line reason a run gives for failing)."""
-    lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("error:")] \
-        if log.is_file() else []
-    return lines[-1].removeprefix("error:").strip() if lines else None
+    """The reason in a run's log: its last 'error:' line (the one-line reason grpolab gives), else the last
+    line of a traceback ('SomeError: ...')."""
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    errors = [line.removeprefix("error:").strip() for line in lines if line.startswith("error:")]
+    raised = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", line)]
+    return (errors or raised or [None])[-1]
 
 
 def pid_alive(pid: int | None) -> bool:
