@@ -213,6 +213,8 @@ class Trainer:
             "python": platform.python_version(), "command": sys.argv, "device": str(self.device),
             "cpu": {"threads": self.threads.threads, "cores": self.threads.cores, "busy_at_start": self.threads.busy},
             "model": model_record(self.model, self.model_dir), "task": self.task.name,
+            # a start from another run's checkpoint: its weights only, with a fresh optimizer and this seed
+            "warm_start_from": str(self.model_dir) if (self.model_dir / STATE_FILE).is_file() else None,
             "data": fingerprint() if fingerprint else None, "train_examples": len(self.task.train_examples()),
             "val_examples": len(self.val_examples), "algorithm": self.spec.model_dump(),
             "precision": {"setting": self.precision.name, "weights": dtype_name(self.precision.storage),

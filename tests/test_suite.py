@@ -95,7 +95,8 @@ def test_a_suite_runs_every_run_from_its_snapshot_and_records_it(finished, capsy
         assert not completion_problems(Path(record.run_dir), load_config(record.config_file))
     b_config = load_config(b.config_file)
     assert b_config.model.path == a.final_checkpoint and b_config.seed == 1  # a warm start, not a resume
-    assert "resumes" not in json.loads((Path(b.run_dir) / "manifest.json").read_text())
+    b_manifest = json.loads((Path(b.run_dir) / "manifest.json").read_text())
+    assert "resumes" not in b_manifest and b_manifest["warm_start_from"] == a.final_checkpoint
     assert (finished / "snapshot" / "data").is_dir() and (finished / "logs" / "a.log").is_file()
     assert main(["suite", "status", str(finished)]) == 0
     status = capsys.readouterr().out
