@@ -47,11 +47,11 @@ def time_rollout(trainer, repeats: int) -> dict[str, Any]:
     """Median seconds and tokens/s of ``repeats`` generations of one fixed prompt batch."""
     cfg = trainer.cfg.rollout
     prompts = [trainer.prompt_ids[e.id] for e in trainer.prompts.take(cfg.prompts_per_step)]
-    trainer.engine.generate(prompts, cfg.group_size, trainer.sampling_params(0, 0))  # warm-up
+    trainer.engine.generate(prompts, cfg.group_size, trainer.collector.sampling_params(0, 0))  # warm-up
     seconds, tokens = [], []
     for repeat in range(1, repeats + 1):
         started = time.perf_counter()
-        out = trainer.engine.generate(prompts, cfg.group_size, trainer.sampling_params(repeat, 0))
+        out = trainer.engine.generate(prompts, cfg.group_size, trainer.collector.sampling_params(repeat, 0))
         seconds.append(time.perf_counter() - started)
         tokens.append(sum(len(c.completion_ids) for group in out for c in group))
     syncs = []

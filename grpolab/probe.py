@@ -19,6 +19,7 @@ import torch
 
 from grpolab.batching import TrainBatch, collate
 from grpolab.config import RunConfig
+from grpolab.learn import PolicyLearner
 from grpolab.losses import NonFiniteError
 from grpolab.models import model_record
 from grpolab.precision import memory_table
@@ -57,27 +58,27 @@ def worst_case_batch(trainer: Trainer, generator: torch.Generator) -> tuple[Trai
     return collate(rows, trainer.tokenizer.pad_token_id).to(trainer.device), longest_id
 
 
-def probe_update(trainer: Trainer, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, Any]:
-    """One optimizer step over the whole batch, as the trainer does it; counts the gradients it produced."""
+def probe_update(learner: PolicyLearner, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, Any]:
+    """One optimizer step over the whole batch, as the learner does it; counts the gradients it produced."""
     started = time.perf_counter()
     data = UpdateData(advantages=advantages, response_mask=batch.response_mask, old_logprobs=None)
-    trainer.model.train()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    spec = trainer.spec.override(epochs=1, steps_per_epoch=1)
+    learner.model.train()
+    learner.optimizer.zero_grad(set_to_none=True)
+    spec = learner.spec.override(epochs=1, steps_per_epoch=1)
     step = accumulate_gradients(spec, data, torch.arange(len(batch)),
-                                   lambda idx: trainer.logprobs_of(trainer.model, batch, idx, True),
-                                   trainer.cfg.optim.micro_batch_size, trainer.cfg.rollout.max_new_tokens)
-    with_grad = sum(1 for p in trainer.params if p.grad is not None and bool(p.grad.abs().sum() > 0))
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainer.params, trainer.cfg.optim.max_grad_norm)
+                                lambda idx: learner.logprobs_of(learner.model, batch, idx, True),
+                                learner.cfg.optim.micro_batch_size, learner.cfg.rollout.max_new_tokens)
+    with_grad = sum(1 for p in learner.params if p.grad is not None and bool(p.grad.abs().sum() > 0))
+    grad_norm = torch.nn.utils.clip_grad_norm_(learner.params, learner.cfg.optim.max_grad_norm)
     if not torch.isfinite(grad_norm):
         raise NonFiniteError(f"non-finite gradient norm ({grad_norm.item()}) in the probe update")
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.model.eval()
-    if trainer.device.type == "cuda":
+    learner.optimizer.step()
+    learner.optimizer.zero_grad(set_to_none=True)
+    learner.model.eval()
+    if learner.device.type == "cuda":
         torch.cuda.synchronize()
     return {"seconds": time.perf_counter() - started, "grad_norm": float(grad_norm),
-            "parameter_tensors_with_nonzero_grad": with_grad, "parameter_tensors": len(trainer.params),
+            "parameter_tensors_with_nonzero_grad": with_grad, "parameter_tensors": len(learner.params),
             "trained_tokens": step.metrics.tokens}
 
 
@@ -106,16 +107,16 @@ def _probe(trainer: Trainer) -> dict[str, Any]:
     advantages = signs.to(device)
 
     phase_peaks = {"setup": peak_memory_mb(device, reset=True)}
-    first = probe_update(trainer, batch, advantages)
+    first = probe_update(trainer.learner, batch, advantages)
     phase_peaks["update_1"] = peak_memory_mb(device, reset=True)
     started = time.perf_counter()
     prompt = trainer.prompt_ids[longest_id]
-    completions = trainer.engine.generate([prompt], cfg.rollout.group_size, trainer.sampling_params(0, 0))[0]
+    completions = trainer.engine.generate([prompt], cfg.rollout.group_size, trainer.collector.sampling_params(0, 0))[0]
     trainer.engine.sync_weights(trainer.model)
     generation = {"seconds": time.perf_counter() - started, "completions": len(completions),
                   "tokens": sum(len(c.completion_ids) for c in completions)}
     phase_peaks["generation"] = peak_memory_mb(device, reset=True)
-    second = probe_update(trainer, batch, advantages)
+    second = probe_update(trainer.learner, batch, advantages)
     phase_peaks["update_2"] = peak_memory_mb(device)
     n_params = sum(p.numel() for p in trainer.model.parameters())
 

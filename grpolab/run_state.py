@@ -75,7 +75,8 @@ class RunState:
                 "rng": rng_state(), "sync_noise_floor": self.sync_monitor.noise_floor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.updates = state["step"], dict(state["updates"])
+        self.step = state["step"]
+        self.updates.update(state["updates"])  # in place: the learner counts into this dict
         self.optimizer.load_state_dict(state["optimizer"])
         self.prompts.load_state_dict(state["prompts"])
         self.minibatch_gen.set_state(state["minibatch_gen"])

@@ -10,24 +10,22 @@ import json
 import platform
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 import transformers
 from rich.console import Console
 from rich.table import Table
 
 import grpolab
-from grpolab.advantages import advantage_metrics, group_advantages, informative_groups
-from grpolab.batching import TrainBatch, collate
 from grpolab.config import RunConfig
-from grpolab.evaluation import evaluate, grade_completions
+from grpolab.collect import RolloutCollector
+from grpolab.evaluation import evaluate
 from grpolab.like import LIKE_PREFIX, is_like_dir
-from grpolab.logprobs import enable_gradient_checkpointing, token_logprobs
+from grpolab.learn import PolicyLearner
+from grpolab.logprobs import enable_gradient_checkpointing
 from grpolab.models import (
     check_model_path,
     frozen_copy,
@@ -39,7 +37,7 @@ from grpolab.models import (
 )
 from grpolab.precision import resolve_precision
 from grpolab.progress import Reporter, format_seconds
-from grpolab.rollout.base import Completion, SamplingParams
+from grpolab.rollout.base import RolloutEngine
 from grpolab.rollout.select import build_engine, dtype_name
 from grpolab.rollout.sync_check import MIN_NOISE_FLOOR, SyncMonitor
 from grpolab.run_state import STATE_FILE, PromptStream, RunState
@@ -53,27 +51,8 @@ from grpolab.rundir import (
     write_json,
 )
 from grpolab.tasks import make_task
-from grpolab.tasks.base import Example, Grade
+from grpolab.tasks.base import Example
 from grpolab.threads import choose_threads
-from grpolab.update import UpdateData, run_update
-
-
-@dataclass
-class RolloutBatch:
-    """B groups of G completions with their grades; ``rounds`` > 1 when dynamic sampling resampled."""
-
-    examples: list[Example]
-    completions: list[list[Completion]]
-    grades: list[list[Grade]]
-    rounds: int = 1
-    seconds: dict[str, float] | None = None  # {"generate": s, "reward": s}
-
-    def rewards(self) -> torch.Tensor:
-        """[B, G] float32."""
-        return torch.tensor([[g.reward for g in group] for group in self.grades], dtype=torch.float32)
-
-    def flat(self) -> list[Completion]:
-        return [c for group in self.completions for c in group]
 
 
 def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
@@ -134,26 +113,27 @@ class Trainer:
             self.reference = frozen_copy(start).to(self.precision.compute)
         self.optimizer = self.precision.optimizer(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                                   weight_decay=cfg.optim.weight_decay)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.prompts = PromptStream(self.task.train_examples(), cfg.seed)
         self.prompt_ids = self._tokenize_prompts(self.task.train_examples() + self.val_examples)
-        self.minibatch_gen = torch.Generator().manual_seed(cfg.seed)
+        minibatch_gen = torch.Generator().manual_seed(cfg.seed)
         compute = dtype_name(self.precision.compute)
         self.sync_monitor = SyncMonitor(*cfg.rollout.sync_limits(compute), noise_multiple=cfg.rollout.sync_noise_multiple,
                                         min_floor=MIN_NOISE_FLOOR[compute])
-        self.state = RunState(self.optimizer, self.prompts, self.minibatch_gen, self.sync_monitor)
+        self.state = RunState(self.optimizer, self.prompts, minibatch_gen, self.sync_monitor)
         self.updates = self.state.updates
         with self.reporter.phase(f"start {cfg.rollout.engine} engine", done_note=cfg.rollout.engine != "hf" or None):
-            self.engine = build_engine(cfg.rollout, self.model, self.tokenizer, weights_dir, seed=cfg.seed,
-                                       max_model_len=max(map(len, self.prompt_ids.values())) + cfg.rollout.max_new_tokens,
-                                       precision=self.precision)
+            engine = build_engine(cfg.rollout, self.model, self.tokenizer, weights_dir, seed=cfg.seed,
+                                  max_model_len=max(map(len, self.prompt_ids.values())) + cfg.rollout.max_new_tokens,
+                                  precision=self.precision)
+        self.collector = RolloutCollector(engine, self.task, self.prompts, self.prompt_ids, cfg.rollout, self.spec, cfg.seed)
+        self.learner = PolicyLearner(cfg, self.model, self.reference, self.optimizer, self.precision, self.device,
+                                     self.tokenizer.pad_token_id, minibatch_gen, self.sync_monitor, self.updates)
         self.records: list[dict[str, Any]] = []  # the metrics of the steps before a resume
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)  # only once everything above validated
             self.log = MetricsLog(self.run_dir / "metrics.jsonl")
             if resume:
                 self.state.load(self.resumed_from)
-                self.updates = self.state.updates
                 self.records = rewind_metrics(self.log.path, self.state.step)
                 self._record_resume()
             else:
@@ -161,6 +141,10 @@ class Trainer:
         except BaseException:
             self.engine.close()
             raise
+
+    @property
+    def engine(self) -> RolloutEngine:
+        return self.collector.engine
 
     def _run_dir(self, resume: bool) -> tuple[Path, Path | None]:
         """(run directory, checkpoint resumed from). A new run refuses a used directory; a resumed one
@@ -234,88 +218,12 @@ class Trainer:
                 record["vllm"] = vllm.__version__
         return record
 
-    def sampling_params(self, step: int, round_: int) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_strings=tuple(r.stop_strings),
-                              seed=self.cfg.seed * 1_000_003 + step * 1_009 + round_)
-
-    # ---- 1. rollout and 2. reward ---------------------------------------------------------
-    def rollout(self, step: int) -> RolloutBatch:
-        """G completions for each of B prompts, graded. With dynamic sampling, groups whose rewards are
-        all equal are dropped and more prompts sampled, up to ``max_resample_rounds`` extra rounds; a
-        batch still short is topped up with dropped groups so its size never changes."""
-        want, group = self.cfg.rollout.prompts_per_step, self.cfg.rollout.group_size
-        kept, dropped, rounds = RolloutBatch([], [], []), RolloutBatch([], [], []), 0
-        seconds = {"generate": 0.0, "reward": 0.0}
-        while len(kept.examples) < want and rounds <= self.spec.max_resample_rounds:
-            examples = self.prompts.take(want - len(kept.examples))
-            t0 = time.perf_counter()
-            completions = self.engine.generate([self.prompt_ids[e.id] for e in examples], group,
-                                               self.sampling_params(step, rounds))
-            t1 = time.perf_counter()
-            grades = grade_completions(self.task, examples, completions)
-            seconds["generate"] += t1 - t0
-            seconds["reward"] += time.perf_counter() - t1
-            rounds += 1
-            batch = RolloutBatch(examples, completions, grades)
-            keep = informative_groups(batch.rewards()) if self.spec.dynamic_sampling else torch.ones(len(examples), dtype=torch.bool)
-            for i, k in enumerate(keep.tolist()):
-                target = kept if k else dropped
-                target.examples.append(examples[i])
-                target.completions.append(completions[i])
-                target.grades.append(grades[i])
-        short = want - len(kept.examples)
-        return RolloutBatch(kept.examples + dropped.examples[:short], kept.completions + dropped.completions[:short],
-                            kept.grades + dropped.grades[:short], rounds, seconds)
-
-    # ---- 3. advantages and 4. update ------------------------------------------------------
-    def logprobs_of(self, model, batch: TrainBatch, indices: torch.Tensor, with_entropy: bool):
-        """Log-probs (and entropy) [n, T] of the rows ``indices``, padded back to the batch width T."""
-        sub = batch.select(indices)
-        with self.precision.autocast(self.device):
-            stats = token_logprobs(model, sub.input_ids, sub.attention_mask, temperature=self.cfg.rollout.temperature,
-                                   chunk_size=self.cfg.model.logprob_chunk_size, with_entropy=with_entropy)
-        pad = (0, batch.input_ids.shape[1] - sub.input_ids.shape[1])
-        return F.pad(stats.logprobs, pad), None if stats.entropy is None else F.pad(stats.entropy, pad)
-
-    @torch.no_grad()
-    def _frozen_logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
-        chunks = torch.arange(len(batch)).split(self.cfg.optim.micro_batch_size)
-        return torch.cat([self.logprobs_of(model, batch, idx, False)[0] for idx in chunks])
-
-    def update(self, rollout: RolloutBatch) -> dict[str, Any]:
-        rewards = rollout.rewards()
-        advantages = group_advantages(rewards, self.spec.baseline, self.spec.normalizer, self.spec.adv_eps)
-        batch = collate(rollout.flat(), self.tokenizer.pad_token_id).to(self.device)
-        # With one optimizer step the policy is still the sampling policy: old = current, detached
-        # (exactly the log-probs frozen before the update, without a second forward pass), unless
-        # the sync check needs them anyway.
-        check = self.cfg.rollout.checks_sync()
-        old = None if self.spec.is_single_update and not check else self._frozen_logprobs(self.model, batch)
-        sync = self.sync_monitor.check(batch.engine_logprobs, old, batch.response_mask) if check else {}
-        ref = self._frozen_logprobs(self.reference, batch) if self.reference is not None else None
-        data = UpdateData(advantages=advantages.flatten().to(self.device), response_mask=batch.response_mask, old_logprobs=old,
-                          ref_logprobs=ref, engine_logprobs=batch.engine_logprobs)
-        self.model.train()
-        try:
-            result = run_update(self.spec, data, lambda idx: self.logprobs_of(self.model, batch, idx, True),
-                                self.optimizer, self.params, micro_batch_size=self.cfg.optim.micro_batch_size,
-                                max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen,
-                                full_metrics=self.cfg.optim.full_metrics)
-        finally:
-            self.model.eval()
-        self.updates["attempted"] += result.attempted
-        self.updates["actual"] += result.actual
-        return {**advantage_metrics(rewards, advantages), **result.metrics(), **sync}
-
     # ---- evaluation, the loop, the summary ------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
         with self.reporter.phase(f"eval step {step}", total=len(self.val_examples), unit="items") as phase:
             out = evaluate(self.engine, self.task, self.val_examples, [self.prompt_ids[e.id] for e in self.val_examples],
-                           self.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
+                           self.collector.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
                            seed=self.cfg.seed + 7, chunk=self.cfg.rollout.max_batch_size, on_items=phase.advance)
             phase.info = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in out.items())
         out["time/eval"] = time.perf_counter() - started
@@ -361,10 +269,10 @@ class Trainer:
         ``status`` hears the phase it enters (generate, update, sync)."""
         t0 = time.perf_counter()
         status("generate")
-        rollout = self.rollout(step)                    # 1. rollout + 2. reward
+        rollout = self.collector.collect(step)          # 1. rollout + 2. reward
         t1 = time.perf_counter()
         status("update")
-        metrics = self.update(rollout)                  # 3. group advantages + 4. policy update
+        metrics = self.learner.learn(rollout)           # 3. group advantages + 4. policy update
         t2 = time.perf_counter()
         status("sync")
         self.engine.sync_weights(self.model)            # 5. sync the new weights to the engine

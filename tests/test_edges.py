@@ -67,9 +67,9 @@ class IndexDevices(TorchFunctionMode):
 @pytest.mark.parametrize("algo", ["grpo", "rft", "offpolicy_clip"])
 def test_every_index_of_an_update_lives_on_the_device_it_indexes(algo, warm_model_dir, tmp_path):
     trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo=algo), Console(quiet=True))
-    rollout = trainer.rollout(1)
+    rollout = trainer.collector.collect(1)
     with IndexDevices() as recorder:
-        trainer.update(rollout)
+        trainer.learner.learn(rollout)
     trainer.close()
     assert len(recorder.pairs) > 5  # pruning masks, minibatch indices, batch selection
     assert all(source == index for source, index in recorder.pairs), recorder.pairs
@@ -96,7 +96,7 @@ def test_evaluation_with_stop_strings_grades_exactly_like_training(warm_model_di
     trainer = Trainer(cfg, Console(quiet=True))
     metrics = trainer.evaluate(0)
     prompts = [trainer.prompt_ids[e.id] for e in trainer.val_examples]
-    completions = trainer.engine.generate(prompts, 1, greedy(trainer.sampling_params(0, 0)))
+    completions = trainer.engine.generate(prompts, 1, greedy(trainer.collector.sampling_params(0, 0)))
     grades = [g[0] for g in grade_completions(trainer.task, trainer.val_examples, completions)]
     trainer.close()
     assert all(c[0].text.endswith("</think>") or c[0].truncated for c in completions)
@@ -121,12 +121,12 @@ def test_kl_only_step_updates_the_parameters_and_logs_kl(warm_model_dir, tmp_pat
 
 def test_metrics_cover_every_response_token_even_when_rows_are_pruned(warm_model_dir, tmp_path):
     trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo="rft", reference="frozen"))
-    rollout = trainer.rollout(1)
-    record = trainer.update(rollout)
+    rollout = trainer.collector.collect(1)
+    record = trainer.learner.learn(rollout)
     tokens = sum(len(c.completion_ids) for c in rollout.flat())
     assert record["metric_tokens"] == tokens and "kl_ref" in record and "entropy" in record
     lean = Trainer(quick_config(warm_model_dir, tmp_path / "lean", algo="rft", **{"optim.full_metrics": False}))
-    lean_record = lean.update(rollout)
+    lean_record = lean.learner.learn(rollout)
     lean.close()
     trainer.close()
     wrong = sum(len(c.completion_ids) for c, g in zip(rollout.flat(), [g for gr in rollout.grades for g in gr])

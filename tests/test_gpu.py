@@ -19,10 +19,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_update_on_cuda_never_mixes_devices(algo, warm_model_dir, tmp_path):
     trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo=algo, **{"model.device": "cuda"}),
                       Console(quiet=True))
-    rollout = trainer.rollout(1)
+    rollout = trainer.collector.collect(1)
     before = params_of(trainer.model)
     with IndexDevices() as recorder:
-        result = trainer.update(rollout)
+        result = trainer.learner.learn(rollout)
     trainer.close()
     assert recorder.pairs and all(source == index for source, index in recorder.pairs), recorder.pairs
     assert result["actual_updates"] == 0 or not same(before, params_of(trainer.model))

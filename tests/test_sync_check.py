@@ -79,7 +79,7 @@ def test_a_broken_sync_in_bf16_is_caught_by_the_calibrated_limit(warm_model_dir,
     cfg = quick_config(warm_model_dir, tmp_path / "run", **{"model.dtype": "bfloat16", "rollout.sync_check": True,
                                                              "optim.lr": 1e-5, "rollout.prompts_per_step": 16})
     trainer = Trainer(cfg, Console(quiet=True))
-    trainer.engine = CopyEngine(trainer.model, trainer.tokenizer)
+    trainer.collector.engine = CopyEngine(trainer.model, trainer.tokenizer)
     limit = cfg.rollout.sync_limits("bfloat16")[1]
     for step in range(1, 4):  # in sync: the calibrated limit holds
         record = trainer.train_step(step)

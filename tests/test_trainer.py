@@ -49,7 +49,7 @@ def test_all_zero_rewards_skip_the_update(warm_model_dir, tmp_path):
 
 def test_dynamic_sampling_keeps_the_batch_size(warm_model_dir, tmp_path):
     trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo="dapo"))
-    batch = trainer.rollout(1)
+    batch = trainer.collector.collect(1)
     assert len(batch.examples) == 4 and all(len(g) == 8 for g in batch.completions)
     rewards = batch.rewards()
     informative = (rewards != rewards[:, :1]).any(1)

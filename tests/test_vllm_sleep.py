@@ -267,7 +267,7 @@ def test_bench_rollout_timing(warm_model_dir, tmp_path, fake_vllm, fake_cuda, le
         restores = check_wakes(fake.calls, level, str(trainer.engine.model_dir))
         assert restores == ([str(trainer.engine.model_dir)] * 2 if level == 2 else [])
         prompts = [trainer.prompt_ids[e.id] for e in trainer.prompts.take(2)]
-        trainer.engine.generate(prompts, 2, trainer.sampling_params(9, 0))  # after the syncs: synced weights
+        trainer.engine.generate(prompts, 2, trainer.collector.sampling_params(9, 0))  # after the syncs: synced weights
         check_wakes(fake.calls, level, str(trainer.engine.model_dir))
     finally:
         trainer.close()
