@@ -2,9 +2,10 @@
 
 On a terminal every open phase is a row of one rich progress display (phases nest: an evaluation
 shows under the training bar). When the output is not a terminal (a log file, ``| tee run.log``) a
-phase prints a line when it starts, every ``every`` units, at least every ``interval`` seconds
-while it runs (a heartbeat thread covers calls that report nothing, such as an engine starting or
-a long generation) and one when it ends, so that a log file tells the story at a steady rhythm.
+phase prints a 'running' line once it has taken a few seconds, a line every ``every`` units, a
+heartbeat whenever nothing was printed for ``interval`` seconds (a thread covers calls that report
+nothing, such as an engine starting or a long generation) and one when it ends, so that a log file
+tells the story at a steady rhythm.
 """
 
 from __future__ import annotations
