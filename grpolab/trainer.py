@@ -241,7 +241,9 @@ class Trainer:
         rewards = [r["reward_mean"] for r in self.records if "reward_mean" in r]
         log_every = cfg.log_every or (1 if self.reporter.plain else None)
         with self.reporter.phase("train", total=cfg.steps, unit="steps", done_note=False, done=first - 1) as bar:
-            stop.armed = True
+            # vLLM's engine processes share the terminal's process group and die of the same Ctrl-C, so a
+            # graceful stop could wait on a dead engine: with vLLM a signal still stops the run at once
+            stop.armed = cfg.rollout.engine == "hf"
             for step in range(first, cfg.steps + 1):
                 record = self.train_step(step, bar.set_status)
                 self.state.step = step
