@@ -1,9 +1,12 @@
-"""Validation: greedy accuracy, format rate, length, and sampled pass@k (unbiased estimator)."""
+"""Validation: greedy accuracy, format rate, length, sampled pass@k (unbiased estimator), and one
+record per item so that two runs on the same frozen items can be compared item by item."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 from math import comb
 from statistics import mean
 
@@ -23,6 +26,19 @@ def grade_completions(task: Task, examples: list[Example], completions: list[lis
     return [[task.grade(c.text, ex, c.truncated) for c in group] for ex, group in zip(examples, completions)]
 
 
+def prompt_sha256(prompt: str) -> str:
+    """The first 16 hex digits of the prompt text's SHA-256: equal items have equal hashes."""
+    return hashlib.sha256(prompt.encode()).hexdigest()[:16]
+
+
+def item_record(task: Task, example: Example, completion: Completion, grade) -> dict[str, Any]:
+    """What one greedy evaluation of one item produced (a line of ``eval/step_NNNNNN.jsonl``)."""
+    return {"id": example.id, "prompt_sha256": prompt_sha256(task.prompt(example)), "completion": completion.text,
+            "extracted": grade.extracted, "gold": example.answer, "format_ok": grade.format_reward > 0,
+            "correct": grade.answer_reward > 0, "length": len(completion.completion_ids),
+            "truncated": completion.truncated}
+
+
 def greedy(sampling: SamplingParams) -> SamplingParams:
     """The rollout's settings (token limit, stop strings) for greedy decoding."""
     return replace(sampling, temperature=0.0, top_p=1.0, top_k=0, seed=None)
@@ -30,7 +46,7 @@ def greedy(sampling: SamplingParams) -> SamplingParams:
 
 def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_ids: list[list[int]],
              sampling: SamplingParams, pass_k: list[int], pass_n: int, seed: int, chunk: int | None = None,
-             on_items: Callable[[int], None] | None = None) -> dict[str, float]:
+             on_items: Callable[[int], None] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Greedy metrics over ``examples`` and, when ``pass_k`` is set, pass@k from ``pass_n`` samples.
 
     ``sampling`` is the training rollout's: every generation here keeps its token limit and stop
@@ -38,6 +54,9 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
     its temperature / top-p / top-k, with ``seed``. Greedy completions are generated ``chunk``
     prompts at a time (None: all at once; the hf engine's own batch size leaves its batches, and so
     its results, unchanged), and ``on_items(k)`` is called as k more items finish.
+
+    Returns (metrics, one ``item_record`` per example, with ``pass_n`` / ``pass_correct``: the sampled
+    count and how many were correct, when ``pass_k`` is set).
     """
     step = chunk or max(1, len(prompt_ids))
     completions = []
@@ -46,6 +65,7 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
         if on_items is not None:
             on_items(len(prompt_ids[start:start + step]))
     grades = [g[0] for g in grade_completions(task, examples, completions)]
+    records = [item_record(task, ex, c[0], g) for ex, c, g in zip(examples, completions, grades)]
     out = {
         "val/accuracy": mean(g.answer_reward for g in grades),
         "val/format_rate": mean(g.format_reward for g in grades),
@@ -57,4 +77,6 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
         correct = [sum(g.answer_reward > 0 for g in group) for group in grade_completions(task, examples, sampled)]
         for k in pass_k:
             out[f"val/pass@{k}"] = mean(pass_at_k(pass_n, c, k) for c in correct)
-    return out
+        for record, c in zip(records, correct):
+            record.update(pass_n=pass_n, pass_correct=c)
+    return out, records

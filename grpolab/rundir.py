@@ -1,4 +1,5 @@
-"""The run directory: refuse to overwrite, metrics as JSON lines, atomic checkpoints, summary."""
+"""The run directory: refuse to overwrite, metrics as JSON lines, per-item evaluation records, atomic
+checkpoints, summary."""
 
 from __future__ import annotations
 
@@ -55,6 +56,29 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+EVAL_DIR = "eval"
+
+
+def eval_records_path(run_dir: Path, step: int) -> Path:
+    return run_dir / EVAL_DIR / f"step_{step:06d}.jsonl"
+
+
+def write_eval_records(run_dir: Path, step: int, records: list[dict[str, Any]]) -> Path:
+    """One JSON line per evaluated item in eval/step_NNNNNN.jsonl, written atomically."""
+    path = eval_records_path(run_dir, step)
+    path.parent.mkdir(exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n" for r in records))
+    os.replace(tmp, path)
+    return path
+
+
+def eval_record_steps(run_dir: Path) -> list[int]:
+    """The steps that have evaluation records, in order."""
+    return sorted(int(p.stem.removeprefix("step_")) for p in (run_dir / EVAL_DIR).glob("step_*.jsonl"))
+
+
 def save_checkpoint(model, tokenizer, run_dir: Path, step: int, state=None) -> Path:
     """Hugging Face model + tokenizer (+ the run's ``state``: a ``RunState``) in checkpoints/step_NNNNNN,
     written to a temp dir then renamed: a checkpoint folder is complete or absent."""
@@ -82,7 +106,8 @@ def latest_resumable_checkpoint(run_dir: Path, state_file: str) -> Path | None:
 def rewind_metrics(path: Path, step: int) -> list[dict[str, Any]]:
     """Keep the records of steps <= ``step`` in ``path`` (rewritten atomically) and return them. Records of
     later steps (written before an interruption, redone on resume) and a torn last line move to
-    ``metrics.discarded.jsonl`` beside it, so nothing is lost."""
+    ``metrics.discarded.jsonl`` beside it, and their evaluation records to eval/discarded/, so nothing
+    is lost."""
     kept, dropped = [], []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
@@ -98,4 +123,9 @@ def rewind_metrics(path: Path, step: int) -> list[dict[str, Any]]:
     with os.fdopen(fd, "w") as f:
         f.write("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
+    later = [eval_records_path(path.parent, s) for s in eval_record_steps(path.parent) if s > step]
+    if later:
+        (path.parent / EVAL_DIR / "discarded").mkdir(exist_ok=True)
+        for record_file in later:
+            os.replace(record_file, path.parent / EVAL_DIR / "discarded" / record_file.name)
     return [json.loads(line) for line in kept]

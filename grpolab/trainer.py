@@ -48,6 +48,7 @@ from grpolab.rundir import (
     resolve_run_dir,
     rewind_metrics,
     save_checkpoint,
+    write_eval_records,
     write_json,
 )
 from grpolab.tasks import make_task
@@ -222,10 +223,11 @@ class Trainer:
     def evaluate(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
         with self.reporter.phase(f"eval step {step}", total=len(self.val_examples), unit="items") as phase:
-            out = evaluate(self.engine, self.task, self.val_examples, [self.prompt_ids[e.id] for e in self.val_examples],
+            out, records = evaluate(self.engine, self.task, self.val_examples, [self.prompt_ids[e.id] for e in self.val_examples],
                            self.collector.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
                            seed=self.cfg.seed + 7, chunk=self.cfg.rollout.max_batch_size, on_items=phase.advance)
             phase.info = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in out.items())
+        write_eval_records(self.run_dir, step, records)
         out["time/eval"] = time.perf_counter() - started
         self.log.write({"step": step, **out})
         return out

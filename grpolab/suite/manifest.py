@@ -27,6 +27,7 @@ class RunRecord(BaseModel):
     config_sha256: str
     data_sha256: dict[str, str] = Field(default_factory=dict, description="train, validation rows; prompt template")
     init_from: str | None = None
+    factors: dict[str, str] = Field(default_factory=dict)
     pid: int | None = None
     command: list[str] = Field(default_factory=list)
     exit_code: int | None = None

@@ -254,7 +254,7 @@ def prepare_suite(suite_file: str | Path, root: Path, console: Console, dry_run:
         config_file.parent.mkdir(exist_ok=True)
         config_file.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
         records.append(RunRecord(name=run.name, run_dir=str(cfg.output_dir), config_file=str(config_file),
-                                 config_sha256=config_sha256(cfg), init_from=run.init_from,
+                                 config_sha256=config_sha256(cfg), init_from=run.init_from, factors=run.factors,
                                  data_sha256={k: data[key][f"{k}_sha256"] for k in ("train", "validation", "prompt")}))
     manifest = SuiteManifest(suite=spec.name, source_file=str(Path(suite_file).resolve()), code=code, runs=records)
     manifest.save(root)

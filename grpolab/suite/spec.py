@@ -15,6 +15,9 @@
     name = "maxrl_restart"
     algo = "maxrl"
     init_from = "grpo"     # start from that run's final checkpoint: fresh optimizer, this run's seed
+    factors = { normalizer = "std", aggregation = "sequence" }   # optional: a factorial design's cell
+
+Runs that declare the same two factors with two levels each give the report a 2x2 interaction.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class SuiteRun(BaseModel):
     seed: int = 0
     overrides: dict[str, Any] = Field(default_factory=dict, description="dotted config fields")
     init_from: str | None = Field(None, description="an earlier run of this suite whose final checkpoint starts this one")
+    factors: dict[str, str] = Field(default_factory=dict, description="factor -> level, for the report's 2x2")
 
 
 class SuiteSpec(BaseModel):

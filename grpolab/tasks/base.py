@@ -7,7 +7,7 @@ format reward is reported separately.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
@@ -34,11 +34,14 @@ class Grade:
     """Reward components of one completion.
 
     ``format_reward`` (1.0 when the completion has the required structure) is logged only;
-    ``answer_reward`` (1.0 when the final answer is correct) is the RL reward.
+    ``answer_reward`` (1.0 when the final answer is correct) is the RL reward. ``extracted`` is the
+    answer the grader read from the completion (None when it found none), for evaluation records;
+    it takes no part in comparisons.
     """
 
     format_reward: float
     answer_reward: float
+    extracted: str | None = field(default=None, compare=False)
 
     @property
     def reward(self) -> float:

@@ -59,9 +59,7 @@ def grade_r1_zero(completion: str, gold: str, truncated: bool, symbolic: bool = 
     Rewards: truncated -> (format 0, answer 0); malformed -> (0, 0); well-formed with a wrong
     answer -> (1, 0); well-formed and numerically equal to gold -> (1, 1).
     """
-    if truncated:
-        return Grade(format_reward=0.0, answer_reward=0.0)
     format_ok, answer = parse_r1_zero(completion)
-    if not format_ok or answer is None:
-        return Grade(format_reward=0.0, answer_reward=0.0)
-    return Grade(format_reward=1.0, answer_reward=1.0 if answers_match(answer, gold, symbolic) else 0.0)
+    if truncated or not format_ok or answer is None:
+        return Grade(format_reward=0.0, answer_reward=0.0, extracted=answer)
+    return Grade(format_reward=1.0, answer_reward=1.0 if answers_match(answer, gold, symbolic) else 0.0, extracted=answer)
