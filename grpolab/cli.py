@@ -77,7 +77,45 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--output-root", help="run: a new or empty directory for the suite")
     suite.add_argument("--dry-run", action="store_true", help="run: print every resolved config, command and the "
                        "expected checkpoint footprint; write nothing")
+    report = sub.add_parser("report", help="report.md, report.json and figures in DIR/report/ for a suite or run "
+                            "directory: run table, paired bootstrap CIs and McNemar tests, 2x2, seeds, pass@k, curves")
+    report.add_argument("directory", help="a suite directory, a run directory or a folder of run directories")
+    compare = sub.add_parser("compare", help="paired accuracy difference of two runs' last evaluations, with "
+                             "its bootstrap CI and McNemar p-value")
+    compare.add_argument("run_a")
+    compare.add_argument("run_b")
+    report.add_argument("--baseline", help="the run every other run is compared with (default: the first)")
+    for p in (report, compare):
+        p.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (at least 10,000)")
+        p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     return parser
+
+
+def report_command(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    from grpolab.progress import Reporter
+    from grpolab.report import compare_runs, write_report
+
+    if args.resamples < 10_000:
+        raise ValueError(f"--resamples {args.resamples}: use at least 10,000 for stable 95% intervals")
+    if args.command == "report":
+        path = write_report(Path(args.directory), Reporter(console), args.baseline, args.resamples, args.seed)
+        console.print(f"report: {path} (figures and report.json beside it)", highlight=False, soft_wrap=True)
+        return 0
+    c = compare_runs(Path(args.run_a), Path(args.run_b), args.resamples, args.seed)
+    if "difference" not in c:
+        raise ValueError(f"{args.run_a} vs {args.run_b}: {c.get('note')}")
+    console.print(f"{c['run']} (step {c['step']}) vs {Path(args.run_b).name} (step {c['baseline_step']}), "
+                  f"{c['items']} paired items: accuracy {c['accuracy']:.3f} vs {c['baseline_accuracy']:.3f}, "
+                  f"difference {c['difference']:+.3f}, 95% CI [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] "
+                  f"(paired bootstrap, {args.resamples:,} resamples); McNemar exact p = {c['p_value']:.3g} "
+                  f"({c['only_run_right']} items right only in A, {c['only_baseline_right']} only in B)",
+                  highlight=False, soft_wrap=True)
+    if c["unpaired_items"] or c["differing_prompts"]:
+        console.print(f"left out: {c['unpaired_items']} items evaluated by one run only, {c['differing_prompts']} "
+                      "with different prompts", highlight=False, soft_wrap=True)
+    return 0
 
 
 def suite_command(args: argparse.Namespace, console: Console) -> int:
@@ -124,10 +162,10 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
     from grpolab.config import ConfigError, load_config, load_run_config
 
     hf_logging.disable_progress_bar()
-    if args.command == "suite":
+    if args.command in ("suite", "report", "compare"):
         if extra:
-            raise ConfigError(f"unexpected arguments {' '.join(extra)}; a suite's settings live in its TOML file")
-        return suite_command(args, console)
+            raise ConfigError(f"unexpected arguments {' '.join(extra)}")
+        return suite_command(args, console) if args.command == "suite" else report_command(args, console)
     resume = getattr(args, "resume", None)
     if resume and args.config:
         raise ConfigError("--resume takes the run's own config; drop --config")
@@ -200,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         if _Interrupts.received:  # an engine process died of the same Ctrl-C
             console.print("[red]interrupted[/red]")
             return 130
-        if not isinstance(err, (FileNotFoundError, FileExistsError, ValueError, NonFiniteError, WeightSyncError)):
+        if not isinstance(err, (FileNotFoundError, FileExistsError, ValueError, NonFiniteError, WeightSyncError,
+                                NotADirectoryError)):
             raise
         for line in str(err).splitlines():
             console.print(f"[red]error:[/red] {line}", highlight=False, soft_wrap=True)

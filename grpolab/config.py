@@ -144,6 +144,11 @@ class CheckpointConfig(_Section):
     every: int = Field(50, ge=1)
 
 
+class LogConfig(_Section):
+    tensorboard: bool = Field(False, description="also write the per-step metrics as TensorBoard scalars into "
+                              "RUN_DIR/tensorboard (needs the tensorboard package: pip install 'grpolab[tensorboard]')")
+
+
 class RunConfig(_Section):
     seed: int = 0
     steps: int = Field(100, ge=1)
@@ -162,6 +167,7 @@ class RunConfig(_Section):
     optim: OptimConfig = OptimConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
 
     @field_validator("task", mode="before")
     @classmethod

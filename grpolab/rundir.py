@@ -41,15 +41,39 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-class MetricsLog:
-    """Appends one JSON object per line to ``metrics.jsonl``."""
+def summary_writer():
+    """TensorBoard's ``SummaryWriter`` class; a ValueError naming the install when it is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise ValueError(f"log.tensorboard needs the tensorboard package ({err}); "
+                         "pip install 'grpolab[tensorboard]'") from None
+    return SummaryWriter
 
-    def __init__(self, path: Path):
+
+class MetricsLog:
+    """Appends one JSON object per line to ``metrics.jsonl``; with ``tensorboard_dir`` also writes each
+    record's numbers as TensorBoard scalars at its step (events from ``first_step`` on are purged first,
+    so a resumed run does not show the redone steps twice)."""
+
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, first_step: int = 0):
         self.path = path
+        self.tensorboard = None
+        if tensorboard_dir is not None:
+            self.tensorboard = summary_writer()(str(tensorboard_dir), purge_step=first_step or None)
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(key, value, record["step"])
+            self.tensorboard.flush()
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

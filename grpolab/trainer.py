@@ -48,6 +48,7 @@ from grpolab.rundir import (
     resolve_run_dir,
     rewind_metrics,
     save_checkpoint,
+    summary_writer,
     write_eval_records,
     write_json,
 )
@@ -88,6 +89,8 @@ class Trainer:
         torch.set_num_threads(self.threads.threads)
         # bad input is refused before anything is printed: one error line
         self.run_dir, self.resumed_from = self._run_dir(resume)
+        if cfg.log.tensorboard:
+            summary_writer()
         with self.reporter.phase(f"load task {cfg.task.name}", done_note=None):
             self.task = make_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
             self.val_examples = self._validation_examples()
@@ -132,13 +135,15 @@ class Trainer:
         self.records: list[dict[str, Any]] = []  # the metrics of the steps before a resume
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)  # only once everything above validated
-            self.log = MetricsLog(self.run_dir / "metrics.jsonl")
             if resume:
                 self.state.load(self.resumed_from)
-                self.records = rewind_metrics(self.log.path, self.state.step)
+                self.records = rewind_metrics(self.run_dir / "metrics.jsonl", self.state.step)
                 self._record_resume()
             else:
                 self._write_manifest()
+            self.log = MetricsLog(self.run_dir / "metrics.jsonl",
+                                  self.run_dir / "tensorboard" if cfg.log.tensorboard else None,
+                                  first_step=self.state.step + 1 if resume else 0)
         except BaseException:
             self.engine.close()
             raise
@@ -322,6 +327,7 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        self.log.close()
         self.engine.close()
 
 

@@ -59,9 +59,14 @@ def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(w
     torn = run / "checkpoints" / ".step_000003-x1y2"  # a checkpoint write the kill interrupted
     torn.mkdir()
     (torn / "model.safetensors").write_bytes(b"\0" * 10)
+    (run / "eval" / "step_000004.jsonl").write_text("stale\n")  # as if killed between evaluation and checkpoint
 
     train(load_run_config(run), resume=True)
     assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
+    for step in (0, 2, 4):  # per-item records too; the stale one kept aside
+        name = f"eval/step_{step:06d}.jsonl"
+        assert (run / name).read_text() == (uninterrupted / name).read_text()
+    assert (run / "eval" / "discarded" / "step_000004.jsonl").read_text() == "stale\n"
     discarded = (run / "metrics.discarded.jsonl").read_text().splitlines()
     assert len(discarded) == 2 and json.loads(discarded[0])["step"] == 3  # redone, kept aside
     for (name, a), (_, b) in zip(final_weights(run).items(), final_weights(uninterrupted).items()):

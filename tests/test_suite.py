@@ -56,6 +56,7 @@ name = "b"
 algo = "dr_grpo"
 seed = 1
 init_from = "a"
+factors = {{ start = "warm" }}
 """)
     return path
 
@@ -101,6 +102,11 @@ def test_a_suite_runs_every_run_from_its_snapshot_and_records_it(finished, capsy
     assert main(["suite", "status", str(finished)]) == 0
     status = capsys.readouterr().out
     assert "completed" in status and "3/3" in status
+    # the suite's report, written once every run completed
+    assert b.factors == {"start": "warm"} and a.factors == {}
+    report = (finished / "report" / "report.md").read_text()
+    assert "| a | completed | grpo | 0 | 3/3 |" in report and "| b | completed | dr_grpo | 1 | 3/3 |" in report
+    assert "not exactly two factors with two levels each: start: warm" in report
 
 
 def test_a_used_output_root_is_refused_and_left_alone(finished, warm_model_dir, tmp_path, capsys):
@@ -130,7 +136,7 @@ def test_the_shipped_suites_resolve(name, tmp_path, capsys):
     assert main(["suite", "run", str(ROOT / "suites" / f"{name}.toml"), "--output-root", str(tmp_path / "o"),
                  "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert out.count("grpolab.cli train --config") == {"demo_all": 12, "reference_eight": 8}[name]
+    assert out.count("grpolab.cli train --config") == {"demo_all": 15, "reference_eight": 8}[name]
 
 
 def test_the_reason_of_a_failure_is_its_error_line_or_the_end_of_its_traceback(tmp_path):

@@ -140,10 +140,21 @@ class SuiteRunner:
                     return 130 if record.state == "stopped" else 1
             self.reporter.line(f"suite {manifest.suite}: all {len(manifest.runs)} runs completed; "
                                f"grpolab suite status {self.root}")
+            self._report()
             return 0
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _report(self) -> None:
+        """The suite's report (``grpolab report``), written once every run completed; a failure to write
+        it is said, never a failed suite."""
+        from grpolab.report import write_report
+
+        try:
+            self.reporter.line(f"report: {write_report(self.root, self.reporter)}")
+        except Exception as err:  # the runs are done and safe; the report can be redone by hand
+            self.reporter.line(f"report not written ({type(err).__name__}: {err}); grpolab report {self.root}")
 
     def _command(self, record: RunRecord) -> list[str]:
         """Resume from a complete checkpoint; otherwise start afresh, moving an earlier attempt's

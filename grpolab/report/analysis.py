@@ -1,0 +1,162 @@
+"""Every number of a report, computed from the runs' files into plain dicts (written as report.json,
+rendered by ``markdown``): the run table, paired comparisons with a baseline, the 2x2 interaction,
+seed-level summaries, pass@k curves and failure examples."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from grpolab.report.runs import Outcomes, Run, outcomes, pair
+from grpolab.report.stats import interaction, mcnemar_exact, pass_at_k_curve, paired_difference, seed_summary
+
+FAILURE_KINDS = {
+    "wrong answer": lambda r: r["format_ok"] and not r["correct"],
+    "bad format": lambda r: not r["format_ok"] and not r["truncated"],
+    "truncated": lambda r: r["truncated"],
+}
+
+
+def run_row(run: Run) -> dict[str, Any]:
+    """The run table's line: progress, start / final / best validation accuracy, final validation
+    format rate, length and truncation, updates, tokens generated, wall time."""
+    train, evals = run.train, run.evals
+    row: dict[str, Any] = {"run": run.name, "state": run.state, "reason": run.reason, "algorithm": run.algorithm,
+                           "seed": run.seed, "steps_done": train[-1]["step"] if train else 0,
+                           "steps": run.total_steps}
+    if evals:
+        first, last = evals[0], evals[-1]
+        best = max(evals, key=lambda r: (r["val/accuracy"], -r["step"]))
+        row |= {"start_accuracy": first["val/accuracy"] if first["step"] == 0 else None,
+                "final_accuracy": last["val/accuracy"], "final_step": last["step"],
+                "best_accuracy": best["val/accuracy"], "best_step": best["step"],
+                "format_rate": last["val/format_rate"], "completion_len": last["val/completion_len_mean"],
+                "truncation_rate": last["val/truncation_rate"]}
+    if train:
+        row |= {"attempted_updates": train[-1]["total_attempted_updates"],
+                "actual_updates": train[-1]["total_actual_updates"],
+                "tokens_generated": sum(r["response_tokens"] for r in train)}
+    if run.summary:
+        row["wall_seconds"] = run.summary["wall_seconds"]
+    elif train:
+        row["wall_seconds"] = sum(r["time/step"] for r in train) + sum(r.get("time/eval", 0.0) for r in evals)
+    return row
+
+
+def comparison(run: Run, base: Run, resamples: int, seed: int) -> dict[str, Any]:
+    """``run`` against ``base`` at each one's last evaluation, paired over the items both evaluated."""
+    a, b = outcomes(run), outcomes(base)
+    if a is None or b is None:
+        return {"run": run.name, "note": "no evaluation records yet"}
+    paired = pair(a, b)
+    out: dict[str, Any] = {"run": run.name, "step": a.step, "baseline_step": b.step, "items": paired.shared,
+                           "unpaired_items": paired.only_one, "differing_prompts": paired.differing}
+    if paired.shared == 0:
+        return out | {"note": "no items in common: not the same evaluation set"}
+    diff = paired_difference(paired.a, paired.b, resamples, seed)
+    test = mcnemar_exact(paired.a, paired.b)
+    return out | {"accuracy": float(paired.a.mean()), "baseline_accuracy": float(paired.b.mean()),
+                  "difference": diff.estimate, "ci_low": diff.low, "ci_high": diff.high,
+                  "only_run_right": test.only_a, "only_baseline_right": test.only_b, "p_value": test.p_value}
+
+
+def align(all_outcomes: list[Outcomes]) -> np.ndarray:
+    """Correctness [runs, items] over the items every run evaluated with the same prompt."""
+    first = all_outcomes[0]
+    common = [k for k, item in enumerate(first.ids)
+              if all(item in o.ids and o.prompt_hashes[o.ids.index(item)] == first.prompt_hashes[k]
+                     for o in all_outcomes[1:])]
+    ids = [first.ids[k] for k in common]
+    return np.array([[o.correct[o.ids.index(i)] for i in ids] for o in all_outcomes]).reshape(len(all_outcomes), len(ids))
+
+
+def factorial(runs: list[Run], resamples: int, seed: int) -> dict[str, Any] | None:
+    """The 2x2 interaction when the runs that declare factors declare the same two, with two levels
+    each. A cell with several runs (seeds) counts each item's mean correctness over them."""
+    declared = [r for r in runs if r.factors]
+    if not declared:
+        return None
+    names = list(declared[0].factors)
+    levels = {f: list(dict.fromkeys(r.factors.get(f) for r in declared)) for f in names}
+    if len(names) != 2 or any(list(r.factors) != names for r in declared) or any(len(v) != 2 for v in levels.values()):
+        return {"note": "factors declared, but not exactly two factors with two levels each: "
+                        + ", ".join(f"{f}: {'/'.join(map(str, v))}" for f, v in levels.items())}
+    (fa, la), (fb, lb) = levels.items()
+    cells = {(i, j): [r for r in declared if r.factors == {fa: la[i], fb: lb[j]}] for i in (0, 1) for j in (0, 1)}
+    found = {key: [o for o in map(outcomes, members) if o is not None] for key, members in cells.items()}
+    out: dict[str, Any] = {"factors": {fa: la, fb: lb},
+                           "cells": {f"{la[i]} x {lb[j]}": [r.name for r in members] for (i, j), members in cells.items()}}
+    if any(not o for o in found.values()):
+        return out | {"note": "a cell has no evaluated run yet"}
+    flat = [o for key in sorted(found) for o in found[key]]
+    matrix = align(flat)
+    rows, start = {}, 0
+    for key in sorted(found):
+        rows[key] = matrix[start:start + len(found[key])].mean(axis=0)
+        start += len(found[key])
+    y00, y01, y10, y11 = rows[0, 0], rows[0, 1], rows[1, 0], rows[1, 1]
+    effect = interaction(y00, y01, y10, y11, resamples, seed)
+    simple = {f"{fa} {la[0]} -> {la[1]} at {fb} {lb[j]}": paired_difference(rows[1, j], rows[0, j], resamples, seed)
+              for j in (0, 1)}
+    simple |= {f"{fb} {lb[0]} -> {lb[1]} at {fa} {la[i]}": paired_difference(rows[i, 1], rows[i, 0], resamples, seed)
+               for i in (0, 1)}
+    return out | {"items": int(matrix.shape[1]),
+                  "cell_accuracy": {f"{la[i]} x {lb[j]}": float(rows[i, j].mean()) for i in (0, 1) for j in (0, 1)},
+                  "interaction": asdict(effect), "simple_effects": {k: asdict(v) for k, v in simple.items()}}
+
+
+def seed_groups(runs: list[Run], resamples: int, seed: int) -> list[dict[str, Any]]:
+    """Configurations run at several seeds: final validation accuracy per seed, mean, std and a
+    bootstrap CI over seeds."""
+    groups: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        if run.config and run.evals:
+            groups[run.setting_key()].append(run)
+    out = []
+    for members in groups.values():
+        if len({r.seed for r in members}) < 2:
+            continue
+        finals = [r.evals[-1]["val/accuracy"] for r in members]
+        summary = seed_summary(finals, resamples, seed)
+        out.append({"runs": [r.name for r in members], "seeds": [r.seed for r in members], "final_accuracy": finals,
+                    "steps": [r.evals[-1]["step"] for r in members], "mean": summary.mean, "std": summary.std,
+                    "ci_low": summary.interval.low, "ci_high": summary.interval.high})
+    return out
+
+
+def pass_curves(run: Run) -> dict[int, dict[int, float]]:
+    """pass@k curves (k -> mean unbiased pass@k) at the first and last evaluations with samples."""
+    steps = [s for s in run.eval_steps if run.records(s) and "pass_n" in run.records(s)[0]]
+    curves = {}
+    for step in sorted({steps[0], steps[-1]}) if steps else []:
+        records = run.records(step)
+        curves[step] = pass_at_k_curve(records[0]["pass_n"], [r["pass_correct"] for r in records])
+    return curves
+
+
+def failures(run: Run, per_kind: int = 2) -> dict[str, list[dict[str, Any]]]:
+    """A few failed items of the last evaluation, by kind."""
+    found = outcomes(run)
+    if found is None:
+        return {}
+    return {kind: [r for r in found.records if test(r)][:per_kind] for kind, test in FAILURE_KINDS.items()}
+
+
+def analyse(title: str, runs: list[Run], baseline: str | None, resamples: int, seed: int) -> dict[str, Any]:
+    """Everything the report says, as JSON-ready data."""
+    names = [r.name for r in runs]
+    if baseline is not None and baseline not in names:
+        raise ValueError(f"--baseline {baseline!r} is not a run here; runs: {', '.join(names)}")
+    base = next(r for r in runs if r.name == (baseline or names[0]))
+    return {
+        "title": title, "resamples": resamples, "seed": seed, "baseline": base.name,
+        "runs": [run_row(r) for r in runs],
+        "comparisons": [comparison(r, base, resamples, seed) for r in runs if r is not base],
+        "factorial": factorial(runs, resamples, seed),
+        "seed_groups": seed_groups(runs, resamples, seed),
+        "pass_at_k": {r.name: curves for r in runs if (curves := pass_curves(r))},
+        "failures": {r.name: f for r in runs if (f := failures(r))},
+    }

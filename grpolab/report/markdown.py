@@ -1,0 +1,131 @@
+"""report.md from the analysis (``analysis.analyse``) and the figures written beside it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpolab.progress import format_seconds
+
+SEED_CAVEAT = ("Item-level intervals resample the evaluation items of one trained model each; they do not "
+               "cover training-seed variance (another seed can move a run by more than its item CI). Compare "
+               "configurations across seeds with the seed-level table.")
+
+
+def num(value: Any, fmt: str = ".3f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def run_table(rows: list[dict[str, Any]]) -> list[str]:
+    header = ["run", "state", "algorithm", "seed", "steps", "start acc", "final acc", "best acc (step)",
+              "format", "mean len", "truncated", "updates actual/attempted", "tokens generated", "wall time"]
+    lines = []
+    for r in rows:
+        best = f"{num(r.get('best_accuracy'))} ({r['best_step']})" if "best_step" in r else "-"
+        final = num(r.get("final_accuracy")) + (f" (step {r['final_step']})" if r.get("final_step") != r["steps"]
+                                                 and "final_step" in r else "")
+        updates = f"{r['actual_updates']}/{r['attempted_updates']}" if "actual_updates" in r else "-"
+        lines.append([r["run"], r["state"], r["algorithm"], str(r["seed"]), f"{r['steps_done']}/{r['steps'] or '-'}",
+                      num(r.get("start_accuracy")), final, best, num(r.get("format_rate")),
+                      num(r.get("completion_len"), ".1f"), num(r.get("truncation_rate")), updates,
+                      str(r.get("tokens_generated", "-")),
+                      format_seconds(r["wall_seconds"]) if "wall_seconds" in r else "-"])
+    return table(header, lines)
+
+
+def comparison_table(data: dict[str, Any]) -> list[str]:
+    header = ["run", "step", "items", "run acc", "baseline acc", "difference", "95% CI", "run only right",
+              "baseline only right", "McNemar p"]
+    rows, notes = [], []
+    for c in data["comparisons"]:
+        if "difference" not in c:
+            notes.append(f"- {c['run']}: {c['note']}")
+            continue
+        rows.append([c["run"], f"{c['step']} vs {c['baseline_step']}", str(c["items"]), num(c["accuracy"]),
+                     num(c["baseline_accuracy"]), num(c["difference"], "+.3f"),
+                     f"[{num(c['ci_low'], '+.3f')}, {num(c['ci_high'], '+.3f')}]", str(c["only_run_right"]),
+                     str(c["only_baseline_right"]), num(c["p_value"], ".3g")])
+        if c["unpaired_items"] or c["differing_prompts"]:
+            notes.append(f"- {c['run']}: {c['unpaired_items']} items evaluated by one run only and "
+                         f"{c['differing_prompts']} with a different prompt were left out of the pairing")
+    return (table(header, rows) if rows else []) + notes
+
+
+def factorial_section(f: dict[str, Any]) -> list[str]:
+    if "factors" not in f:
+        return [f["note"] + "."]
+    (fa, la), (fb, lb) = f["factors"].items()
+    lines = [f"Factors: {fa} ({' / '.join(la)}) x {fb} ({' / '.join(lb)}); cells: "
+             + "; ".join(f"{cell}: {', '.join(names) or 'none'}" for cell, names in f["cells"].items()) + "."]
+    if "note" in f:
+        return lines + ["", f["note"] + "."]
+    e = f["interaction"]
+    lines += ["", *table(["cell", "accuracy"], [[k, num(v)] for k, v in f["cell_accuracy"].items()]), "",
+              *table(["effect", "estimate", "95% CI"],
+                     [[k, num(v["estimate"], "+.3f"), f"[{num(v['low'], '+.3f')}, {num(v['high'], '+.3f')}]"]
+                      for k, v in f["simple_effects"].items()]
+                     + [[f"interaction ({fa} change at {fb} {lb[1]} minus at {fb} {lb[0]})",
+                         num(e["estimate"], "+.3f"), f"[{num(e['low'], '+.3f')}, {num(e['high'], '+.3f')}]"]]),
+              "", f"Paired over the {f['items']} items every cell's runs evaluated; a cell with several runs "
+                  "counts each item's mean correctness over them. An interaction CI that excludes 0 says the two "
+                  "changes do not simply add up."]
+    return lines
+
+
+def seed_section(groups: list[dict[str, Any]]) -> list[str]:
+    rows = [[", ".join(g["runs"]), ", ".join(map(str, g["seeds"])), ", ".join(num(a) for a in g["final_accuracy"]),
+             num(g["mean"]), num(g["std"]), f"[{num(g['ci_low'])}, {num(g['ci_high'])}]"] for g in groups]
+    return table(["runs (same settings)", "seeds", "final acc", "mean", "std", "seed-level 95% CI"], rows) + [
+        "", "The seed-level CI resamples training seeds; with few seeds it is wide and itself uncertain."]
+
+
+def pass_section(curves: dict[str, dict[int, dict[int, float]]]) -> list[str]:
+    lines = []
+    for name, by_step in curves.items():
+        ks = sorted({k for c in by_step.values() for k in c})
+        lines += [f"**{name}**", "", *table(["step", *[f"pass@{k}" for k in ks]],
+                                            [[str(s), *[num(c.get(k)) for k in ks]] for s, c in by_step.items()]), ""]
+    return lines
+
+
+def failure_section(failures: dict[str, dict[str, list[dict[str, Any]]]], limit: int = 600) -> list[str]:
+    lines = []
+    for name, kinds in failures.items():
+        lines.append(f"**{name}**")
+        for kind, records in kinds.items():
+            for r in records:
+                text = r["completion"] if len(r["completion"]) <= limit else r["completion"][:limit] + " [...]"
+                lines += ["", f"- {kind}: item `{r['id']}`, gold `{r['gold']}`, extracted `{r['extracted']}`, "
+                              f"{r['length']} tokens", "", "  ```", *[f"  {t}" for t in text.splitlines() or [""]],
+                          "  ```"]
+        lines.append("")
+    return lines
+
+
+def render(data: dict[str, Any], figures: list[tuple[str, str]]) -> str:
+    """The whole report.md; ``figures`` are (title, file name in the report folder)."""
+    out = [f"# Report: {data['title']}", "",
+           f"Intervals: percentile bootstrap, {data['resamples']:,} resamples, seed {data['seed']}; p-values: exact "
+           "McNemar (two-sided binomial test on the discordant items).", ""]
+    unfinished = [r for r in data["runs"] if r["state"] != "completed"]
+    if unfinished:
+        out += ["Not complete: " + "; ".join(f"{r['run']} is {r['state']}" + (f" ({r['reason']})" if r["reason"] else "")
+                                             for r in unfinished) + ". Their numbers are those of what exists.", ""]
+    out += ["## Runs", "", *run_table(data["runs"]), "",
+            "Accuracy is greedy validation accuracy; format, mean length and truncation are of the final evaluation.",
+            "", f"## Paired comparisons against {data['baseline']}", "",
+            "Each run's last evaluation against the baseline's, item by item on the items both evaluated.", "",
+            *comparison_table(data), "", SEED_CAVEAT, ""]
+    if data["factorial"]:
+        out += ["## 2x2 interaction", "", *factorial_section(data["factorial"]), ""]
+    if data["seed_groups"]:
+        out += ["## Across training seeds", "", *seed_section(data["seed_groups"]), ""]
+    if data["pass_at_k"]:
+        out += ["## pass@k (sampled, unbiased estimator)", "", *pass_section(data["pass_at_k"])]
+    out += ["## Figures", ""] + [line for title, name in figures for line in (f"![{title}]({name})", "")]
+    if data["failures"]:
+        out += ["## Failure examples (last evaluation)", "", *failure_section(data["failures"])]
+    return "\n".join(out).rstrip() + "\n"

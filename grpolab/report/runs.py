@@ -1,0 +1,172 @@
+"""What a report reads: the runs of a suite directory (or one run directory, or a folder of them), with
+their state, config, metrics and per-item evaluation records, whatever stage they reached."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from grpolab.rundir import eval_record_steps, eval_records_path
+from grpolab.suite.manifest import MANIFEST, SuiteManifest
+
+
+NOT_TRAINING = ("seed", "output_dir", "eval", "checkpoint", "log", "log_every", "threads")
+
+
+class ReportError(ValueError):
+    """The directory holds nothing a report can be made of."""
+
+
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of ``path`` (a torn last line of a run still writing is skipped)."""
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+@dataclass
+class Run:
+    """One run as found on disk. ``state``: completed, running, failed, stopped, queued or incomplete
+    (a run directory without summary.json outside a suite); ``reason`` says why it did not complete."""
+
+    name: str
+    path: Path
+    state: str
+    reason: str | None = None
+    factors: dict[str, str] = field(default_factory=dict)
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        path = self.path / "config.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    @cached_property
+    def metrics(self) -> list[dict[str, Any]]:
+        return _json_lines(self.path / "metrics.jsonl")
+
+    @cached_property
+    def summary(self) -> dict[str, Any] | None:
+        path = self.path / "summary.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    @property
+    def train(self) -> list[dict[str, Any]]:
+        """Training records (one per step), in order."""
+        return [r for r in self.metrics if "reward_mean" in r]
+
+    @property
+    def evals(self) -> list[dict[str, Any]]:
+        """Validation records (``val/...``), in order of step."""
+        return sorted((r for r in self.metrics if "val/accuracy" in r), key=lambda r: r["step"])
+
+    @property
+    def eval_steps(self) -> list[int]:
+        """Steps with per-item records."""
+        return eval_record_steps(self.path) if (self.path / "eval").is_dir() else []
+
+    def records(self, step: int) -> list[dict[str, Any]]:
+        return _json_lines(eval_records_path(self.path, step))
+
+    @property
+    def seed(self) -> int | None:
+        return self.config.get("seed")
+
+    @property
+    def algorithm(self) -> str:
+        return self.config.get("algorithm", {}).get("name", "?")
+
+    @property
+    def total_steps(self) -> int | None:
+        return self.config.get("steps")
+
+    def setting_key(self) -> str:
+        """The settings that decide training (the config less seed, output directory, evaluation, checkpoint,
+        logging and threads): runs with equal keys differ only in their training seed."""
+        settings = {k: v for k, v in self.config.items() if k not in NOT_TRAINING}
+        return json.dumps(settings, sort_keys=True)
+
+
+def _suite_runs(root: Path) -> list[Run]:
+    manifest = SuiteManifest.load(root)
+    return [Run(r.name, Path(r.run_dir), r.state, r.reason, dict(r.factors)) for r in manifest.runs]
+
+
+def _plain_run(path: Path) -> Run:
+    state, reason = ("completed", None) if (path / "summary.json").is_file() else \
+        ("incomplete", "no summary.json: still running, stopped or failed")
+    return Run(path.name, path, state, reason)
+
+
+def find_runs(directory: Path) -> tuple[str, list[Run]]:
+    """(title, runs) of a suite directory, a run directory or a folder of run directories."""
+    directory = Path(directory)
+    if (directory / MANIFEST).is_file():
+        return f"suite {SuiteManifest.load(directory).suite}", _suite_runs(directory)
+    if (directory / "config.json").is_file():
+        return f"run {directory.name}", [_plain_run(directory)]
+    runs = [_plain_run(p) for p in sorted(directory.iterdir()) if (p / "config.json").is_file()] \
+        if directory.is_dir() else []
+    if not runs:
+        raise ReportError(f"{directory}: not a suite directory ({MANIFEST}), a run directory (config.json) "
+                          "or a folder of run directories")
+    return f"runs in {directory.name}", runs
+
+
+@dataclass(frozen=True)
+class Outcomes:
+    """One run's per-item outcomes at one evaluation step: ids and prompt hashes [items]; correct,
+    format_ok, truncated as 0/1 arrays [items]."""
+
+    step: int
+    ids: list[str]
+    prompt_hashes: list[str]
+    correct: np.ndarray
+    records: list[dict[str, Any]]
+
+
+def outcomes(run: Run, step: int | None = None) -> Outcomes | None:
+    """The records of ``step`` (default the run's last evaluation), or None when there are none."""
+    steps = run.eval_steps
+    if not steps:
+        return None
+    step = steps[-1] if step is None else step
+    records = run.records(step)
+    return Outcomes(step, [r["id"] for r in records], [r["prompt_sha256"] for r in records],
+                    np.array([bool(r["correct"]) for r in records], dtype=np.float64), records)
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Two runs' outcomes on their shared items [shared], and what could not be paired."""
+
+    a: np.ndarray
+    b: np.ndarray
+    shared: int
+    only_one: int       # items evaluated in one run only
+    differing: int      # same id, different prompt: not the same item, left out
+
+
+def pair(a: Outcomes, b: Outcomes) -> Paired:
+    """Align two runs' outcomes by item id, keeping the items whose prompt hashes agree."""
+    b_at = {i: k for k, i in enumerate(b.ids)}
+    keep_a, keep_b, differing = [], [], 0
+    for k, item in enumerate(a.ids):
+        j = b_at.get(item)
+        if j is None:
+            continue
+        if a.prompt_hashes[k] != b.prompt_hashes[j]:
+            differing += 1
+            continue
+        keep_a.append(k)
+        keep_b.append(j)
+    only_one = len(a.ids) + len(b.ids) - 2 * (len(keep_a) + differing)
+    return Paired(a.correct[keep_a], b.correct[keep_b], len(keep_a), only_one, differing)
