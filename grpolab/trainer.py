@@ -323,7 +323,8 @@ class Trainer:
         table.add_row("updates (actual/attempted)", "", f"{self.updates['actual']}/{self.updates['attempted']}")
         self.console.print(table)
         self.reporter.line(f"done in {format_seconds(seconds)}. Run directory {self.run_dir}: summary.json, "
-                           f"metrics.jsonl, manifest.json; final checkpoint {summary['final_checkpoint']}")
+                           f"metrics.jsonl, eval/ (per-item records), manifest.json; final checkpoint "
+                           f"{summary['final_checkpoint']}; figures and CIs: grpolab report {self.run_dir}")
         return summary
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ figures are real PNGs, unfinished runs are reported as such, and bad input is on
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from math import comb
 from pathlib import Path
@@ -86,6 +87,7 @@ def test_report_numbers_equal_the_metrics_and_records(runs):
     comparisons = md_table(text, "run | step")
     data = json.loads((runs / "report" / "report.json").read_text())
     base = {r["id"]: r["correct"] for r in records(runs / "a", 4)}
+    p_values = {}
     for name in "bcde":
         mine = {r["id"]: r["correct"] for r in records(runs / name, 4)}
         a, b = np.array([mine[i] for i in base], float), np.array([base[i] for i in base], float)
@@ -94,8 +96,13 @@ def test_report_numbers_equal_the_metrics_and_records(runs):
         assert row[1:6] == ["4 vs 4", str(len(base)), f"{a.mean():.3f}", f"{b.mean():.3f}", f"{a.mean() - b.mean():+.3f}"]
         assert row[7:9] == [str(only_run), str(only_base)]
         assert row[9] == f"{mcnemar_reference(only_run, only_base):.3g}"
+        p_values[name] = mcnemar_reference(only_run, only_base)
         c = next(c for c in data["comparisons"] if c["run"] == name)
         assert row[6] == f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]" and c["ci_low"] <= c["difference"] <= c["ci_high"]
+    # Holm: the k-th smallest of m p-values times (m - k + 1), made non-decreasing, capped at 1
+    ranked = sorted(p_values, key=p_values.get)
+    holm_p = {n: min(1.0, max((4 - j) * p_values[ranked[j]] for j in range(ranked.index(n) + 1))) for n in ranked}
+    assert {n: comparisons[n][10] for n in "bcde"} == {n: f"{holm_p[n]:.3g}" for n in "bcde"}
     assert "do not cover training-seed variance" in text
 
 
@@ -144,9 +151,10 @@ def suite_dir(runs: Path, root: Path) -> Path:
     record = dict(config_file="x", config_sha256="x")
     manifest = SuiteManifest(suite="fixture", source_file="x", runs=[
         *[RunRecord(name=n, run_dir=str(runs / n), state="completed", factors=RUNS[n][3], **record) for n in "abcd"],
-        RunRecord(name="e", run_dir=str(root / "e"), state="running", factors=RUNS["e"][3], **record),
+        RunRecord(name="e", run_dir=str(root / "e"), state="running", pid=os.getpid(), factors=RUNS["e"][3], **record),
         RunRecord(name="f", run_dir=str(root / "f"), state="failed", reason="error: out of memory", **record),
-        RunRecord(name="g", run_dir=str(root / "g"), **record)])
+        RunRecord(name="g", run_dir=str(root / "g"), **record),
+        RunRecord(name="h", run_dir=str(root / "h"), state="running", pid=None, **record)])
     manifest.save(root)
     return root
 
@@ -156,6 +164,7 @@ def test_a_suite_with_running_failed_and_queued_runs_is_reported_as_such(runs, t
     assert main(["report", str(root)]) == 0
     text = (root / "report" / "report.md").read_text()
     assert "e is running" in text and "f is failed (error: out of memory)" in text and "g is queued" in text
+    assert "h is running (process gone: suite resume)" in text
     table = md_table(text, "run")
     assert table["e"][4] == "3/4" and table["e"][6] == f"{np.mean([r['correct'] for r in records(root / 'e', 2)]):.3f} (step 2)"
     assert table["f"][4] == "0/-" or table["f"][5:8] == ["-", "-", "-"]

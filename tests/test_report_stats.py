@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from grpolab.report.stats import (
     contrast_bootstrap,
+    holm,
     interaction,
     mcnemar_exact,
     mean_interval,
@@ -133,3 +134,22 @@ def test_intervals_hold_their_estimate_and_p_values_are_probabilities(pairs, see
     got = contrast_bootstrap([a, b], (1.0, -1.0), resamples=10_000, seed=seed)
     assert -1.0 <= got.low <= got.estimate + 1e-12 and got.estimate - 1e-12 <= got.high <= 1.0
     assert 0.0 <= mcnemar_exact(a, b).p_value <= 1.0
+
+
+def holm_rejects(p_values: list[float], alpha: float) -> set[int]:
+    """Holm's step-down procedure: walk the p-values from the smallest; reject while (m - i) * p_(i) <= alpha."""
+    rejected = set()
+    for i, k in enumerate(sorted(range(len(p_values)), key=lambda k: p_values[k])):
+        if p_values[k] * (len(p_values) - i) > alpha:
+            break
+        rejected.add(k)
+    return rejected
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=12))
+def test_holm_adjusted_p_values_reject_exactly_as_the_step_down_procedure(p_values):
+    adjusted = holm(p_values)
+    assert all(a >= p for a, p in zip(adjusted, p_values)) and max(adjusted) <= 1.0
+    for alpha in (0.01, 0.05, 0.1, 0.3):
+        assert {k for k, a in enumerate(adjusted) if a <= alpha} == holm_rejects(p_values, alpha)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
 from conftest import TASK, quick_config
@@ -41,7 +42,7 @@ def uninterrupted(warm_model_dir, tmp_path_factory):
 def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(warm_model_dir, uninterrupted,
                                                                                 tmp_path, monkeypatch):
     run = tmp_path / "run"
-    cfg = quick_config(warm_model_dir, run, **OVERRIDES)
+    cfg = quick_config(warm_model_dir, run, **OVERRIDES, **{"log.tensorboard": True})
     original = Trainer.train_step
 
     def die_at_step_4(self, step, *args):
@@ -67,6 +68,12 @@ def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(w
         name = f"eval/step_{step:06d}.jsonl"
         assert (run / name).read_text() == (uninterrupted / name).read_text()
     assert (run / "eval" / "discarded" / "step_000004.jsonl").read_text() == "stale\n"
+    events = EventAccumulator(str(run / "tensorboard"))  # step 3, logged twice, shows once: the resumed one
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("reward_mean")}
+    assert logged == pytest.approx({r["step"]: r["reward_mean"] for r in read_metrics(run / "metrics.jsonl")
+                                    if "reward_mean" in r}, rel=1e-6)
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3, 4]
     discarded = (run / "metrics.discarded.jsonl").read_text().splitlines()
     assert len(discarded) == 2 and json.loads(discarded[0])["step"] == 3  # redone, kept aside
     for (name, a), (_, b) in zip(final_weights(run).items(), final_weights(uninterrupted).items()):

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from grpolab.report.runs import Outcomes, Run, outcomes, pair
-from grpolab.report.stats import interaction, mcnemar_exact, pass_at_k_curve, paired_difference, seed_summary
+from grpolab.report.stats import holm, interaction, mcnemar_exact, pass_at_k_curve, paired_difference, seed_summary
 
 FAILURE_KINDS = {
     "wrong answer": lambda r: r["format_ok"] and not r["correct"],
@@ -151,10 +151,14 @@ def analyse(title: str, runs: list[Run], baseline: str | None, resamples: int, s
     if baseline is not None and baseline not in names:
         raise ValueError(f"--baseline {baseline!r} is not a run here; runs: {', '.join(names)}")
     base = next(r for r in runs if r.name == (baseline or names[0]))
+    comparisons = [comparison(r, base, resamples, seed) for r in runs if r is not base]
+    tested = [c for c in comparisons if "p_value" in c]
+    for c, adjusted in zip(tested, holm([c["p_value"] for c in tested])):
+        c["p_holm"] = adjusted
     return {
         "title": title, "resamples": resamples, "seed": seed, "baseline": base.name,
         "runs": [run_row(r) for r in runs],
-        "comparisons": [comparison(r, base, resamples, seed) for r in runs if r is not base],
+        "comparisons": comparisons,
         "factorial": factorial(runs, resamples, seed),
         "seed_groups": seed_groups(runs, resamples, seed),
         "pass_at_k": {r.name: curves for r in runs if (curves := pass_curves(r))},

@@ -38,7 +38,7 @@ def run_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def comparison_table(data: dict[str, Any]) -> list[str]:
     header = ["run", "step", "items", "run acc", "baseline acc", "difference", "95% CI", "run only right",
-              "baseline only right", "McNemar p"]
+              "baseline only right", "McNemar p", "Holm p"]
     rows, notes = [], []
     for c in data["comparisons"]:
         if "difference" not in c:
@@ -47,7 +47,7 @@ def comparison_table(data: dict[str, Any]) -> list[str]:
         rows.append([c["run"], f"{c['step']} vs {c['baseline_step']}", str(c["items"]), num(c["accuracy"]),
                      num(c["baseline_accuracy"]), num(c["difference"], "+.3f"),
                      f"[{num(c['ci_low'], '+.3f')}, {num(c['ci_high'], '+.3f')}]", str(c["only_run_right"]),
-                     str(c["only_baseline_right"]), num(c["p_value"], ".3g")])
+                     str(c["only_baseline_right"]), num(c["p_value"], ".3g"), num(c["p_holm"], ".3g")])
         if c["unpaired_items"] or c["differing_prompts"]:
             notes.append(f"- {c['run']}: {c['unpaired_items']} items evaluated by one run only and "
                          f"{c['differing_prompts']} with a different prompt were left out of the pairing")
@@ -109,7 +109,8 @@ def render(data: dict[str, Any], figures: list[tuple[str, str]]) -> str:
     """The whole report.md; ``figures`` are (title, file name in the report folder)."""
     out = [f"# Report: {data['title']}", "",
            f"Intervals: percentile bootstrap, {data['resamples']:,} resamples, seed {data['seed']}; p-values: exact "
-           "McNemar (two-sided binomial test on the discordant items).", ""]
+           "McNemar (two-sided binomial test on the discordant items), and Holm-adjusted over the comparisons "
+           "with the baseline (family-wise error).", ""]
     unfinished = [r for r in data["runs"] if r["state"] != "completed"]
     if unfinished:
         out += ["Not complete: " + "; ".join(f"{r['run']} is {r['state']}" + (f" ({r['reason']})" if r["reason"] else "")

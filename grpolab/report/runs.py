@@ -96,8 +96,12 @@ class Run:
 
 
 def _suite_runs(root: Path) -> list[Run]:
+    from grpolab.suite.runner import pid_alive
+
     manifest = SuiteManifest.load(root)
-    return [Run(r.name, Path(r.run_dir), r.state, r.reason, dict(r.factors)) for r in manifest.runs]
+    return [Run(r.name, Path(r.run_dir), "running (process gone: suite resume)"
+                if r.state == "running" and not pid_alive(r.pid) else r.state, r.reason, dict(r.factors))
+            for r in manifest.runs]
 
 
 def _plain_run(path: Path) -> Run:

@@ -109,3 +109,15 @@ def pass_at_k_curve(n: int, correct: list[int]) -> dict[int, float]:
     up to n, n included."""
     ks = sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n})
     return {k: float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks}
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values, in the input order: the k-th smallest p becomes
+    max over j <= k of min(1, (m - j + 1) * p_(j)), so adjusted p <= alpha exactly when Holm's step-down
+    procedure rejects at family-wise error rate alpha."""
+    m = len(p_values)
+    order = np.argsort(p_values, kind="stable")
+    adjusted = np.minimum(1.0, np.maximum.accumulate((m - np.arange(m)) * np.asarray(p_values, dtype=float)[order]))
+    out = np.empty(m)
+    out[order] = adjusted
+    return [float(p) for p in out]
