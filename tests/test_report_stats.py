@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy import stats as scipy_stats
 
 from grpolab.report.stats import (
     contrast_bootstrap,
@@ -68,6 +69,9 @@ def test_mean_interval_and_seed_summary_match_the_definition():
     assert s.std == pytest.approx((sum((v - s.mean) ** 2 for v in values) / 3) ** 0.5)
     low, high = bootstrap_reference(np.array(values))
     assert s.interval.low == pytest.approx(low, abs=MC_TOLERANCE) and s.interval.high == pytest.approx(high, abs=MC_TOLERANCE)
+    half = scipy_stats.t.ppf(0.975, df=3) * s.std / 4 ** 0.5  # mean +- t_{0.975, n-1} * s / sqrt(n)
+    assert (s.t_low, s.t_high) == pytest.approx((s.mean - half, s.mean + half), abs=1e-12)
+    assert s.t_low < s.interval.low and s.t_high > s.interval.high  # with 4 seeds the bootstrap is the narrower
 
 
 def test_interaction_is_the_per_item_double_difference_with_its_bootstrap():

@@ -123,7 +123,8 @@ def seed_groups(runs: list[Run], resamples: int, seed: int) -> list[dict[str, An
         summary = seed_summary(finals, resamples, seed)
         out.append({"runs": [r.name for r in members], "seeds": [r.seed for r in members], "final_accuracy": finals,
                     "steps": [r.evals[-1]["step"] for r in members], "mean": summary.mean, "std": summary.std,
-                    "ci_low": summary.interval.low, "ci_high": summary.interval.high})
+                    "ci_low": summary.interval.low, "ci_high": summary.interval.high,
+                    "t_low": summary.t_low, "t_high": summary.t_high})
     return out
 
 

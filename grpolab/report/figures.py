@@ -50,10 +50,20 @@ def _points(records: list[dict[str, Any]], value: Series) -> tuple[list[int], li
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def run_styles(runs: list[Run]) -> dict[str, dict[str, Any]]:
+    """A colour and line style per run, the same in every figure (10 colours, then dashed, then dotted)."""
+    colours = plt.get_cmap("tab10").colors
+    return {run.name: {"color": colours[i % 10], "linestyle": ("-", "--", ":")[i // 10 % 3]}
+            for i, run in enumerate(runs)}
+
+
+def _legend(ax) -> None:
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+
+
 def _save(fig, out_dir: Path, stem: str) -> str:
     name = f"{stem}.png"
-    fig.tight_layout()
-    fig.savefig(out_dir / name, dpi=110)
+    fig.savefig(out_dir / name, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return name
 
@@ -66,7 +76,7 @@ def _new(title: str, xlabel: str = "step"):
     return fig, ax
 
 
-def metric_curves(runs: list[Run], out_dir: Path) -> list[tuple[str, str]]:
+def metric_curves(runs: list[Run], out_dir: Path, styles: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
     """One figure per metric that some run logged; [(title, file name)]."""
     made = []
     for stem, title, kind, value in CURVES:
@@ -76,13 +86,14 @@ def metric_curves(runs: list[Run], out_dir: Path) -> list[tuple[str, str]]:
         fig, ax = _new(title)
         for name, steps, values in series:
             if steps:
-                ax.plot(steps, values, label=name, linewidth=1.2)
-        ax.legend(fontsize=7, ncol=2)
+                ax.plot(steps, values, label=name, linewidth=1.2, **styles[name])
+        _legend(ax)
         made.append((title, _save(fig, out_dir, stem)))
     return made
 
 
-def accuracy_curve(runs: list[Run], out_dir: Path, resamples: int, seed: int) -> tuple[str, str] | None:
+def accuracy_curve(runs: list[Run], out_dir: Path, resamples: int, seed: int,
+                   styles: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
     """Validation accuracy against step, each point with its item-bootstrap 95% band."""
     fig, ax = _new("validation accuracy (greedy) with item-bootstrap 95% band")
     drawn = False
@@ -91,18 +102,20 @@ def accuracy_curve(runs: list[Run], out_dir: Path, resamples: int, seed: int) ->
         if not steps:
             continue
         bands = [mean_interval([float(r["correct"]) for r in run.records(s)], resamples, seed) for s in steps]
-        line, = ax.plot(steps, [b.estimate for b in bands], marker="o", markersize=3, linewidth=1.2, label=run.name)
-        ax.fill_between(steps, [b.low for b in bands], [b.high for b in bands], color=line.get_color(), alpha=0.15)
+        ax.plot(steps, [b.estimate for b in bands], marker="o", markersize=3, linewidth=1.2, label=run.name,
+                **styles[run.name])
+        ax.fill_between(steps, [b.low for b in bands], [b.high for b in bands], color=styles[run.name]["color"],
+                        alpha=0.12)
         drawn = True
     if not drawn:
         plt.close(fig)
         return None
     ax.set_ylim(-0.02, 1.02)
-    ax.legend(fontsize=7, ncol=2)
+    _legend(ax)
     return "validation accuracy", _save(fig, out_dir, "val_accuracy")
 
 
-def phase_seconds(runs: list[Run], out_dir: Path) -> tuple[str, str] | None:
+def phase_seconds(runs: list[Run], out_dir: Path, styles: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
     """Seconds per phase (generate, reward, train, sync) against step, one panel per phase."""
     if not any(run.train for run in runs):
         return None
@@ -113,8 +126,8 @@ def phase_seconds(runs: list[Run], out_dir: Path) -> tuple[str, str] | None:
         for run in runs:
             steps, values = _points(run.train, _key(key))
             if steps:
-                ax.plot(steps, values, label=run.name, linewidth=1)
-    axes.flat[0].legend(fontsize=6, ncol=2)
+                ax.plot(steps, values, label=run.name, linewidth=1, **styles[run.name])
+    axes.flat[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     for ax in axes[1]:
         ax.set_xlabel("step")
     return "seconds per phase", _save(fig, out_dir, "phase_seconds")
@@ -128,7 +141,7 @@ def pass_at_k_figure(curves: dict[str, dict[int, dict[int, float]]], out_dir: Pa
         for step, curve in by_step.items():
             ax.plot(list(curve), list(curve.values()), marker="o", markersize=3, label=f"{name} step {step}")
     ax.set_xscale("log", base=2)
-    ax.legend(fontsize=7)
+    _legend(ax)
     return "pass@k", _save(fig, out_dir, "pass_at_k")
 
 
@@ -150,8 +163,9 @@ def differences_figure(comparisons: list[dict[str, Any]], baseline: str, out_dir
 
 
 def all_figures(runs: list[Run], data: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
+    styles = run_styles(runs)
     made = [differences_figure(data["comparisons"], data["baseline"], out_dir),
-            accuracy_curve(runs, out_dir, data["resamples"], data["seed"]),
-            *metric_curves(runs, out_dir), phase_seconds(runs, out_dir),
+            accuracy_curve(runs, out_dir, data["resamples"], data["seed"], styles),
+            *metric_curves(runs, out_dir, styles), phase_seconds(runs, out_dir, styles),
             pass_at_k_figure(data["pass_at_k"], out_dir)]
     return [m for m in made if m is not None]

@@ -43,11 +43,14 @@ class Run:
     state: str
     reason: str | None = None
     factors: dict[str, str] = field(default_factory=dict)
+    config_file: Path | None = None  # a suite's copy of the config, for runs that have not started
 
     @cached_property
     def config(self) -> dict[str, Any]:
-        path = self.path / "config.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+        for path in (self.path / "config.json", self.config_file):
+            if path is not None and path.is_file():
+                return json.loads(path.read_text())
+        return {}
 
     @cached_property
     def metrics(self) -> list[dict[str, Any]]:
@@ -100,8 +103,8 @@ def _suite_runs(root: Path) -> list[Run]:
 
     manifest = SuiteManifest.load(root)
     return [Run(r.name, Path(r.run_dir), "running (process gone: suite resume)"
-                if r.state == "running" and not pid_alive(r.pid) else r.state, r.reason, dict(r.factors))
-            for r in manifest.runs]
+                if r.state == "running" and not pid_alive(r.pid) else r.state, r.reason, dict(r.factors),
+                Path(r.config_file)) for r in manifest.runs]
 
 
 def _plain_run(path: Path) -> Run:

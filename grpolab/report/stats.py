@@ -90,18 +90,26 @@ def mcnemar_exact(a: np.ndarray, b: np.ndarray) -> McNemar:
 
 @dataclass(frozen=True)
 class SeedSummary:
-    """Across training seeds: mean, sample std (ddof 1) and a bootstrap CI over the seeds."""
+    """Across training seeds: mean, sample std (ddof 1), a bootstrap CI over the seeds (never wider than
+    their range, so it understates the uncertainty of a few seeds) and a Student-t CI (normal seeds)."""
 
     n: int
     mean: float
     std: float
     interval: Interval
+    t_low: float
+    t_high: float
 
 
 def seed_summary(values: list[float], resamples: int = RESAMPLES, seed: int = 0) -> SeedSummary:
     """``values``: one final metric per training seed (>= 2)."""
     x = np.asarray(values, dtype=np.float64)
-    return SeedSummary(len(x), float(x.mean()), float(x.std(ddof=1)), mean_interval(x, resamples, seed))
+    mean, std = float(x.mean()), float(x.std(ddof=1))
+    if std == 0.0:
+        t_low = t_high = mean
+    else:
+        t_low, t_high = stats.t.interval(CONFIDENCE, len(x) - 1, loc=mean, scale=std / np.sqrt(len(x)))
+    return SeedSummary(len(x), mean, std, mean_interval(x, resamples, seed), float(t_low), float(t_high))
 
 
 def pass_at_k_curve(n: int, correct: list[int]) -> dict[int, float]:
