@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 from matplotlib import image
 
-from conftest import quick_config
+from conftest import TASK, quick_config
 from grpolab.cli import main
 from grpolab.report.markdown import num
 from grpolab.rundir import read_metrics
 from grpolab.suite.manifest import RunRecord, SuiteManifest
+from grpolab.tasks import make_task
 from grpolab.trainer import train
 
 # name -> (algorithm, seed, overrides, factors)
@@ -118,9 +119,11 @@ def test_seed_groups_pass_at_k_and_failures_come_from_the_records(runs):
     counts = [r["pass_correct"] for r in records(runs / "a", 4)]
     assert curves["4"]["1"] == pytest.approx(np.mean(counts) / 4)
     assert curves["4"]["4"] == pytest.approx(np.mean([c > 0 for c in counts]))
+    questions = {e.id: e.question for e in make_task("arithmetic", **TASK).validation_examples()}
     for name, kinds in data["failures"].items():
         last = {r["id"]: r for r in records(runs / name, 4)}
         for record in kinds["wrong answer"]:
+            assert record.pop("question") == questions[record["id"]]
             assert last[record["id"]] == record and record["format_ok"] and not record["correct"]
 
 

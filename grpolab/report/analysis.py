@@ -65,12 +65,9 @@ def comparison(run: Run, base: Run, resamples: int, seed: int) -> dict[str, Any]
 
 def align(all_outcomes: list[Outcomes]) -> np.ndarray:
     """Correctness [runs, items] over the items every run evaluated with the same prompt."""
-    first = all_outcomes[0]
-    common = [k for k, item in enumerate(first.ids)
-              if all(item in o.ids and o.prompt_hashes[o.ids.index(item)] == first.prompt_hashes[k]
-                     for o in all_outcomes[1:])]
-    ids = [first.ids[k] for k in common]
-    return np.array([[o.correct[o.ids.index(i)] for i in ids] for o in all_outcomes]).reshape(len(all_outcomes), len(ids))
+    by_id = [dict(zip(o.ids, zip(o.prompt_hashes, o.correct))) for o in all_outcomes]
+    ids = [i for i in all_outcomes[0].ids if all(i in m and m[i][0] == by_id[0][i][0] for m in by_id[1:])]
+    return np.array([[m[i][1] for i in ids] for m in by_id]).reshape(len(by_id), len(ids))
 
 
 def factorial(runs: list[Run], resamples: int, seed: int) -> dict[str, Any] | None:
@@ -143,7 +140,9 @@ def failures(run: Run, per_kind: int = 2) -> dict[str, list[dict[str, Any]]]:
     found = outcomes(run)
     if found is None:
         return {}
-    return {kind: [r for r in found.records if test(r)][:per_kind] for kind, test in FAILURE_KINDS.items()}
+    picked = {kind: [r for r in found.records if test(r)][:per_kind] for kind, test in FAILURE_KINDS.items()}
+    questions = run.questions() if any(picked.values()) else {}
+    return {kind: [{**r, "question": questions.get(r["id"])} for r in records] for kind, records in picked.items()}
 
 
 def analyse(title: str, runs: list[Run], baseline: str | None, resamples: int, seed: int) -> dict[str, Any]:

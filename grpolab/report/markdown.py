@@ -102,9 +102,10 @@ def failure_section(failures: dict[str, dict[str, list[dict[str, Any]]]], limit:
         for kind, records in kinds.items():
             for r in records:
                 text = r["completion"] if len(r["completion"]) <= limit else r["completion"][:limit] + " [...]"
-                lines += ["", f"- {kind}: item `{r['id']}`, gold `{r['gold']}`, extracted `{r['extracted']}`, "
-                              f"{r['length']} tokens", "", "  ```", *[f"  {t}" for t in text.splitlines() or [""]],
-                          "  ```"]
+                question = f" {r['question']!r}" if r.get("question") else ""
+                lines += ["", f"- {kind}: item `{r['id']}`{question}, gold `{r['gold']}`, extracted "
+                              f"`{r['extracted']}`, {r['length']} tokens", "", "  ```",
+                          *[f"  {t}" for t in text.splitlines() or [""]], "  ```"]
         lines.append("")
     return lines
 

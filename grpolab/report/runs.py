@@ -79,6 +79,17 @@ class Run:
     def records(self, step: int) -> list[dict[str, Any]]:
         return _json_lines(eval_records_path(self.path, step))
 
+    def questions(self) -> dict[str, str]:
+        """Validation questions by item id, rebuilt from the run's task settings ({} when its data cannot be
+        read any more): records keep the completion, not the question."""
+        from grpolab.tasks import make_task
+
+        settings = dict(self.config.get("task", {}))
+        try:
+            return {e.id: e.question for e in make_task(settings.pop("name"), **settings).validation_examples()}
+        except Exception:  # moved data or an older task version: examples are shown without their question
+            return {}
+
     @property
     def seed(self) -> int | None:
         return self.config.get("seed")
