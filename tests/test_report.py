@@ -100,6 +100,15 @@ def test_report_numbers_equal_the_metrics_and_records(runs):
         p_values[name] = mcnemar_reference(only_run, only_base)
         c = next(c for c in data["comparisons"] if c["run"] == name)
         assert row[6] == f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]" and c["ci_low"] <= c["difference"] <= c["ci_high"]
+    learned = md_table(text, "run | steps")  # each run's last evaluation against its start, paired
+    for name in RUNS:
+        start = {r["id"]: r["correct"] for r in records(runs / name, 0)}
+        end = {r["id"]: r["correct"] for r in records(runs / name, 4)}
+        gained, lost = sum(end[i] and not start[i] for i in start), sum(start[i] and not end[i] for i in start)
+        assert learned[name][1:6] == ["0 -> 4", str(len(start)), f"{np.mean(list(start.values())):.3f}",
+                                      f"{np.mean(list(end.values())):.3f}",
+                                      f"{np.mean(list(end.values())) - np.mean(list(start.values())):+.3f}"]
+        assert learned[name][7:] == [str(gained), str(lost), f"{mcnemar_reference(gained, lost):.3g}"]
     # Holm: the k-th smallest of m p-values times (m - k + 1), made non-decreasing, capped at 1
     ranked = sorted(p_values, key=p_values.get)
     holm_p = {n: min(1.0, max((4 - j) * p_values[ranked[j]] for j in range(ranked.index(n) + 1))) for n in ranked}

@@ -46,21 +46,37 @@ def run_row(run: Run) -> dict[str, Any]:
     return row
 
 
+def paired(a: Outcomes, b: Outcomes, resamples: int, seed: int) -> dict[str, Any]:
+    """Outcomes ``a`` against ``b`` on the items both evaluated: accuracies, difference a - b with its
+    paired bootstrap CI, discordant counts and the exact McNemar p-value."""
+    matched = pair(a, b)
+    out: dict[str, Any] = {"items": matched.shared, "unpaired_items": matched.only_one,
+                           "differing_prompts": matched.differing}
+    if matched.shared == 0:
+        return out | {"note": "no items in common: not the same evaluation set"}
+    diff = paired_difference(matched.a, matched.b, resamples, seed)
+    test = mcnemar_exact(matched.a, matched.b)
+    return out | {"accuracy": float(matched.a.mean()), "baseline_accuracy": float(matched.b.mean()),
+                  "difference": diff.estimate, "ci_low": diff.low, "ci_high": diff.high,
+                  "only_run_right": test.only_a, "only_baseline_right": test.only_b, "p_value": test.p_value}
+
+
 def comparison(run: Run, base: Run, resamples: int, seed: int) -> dict[str, Any]:
-    """``run`` against ``base`` at each one's last evaluation, paired over the items both evaluated."""
+    """``run`` against ``base`` at each one's last evaluation."""
     a, b = outcomes(run), outcomes(base)
     if a is None or b is None:
         return {"run": run.name, "note": "no evaluation records yet"}
-    paired = pair(a, b)
-    out: dict[str, Any] = {"run": run.name, "step": a.step, "baseline_step": b.step, "items": paired.shared,
-                           "unpaired_items": paired.only_one, "differing_prompts": paired.differing}
-    if paired.shared == 0:
-        return out | {"note": "no items in common: not the same evaluation set"}
-    diff = paired_difference(paired.a, paired.b, resamples, seed)
-    test = mcnemar_exact(paired.a, paired.b)
-    return out | {"accuracy": float(paired.a.mean()), "baseline_accuracy": float(paired.b.mean()),
-                  "difference": diff.estimate, "ci_low": diff.low, "ci_high": diff.high,
-                  "only_run_right": test.only_a, "only_baseline_right": test.only_b, "p_value": test.p_value}
+    return {"run": run.name, "step": a.step, "baseline_step": b.step, **paired(a, b, resamples, seed)}
+
+
+def learning(run: Run, resamples: int, seed: int) -> dict[str, Any] | None:
+    """The run's last evaluation against its first (the start model), on the same items: what training
+    changed, with its CI and p-value. None before a second evaluation."""
+    steps = run.eval_steps
+    if len(steps) < 2:
+        return None
+    start, last = outcomes(run, steps[0]), outcomes(run, steps[-1])
+    return {"run": run.name, "step": last.step, "baseline_step": start.step, **paired(last, start, resamples, seed)}
 
 
 def align(all_outcomes: list[Outcomes]) -> np.ndarray:
@@ -159,6 +175,7 @@ def analyse(title: str, runs: list[Run], baseline: str | None, resamples: int, s
         "title": title, "resamples": resamples, "seed": seed, "baseline": base.name,
         "runs": [run_row(r) for r in runs],
         "comparisons": comparisons,
+        "learning": [found for r in runs if (found := learning(r, resamples, seed))],
         "factorial": factorial(runs, resamples, seed),
         "seed_groups": seed_groups(runs, resamples, seed),
         "pass_at_k": {r.name: curves for r in runs if (curves := pass_curves(r))},

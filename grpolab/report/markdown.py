@@ -36,6 +36,16 @@ def run_table(rows: list[dict[str, Any]]) -> list[str]:
     return table(header, lines)
 
 
+def learning_table(rows: list[dict[str, Any]]) -> list[str]:
+    header = ["run", "steps", "items", "start acc", "final acc", "gain", "95% CI", "right only at the end",
+              "right only at the start", "McNemar p"]
+    return table(header, [[c["run"], f"{c['baseline_step']} -> {c['step']}", str(c["items"]),
+                           num(c["baseline_accuracy"]), num(c["accuracy"]), num(c["difference"], "+.3f"),
+                           f"[{num(c['ci_low'], '+.3f')}, {num(c['ci_high'], '+.3f')}]", str(c["only_run_right"]),
+                           str(c["only_baseline_right"]), num(c["p_value"], ".3g")]
+                          for c in rows if "difference" in c])
+
+
 def comparison_table(data: dict[str, Any]) -> list[str]:
     header = ["run", "step", "items", "run acc", "baseline acc", "difference", "95% CI", "run only right",
               "baseline only right", "McNemar p", "Holm p"]
@@ -122,9 +132,14 @@ def render(data: dict[str, Any], figures: list[tuple[str, str]]) -> str:
                                              for r in unfinished) + ". Their numbers are those of what exists.", ""]
     out += ["## Runs", "", *run_table(data["runs"]), "",
             "Accuracy is greedy validation accuracy; format, mean length and truncation are of the final evaluation.",
-            "", f"## Paired comparisons against {data['baseline']}", "",
-            "Each run's last evaluation against the baseline's, item by item on the items both evaluated.", "",
-            *comparison_table(data), "", SEED_CAVEAT, ""]
+            ""]
+    if data["learning"]:
+        out += ["## What training changed", "", "Each run's last evaluation against its first (the start model), "
+                "paired over the same items.", "", *learning_table(data["learning"]), ""]
+    if data["comparisons"]:
+        out += [f"## Paired comparisons against {data['baseline']}", "",
+                "Each run's last evaluation against the baseline's, item by item on the items both evaluated.", "",
+                *comparison_table(data), "", SEED_CAVEAT, ""]
     if data["factorial"]:
         out += ["## 2x2 interaction", "", *factorial_section(data["factorial"]), ""]
     if data["seed_groups"]:

@@ -112,10 +112,15 @@ class Run:
 def _suite_runs(root: Path) -> list[Run]:
     from grpolab.suite.runner import pid_alive
 
+    def here(path: str, kind: str, name: str) -> Path:
+        """The recorded path, or its place under ``root`` when the suite directory was moved."""
+        moved = root / kind / name
+        return moved if not Path(path).exists() and moved.exists() else Path(path)
+
     manifest = SuiteManifest.load(root)
-    return [Run(r.name, Path(r.run_dir), "running (process gone: suite resume)"
+    return [Run(r.name, here(r.run_dir, "runs", r.name), "running (process gone: suite resume)"
                 if r.state == "running" and not pid_alive(r.pid) else r.state, r.reason, dict(r.factors),
-                Path(r.config_file)) for r in manifest.runs]
+                here(r.config_file, "configs", f"{r.name}.json")) for r in manifest.runs]
 
 
 def _plain_run(path: Path) -> Run:
