@@ -15,6 +15,10 @@ def num(value: Any, fmt: str = ".3f") -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def ci(low: float, high: float, fmt: str = "+.3f") -> str:
+    return f"[{num(low, fmt)}, {num(high, fmt)}]"
+
+
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
@@ -41,7 +45,7 @@ def learning_table(rows: list[dict[str, Any]]) -> list[str]:
               "right only at the start", "McNemar p"]
     return table(header, [[c["run"], f"{c['baseline_step']} -> {c['step']}", str(c["items"]),
                            num(c["baseline_accuracy"]), num(c["accuracy"]), num(c["difference"], "+.3f"),
-                           f"[{num(c['ci_low'], '+.3f')}, {num(c['ci_high'], '+.3f')}]", str(c["only_run_right"]),
+                           ci(c["ci_low"], c["ci_high"]), str(c["only_run_right"]),
                            str(c["only_baseline_right"]), num(c["p_value"], ".3g")]
                           for c in rows if "difference" in c])
 
@@ -56,7 +60,7 @@ def comparison_table(data: dict[str, Any]) -> list[str]:
             continue
         rows.append([c["run"], f"{c['step']} vs {c['baseline_step']}", str(c["items"]), num(c["accuracy"]),
                      num(c["baseline_accuracy"]), num(c["difference"], "+.3f"),
-                     f"[{num(c['ci_low'], '+.3f')}, {num(c['ci_high'], '+.3f')}]", str(c["only_run_right"]),
+                     ci(c["ci_low"], c["ci_high"]), str(c["only_run_right"]),
                      str(c["only_baseline_right"]), num(c["p_value"], ".3g"), num(c["p_holm"], ".3g")])
         if c["unpaired_items"] or c["differing_prompts"]:
             notes.append(f"- {c['run']}: {c['unpaired_items']} items evaluated by one run only and "
@@ -75,10 +79,10 @@ def factorial_section(f: dict[str, Any]) -> list[str]:
     e = f["interaction"]
     lines += ["", *table(["cell", "accuracy"], [[k, num(v)] for k, v in f["cell_accuracy"].items()]), "",
               *table(["effect", "estimate", "95% CI"],
-                     [[k, num(v["estimate"], "+.3f"), f"[{num(v['low'], '+.3f')}, {num(v['high'], '+.3f')}]"]
+                     [[k, num(v["estimate"], "+.3f"), ci(v["low"], v["high"])]
                       for k, v in f["simple_effects"].items()]
                      + [[f"interaction ({fa} change at {fb} {lb[1]} minus at {fb} {lb[0]})",
-                         num(e["estimate"], "+.3f"), f"[{num(e['low'], '+.3f')}, {num(e['high'], '+.3f')}]"]]),
+                         num(e["estimate"], "+.3f"), ci(e["low"], e["high"])]]),
               "", f"Paired over the {f['items']} items every cell's runs evaluated; a cell with several runs "
                   "counts each item's mean correctness over them. An interaction CI that excludes 0 says the two "
                   "changes do not simply add up."]
@@ -87,8 +91,8 @@ def factorial_section(f: dict[str, Any]) -> list[str]:
 
 def seed_section(groups: list[dict[str, Any]]) -> list[str]:
     rows = [[", ".join(g["runs"]), ", ".join(map(str, g["seeds"])), ", ".join(num(a) for a in g["final_accuracy"]),
-             num(g["mean"]), num(g["std"]), f"[{num(g['ci_low'])}, {num(g['ci_high'])}]",
-             f"[{num(g['t_low'])}, {num(g['t_high'])}]"] for g in groups]
+             num(g["mean"]), num(g["std"]), ci(g["ci_low"], g["ci_high"], ".3f"),
+             ci(g["t_low"], g["t_high"], ".3f")] for g in groups]
     return table(["runs (same settings)", "seeds", "final acc", "mean", "std", "seed bootstrap 95% CI",
                   "Student-t 95% CI"], rows) + [
         "", "The seed bootstrap resamples the training seeds: it can never be wider than their range, so with a "
