@@ -157,15 +157,15 @@ def bench_command(args: argparse.Namespace, cfg, console: Console) -> None:
 def run_command(args: argparse.Namespace, extra: list[str], console: Console) -> int:
     from pathlib import Path
 
-    from transformers.utils import logging as hf_logging
-
+    if args.command in ("suite", "report", "compare"):  # no model here: a report loads neither torch nor transformers
+        if extra:
+            raise ValueError(f"unexpected arguments {' '.join(extra)}")
+        return suite_command(args, console) if args.command == "suite" else report_command(args, console)
     from grpolab.config import ConfigError, load_config, load_run_config
 
+    from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()
-    if args.command in ("suite", "report", "compare"):
-        if extra:
-            raise ConfigError(f"unexpected arguments {' '.join(extra)}")
-        return suite_command(args, console) if args.command == "suite" else report_command(args, console)
     resume = getattr(args, "resume", None)
     if resume and args.config:
         raise ConfigError("--resume takes the run's own config; drop --config")
@@ -221,9 +221,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         print_algorithms(console)
         return 0
-    from grpolab.losses import NonFiniteError
-    from grpolab.rollout.sync_check import WeightSyncError
-
     _Interrupts.received, _Interrupts.stop = False, StopRequest()
     previous = {sig: signal.signal(sig, _Interrupts.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -238,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         if _Interrupts.received:  # an engine process died of the same Ctrl-C
             console.print("[red]interrupted[/red]")
             return 130
+        from grpolab.losses import NonFiniteError  # here, so that report and compare never load torch
+        from grpolab.rollout.sync_check import WeightSyncError
+
         if not isinstance(err, (FileNotFoundError, FileExistsError, ValueError, NonFiniteError, WeightSyncError,
                                 NotADirectoryError)):
             raise

@@ -7,18 +7,11 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
-from math import comb
 from statistics import mean
 
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
+from grpolab.stats import pass_at_k
 from grpolab.tasks.base import Example, Task
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    return 1.0 - comb(n - c, k) / comb(n, k)
 
 
 def grade_completions(task: Task, examples: list[Example], completions: list[list[Completion]]):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
-from grpolab.report.stats import (
+from grpolab.stats import (
     contrast_bootstrap,
     holm,
     interaction,

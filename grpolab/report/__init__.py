@@ -1,7 +1,7 @@
 """``grpolab report DIR`` and ``grpolab compare RUN_A RUN_B``: results with paired confidence intervals.
 
-``runs`` finds what is on disk, ``stats`` holds the statistics (pure functions), ``analysis`` turns
-the runs into numbers, ``markdown`` and ``figures`` render them into DIR/report/.
+``runs`` finds what is on disk, ``analysis`` turns the runs into numbers with ``grpolab.stats``,
+``markdown`` and ``figures`` render them into DIR/report/.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from grpolab.progress import Reporter
 from grpolab.report.analysis import analyse, comparison
 from grpolab.report.runs import ReportError, Run, find_runs
-from grpolab.report.stats import RESAMPLES
+from grpolab.stats import RESAMPLES
 
 REPORT_DIR = "report"
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from grpolab.report.runs import Outcomes, Run, outcomes, pair
-from grpolab.report.stats import holm, interaction, mcnemar_exact, pass_at_k_curve, paired_difference, seed_summary
+from grpolab.stats import holm, interaction, mcnemar_exact, pass_at_k_curve, paired_difference, seed_summary
 
 FAILURE_KINDS = {
     "wrong answer": lambda r: r["format_ok"] and not r["correct"],

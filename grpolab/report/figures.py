@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the headless backend is chosen)
 
 from grpolab.report.runs import Run  # noqa: E402
-from grpolab.report.stats import mean_interval  # noqa: E402
+from grpolab.stats import mean_interval  # noqa: E402
 
 Series = Callable[[dict[str, Any]], float | None]
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from grpolab.rundir import eval_record_steps, eval_records_path
-from grpolab.suite.manifest import MANIFEST, SuiteManifest
+from grpolab.suite.manifest import MANIFEST, SuiteManifest, pid_alive
 
 
 NOT_TRAINING = ("seed", "output_dir", "eval", "checkpoint", "log", "log_every", "threads")
@@ -110,8 +110,6 @@ class Run:
 
 
 def _suite_runs(root: Path) -> list[Run]:
-    from grpolab.suite.runner import pid_alive
-
     def here(path: str, kind: str, name: str) -> Path:
         """The recorded path, or its place under ``root`` when the suite directory was moved."""
         moved = root / kind / name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -13,6 +14,18 @@ from grpolab.rundir import write_json
 
 MANIFEST = "suite_manifest.json"
 RunState = Literal["queued", "running", "completed", "failed", "stopped"]
+
+
+def pid_alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def now() -> str:

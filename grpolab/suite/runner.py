@@ -24,7 +24,7 @@ from grpolab.models import check_model_path
 from grpolab.progress import Reporter, format_seconds
 from grpolab.run_state import STATE_FILE
 from grpolab.rundir import RunDirError, latest_resumable_checkpoint, read_metrics
-from grpolab.suite.manifest import RunRecord, SuiteManifest, now
+from grpolab.suite.manifest import RunRecord, SuiteManifest, now, pid_alive
 from grpolab.suite.snapshot import file_sha256, snapshot_code, snapshot_data, task_key
 from grpolab.suite.spec import final_checkpoint, load_suite, resolve_runs
 
@@ -87,18 +87,6 @@ def last_error(log: Path) -> str | None:
     errors = [line.removeprefix("error:").strip() for line in lines if line.startswith("error:")]
     raised = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", line)]
     return (errors or raised or [None])[-1]
-
-
-def pid_alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SuiteRunner:

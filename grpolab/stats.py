@@ -1,4 +1,5 @@
-"""The statistics of a report, as pure functions over per-item or per-seed arrays (numpy / scipy).
+"""Statistics as pure functions over per-item or per-seed arrays (numpy; scipy imported where used, so
+that training, which needs only ``pass_at_k``, does not load it).
 
 Item-level intervals resample the frozen evaluation items (paired: the same resampled items for every
 run compared), so they measure how much the difference could move with another draw of items from
@@ -9,10 +10,9 @@ the same distribution. They do not cover training-seed variance: that needs seve
 from __future__ import annotations
 
 from dataclasses import dataclass
-import numpy as np
-from scipy import stats
+from math import comb
 
-from grpolab.evaluation import pass_at_k
+import numpy as np
 
 RESAMPLES = 10_000
 CONFIDENCE = 0.95
@@ -42,6 +42,8 @@ def contrast_bootstrap(samples: list[np.ndarray], weights: tuple[float, ...], re
     (``scipy.stats.bootstrap(paired=True)``) with a fixed seed. One array and weights (1,) is a
     plain mean; two and (1, -1) a paired difference; four and (1, -1, -1, 1) a 2x2 interaction.
     """
+    from scipy import stats
+
     arrays = [np.asarray(s, dtype=np.float64) for s in samples]
     statistic = _mean_of_contrast(weights)
     estimate = float(statistic(*arrays))
@@ -81,6 +83,8 @@ class McNemar:
 def mcnemar_exact(a: np.ndarray, b: np.ndarray) -> McNemar:
     """Exact McNemar test of paired binary outcomes a, b [items]: under H0 the discordant pairs split
     Binomial(only_a + only_b, 1/2); p is the two-sided exact binomial p-value (1 with no discordance)."""
+    from scipy import stats
+
     a, b = np.asarray(a, dtype=bool), np.asarray(b, dtype=bool)
     only_a, only_b = int(np.sum(a & ~b)), int(np.sum(~a & b))
     n = only_a + only_b
@@ -103,6 +107,8 @@ class SeedSummary:
 
 def seed_summary(values: list[float], resamples: int = RESAMPLES, seed: int = 0) -> SeedSummary:
     """``values``: one final metric per training seed (>= 2)."""
+    from scipy import stats
+
     x = np.asarray(values, dtype=np.float64)
     mean, std = float(x.mean()), float(x.std(ddof=1))
     if std == 0.0:
@@ -110,6 +116,13 @@ def seed_summary(values: list[float], resamples: int = RESAMPLES, seed: int = 0)
     else:
         t_low, t_high = stats.t.interval(CONFIDENCE, len(x) - 1, loc=mean, scale=std / np.sqrt(len(x)))
     return SeedSummary(len(x), mean, std, mean_interval(x, resamples, seed), float(t_low), float(t_high))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
 
 
 def pass_at_k_curve(n: int, correct: list[int]) -> dict[int, float]:
