@@ -6,12 +6,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 from statistics import mean
+from typing import Any
 
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
 from grpolab.stats import pass_at_k
-from grpolab.tasks.base import Example, Task
+from grpolab.tasks.base import Example, Grade, Task
 
 
 def grade_completions(task: Task, examples: list[Example], completions: list[list[Completion]]):
@@ -24,7 +24,7 @@ def prompt_sha256(prompt: str) -> str:
     return hashlib.sha256(prompt.encode()).hexdigest()[:16]
 
 
-def item_record(task: Task, example: Example, completion: Completion, grade) -> dict[str, Any]:
+def item_record(task: Task, example: Example, completion: Completion, grade: Grade) -> dict[str, Any]:
     """What one greedy evaluation of one item produced (a line of ``eval/step_NNNNNN.jsonl``)."""
     return {"id": example.id, "prompt_sha256": prompt_sha256(task.prompt(example)), "completion": completion.text,
             "extracted": grade.extracted, "gold": example.answer, "format_ok": grade.format_reward > 0,
