@@ -74,6 +74,7 @@ def test_probe_does_two_real_updates_and_reports(arch, long_context_model_dirs, 
         run_probe(cfg, tmp_path / "probe.json")
 
 
+@pytest.mark.slow  # about 3 minutes on 2 cores: 256 sequences of 512 new tokens at micro-batch 1
 def test_probe_at_the_reference_config_shapes(long_context_model_dirs, tmp_path):
     """configs/gsm8k_olmo2_1b.toml's batch (32 x 8, 512 new tokens, micro-batch 1) with a tiny model standing in."""
     cfg = load_config("configs/gsm8k_olmo2_1b.toml", {**DATA, "model": str(long_context_model_dirs["llama"])})
