@@ -143,7 +143,7 @@ def seed_groups(runs: list[Run], resamples: int, seed: int) -> list[dict[str, An
 
 def pass_curves(run: Run) -> dict[int, dict[int, float]]:
     """pass@k curves (k -> mean unbiased pass@k) at the first and last evaluations with samples."""
-    steps = [s for s in run.eval_steps if run.records(s) and "pass_n" in run.records(s)[0]]
+    steps = [s for s in run.eval_steps if "pass_n" in next(iter(run.records(s)), {})]
     curves = {}
     for step in sorted({steps[0], steps[-1]}) if steps else []:
         records = run.records(step)

@@ -44,6 +44,7 @@ class Run:
     reason: str | None = None
     factors: dict[str, str] = field(default_factory=dict)
     config_file: Path | None = None  # a suite's copy of the config, for runs that have not started
+    _records: dict[int, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def config(self) -> dict[str, Any]:
@@ -71,13 +72,16 @@ class Run:
         """Validation records (``val/...``), in order of step."""
         return sorted((r for r in self.metrics if "val/accuracy" in r), key=lambda r: r["step"])
 
-    @property
+    @cached_property
     def eval_steps(self) -> list[int]:
         """Steps with per-item records."""
         return eval_record_steps(self.path) if (self.path / "eval").is_dir() else []
 
     def records(self, step: int) -> list[dict[str, Any]]:
-        return _json_lines(eval_records_path(self.path, step))
+        """The per-item records of ``step``, read once."""
+        if step not in self._records:
+            self._records[step] = _json_lines(eval_records_path(self.path, step))
+        return self._records[step]
 
     def questions(self) -> dict[str, str]:
         """Validation questions by item id, rebuilt from the run's task settings ({} when its data cannot be
