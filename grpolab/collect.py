@@ -1,5 +1,6 @@
 """Collecting rollouts: G completions per prompt from the rollout engine, graded by the task (steps 1-2
-of the loop), with DAPO's dynamic sampling when the algorithm asks for it."""
+of the loop), with length shaping when configured and DAPO's dynamic sampling when the algorithm asks
+for it (it keeps groups whose RL rewards, shaping included, are not all equal)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import torch
 
 from grpolab.advantages import informative_groups
 from grpolab.algorithms import AlgorithmSpec
-from grpolab.config import RolloutConfig
+from grpolab.config import RewardShapingConfig, RolloutConfig
 from grpolab.evaluation import grade_completions
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
 from grpolab.run_state import PromptStream
+from grpolab.shaping import shape_rewards
 from grpolab.tasks.base import Example, Grade, Task
 
 
@@ -40,9 +42,17 @@ class RolloutCollector:
     Every generation is seeded from (seed, step, round), so a collector holds no sampling state."""
 
     def __init__(self, engine: RolloutEngine, task: Task, prompts: PromptStream, prompt_ids: dict[str, list[int]],
-                 rollout: RolloutConfig, spec: AlgorithmSpec, seed: int):
+                 rollout: RolloutConfig, spec: AlgorithmSpec, seed: int, shaping: RewardShapingConfig | None = None):
         self.engine, self.task, self.prompts, self.prompt_ids = engine, task, prompts, prompt_ids
         self.rollout, self.spec, self.seed = rollout, spec, seed
+        self.shaping = shaping or RewardShapingConfig()
+
+    def grade(self, examples: list[Example], completions: list[list[Completion]]) -> list[list[Grade]]:
+        """The task's grades, with the configured length shaping added to the RL reward."""
+        s = self.shaping
+        return [shape_rewards(grades, [len(c.completion_ids) for c in group], [c.truncated for c in group],
+                              self.rollout.max_new_tokens, s.truncation_penalty, s.overlong_buffer, s.overlong_factor)
+                for grades, group in zip(grade_completions(self.task, examples, completions), completions)]
 
     def sampling_params(self, step: int, round_: int) -> SamplingParams:
         r = self.rollout
@@ -63,7 +73,7 @@ class RolloutCollector:
             completions = self.engine.generate([self.prompt_ids[e.id] for e in examples], group,
                                                self.sampling_params(step, rounds))
             t1 = time.perf_counter()
-            grades = grade_completions(self.task, examples, completions)
+            grades = self.grade(examples, completions)
             seconds["generate"] += t1 - t0
             seconds["reward"] += time.perf_counter() - t1
             rounds += 1

@@ -8,14 +8,16 @@ Validation reports one line per bad field.
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from grpolab.algorithms import PRESETS, AlgorithmSpec, describe_validation_error
 from grpolab.precision import PrecisionName
+from grpolab.tasks.configs import TASK_KINDS, ArithmeticTaskConfig, TaskConfig
 
 
 class ConfigError(ValueError):
@@ -34,32 +36,6 @@ class ModelConfig(_Section):
     logprob_chunk_size: int = Field(64, ge=1, description="sequence positions per output-layer chunk")
     like_overrides: dict[str, int] = Field(default_factory=dict, description="size fields of a like:NAME "
                                            "model, e.g. {num_hidden_layers = 2}; width and vocabulary stay real")
-
-
-class ArithmeticTaskConfig(_Section):
-    """The built-in task: multi-digit addition with a worked chain of thought."""
-
-    name: Literal["arithmetic"] = "arithmetic"
-    n_train: int = Field(4000, ge=1)
-    n_val: int = Field(500, ge=1)
-    seed: int = Field(0, description="data seed, separate from the run seed so runs share their data")
-    digits: int = Field(2, ge=1, description="digits per operand")
-    operands: int = Field(2, ge=2, description="numbers per problem")
-
-
-class GSM8KTaskConfig(_Section):
-    """GSM8K from local copies of the official files (the first n rows, as the reference runs)."""
-
-    name: Literal["gsm8k"] = "gsm8k"
-    train_path: str
-    test_path: str
-    n_train: int | None = Field(6400, ge=1, description="first N train rows (None = all)")
-    n_val: int | None = Field(1024, ge=1, description="first M test rows as validation (None = all)")
-    question_field: str = "question"
-    answer_field: str = "answer"
-
-
-TaskConfig = Annotated[Union[ArithmeticTaskConfig, GSM8KTaskConfig], Field(discriminator="name")]
 
 
 class VLLMConfig(_Section):
@@ -118,6 +94,16 @@ class RolloutConfig(_Section):
                 self.sync_mean_diff if self.sync_mean_diff is not None else mean_default)
 
 
+class RewardShapingConfig(_Section):
+    """Length shaping added to every task's RL reward in training (logged apart from the answer reward)."""
+
+    truncation_penalty: float = Field(0.0, ge=0, description="subtracted from the reward of a completion that hit "
+                                      "rollout.max_new_tokens (0 = off)")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong punishment: the last this-many tokens "
+                                 "before rollout.max_new_tokens cost up to overlong_factor, linearly (0 = off)")
+    overlong_factor: float = Field(1.0, gt=0, description="the soft overlong punishment at max_new_tokens")
+
+
 class OptimConfig(_Section):
     lr: float = Field(1e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
@@ -161,7 +147,8 @@ class RunConfig(_Section):
                                   "advantage std, KL, clip fraction, ratio, length, truncation, grad norm, s/step); "
                                   "None = every step when the output is not a terminal, none on a terminal")
     model: ModelConfig = ModelConfig()
-    task: TaskConfig = ArithmeticTaskConfig()
+    task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
+    reward: RewardShapingConfig = RewardShapingConfig()
     algorithm: AlgorithmSpec = Field(default_factory=lambda: PRESETS["grpo"])
     rollout: RolloutConfig = RolloutConfig()
     optim: OptimConfig = OptimConfig()
@@ -209,6 +196,9 @@ class RunConfig(_Section):
         like = (self.model.path or "").startswith("like:")
         if self.model.like_overrides and not like:
             raise ValueError("model.like_overrides applies only to a like:NAME model")
+        if like and getattr(getattr(self.task, "prompt", None), "format", None) == "chat":
+            raise ValueError("a like:NAME model's tokenizer has no chat template; use task.prompt.format "
+                             "'r1_zero' or 'template'")
         if like and self.rollout.engine == "vllm":
             raise ValueError("a like:NAME model has random weights and no weight files for vLLM to load; "
                              "use rollout.engine 'hf'")
@@ -268,7 +258,10 @@ def validate_config(data: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError("\n".join(describe_validation_error(err))) from None
+        lines = describe_validation_error(err)
+        # the task union's tag (task.dataset.train) is not a field name: task.train
+        raise ConfigError("\n".join(re.sub(rf"^task\.(?:{'|'.join(TASK_KINDS)})\b\.?", "task.", line) if
+                                    line.startswith("task.") else line for line in lines).replace("task.:", "task:")) from None
 
 
 RESUME_OVERRIDES = {"steps", "log_every"}

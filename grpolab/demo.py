@@ -18,7 +18,7 @@ from grpolab.like import LIKE_PREFIX
 from grpolab.models import check_model_path
 from grpolab.progress import Reporter, format_seconds
 from grpolab.rundir import resolve_run_dir
-from grpolab.tasks import make_task
+from grpolab.tasks import build_task
 from grpolab.threads import choose_threads
 from grpolab.tinymodel import WarmStartSettings, default_cache_root, settings_config, warm_start_key
 
@@ -55,7 +55,7 @@ def _span(seconds: tuple[float, float]) -> str:
 def print_demo_plan(cfg: RunConfig, reporter: Reporter) -> None:
     """Say what the demo will do, with time estimates for this machine (hf engine)."""
     resolve_run_dir(cfg.output_dir, cfg.algorithm.name)  # bad input: one error line, before the plan
-    task = make_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
+    task = build_task(cfg.task)
     if cfg.model.path and not cfg.model.path.startswith(LIKE_PREFIX):
         check_model_path(cfg.model.path)
     torch.set_num_threads(choose_threads(cfg.threads).threads)  # the run measures again and agrees

@@ -4,6 +4,8 @@ record per item so that two runs on the same frozen items can be compared item b
 from __future__ import annotations
 
 import hashlib
+import logging
+import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from statistics import mean
@@ -14,9 +16,40 @@ from grpolab.stats import pass_at_k
 from grpolab.tasks.base import Example, Grade, Task
 
 
-def grade_completions(task: Task, examples: list[Example], completions: list[list[Completion]]):
-    """Grades [prompt][sample] of the completions of each example."""
-    return [[task.grade(c.text, ex, c.truncated) for c in group] for ex, group in zip(examples, completions)]
+logger = logging.getLogger(__name__)
+_reported: set[str] = set()
+
+
+def _safe_grade(task: Task, completion: str, example: Example, truncated: bool) -> Grade:
+    """``task.grade``, or a zero grade counted as failed (``reward/grade_failed``) when it raises: a task
+    class of the user's must not end the run. The first traceback per task is logged."""
+    try:
+        return task.grade(completion, example, truncated)
+    except Exception:
+        if task.name not in _reported:
+            _reported.add(task.name)
+            logger.warning("task %r: grade raised on item %s (it scores 0; later failures are only counted in "
+                           "reward/grade_failed):\n%s", task.name, example.id, traceback.format_exc())
+        return Grade(0.0, 0.0, failed=("grade",))
+
+
+def grade_completions(task: Task, examples: list[Example], completions: list[list[Completion]]) -> list[list[Grade]]:
+    """Grades [prompt][sample] of the completions of each example (with the task's ``grade_batch`` when it
+    has one)."""
+    items = [(c.text, ex, c.truncated) for ex, group in zip(examples, completions) for c in group]
+    flat = None
+    if getattr(task, "grade_batch", None) is not None:
+        try:
+            flat = task.grade_batch(items)
+        except Exception:
+            flat = None  # graded one by one below, each failure counted
+    if flat is None or len(flat) != len(items):
+        flat = [_safe_grade(task, *item) for item in items]
+    out, start = [], 0
+    for group in completions:
+        out.append(flat[start:start + len(group)])
+        start += len(group)
+    return out
 
 
 def prompt_sha256(prompt: str) -> str:
@@ -29,7 +62,7 @@ def item_record(task: Task, example: Example, completion: Completion, grade: Gra
     return {"id": example.id, "prompt_sha256": prompt_sha256(task.prompt(example)), "completion": completion.text,
             "extracted": grade.extracted, "gold": example.answer, "format_ok": grade.format_reward > 0,
             "correct": grade.answer_reward > 0, "length": len(completion.completion_ids),
-            "truncated": completion.truncated}
+            "truncated": completion.truncated, **({"rewards": dict(grade.components)} if grade.components else {})}
 
 
 def greedy(sampling: SamplingParams) -> SamplingParams:

@@ -52,8 +52,8 @@ from grpolab.rundir import (
     write_eval_records,
     write_json,
 )
-from grpolab.tasks import make_task
-from grpolab.tasks.base import Example
+from grpolab.tasks import build_task
+from grpolab.tasks.base import Example, Grade
 from grpolab.threads import choose_threads
 
 
@@ -75,6 +75,22 @@ def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
     return "  ".join(parts)
 
 
+def reward_components(grades: list[Grade]) -> dict[str, float]:
+    """``reward/<name>``: the mean unweighted value of each named reward term (a task's reward functions,
+    length shaping), and ``reward/<name>_failed``: how many samples that term failed on (scored 0)."""
+    values: dict[str, list[float]] = {}
+    failed: dict[str, int] = {}
+    for grade in grades:
+        for name, value in grade.components:
+            values.setdefault(name, []).append(value)
+        for name in grade.failed:
+            failed[name] = failed.get(name, 0) + 1
+    out = {f"reward/{name}": mean(v) for name, v in values.items()}
+    for name in {*failed, *(n for n in values if n not in ("truncation_penalty", "overlong_penalty"))}:
+        out[f"reward/{name}_failed"] = failed.get(name, 0)
+    return out
+
+
 class Trainer:
     """Owns the model, engine, optimizer and run directory of one run."""
 
@@ -92,7 +108,7 @@ class Trainer:
         if cfg.log.tensorboard:
             summary_writer()
         with self.reporter.phase(f"load task {cfg.task.name}", done_note=None):
-            self.task = make_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
+            self.task = build_task(cfg.task)
             self.val_examples = self._validation_examples()
         if cfg.model.path and not cfg.model.path.startswith(LIKE_PREFIX):
             check_model_path(cfg.model.path)
@@ -107,6 +123,9 @@ class Trainer:
         with self.reporter.phase(f"load model {weights_dir}") as phase:
             self.model, self.tokenizer = load_policy(weights_dir, self.precision.storage, self.device)
             phase.info = f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters on {self.device}"
+        bind_tokenizer = getattr(self.task, "bind_tokenizer", None)
+        if bind_tokenizer is not None:  # chat-template prompts render with the model's own tokenizer
+            bind_tokenizer(self.tokenizer)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         self.model.eval()
@@ -129,7 +148,8 @@ class Trainer:
             engine = build_engine(cfg.rollout, self.model, self.tokenizer, weights_dir, seed=cfg.seed,
                                   max_model_len=max(map(len, self.prompt_ids.values())) + cfg.rollout.max_new_tokens,
                                   precision=self.precision)
-        self.collector = RolloutCollector(engine, self.task, self.prompts, self.prompt_ids, cfg.rollout, self.spec, cfg.seed)
+        self.collector = RolloutCollector(engine, self.task, self.prompts, self.prompt_ids, cfg.rollout, self.spec, cfg.seed,
+                                          cfg.reward)
         self.learner = PolicyLearner(cfg, self.model, self.reference, self.optimizer, self.precision, self.device,
                                      self.tokenizer.pad_token_id, minibatch_gen, self.sync_monitor, self.updates)
         self.records: list[dict[str, Any]] = []  # the metrics of the steps before a resume
@@ -297,7 +317,7 @@ class Trainer:
             "total_actual_updates": self.updates["actual"],
             "time/generate": rollout.seconds["generate"], "time/reward": rollout.seconds["reward"],
             "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
-            "tokens_per_s": tokens / rollout.seconds["generate"],
+            "tokens_per_s": tokens / rollout.seconds["generate"], **reward_components(grades),
         }
         self.log.write(record)
         return record

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpolab.tasks.answers import MAX_ANSWER_CHARS, _Pool, _Worker, answers_match, plain_number
+from grpolab.tasks.answers import MAX_ANSWER_CHARS, answers_match, plain_number
+from grpolab.tasks.sandbox import WorkerPool, _Worker
 from grpolab.tasks.r1_zero import grade_r1_zero
 
 
@@ -141,22 +142,27 @@ def test_overlong_inputs_only_match_exactly() -> None:
     assert not answers_match(long_number + ".0", long_number)
 
 
-def test_missed_deadline_kills_worker() -> None:
+MATH_VERIFY = "grpolab.tasks.answers:math_verify_in_worker"
+
+
+def test_missed_deadline_kills_worker(monkeypatch) -> None:
     """A worker stuck past the deadline (here: its own soft timer disabled) is killed, not awaited."""
-    worker = _Worker()
+    import grpolab.tasks.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "SOFT_FRACTION", 1000.0)
+    pool = WorkerPool(MATH_VERIFY)
     start = time.perf_counter()
-    assert worker.check("10^{10^{10}}", "5", timeout_s=0.5, soft_s=600.0) is None
-    assert time.perf_counter() - start < 5.0
-    worker.close()
-    assert worker.proc.poll() is not None
+    reply = pool.call(["10^{10^{10}}", "5"], timeout_s=0.5)
+    assert not reply.ok and "killed" in reply.error
+    assert time.perf_counter() - start < 5.0 and not pool.idle
 
 
 def test_dead_worker_is_replaced() -> None:
-    pool = _Pool()
-    dead = _Worker()
+    pool = WorkerPool(MATH_VERIFY)
+    dead = _Worker(MATH_VERIFY)
     dead.close()
     pool.idle.append(dead)
-    assert pool.check("\\frac{36}{2}", "18", timeout_s=2.0) is True
+    assert pool.call(["\\frac{36}{2}", "18"], timeout_s=2.0).value is True
     assert pool.idle and pool.idle[0] is not dead
     pool.close()
 

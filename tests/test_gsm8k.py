@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from grpolab.tasks import TASKS, Example, Task, make_task
-from grpolab.tasks.datasets import DataError, first_n, load_hub_rows, load_rows, rows_sha256, text_sha256
+from grpolab.tasks import BUILT_IN, Example, Task, make_task
+from grpolab.tasks.datasets import DataError, first_n, hub_records, load_rows, rows_sha256, text_sha256
 from grpolab.tasks.gsm8k import GSM8KTask, split_gsm8k_answer
 from grpolab.tasks.r1_zero import R1_ZERO_TEMPLATE
 
@@ -104,7 +104,8 @@ def test_reference_selection_and_fingerprint(gsm8k_dir: Path) -> None:
 
 
 def test_registered() -> None:
-    assert TASKS["gsm8k"] is GSM8KTask
+    assert isinstance(make_task("gsm8k", train_path=GSM8K_DIR / "train.jsonl", test_path=GSM8K_DIR / "test.jsonl", n_train=2, n_val=2), GSM8KTask)
+    assert "gsm8k" in BUILT_IN
 
 
 def test_first_n(tmp_path: Path) -> None:
@@ -198,7 +199,7 @@ def test_optional_packages_missing_give_clear_errors(tmp_path: Path, monkeypatch
         load_rows(tmp_path / "train.parquet")
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(DataError, match="needs the optional `datasets` package"):
-        load_hub_rows("openai/gsm8k", "test", "main")
+        hub_records("openai/gsm8k", "test", "main")
 
 
 def test_ids_unique_across_splits(small_task: GSM8KTask) -> None:

@@ -77,7 +77,7 @@ def test_column_addition_chain_of_thought() -> None:
 def test_task_protocol_and_registry() -> None:
     task = make_task("arithmetic", n_train=5, n_val=5)
     assert isinstance(task, Task) and task.name == "arithmetic"
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
         make_task("nope")
 
 

@@ -86,11 +86,10 @@ class Run:
     def questions(self) -> dict[str, str]:
         """Validation questions by item id, rebuilt from the run's task settings ({} when its data cannot be
         read any more): records keep the completion, not the question."""
-        from grpolab.tasks import make_task
+        from grpolab.tasks import build_task
 
-        settings = dict(self.config.get("task", {}))
         try:
-            return {e.id: e.question for e in make_task(settings.pop("name"), **settings).validation_examples()}
+            return {e.id: e.question for e in build_task(dict(self.config.get("task", {}))).validation_examples()}
         except Exception:  # moved data or an older task version: examples are shown without their question
             return {}
 

@@ -13,16 +13,9 @@ from typing import Any
 
 import grpolab
 from grpolab.config import RunConfig
-from grpolab.tasks import make_task
 from grpolab.tasks.base import Example
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+from grpolab.tasks.configs import build_task
+from grpolab.tasks.datasets import file_sha256
 
 
 def tree_sha256(root: Path) -> str:
@@ -61,14 +54,16 @@ def snapshot_data(cfg: RunConfig, folder: Path) -> dict[str, Any]:
     under ``task_paths``, the config fields that must point at the copies."""
     folder.mkdir(parents=True, exist_ok=True)
     task_paths: dict[str, str] = {}
-    for field in ("train_path", "test_path"):  # file-backed tasks read the frozen copies
+    for field in cfg.task.FILES:  # file-backed tasks read the frozen copies (hub sources are not files)
         source = getattr(cfg.task, field, None)
-        if source is not None:
-            copy = folder / f"{field.removesuffix('_path')}{Path(source).suffix}"
+        if source is not None and Path(source).is_file():
+            copy = folder / "files" / f"{field.removesuffix('_path')}{Path(source).suffix}"  # apart from the rows below
+            copy.parent.mkdir(exist_ok=True)
             shutil.copyfile(source, copy)
             task_paths[f"task.{field}"] = str(copy)
-    task = make_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
-    template = task.prompt(Example(id="", question="{question}", answer=""))
+    task = build_task(cfg.task)
+    describe = getattr(task, "prompt_template", None)
+    template = describe() if describe else task.prompt(Example(id="", question="{question}", answer=""))
     (folder / "prompt_template.txt").write_text(template)
     return {"train_sha256": _write_rows(folder / "train.jsonl", task.train_examples()),
             "validation_sha256": _write_rows(folder / "validation.jsonl", task.validation_examples()),

@@ -1,11 +1,17 @@
-"""Tasks: data + prompt template + reward function."""
+"""Tasks: data + prompt template + reward function.
+
+Built in: ``arithmetic`` (the demo's) and ``gsm8k``; ``dataset`` is your own data, prompt format
+and rewards; ``"package.module:Class"`` a task class of your own (``grpolab.tasks.configs``).
+"""
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Any
 
 from grpolab.tasks.arithmetic import ArithmeticTask, column_addition_solution
 from grpolab.tasks.base import Example, Grade, Task
+from grpolab.tasks.configs import BUILT_IN, TaskConfig, build_task
 from grpolab.tasks.gsm8k import GSM8KTask
 from grpolab.tasks.r1_zero import (
     R1_ZERO_TEMPLATE,
@@ -14,24 +20,22 @@ from grpolab.tasks.r1_zero import (
     r1_zero_prompt,
 )
 
-TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "gsm8k": GSM8KTask}
-
 
 def make_task(name: str, **kwargs: Any) -> Task:
-    """Build a registered task by name, e.g. ``make_task("arithmetic", digits=3)``."""
-    if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; known: {sorted(TASKS)}")
-    return TASKS[name](**kwargs)
+    """A task by name and settings, e.g. ``make_task("arithmetic", digits=3)`` (``build_task`` of that table)."""
+    return build_task({"name": name, **{k: str(v) if isinstance(v, PurePath) else v for k, v in kwargs.items()}})
 
 
 __all__ = [
+    "BUILT_IN",
     "R1_ZERO_TEMPLATE",
-    "TASKS",
     "ArithmeticTask",
-    "GSM8KTask",
     "Example",
+    "GSM8KTask",
     "Grade",
     "Task",
+    "TaskConfig",
+    "build_task",
     "column_addition_solution",
     "grade_r1_zero",
     "make_task",

@@ -6,34 +6,22 @@ canonical decimals decide, in-process and in microseconds. Anything else
 (``\\frac{1}{2}``, ``2^{10}``, ``x^2+1``) goes to ``math_verify.parse``/``verify``.
 
 math-verify's own timeouts use ``signal.alarm``: whole seconds, main thread only (in another thread
-``verify`` raises), and they replace any alarm the caller set. So math-verify runs in a child
-process instead (``python -c ...``, no ``multiprocessing``, so no ``__main__`` guard is needed):
-a soft ``setitimer`` inside the child ends slow Python-level work, and the parent kills the child
-when no reply arrives within ``timeout_s``. This works from any thread, on Linux and macOS. A
-worker starts on first use (~0.4 s here, not counted in ``timeout_s``) and is reused; one is killed
-and lazily replaced after a hard timeout. Inputs longer than ``MAX_ANSWER_CHARS`` only match
+``verify`` raises), and they replace any alarm the caller set. So math-verify runs in a killable
+child process instead (``grpolab.tasks.sandbox``): its soft timer ends slow Python-level work, and
+the child is killed when no reply arrives within ``timeout_s``. This works from any thread. A
+worker starts on first use (~0.4 s here, not counted in ``timeout_s``) and is reused. Inputs longer than ``MAX_ANSWER_CHARS`` only match
 exactly. The function never raises.
 """
 
 from __future__ import annotations
 
-import atexit
-import json
 import logging
-import os
 import re
-import select
-import signal
-import subprocess
-import sys
-import threading
-from pathlib import Path
+
+from grpolab.tasks.sandbox import WorkerPool, WorkerStartError
 
 DEFAULT_TIMEOUT_S = 2.0
 MAX_ANSWER_CHARS = 1000
-STARTUP_TIMEOUT_S = 60.0
-SOFT_FRACTION = 0.8  # the worker stops itself at this fraction of timeout_s; the parent kills at 1.0
-MAX_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 logger = logging.getLogger(__name__)
 
@@ -81,160 +69,54 @@ def plain_number(text: str) -> str | None:
     return _canonical(match.group(1))
 
 
-# --- math-verify worker -------------------------------------------------------------------------
-
-
-class _SoftTimeout(BaseException):
-    """Raised in the worker by its interval timer; a BaseException so math-verify cannot swallow it."""
+# --- math-verify in a worker process ------------------------------------------------------------
 
 
 def _mv_parse(text: str) -> list:
-    """math-verify parse; bare LaTeX (``2^{10}``, ``\\sqrt{4}``) is wrapped in ``$...$`` first."""
+    """math-verify parse; bare LaTeX (``2^{10}``, ``\\sqrt{4}``) and lists (``3, 2``) are wrapped in ``$...$`` first."""
     from math_verify import parse
 
     has_delimiters = any(d in text for d in ("$", "\\(", "\\[", "\\boxed"))
-    if not has_delimiters and any(c in text for c in "\\^{_"):
+    if not has_delimiters and any(c in text for c in "\\^{_,"):
         text = f"${text}$"
     parsed = parse(text, parsing_timeout=None)
     return parsed or (parse(f"${text}$", parsing_timeout=None) if not has_delimiters else [])
 
 
-def _serve() -> None:
-    """Worker loop: read ``[pred, gold, soft_s]`` JSON lines from stdin, answer ``1``/``0`` lines."""
-
-    def on_alarm(signum: int, frame: object) -> None:
-        raise _SoftTimeout
-
-    channel = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)  # stray prints from libraries must not corrupt the protocol
+def math_verify_in_worker(predicted: str, gold: str) -> bool:
+    """math-verify's verdict, computed inside a ``WorkerPool`` child (no timeouts of its own: the pool's)."""
     from math_verify import verify
 
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
-    signal.signal(signal.SIGALRM, on_alarm)
-    channel.write(b"ready\n")
-    for line in sys.stdin.buffer:
-        ok = False
-        try:
-            pred, gold, soft_s = json.loads(line)
-            signal.setitimer(signal.ITIMER_REAL, max(float(soft_s), 0.01))
-            try:
-                ok = bool(verify(_mv_parse(gold), _mv_parse(pred), timeout_seconds=None))
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        except (Exception, _SoftTimeout):
-            ok = False
-        channel.write(b"1\n" if ok else b"0\n")
+    return bool(verify(_mv_parse(gold), _mv_parse(predicted), timeout_seconds=None))
 
 
-class _Worker:
-    """One math-verify child process, used by one thread at a time."""
-
-    def __init__(self) -> None:
-        root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from grpolab.tasks.answers import _serve; _serve()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True,
-        )
-        if self._read_line(STARTUP_TIMEOUT_S) != b"ready":
-            self.close()
-            raise RuntimeError("math-verify worker did not start (is math-verify installed?)")
-
-    def _read_line(self, timeout_s: float) -> bytes | None:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        return self.proc.stdout.readline().strip() if ready else None
-
-    def check(self, predicted: str, gold: str, timeout_s: float, soft_s: float) -> bool | None:
-        """True/False from math-verify, or None when the worker died or missed the deadline.
-
-        The worker gives up by itself after ``soft_s``; the caller must kill it on None.
-        """
-        assert self.proc.stdin is not None
-        request = json.dumps([predicted, gold, soft_s]).encode("ascii") + b"\n"
-        self.proc.stdin.write(request)
-        self.proc.stdin.flush()
-        reply = self._read_line(timeout_s)
-        return {b"1": True, b"0": False}.get(reply) if reply is not None else None
-
-    def close(self) -> None:
-        """Kill the child and reap it."""
-        self.proc.kill()
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                stream.close()
-
-
-class _Pool:
-    """Idle workers shared by threads; at most ``MAX_WORKERS`` run at once."""
-
-    def __init__(self) -> None:
-        self.idle: list[_Worker] = []
-        self.lock = threading.Lock()
-        self.slots = threading.BoundedSemaphore(MAX_WORKERS)
-        self.broken = False
-
-    def check(self, predicted: str, gold: str, timeout_s: float) -> bool:
-        if self.broken:
-            return False
-        with self.slots:
-            with self.lock:
-                worker = self.idle.pop() if self.idle else None
-            if worker is not None and worker.proc.poll() is not None:  # died while idle
-                worker.close()
-                worker = None
-            try:
-                worker = worker or _Worker()
-            except Exception as err:  # no interpreter, no math-verify: numeric answers still work
-                self.broken = True
-                logger.warning("math-verify unavailable, only numeric answers are compared: %s", err)
-                return False
-            try:
-                result = worker.check(predicted, gold, timeout_s, SOFT_FRACTION * timeout_s)
-            except Exception:
-                result = None
-            if result is None:
-                worker.close()
-                return False
-            with self.lock:
-                self.idle.append(worker)
-            return result
-
-    def close(self) -> None:
-        with self.lock:
-            workers, self.idle = self.idle, []
-        for worker in workers:
-            worker.close()
-
-
-_pool = _Pool()
-atexit.register(lambda: _pool.close())
-
-
-def _reset_after_fork() -> None:
-    """A forked child must not share its parent's workers (their pipes would be read twice)."""
-    global _pool
-    for worker in _pool.idle:
-        for stream in (worker.proc.stdin, worker.proc.stdout):
-            if stream is not None:
-                stream.close()  # the child's copies only; the parent keeps its worker
-    _pool = _Pool()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_reset_after_fork)
+_pool = WorkerPool("grpolab.tasks.answers:math_verify_in_worker")
+_unavailable: list[str] = []  # set once a worker could not start: numeric answers still work
 
 
 def math_verify_match(predicted: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """math-verify equivalence of ``predicted`` to ``gold``, False on timeout or any error."""
+    if _unavailable:
+        return False
     try:
-        return _pool.check(predicted, gold, timeout_s)
+        reply = _pool.call([predicted, gold], timeout_s=timeout_s)
+    except WorkerStartError as err:
+        _unavailable.append(str(err))
+        logger.warning("math-verify unavailable, only numeric answers are compared: %s", err)
+        return False
     except Exception:
         return False
+    return reply.ok and reply.value is True
 
 
 _SEVERAL_ANSWERS = re.compile(r",\s|;|\bor\b|\band\b")
+_GOLD_LIST = re.compile(r",|;|\bor\b|\band\b")  # a gold with commas may be an interval, tuple or set
+
+
+def is_single_answer(gold: str) -> bool:
+    """True when ``gold`` holds no comma or list word: one value, so a predicted list cannot equal it."""
+    return _GOLD_LIST.search(gold) is None
 
 
 def answers_match(
@@ -246,9 +128,9 @@ def answers_match(
     ``plain_number``) are compared in-process; otherwise, when ``symbolic``, math-verify decides
     within ``timeout_s`` seconds (plus a worker's start-up, ~0.4 s, when one has to start). Inputs
     over ``MAX_ANSWER_CHARS`` only match exactly. math-verify evaluates expressions and takes the
-    last of several answers: ``"57+38"`` matches 95 (a list such as ``"18 or 19"`` is refused when the
-    gold is a plain number); pass
-    ``symbolic=False`` where an unevaluated expression must not count (e.g. arithmetic drills).
+    last of several answers: ``"57+38"`` matches 95, so a list such as ``"18 or 19"`` or ``"\\frac12, 3"``
+    is refused when the gold is a single answer (``is_single_answer``). Pass ``symbolic=False`` where
+    an unevaluated expression must not count (e.g. arithmetic drills).
     """
     try:
         if not isinstance(predicted, str) or not isinstance(gold, str):
@@ -263,8 +145,8 @@ def answers_match(
         pred_number, gold_number = plain_number(predicted), plain_number(gold)
         if pred_number is not None and gold_number is not None:
             return pred_number == gold_number
-        if gold_number is not None and _SEVERAL_ANSWERS.search(predicted):
-            return False  # "17, 18, 19" or "18 or 19" must not win by containing the gold number
+        if is_single_answer(gold) and _SEVERAL_ANSWERS.search(predicted):
+            return False  # "17, 18, 19" or "18 or 19" must not win by containing the gold answer
         return symbolic and math_verify_match(predicted, gold, timeout_s)
     except Exception:
         return False

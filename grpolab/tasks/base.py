@@ -1,14 +1,15 @@
 """What a task is: data + prompt template + reward function.
 
 A task hands out fixed train/validation examples, turns an example into a prompt string and grades
-a sampled completion. Rewards are plain floats in [0, 1]; the RL reward is the answer reward, the
-format reward is reported separately.
+a sampled completion. Rewards are plain floats; the RL reward is the answer reward (or, for tasks
+with several weighted rewards, their total), the format reward is reported separately.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -21,12 +22,15 @@ class Example:
         answer: gold final answer string (compared after normalisation).
         solution: a worked completion in the task's completion format (for r1_zero tasks the text
             that follows ``<think>``), used for supervised warm start; None when unknown.
+        fields: the data row it came from (for prompt templates and user reward functions); empty
+            for generated tasks. Not compared: the id, question and answer identify an example.
     """
 
     id: str
     question: str
     answer: str
     solution: str | None = None
+    fields: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -34,19 +38,30 @@ class Grade:
     """Reward components of one completion.
 
     ``format_reward`` (1.0 when the completion has the required structure) is logged only;
-    ``answer_reward`` (1.0 when the final answer is correct) is the RL reward. ``extracted`` is the
-    answer the grader read from the completion (None when it found none), for evaluation records;
-    it takes no part in comparisons.
+    ``answer_reward`` (1.0 when the final answer is correct) is the task's correctness (accuracy,
+    pass@k) and, unless ``total`` is set, the RL reward. ``extracted`` is the answer the grader read
+    from the completion (None when it found none), for evaluation records; it takes no part in
+    comparisons.
+
+    Tasks with several weighted rewards, and length shaping, set ``components`` (name, unweighted
+    value), ``total`` (the RL reward) and ``failed`` (names of reward functions that failed here).
     """
 
     format_reward: float
     answer_reward: float
     extracted: str | None = field(default=None, compare=False)
+    components: tuple[tuple[str, float], ...] = ()
+    total: float | None = None
+    failed: tuple[str, ...] = ()
 
     @property
     def reward(self) -> float:
-        """The scalar reward used for RL (the answer reward)."""
-        return self.answer_reward
+        """The scalar reward used for RL: ``total`` when set, else the answer reward."""
+        return self.answer_reward if self.total is None else self.total
+
+    def plus(self, name: str, value: float) -> "Grade":
+        """This grade with one more additive component (e.g. a length penalty) in its RL reward."""
+        return replace(self, components=self.components + ((name, value),), total=self.reward + value)
 
 
 @runtime_checkable
@@ -77,3 +92,11 @@ class Task(Protocol):
         ``truncated`` is True when generation stopped at the token limit instead of at EOS/stop.
         """
         ...
+
+
+# Optional members a task may have (looked up with getattr by the trainer, the suite and reports):
+#   data_fingerprint() -> dict      row counts and SHA-256s of its data and prompt, for the manifest
+#   prompt_template() -> str        how prompts are made, for the suite snapshot
+#   bind_tokenizer(tokenizer)       called once the model's tokenizer is loaded, before any prompt
+#                                   (chat-template prompts need it)
+#   grade_batch(items) -> [Grade]   grade many (completion, example, truncated) at once, e.g. in parallel

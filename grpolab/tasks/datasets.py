@@ -62,36 +62,38 @@ def _to_qa(location: str, record: Any, question_field: str, answer_field: str) -
     return {"question": record[question_field], "answer": record[answer_field]}
 
 
-def load_rows(
-    path: str | Path, question_field: str = "question", answer_field: str = "answer"
-) -> list[dict[str, str]]:
-    """All rows of a local ``.jsonl`` or ``.parquet`` file as ``{"question", "answer"}`` dicts.
+def local_records(path: str | Path) -> list[tuple[str, Any]]:
+    """(location, record) of every row of a local ``.jsonl`` or ``.parquet`` file; the location is
+    ``file:line`` (JSONL) or ``file row N`` (Parquet).
 
-    Raises DataError for a missing file, an unknown suffix, a malformed line (with its line number),
-    a missing or non-string field, or Parquet without pyarrow.
+    Raises DataError for a missing file, an unknown suffix, a malformed line (with its line number)
+    or Parquet without pyarrow.
     """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     suffix = path.suffix.lower()
     if suffix in JSONL_SUFFIXES:
-        records = _jsonl_records(path)
-    elif suffix in PARQUET_SUFFIXES:
-        records = _parquet_records(path)
-    else:
-        raise DataError(f"{path}: unknown data format {suffix!r}; use {JSONL_SUFFIXES + PARQUET_SUFFIXES}")
-    return [_to_qa(loc, rec, question_field, answer_field) for loc, rec in records]
+        return list(_jsonl_records(path))
+    if suffix in PARQUET_SUFFIXES:
+        return list(_parquet_records(path))
+    raise DataError(f"{path}: unknown data format {suffix!r}; use {JSONL_SUFFIXES + PARQUET_SUFFIXES}")
 
 
-def load_hub_rows(
-    name: str,
-    split: str,
-    config: str | None = None,
-    revision: str | None = None,
-    question_field: str = "question",
-    answer_field: str = "answer",
+def load_rows(
+    path: str | Path, question_field: str = "question", answer_field: str = "answer"
 ) -> list[dict[str, str]]:
-    """Rows of a hub dataset split via the optional ``datasets`` package (e.g. ``"openai/gsm8k", "test", "main"``).
+    """All rows of a local ``.jsonl`` or ``.parquet`` file as ``{"question", "answer"}`` dicts.
+
+    Raises DataError as ``local_records`` does, and for a missing or non-string field.
+    """
+    return [_to_qa(loc, rec, question_field, answer_field) for loc, rec in local_records(path)]
+
+
+def hub_records(name: str, split: str, config: str | None = None, revision: str | None = None
+                ) -> list[tuple[str, Any]]:
+    """(location, record) of a hub dataset split via the optional ``datasets`` package
+    (e.g. ``"openai/gsm8k", "test", "main"``).
 
     Raises DataError when ``datasets`` is not installed or the hub cannot be reached.
     """
@@ -105,23 +107,28 @@ def load_hub_rows(
         records = datasets.load_dataset(name, config, split=split, revision=revision)
     except Exception as err:
         raise DataError(f"{source}: could not load ({type(err).__name__}: {err})") from None
-    return [_to_qa(f"{source} row {i}", dict(rec), question_field, answer_field) for i, rec in enumerate(records)]
+    return [(f"{source} row {i}", dict(rec)) for i, rec in enumerate(records)]
 
 
 HUB_PREFIX = "hub:"
 
 
-def load_source(source: str | Path, question_field: str = "question", answer_field: str = "answer") -> list[dict[str, str]]:
-    """Rows from a local ``.jsonl`` / ``.parquet`` file, or ``hub:NAME[:CONFIG]:SPLIT`` through ``datasets``
-    (e.g. ``hub:openai/gsm8k:main:test``)."""
+def source_records(source: str | Path) -> list[tuple[str, Any]]:
+    """(location, record) from a local ``.jsonl`` / ``.parquet`` file, or ``hub:NAME[:CONFIG]:SPLIT``
+    through ``datasets`` (e.g. ``hub:openai/gsm8k:main:test``)."""
     text = str(source)
     if not text.startswith(HUB_PREFIX):
-        return load_rows(source, question_field, answer_field)
+        return local_records(source)
     parts = text[len(HUB_PREFIX):].split(":")
     if len(parts) not in (2, 3) or not all(parts):
         raise DataError(f"{text!r}: expected hub:NAME:SPLIT or hub:NAME:CONFIG:SPLIT")
     name, config, split = (parts[0], None, parts[1]) if len(parts) == 2 else parts
-    return load_hub_rows(name, split, config, question_field=question_field, answer_field=answer_field)
+    return hub_records(name, split, config)
+
+
+def load_source(source: str | Path, question_field: str = "question", answer_field: str = "answer") -> list[dict[str, str]]:
+    """``{"question", "answer"}`` rows of ``source`` (see ``source_records``)."""
+    return [_to_qa(loc, rec, question_field, answer_field) for loc, rec in source_records(source)]
 
 
 def first_n(rows: list[dict[str, str]], n: int | None, source: str = "data") -> list[dict[str, str]]:
@@ -143,6 +150,15 @@ def canonical_json(value: Any) -> str:
 def rows_sha256(rows: list[dict[str, str]]) -> str:
     """SHA-256 (hex) of the canonical JSON of ``rows`` (a list, in order)."""
     return hashlib.sha256(canonical_json(rows).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 (hex) of a file's bytes."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def text_sha256(text: str) -> str:

@@ -1,0 +1,179 @@
+"""A task from your own data: rows from JSONL, Parquet or the hub, a prompt format, weighted rewards.
+
+Rows are mapped by ``question_field`` / ``answer_field`` (and optionally ``id_field``); the
+validation split is its own source or a seeded split of the train rows (``validation_size``), and
+``n_train`` / ``n_val`` take the first rows of each split. Every row is checked up front: a
+missing or non-text field, an empty question or answer, a gold answer that cannot be read, a field
+the prompt template names but the row lacks, and a duplicate id are refused with the file and line
+(``file:line`` for JSONL, ``file row N`` for Parquet). Example ids are the id field's values or
+``<split>-<row index in its source>``.
+
+Grading: the answer is extracted in ``prompt.answer``'s format (``grpolab.tasks.extract``); each
+reward term scores it (``grpolab.tasks.rewards``); the first term is the correctness (accuracy,
+pass@k), the weighted sum is the RL reward, and every term is logged as ``reward/<name>``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from grpolab.tasks.base import Example, Grade
+from grpolab.tasks.datasets import (
+    DataError,
+    canonical_json,
+    file_sha256,
+    first_n,
+    rows_sha256,
+    source_records,
+    text_sha256,
+)
+from grpolab.tasks.extract import extract_answer, last_boxed
+from grpolab.tasks.prompts import PromptBuilder
+from grpolab.tasks.rewards import RewardSet, Sample, reward_term
+from grpolab.tasks.sandbox import MAX_WORKERS
+
+if TYPE_CHECKING:
+    from grpolab.tasks.configs import DatasetTaskConfig
+
+
+def _jsonable(record: dict[str, Any]) -> dict[str, Any]:
+    """The row as plain JSON values (dates, decimals and bytes as strings), as workers receive it."""
+    return json.loads(json.dumps(record, default=str, ensure_ascii=False))
+
+
+def read_gold(text: str, gold_format: str) -> str | None:
+    """The gold answer held in an answer field: the text, its last ``\\boxed{}``, or the number after ``####``."""
+    if gold_format == "boxed":
+        return last_boxed(text)
+    if gold_format == "gsm8k":
+        from grpolab.tasks.gsm8k import split_gsm8k_answer
+
+        try:
+            return split_gsm8k_answer(text)[1]
+        except DataError:
+            return None
+    return text.strip()
+
+
+def seeded_split(n_rows: int, size: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, validation indices), both in file order; ``size`` a count or a fraction < 1."""
+    count = round(size * n_rows) if size < 1 else int(size)
+    if not 1 <= count < n_rows:
+        raise DataError(f"validation_size {size:g} of {n_rows} rows leaves no train or no validation rows")
+    chosen = set(random.Random(f"grpolab-split-{seed}").sample(range(n_rows), count))
+    return [i for i in range(n_rows) if i not in chosen], sorted(chosen)
+
+
+class DatasetTask:
+    """A task from rows of your own (``task.name = "dataset"``); see the module docstring."""
+
+    name = "dataset"
+
+    def __init__(self, cfg: "DatasetTaskConfig"):
+        self.cfg = cfg
+        p = cfg.prompt
+        self.prompts = PromptBuilder(p.format, p.template, p.system, p.chat_template_kwargs)
+        self.answer_format = p.answer or "r1_zero"
+        self.rewards = RewardSet([reward_term(r.function, r.name, r.weight, r.options, r.timeout_s)
+                                  for r in cfg.rewards])
+        train = source_records(cfg.train)
+        if cfg.validation is not None:
+            validation = source_records(cfg.validation)
+            splits = {"train": (train, list(range(len(train)))), "validation": (validation, list(range(len(validation))))}
+        else:
+            train_rows, val_rows = seeded_split(len(train), cfg.validation_size or 0, cfg.split_seed)
+            splits = {"train": (train, train_rows), "validation": (train, val_rows)}
+        self._rows: dict[str, list[dict[str, Any]]] = {}
+        self._examples: dict[str, list[Example]] = {}
+        seen: dict[str, str] = {}
+        for split, (records, indices) in splits.items():
+            n = cfg.n_train if split == "train" else cfg.n_val
+            indices = first_n(indices, n, source=f"{split} split of {cfg.train if split == 'train' else cfg.validation or cfg.train}")
+            examples, rows = [], []
+            for index in indices:
+                location, record = records[index]
+                example = self._example(location, record, f"{split}-{index}")
+                if example.id in seen:
+                    raise DataError(f"{location}: duplicate id {example.id!r} (first at {seen[example.id]})")
+                seen[example.id] = location
+                examples.append(example)
+                rows.append(dict(example.fields))
+            self._examples[split], self._rows[split] = examples, rows
+
+    def _example(self, location: str, record: Any, default_id: str) -> Example:
+        cfg = self.cfg
+        if not isinstance(record, dict):
+            raise DataError(f"{location}: expected an object, got {type(record).__name__}")
+        for name in (cfg.question_field, cfg.answer_field, cfg.id_field, *self.prompts.fields):
+            if name is not None and name != "question" and name not in record:
+                raise DataError(f"{location}: missing field {name!r} (fields: {', '.join(map(str, record))})")
+        question, answer = record[cfg.question_field], record[cfg.answer_field]
+        if not isinstance(question, str) or not question.strip():
+            raise DataError(f"{location}: field {cfg.question_field!r} must be non-empty text, got {question!r}")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
+            raise DataError(f"{location}: field {cfg.answer_field!r} must be a non-empty answer, got {answer!r}")
+        gold = read_gold(str(answer), cfg.gold)
+        if not gold:
+            raise DataError(f"{location}: no gold answer in field {cfg.answer_field!r} (task.gold = {cfg.gold!r}): "
+                            f"{str(answer)[-80:]!r}")
+        example_id = default_id
+        if cfg.id_field is not None:
+            value = record[cfg.id_field]
+            if isinstance(value, bool) or not isinstance(value, (str, int)) or not str(value).strip():
+                raise DataError(f"{location}: field {cfg.id_field!r} must be a non-empty id, got {value!r}")
+            example_id = str(value)
+        return Example(id=example_id, question=question, answer=gold, fields=_jsonable(record))
+
+    # ---- the Task contract ----------------------------------------------------------------------
+    def train_examples(self) -> list[Example]:
+        return list(self._examples["train"])
+
+    def validation_examples(self) -> list[Example]:
+        return list(self._examples["validation"])
+
+    def bind_tokenizer(self, tokenizer: Any) -> None:
+        """Chat prompts render with this tokenizer's chat template."""
+        self.prompts.bind_tokenizer(tokenizer)
+
+    def prompt(self, example: Example) -> str:
+        return self.prompts.render({**example.fields, "question": example.question})
+
+    def prompt_template(self) -> str:
+        return self.prompts.describe()
+
+    def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
+        extracted = extract_answer(completion, self.answer_format)
+        sample = Sample(completion, example.answer, example.question, example.id, extracted, truncated,
+                        dict(example.fields))
+        values, failed = self.rewards.score(sample)
+        return Grade(format_reward=float(extracted is not None and not truncated),
+                     answer_reward=values[self.rewards.terms[0].name], extracted=extracted,
+                     components=tuple(values.items()), total=self.rewards.total(values), failed=failed)
+
+    def grade_batch(self, items: list[tuple[str, Example, bool]]) -> list[Grade]:
+        """``grade`` over (completion, example, truncated) items, several at once (reward functions and
+        math-verify run in worker processes), in order."""
+        with ThreadPoolExecutor(MAX_WORKERS) as pool:
+            return list(pool.map(lambda item: self.grade(*item), items))
+
+    def data_fingerprint(self) -> dict[str, Any]:
+        """Row counts and SHA-256s of the rows used, the prompt and the reward functions, for the manifest."""
+        rewards = []
+        for r in self.cfg.rewards:
+            entry = {"function": r.function, "name": r.name, "weight": r.weight, "options": r.options}
+            source = getattr(sys.modules.get(r.function.partition(":")[0]), "__file__", None) if ":" in r.function else None
+            if source:  # a user function: which file, and its exact text
+                entry.update(source=source, source_sha256=file_sha256(Path(source)))
+            rewards.append(entry)
+        return {
+            "task": self.name, "train": self.cfg.train, "validation": self.cfg.validation,
+            "train_rows": len(self._rows["train"]), "train_sha256": rows_sha256(self._rows["train"]),
+            "validation_rows": len(self._rows["validation"]), "validation_sha256": rows_sha256(self._rows["validation"]),
+            "prompt_template_sha256": text_sha256(self.prompt_template()), "answer_format": self.answer_format,
+            "rewards": rewards, "rewards_sha256": text_sha256(canonical_json(rewards)),
+        }

@@ -1,0 +1,202 @@
+"""Reward functions of a task: verifiers by name and user functions by import path, weighted.
+
+Verifiers compare the answer extracted from a completion (``grpolab.tasks.extract``) with the gold
+answer and give 1.0 or 0.0 (0.0 when no answer was found or the completion was truncated):
+
+* ``numeric``: one plain number each, compared as canonical decimals (``"$1,234.00"`` = ``"1234"``).
+* ``math``: math-verify, time-bounded (``timeout_s``, default 2): fractions, radicals, intervals,
+  sets, LaTeX; a list is refused for a single gold answer.
+* ``exact``: the stripped strings, whitespace runs collapsed; ``case_sensitive`` (default true).
+* ``regex``: the answer fully matches ``pattern`` in which ``{gold}`` stands for the escaped gold
+  answer (default ``"{gold}"``); with ``pattern = "gold"`` the gold answer itself is the regular
+  expression. ``ignore_case``; ``timeout_s`` bounds the match (the ``regex`` package's timeout).
+
+A user function is named ``"package.module:function"`` and has this signature::
+
+    def my_reward(completion: str, answer: str, **info) -> float
+
+``completion`` is the generated text, ``answer`` the gold answer; ``info`` holds whichever of these
+keyword arguments the function declares (all of them when it takes ``**kwargs``): ``question``,
+``id``, ``extracted`` (the answer found in the task's answer format, or None), ``truncated`` (hit
+the token limit), ``fields`` (the data row, a dict), and the term's ``options`` from the config.
+It runs in a killable worker process (``grpolab.tasks.sandbox``) with its own time bound
+(``timeout_s``, default 10): a function that raises, runs past its bound, or returns anything but a
+finite real number (bool, int, float) gives 0.0 for that sample, is counted, and its first
+traceback is logged once. The run goes on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import regex
+
+from grpolab.tasks.answers import answers_match
+from grpolab.tasks.sandbox import WorkerPool, WorkerStartError, resolve
+
+logger = logging.getLogger(__name__)
+
+USER_FUNCTION_TIMEOUT_S = 10.0
+INFO_KEYS = ("question", "id", "extracted", "truncated", "fields")
+
+
+def numeric_verifier() -> Callable[[str, str], bool]:
+    return lambda answer, gold: answers_match(answer, gold, symbolic=False)
+
+
+def math_verifier(timeout_s: float = 2.0) -> Callable[[str, str], bool]:
+    return lambda answer, gold: answers_match(answer, gold, timeout_s)
+
+
+def exact_verifier(case_sensitive: bool = True) -> Callable[[str, str], bool]:
+    def norm(text: str) -> str:
+        text = " ".join(text.split())
+        return text if case_sensitive else text.casefold()
+
+    return lambda answer, gold: norm(answer) == norm(gold)
+
+
+def regex_verifier(pattern: str = "{gold}", ignore_case: bool = False, timeout_s: float = 1.0
+                   ) -> Callable[[str, str], bool]:
+    flags = regex.IGNORECASE if ignore_case else 0
+    if pattern != "gold":  # checked once: a pattern that cannot compile is a config error
+        regex.compile(pattern.replace("{gold}", ""), flags)
+
+    def match(answer: str, gold: str) -> bool:
+        source = gold if pattern == "gold" else pattern.replace("{gold}", regex.escape(gold))
+        try:
+            return regex.fullmatch(source, answer.strip(), flags, timeout=timeout_s) is not None
+        except (regex.error, TimeoutError):
+            return False
+
+    return match
+
+
+VERIFIERS: dict[str, Callable[..., Callable[[str, str], bool]]] = {
+    "numeric": numeric_verifier, "math": math_verifier, "exact": exact_verifier, "regex": regex_verifier}
+
+
+def _check_options(factory: Callable, options: dict[str, Any], where: str) -> None:
+    try:
+        inspect.signature(factory).bind(**options)
+    except TypeError as err:
+        raise ValueError(f"{where}: bad options {options} ({err})") from None
+
+
+@dataclass
+class Sample:
+    """What a reward function may look at for one completion."""
+
+    completion: str
+    answer: str
+    question: str
+    id: str
+    extracted: str | None
+    truncated: bool
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+class UserFunction:
+    """A ``module:function`` reward, called in worker processes with a time bound."""
+
+    def __init__(self, target: str, options: dict[str, Any], timeout_s: float):
+        if not re.fullmatch(r"[\w.]+:[\w.]+", target):
+            raise ValueError(f"reward function {target!r}: expected a verifier ({', '.join(VERIFIERS)}) or "
+                             "'package.module:function'")
+        try:
+            function = resolve(target)
+        except Exception as err:
+            raise ValueError(f"reward function {target!r} cannot be imported: {type(err).__name__}: {err}") from None
+        if not callable(function):
+            raise ValueError(f"reward function {target!r} is not callable")
+        try:
+            parameters = inspect.signature(function).parameters.values()
+        except (TypeError, ValueError):
+            parameters = []
+        takes_all = any(p.kind is p.VAR_KEYWORD for p in parameters)
+        declared = {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        self.keys = INFO_KEYS if takes_all else tuple(k for k in INFO_KEYS if k in declared)
+        unknown = set(options) - declared - set(INFO_KEYS)
+        if unknown and not takes_all:
+            raise ValueError(f"reward function {target!r} takes no option(s) {', '.join(sorted(unknown))}")
+        self.target, self.options, self.timeout_s = target, options, timeout_s
+        self.pool = WorkerPool(target)
+
+    def __call__(self, sample: Sample) -> tuple[float, str | None]:
+        """(value, None) or (0.0, why it failed)."""
+        info = {k: getattr(sample, k) for k in self.keys}
+        try:
+            reply = self.pool.call([sample.completion, sample.answer], {**info, **self.options}, self.timeout_s)
+        except WorkerStartError as err:
+            return 0.0, str(err)
+        if not reply.ok:
+            return 0.0, reply.error
+        value = reply.value
+        if isinstance(value, bool) or (isinstance(value, (int, float)) and math.isfinite(value)):
+            return float(value), None
+        return 0.0, f"returned {value!r}, not a finite number"
+
+
+@dataclass
+class RewardTerm:
+    """One weighted reward function; ``name`` labels its metrics (``reward/<name>``)."""
+
+    name: str
+    weight: float
+    score: Callable[[Sample], tuple[float, str | None]]
+    failures: int = 0
+
+
+def reward_term(function: str, name: str | None, weight: float, options: dict[str, Any],
+                timeout_s: float | None) -> RewardTerm:
+    """A term from its config: a verifier name or a ``module:function``."""
+    label = name or function.rpartition(":")[2]
+    if function in VERIFIERS:
+        if timeout_s is not None:
+            options = {**options, "timeout_s": timeout_s}
+        _check_options(VERIFIERS[function], options, f"reward {label!r} ({function})")
+        verify = VERIFIERS[function](**options)
+
+        def score(sample: Sample) -> tuple[float, str | None]:
+            if sample.truncated or not sample.extracted:
+                return 0.0, None
+            return (1.0 if verify(sample.extracted, sample.answer) else 0.0), None
+
+        return RewardTerm(label, weight, score)
+    return RewardTerm(label, weight, UserFunction(function, options, timeout_s or USER_FUNCTION_TIMEOUT_S))
+
+
+class RewardSet:
+    """Weighted reward terms; the first is the task's correctness (accuracy, pass@k)."""
+
+    def __init__(self, terms: list[RewardTerm]):
+        names = [t.name for t in terms]
+        if not terms or len(set(names)) != len(names):
+            raise ValueError(f"a task needs at least one reward and distinct reward names (got {names})")
+        self.terms = terms
+
+    def score(self, sample: Sample) -> tuple[dict[str, float], tuple[str, ...]]:
+        """({name: unweighted value}, names of the terms that failed on this sample)."""
+        values, failed = {}, []
+        for term in self.terms:
+            try:
+                value, error = term.score(sample)
+            except Exception as err:  # defensive: the built-in verifiers do not raise
+                value, error = 0.0, f"{type(err).__name__}: {err}"
+            if error is not None:
+                term.failures += 1
+                failed.append(term.name)
+                if term.failures == 1:
+                    logger.warning("reward %r failed on item %s (it scores 0; later failures are only counted "
+                                   "in reward/%s_failed):\n%s", term.name, sample.id, term.name, error)
+            values[term.name] = value
+        return values, tuple(failed)
+
+    def total(self, values: dict[str, float]) -> float:
+        return sum(t.weight * values[t.name] for t in self.terms)

@@ -1,0 +1,224 @@
+"""Calling a function in a killable child process, with a deadline: for graders that must never hang.
+
+``WorkerPool("package.module:function")`` starts ``python -c ...`` children (no ``multiprocessing``,
+so no ``__main__`` guard is needed and nothing of the parent, torch threads included, is forked)
+that import the function once and then serve calls as JSON lines. A call:
+
+* sends ``[args, kwargs, soft_s]``; inside the child an interval timer raises at ``soft_s``
+  (this ends Python-level work and sleeps without a restart);
+* waits at most ``timeout_s`` for the reply; past that the child is killed and replaced lazily
+  (this ends work stuck in C code, e.g. a regular expression that backtracks forever).
+
+Replies never raise in the parent: ``Reply(ok, value, error)`` with the child's traceback, ``"timed
+out after ..."`` or ``"worker died"`` in ``error``. Values travel as JSON (NaN and infinities
+included); a value JSON cannot hold arrives as the string ``"<TypeName object>"``. Workers inherit
+the parent's import path (``sys.path`` plus the working directory), so a function importable in
+the parent is importable in the child. Works from any thread; at most ``max_workers`` children run
+at once per pool.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STARTUP_TIMEOUT_S = 60.0
+SOFT_FRACTION = 0.8  # the child stops itself at this fraction of timeout_s; the parent kills at 1.0
+MAX_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What one call gave: ``ok`` with ``value``, or not ok with ``error`` (traceback or reason)."""
+
+    ok: bool
+    value: Any = None
+    error: str | None = None
+
+
+class WorkerStartError(RuntimeError):
+    """The child could not import its function (the message holds the child's traceback)."""
+
+
+class _SoftTimeout(BaseException):
+    """Raised in the child by its interval timer; a BaseException so library code cannot swallow it."""
+
+
+def resolve(target: str) -> Any:
+    """The object named ``"package.module:attribute"``, imported with the working directory on the path."""
+    import importlib
+
+    module_name, _, attribute = target.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    module = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _encode(value: Any) -> bytes:
+    return json.dumps(value, default=lambda o: f"<{type(o).__name__} object>").encode("utf-8") + b"\n"
+
+
+def serve(target: str) -> None:
+    """Child loop: import ``target``, then answer ``[args, kwargs, soft_s]`` lines with reply lines."""
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise _SoftTimeout
+
+    channel = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # stray prints must not corrupt the protocol
+    try:
+        function = resolve(target)
+    except BaseException:
+        channel.write(_encode({"start_error": traceback.format_exc()}))
+        return
+    signal.signal(signal.SIGALRM, on_alarm)
+    channel.write(b'"ready"\n')
+    for line in sys.stdin.buffer:
+        try:
+            args, kwargs, soft_s = json.loads(line)
+            signal.setitimer(signal.ITIMER_REAL, max(float(soft_s), 0.01))
+            try:
+                reply = {"ok": True, "value": function(*args, **kwargs)}
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _SoftTimeout:
+            reply = {"ok": False, "error": f"timed out after {soft_s:g} s"}
+        except BaseException:
+            reply = {"ok": False, "error": traceback.format_exc()}
+        try:
+            data = _encode(reply)
+        except ValueError:  # e.g. a circular structure
+            data = _encode({"ok": True, "value": f"<{type(reply['value']).__name__} object>"})
+        channel.write(data)
+
+
+def _child_env() -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[2])
+    path = [root, os.getcwd(), *(p for p in sys.path if p)]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
+
+
+class _Worker:
+    """One child process serving ``target``, used by one thread at a time."""
+
+    def __init__(self, target: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from grpolab.tasks.sandbox import serve; serve(sys.argv[1])", target],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_child_env(), start_new_session=True,
+        )
+        first = self._read(STARTUP_TIMEOUT_S)
+        if first != "ready":
+            self.close()
+            detail = first.get("start_error") if isinstance(first, dict) else "no reply"
+            raise WorkerStartError(f"{target}: could not be loaded in a worker process:\n{detail}")
+
+    def _read(self, timeout_s: float) -> Any:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        try:
+            return json.loads(line) if line else None
+        except ValueError:
+            return None
+
+    def call(self, args: list, kwargs: dict, timeout_s: float) -> Reply | None:
+        """The reply, or None when the child died or missed the deadline (the caller must close it)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(_encode([args, kwargs, SOFT_FRACTION * timeout_s]))
+        self.proc.stdin.flush()
+        reply = self._read(timeout_s)
+        if not isinstance(reply, dict) or "ok" not in reply:
+            return None
+        return Reply(bool(reply["ok"]), reply.get("value"), reply.get("error"))
+
+    def close(self) -> None:
+        """Kill the child and reap it."""
+        self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+class WorkerPool:
+    """Idle children of one ``target`` shared by threads; at most ``max_workers`` run at once.
+
+    ``call`` never raises, except ``WorkerStartError`` when a child cannot import the target (a
+    setup error the caller reports once).
+    """
+
+    _pools: list["WorkerPool"] = []
+
+    def __init__(self, target: str, max_workers: int = MAX_WORKERS) -> None:
+        self.target = target
+        self.idle: list[_Worker] = []
+        self.lock = threading.Lock()
+        self.slots = threading.BoundedSemaphore(max_workers)
+        WorkerPool._pools.append(self)
+
+    def call(self, args: list, kwargs: dict | None = None, timeout_s: float = 5.0) -> Reply:
+        """``target(*args, **kwargs)`` in a child, within ``timeout_s`` (plus a child's start-up when one
+        has to start, ~0.1-0.5 s). JSON-able arguments only."""
+        with self.slots:
+            with self.lock:
+                worker = self.idle.pop() if self.idle else None
+            if worker is not None and worker.proc.poll() is not None:  # died while idle
+                worker.close()
+                worker = None
+            worker = worker or _Worker(self.target)
+            try:
+                reply = worker.call(list(args), dict(kwargs or {}), timeout_s)
+            except (OSError, ValueError):
+                reply = None
+            if reply is None:
+                died = worker.proc.poll() is not None
+                worker.close()
+                return Reply(False, error="worker died" if died else f"timed out after {timeout_s:g} s (killed)")
+            with self.lock:
+                self.idle.append(worker)
+            return reply
+
+    def close(self) -> None:
+        with self.lock:
+            workers, self.idle = self.idle, []
+        for worker in workers:
+            worker.close()
+
+    def _forget_after_fork(self) -> None:
+        for worker in self.idle:
+            for stream in (worker.proc.stdin, worker.proc.stdout):
+                if stream is not None:
+                    stream.close()  # the forked child's copies only; the parent keeps its workers
+        self.idle = []
+        self.lock = threading.Lock()
+
+
+def _close_all() -> None:
+    for pool in WorkerPool._pools:
+        pool.close()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child must not share its parent's workers (their pipes would be read twice)."""
+    for pool in WorkerPool._pools:
+        pool._forget_after_fork()
+
+
+atexit.register(_close_all)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,47 @@
+"""Reward functions imported by path in the tests (``reward_fns:NAME``), as a user's module would be."""
+
+from __future__ import annotations
+
+import time
+
+
+def brevity(completion: str, answer: str, *, truncated: bool) -> float:
+    """1 for a completion of at most 30 characters that stopped by itself, falling linearly to 0 at 60."""
+    if truncated:
+        return 0.0
+    return max(0.0, min(1.0, (60 - len(completion)) / 30))
+
+
+def mentions_gold(completion: str, answer: str, **info) -> bool:
+    """Whether the gold answer appears anywhere in the completion (sees every info key)."""
+    assert {"question", "id", "extracted", "truncated", "fields"} <= set(info)
+    return answer in completion
+
+
+def scaled(completion: str, answer: str, extracted: str | None, scale: float = 1.0) -> float:
+    """``scale`` when the extracted answer equals the gold string (an option from the config)."""
+    return scale if extracted == answer else 0.0
+
+
+def faulty(completion: str, answer: str, id: str) -> object:
+    """Misbehaves by the item id's last digit: 0 raises, 1 sleeps forever, 2 returns NaN, 3 returns text,
+    4 returns None, 5 returns infinity; other items get 1.0."""
+    kind = id[-1]
+    if kind == "0":
+        raise RuntimeError(f"user bug on {id}")
+    if kind == "1":
+        time.sleep(10_000)
+    return {"2": float("nan"), "3": "high", "4": None, "5": float("inf")}.get(kind, 1.0)
+
+
+def busy_forever(completion: str, answer: str) -> float:
+    """Never returns and ignores signals' Python-level exceptions (spins in a bare loop)."""
+    while True:
+        try:
+            while True:
+                pass
+        except BaseException:
+            continue
+
+
+not_a_function = 42

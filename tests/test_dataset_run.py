@@ -1,0 +1,128 @@
+"""Short RL runs on tasks from outside the package: a JSONL file and reward functions from a test module,
+configured in TOML; a task class by import path whose grader raises."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from grpolab.cli import main
+from grpolab.config import load_config
+from grpolab.run_state import PromptStream
+from grpolab.tasks import build_task
+
+CONFIG = """
+steps = 2
+seed = 3
+output_dir = "{out}"
+
+[model]
+path = "{model}"
+
+[task]
+name = "dataset"
+train = "{train}"
+validation = "{val}"
+question_field = "problem"
+answer_field = "result"
+n_train = 40
+
+[task.prompt]
+format = "r1_zero"
+
+[[task.rewards]]
+function = "numeric"
+name = "correct"
+
+[[task.rewards]]
+function = "reward_fns:brevity"
+weight = 0.1
+
+[[task.rewards]]
+function = "reward_fns:faulty"
+weight = 0.0
+timeout_s = 0.3
+
+[reward]
+overlong_buffer = 8
+
+[rollout]
+prompts_per_step = 4
+group_size = 8
+max_new_tokens = 40
+
+[optim]
+micro_batch_size = 16
+lr = 1e-3
+
+[eval]
+every = 2
+
+[checkpoint]
+every = 2
+"""
+
+
+def write_problems(path: Path, pairs: list[tuple[int, int]]) -> Path:
+    path.write_text("".join(json.dumps({"problem": f"{a}+{b}", "result": a + b}) + "\n" for a, b in pairs))
+    return path
+
+
+def test_rl_run_from_toml_on_a_jsonl_with_user_reward_functions(tmp_path, warm_model_dir):
+    rng = random.Random(0)
+    pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
+    rng.shuffle(pairs)
+    train, val = write_problems(tmp_path / "train.jsonl", pairs[:60]), write_problems(tmp_path / "val.jsonl", pairs[60:76])
+    out = tmp_path / "run"
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG.format(out=out, model=warm_model_dir, train=train, val=val))
+    assert main(["train", "--config", str(config)]) == 0
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward_mean" in r]
+    assert len(steps) == 2
+    cfg = load_config(config)
+    task = build_task(cfg.task)
+    stream = PromptStream(task.train_examples(), cfg.seed)
+    for record in steps:
+        drawn = stream.take(4)  # the run's prompts, replayed: faulty fails on ids ending in 0-5
+        assert record["reward/faulty_failed"] == 8 * sum(e.id[-1] in "012345" for e in drawn)
+        assert record["reward/correct_failed"] == record["reward/brevity_failed"] == 0
+        assert record["accuracy"] == record["reward/correct"]  # the first reward is the correctness
+        shaped = record["reward/correct"] + 0.1 * record["reward/brevity"] + record["reward/overlong_penalty"]
+        assert abs(record["reward_mean"] - shaped) < 1e-6  # reward_mean is a float32 mean
+        assert -1.0 <= record["reward/overlong_penalty"] <= 0.0
+    assert 0 < steps[0]["reward/correct"] < 1  # the warm-started model solves some
+    items = [json.loads(line) for line in (out / "eval" / "step_000002.jsonl").read_text().splitlines()]
+    assert len(items) == 16 and set(items[0]["rewards"]) == {"correct", "brevity", "faulty"}
+    assert items[0]["id"] == "validation-0" and items[0]["gold"] == str(sum(pairs[60]))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["data"]["task"] == "dataset" and manifest["data"]["train_rows"] == 40
+    assert manifest["data"]["rewards"][1]["source"].endswith("reward_fns.py")
+    assert (out / "checkpoints" / "step_000002").is_dir()
+
+
+def test_a_task_class_whose_grader_raises_does_not_end_the_run(tmp_path, warm_model_dir):
+    out = tmp_path / "run"
+    code = main(["train", "--model", str(warm_model_dir), "--output-dir", str(out), "--steps", "1",
+                 "--task.name", "custom_task:CountdownTask", "--task.n", "16", "--task.raise_on", "'</answer>'",
+                 "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--rollout.max_new_tokens", "24",
+                 "--optim.micro_batch_size", "8"])
+    assert code == 0
+    step = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line][0]
+    assert step["reward/grade_failed"] >= 1  # completions with '</answer>' made the user's grader raise
+    assert json.loads((out / "config.json").read_text())["task"] == {"name": "custom_task:CountdownTask", "n": 16,
+                                                                     "raise_on": "</answer>"}
+
+
+def test_malformed_data_is_one_error_line_and_nothing_is_written(tmp_path, warm_model_dir, capsys):
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"problem": "1+1", "result": 2}\n{"problem": "2+2"}\n')
+    out = tmp_path / "run"
+    code = main(["train", "--model", str(warm_model_dir), "--output-dir", str(out), "--task.name", "dataset",
+                 "--task.train", str(train), "--task.validation_size", "1", "--task.question_field", "problem",
+                 "--task.answer_field", "result"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert code == 2 and not out.exists()
+    assert [line for line in lines if "error" in line] == [f"error: {train}:2: missing field 'result' (fields: problem)"]
