@@ -8,6 +8,8 @@ The trainer reads the fields; it never looks at the name. Adding an algorithm = 
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -129,7 +131,8 @@ def get_algorithm(name: str, **overrides: Any) -> AlgorithmSpec:
     return PRESETS[name].override(**overrides) if overrides else PRESETS[name]
 
 
-def describe_validation_error(err: ValidationError, root: str = "config") -> list[str]:
-    """One readable line per bad field: ``dotted.field: message``."""
-    return [f"{'.'.join(str(p) for p in e['loc']) or root}: {e['msg'].removeprefix('Value error, ')}"
+def describe_validation_error(err: ValidationError, root: str = "config", tags: Collection[str] = ()) -> list[str]:
+    """One readable line per bad field: ``dotted.field: message``; ``tags`` (a tagged union's, which pydantic
+    puts in the location) are left out of the dotted name."""
+    return [f"{'.'.join(str(p) for p in e['loc'] if p not in tags) or root}: {e['msg'].removeprefix('Value error, ')}"
             for e in err.errors()]

@@ -8,7 +8,6 @@ Validation reports one line per bad field.
 from __future__ import annotations
 
 import json
-import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -258,10 +257,7 @@ def validate_config(data: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        lines = describe_validation_error(err)
-        # the task union's tag (task.dataset.train) is not a field name: task.train
-        raise ConfigError("\n".join(re.sub(rf"^task\.(?:{'|'.join(TASK_KINDS)})\b\.?", "task.", line) if
-                                    line.startswith("task.") else line for line in lines).replace("task.:", "task:")) from None
+        raise ConfigError("\n".join(describe_validation_error(err, tags=TASK_KINDS))) from None
 
 
 RESUME_OVERRIDES = {"steps", "log_every"}

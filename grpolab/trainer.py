@@ -72,6 +72,9 @@ def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
     parts += [f"clip {clip:.3f}", f"ratio {num('ratio_mean', '.3f')}", f"len {num('completion_len_mean', '.1f')}",
               f"trunc {num('truncation_rate', '.2f')}", f"gnorm {num('grad_norm', '.3f')}",
               f"{record['time/step']:.1f} s/step", f"~{format_seconds(seconds_left)} left"]
+    failed = sum(v for k, v in record.items() if k.startswith("reward/") and k.endswith("_failed"))
+    if failed:
+        parts.insert(-2, f"reward failures {failed}")
     return "  ".join(parts)
 
 

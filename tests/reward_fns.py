@@ -45,3 +45,17 @@ def busy_forever(completion: str, answer: str) -> float:
 
 
 not_a_function = 42
+
+
+def exits(completion: str, answer: str) -> float:
+    """Kills its own process."""
+    import os
+
+    os._exit(3)
+
+
+def echo(*args, **kwargs):
+    """Returns what it was given; an object JSON cannot hold when asked to."""
+    if kwargs.get("opaque"):
+        return object()
+    return [list(args), kwargs]

@@ -126,3 +126,44 @@ def test_malformed_data_is_one_error_line_and_nothing_is_written(tmp_path, warm_
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert code == 2 and not out.exists()
     assert [line for line in lines if "error" in line] == [f"error: {train}:2: missing field 'result' (fields: problem)"]
+
+
+def test_the_built_in_task_and_the_same_rows_as_a_dataset_task_train_identically(tmp_path, warm_model_dir):
+    """Pair: arithmetic (built in) and its rows written to JSONL, read back by the dataset task with the
+    r1_zero prompt and the numeric verifier: same prompts, same grades, so the same numbers."""
+    from grpolab.config import validate_config
+    from grpolab.tasks import ArithmeticTask
+    from grpolab.trainer import train
+
+    from conftest import TASK, quick_config
+
+    built_in = ArithmeticTask(**TASK)
+    for split, examples in (("train", built_in.train_examples()), ("val", built_in.validation_examples())):
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({"question": e.question, "answer": e.answer}) + "\n"
+                                                         for e in examples))
+    train(quick_config(warm_model_dir, tmp_path / "a"))
+    cfg = quick_config(warm_model_dir, tmp_path / "b").model_dump(mode="json")
+    cfg["task"] = {"name": "dataset", "train": str(tmp_path / "train.jsonl"), "validation": str(tmp_path / "val.jsonl"),
+                   "rewards": [{"function": "numeric"}]}
+    train(validate_config(cfg))
+
+    def numbers(run: Path) -> list[dict]:
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "tokens_per_s", "reward/"))}
+                for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    def items(run: Path) -> list[dict]:
+        return [{k: v for k, v in json.loads(line).items() if k not in ("id", "rewards")}
+                for line in (run / "eval" / "step_000002.jsonl").read_text().splitlines()]
+
+    a, b = numbers(tmp_path / "a"), numbers(tmp_path / "b")
+    assert a == b and len(a) == 4  # eval 0, step 1, step 2, eval 2
+    assert items(tmp_path / "a") == items(tmp_path / "b")
+
+
+def test_the_step_line_says_when_rewards_failed():
+    from grpolab.trainer import vital_signs
+
+    record = {"step": 3, "reward_mean": 0.5, "accuracy": 0.5, "advantage_std": 1.0, "time/step": 1.0,
+              "reward/correct_failed": 0, "reward/faulty_failed": 12}
+    assert "reward failures 12  1.0 s/step" in vital_signs(record, 10, 7.0)
+    assert "failures" not in vital_signs({**record, "reward/faulty_failed": 0}, 10, 7.0)

@@ -91,7 +91,7 @@ def math_verify_in_worker(predicted: str, gold: str) -> bool:
     return bool(verify(_mv_parse(gold), _mv_parse(predicted), timeout_seconds=None))
 
 
-_pool = WorkerPool("grpolab.tasks.answers:math_verify_in_worker")
+_pool = WorkerPool.shared("grpolab.tasks.answers:math_verify_in_worker")
 _unavailable: list[str] = []  # set once a worker could not start: numeric answers still work
 
 

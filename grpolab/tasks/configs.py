@@ -202,6 +202,7 @@ def build_task(settings: Any) -> Task:
         try:
             settings = TypeAdapter(TaskConfig).validate_python(settings)
         except ValidationError as err:
-            raise ValueError("; ".join(f"task.{e['loc'][-1] if e['loc'] else ''}: {e['msg'].removeprefix('Value error, ')}"
-                                       for e in err.errors())) from None
+            from grpolab.algorithms import describe_validation_error
+
+            raise ValueError("\n".join(describe_validation_error(err, "task", TASK_KINDS))) from None
     return settings.build()

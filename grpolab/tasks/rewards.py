@@ -126,15 +126,19 @@ class UserFunction:
         if unknown and not takes_all:
             raise ValueError(f"reward function {target!r} takes no option(s) {', '.join(sorted(unknown))}")
         self.target, self.options, self.timeout_s = target, options, timeout_s
-        self.pool = WorkerPool(target)
+        self.pool = WorkerPool.shared(target)
+        self.start_error: str | None = None  # a worker could not import it: every call fails at once
 
     def __call__(self, sample: Sample) -> tuple[float, str | None]:
         """(value, None) or (0.0, why it failed)."""
+        if self.start_error is not None:
+            return 0.0, self.start_error
         info = {k: getattr(sample, k) for k in self.keys}
         try:
             reply = self.pool.call([sample.completion, sample.answer], {**info, **self.options}, self.timeout_s)
         except WorkerStartError as err:
-            return 0.0, str(err)
+            self.start_error = str(err)
+            return 0.0, self.start_error
         if not reply.ok:
             return 0.0, reply.error
         value = reply.value

@@ -162,14 +162,20 @@ class WorkerPool:
     setup error the caller reports once).
     """
 
-    _pools: list["WorkerPool"] = []
+    _shared: dict[str, "WorkerPool"] = {}
 
     def __init__(self, target: str, max_workers: int = MAX_WORKERS) -> None:
         self.target = target
         self.idle: list[_Worker] = []
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(max_workers)
-        WorkerPool._pools.append(self)
+
+    @classmethod
+    def shared(cls, target: str) -> "WorkerPool":
+        """The process-wide pool of ``target`` (tasks that use the same function share its workers)."""
+        if target not in cls._shared:
+            cls._shared[target] = cls(target)
+        return cls._shared[target]
 
     def call(self, args: list, kwargs: dict | None = None, timeout_s: float = 5.0) -> Reply:
         """``target(*args, **kwargs)`` in a child, within ``timeout_s`` (plus a child's start-up when one
@@ -209,13 +215,13 @@ class WorkerPool:
 
 
 def _close_all() -> None:
-    for pool in WorkerPool._pools:
+    for pool in WorkerPool._shared.values():
         pool.close()
 
 
 def _after_fork_in_child() -> None:
     """A forked child must not share its parent's workers (their pipes would be read twice)."""
-    for pool in WorkerPool._pools:
+    for pool in WorkerPool._shared.values():
         pool._forget_after_fork()
 
 
