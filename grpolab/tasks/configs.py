@@ -7,12 +7,12 @@ the ``grpolab.tasks.base.Task`` contract and takes the table's other keys as key
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from grpolab.tasks.base import Task
+from grpolab.tasks.sandbox import IMPORT_PATH
 
 
 class _Section(BaseModel):
@@ -99,7 +99,7 @@ class RewardConfig(_Section):
     def _known(cls, value: str) -> str:
         from grpolab.tasks.rewards import VERIFIERS
 
-        if value not in VERIFIERS and not re.fullmatch(r"[\w.]+:[\w.]+", value):
+        if value not in VERIFIERS and not IMPORT_PATH.fullmatch(value):
             raise ValueError(f"unknown reward function {value!r}; use a verifier ({', '.join(VERIFIERS)}) or "
                              "'package.module:function'")
         return value
@@ -153,7 +153,7 @@ class ImportedTaskConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _import_path(cls, value: str) -> str:
-        if not re.fullmatch(r"[\w.]+:[\w.]+", value):
+        if not IMPORT_PATH.fullmatch(value):
             raise ValueError(f"unknown task {value!r}; choose {', '.join(BUILT_IN)} or 'package.module:Class'")
         return value
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +38,7 @@ from typing import Any
 import regex
 
 from grpolab.tasks.answers import answers_match
-from grpolab.tasks.sandbox import WorkerPool, WorkerStartError, resolve
+from grpolab.tasks.sandbox import IMPORT_PATH, WorkerPool, WorkerStartError, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def regex_verifier(pattern: str = "{gold}", ignore_case: bool = False, timeout_s
         source = gold if pattern == "gold" else pattern.replace("{gold}", regex.escape(gold))
         try:
             return regex.fullmatch(source, answer.strip(), flags, timeout=timeout_s) is not None
-        except (regex.error, TimeoutError):
+        except Exception:  # a gold that is no valid expression, too deeply nested, or past the time bound
             return False
 
     return match
@@ -106,7 +106,7 @@ class UserFunction:
     """A ``module:function`` reward, called in worker processes with a time bound."""
 
     def __init__(self, target: str, options: dict[str, Any], timeout_s: float):
-        if not re.fullmatch(r"[\w.]+:[\w.]+", target):
+        if not IMPORT_PATH.fullmatch(target):
             raise ValueError(f"reward function {target!r}: expected a verifier ({', '.join(VERIFIERS)}) or "
                              "'package.module:function'")
         try:
@@ -184,6 +184,7 @@ class RewardSet:
         if not terms or len(set(names)) != len(names):
             raise ValueError(f"a task needs at least one reward and distinct reward names (got {names})")
         self.terms = terms
+        self._lock = threading.Lock()  # samples are scored from several threads (grade_batch)
 
     def score(self, sample: Sample) -> tuple[dict[str, float], tuple[str, ...]]:
         """({name: unweighted value}, names of the terms that failed on this sample)."""
@@ -194,9 +195,11 @@ class RewardSet:
             except Exception as err:  # defensive: the built-in verifiers do not raise
                 value, error = 0.0, f"{type(err).__name__}: {err}"
             if error is not None:
-                term.failures += 1
+                with self._lock:
+                    term.failures += 1
+                    first = term.failures == 1
                 failed.append(term.name)
-                if term.failures == 1:
+                if first:
                     logger.warning("reward %r failed on item %s (it scores 0; later failures are only counted "
                                    "in reward/%s_failed):\n%s", term.name, sample.id, term.name, error)
             values[term.name] = value

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -52,6 +53,9 @@ class WorkerStartError(RuntimeError):
 
 class _SoftTimeout(BaseException):
     """Raised in the child by its interval timer; a BaseException so library code cannot swallow it."""
+
+
+IMPORT_PATH = re.compile(r"[\w.]+:[\w.]+")  # "package.module:attribute"
 
 
 def resolve(target: str) -> Any:
