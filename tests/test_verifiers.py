@@ -61,10 +61,15 @@ def test_regex_table(answer, gold, options, expected):
     assert VERIFIERS["regex"](**options)(answer, gold) is expected
 
 
-def test_regex_catastrophic_backtracking_is_cut_off_at_its_bound():
+@pytest.mark.parametrize("answer, gold", [
+    ("a" * 40 + "!", "(a+)+$"),  # catastrophic backtracking: the regex package's timeout ends it
+    ("x" * 100_000, "9" * 5000),  # a long literal search the package never times out: the worker is killed
+])
+def test_regex_runaway_matches_end_at_their_bound(answer, gold):
     verify = VERIFIERS["regex"](pattern="gold", timeout_s=0.2)
+    verify("a", "a")  # a worker started
     start = time.perf_counter()
-    assert verify("a" * 40 + "!", "(a+)+$") is False
+    assert verify(answer, gold) is False
     assert time.perf_counter() - start < 2.0
 
 
@@ -113,3 +118,12 @@ def test_never_raises_and_returns_within_its_bound(answer, gold, name, answer_fo
     value, error = term.score(Sample(answer, gold, "q", "id", answer if extracted is None else extracted, False))
     assert value in (0.0, 1.0) and error is None
     assert time.perf_counter() - start < 5.0  # 0.5 s bound, plus a worker's start-up after a kill
+
+
+@pytest.mark.parametrize("text", ["<answer>" * 12_500, "\\boxed{" * 14_000, "\\fbox{" * 16_000, "{" * 100_000,
+                                  "\\boxed " * 14_000, "\\boxed{1}" * 10_000, "1," * 50_000, "<think>" * 14_000])
+def test_answer_extraction_is_linear_on_long_adversarial_completions(text):
+    start = time.perf_counter()
+    for answer_format in ("r1_zero", "answer_tags", "boxed", "last_number"):
+        extract_answer(text, answer_format)
+    assert time.perf_counter() - start < 1.0  # a quadratic scan takes minutes here

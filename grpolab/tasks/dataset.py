@@ -84,16 +84,17 @@ class DatasetTask:
         train = source_records(cfg.train)
         if cfg.validation is not None:
             validation = source_records(cfg.validation)
-            splits = {"train": (train, list(range(len(train)))), "validation": (validation, list(range(len(validation))))}
+            splits = {"train": (cfg.train, train, range(len(train))),
+                      "validation": (cfg.validation, validation, range(len(validation)))}
         else:
             train_rows, val_rows = seeded_split(len(train), cfg.validation_size or 0, cfg.split_seed)
-            splits = {"train": (train, train_rows), "validation": (train, val_rows)}
+            splits = {"train": (cfg.train, train, train_rows), "validation": (cfg.train, train, val_rows)}
         self._rows: dict[str, list[dict[str, Any]]] = {}
         self._examples: dict[str, list[Example]] = {}
         seen: dict[str, str] = {}
-        for split, (records, indices) in splits.items():
+        for split, (source, records, indices) in splits.items():
             n = cfg.n_train if split == "train" else cfg.n_val
-            indices = first_n(indices, n, source=f"{split} split of {cfg.train if split == 'train' else cfg.validation or cfg.train}")
+            indices = first_n(list(indices), n, source=f"{split} split of {source}")
             examples, rows = [], []
             for index in indices:
                 location, record = records[index]

@@ -24,8 +24,7 @@ AnswerFormat = Literal["r1_zero", "answer_tags", "boxed", "last_number"]
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 MAX_SCAN_CHARS = 100_000  # longer completions are searched in their last this-many characters
 
-_ANSWER_TAGS = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_BOX_OPENERS = ("\\boxed", "\\fbox")
+_BOX_OPENER = re.compile(r"\\(?:boxed|fbox)")
 _LAST_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
@@ -38,43 +37,36 @@ def after_thinking(text: str) -> str | None:
 
 
 def last_answer_tags(text: str) -> str | None:
-    """The stripped content of the last ``<answer>...</answer>``."""
-    found = _ANSWER_TAGS.findall(text)
-    return found[-1].strip() if found else None
+    """The stripped content of the last ``<answer>...</answer>`` (the last opening tag before the last closing one)."""
+    close = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, close) if close >= 0 else -1
+    return text[start + len("<answer>"):close].strip() if start >= 0 else None
 
 
-def _braced(text: str, start: int) -> str | None:
-    """The content of the brace group opening at ``text[start] == "{"``, or None when unbalanced."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1:i]
-    return None
+def _matching_braces(text: str) -> dict[int, int]:
+    """{index of "{": index of its "}"} for every balanced pair, in one pass."""
+    opened, pairs = [], {}
+    for i, char in enumerate(text):
+        if char == "{":
+            opened.append(i)
+        elif char == "}" and opened:
+            pairs[opened.pop()] = i
+    return pairs
 
 
 def last_boxed(text: str) -> str | None:
-    """The stripped content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed X``."""
-    best: tuple[int, str] | None = None
-    for opener in _BOX_OPENERS:
-        at = text.rfind(opener)
-        while at >= 0:
-            rest = at + len(opener)
-            if rest < len(text) and text[rest] == "{":
-                content = _braced(text, rest)
-            elif rest < len(text) and text[rest] == " ":
-                content = re.match(r" +([^\s$]+)", text[rest:]).group(1) if text[rest:].strip() else None
-            else:
-                content = None  # "\boxedx": another command
-            if content is not None:
-                if best is None or at > best[0]:
-                    best = (at, content.strip())
-                break
-            at = text.rfind(opener, 0, at)
-    return best[1] if best is not None else None
+    """The stripped content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed X`` (linear time)."""
+    pairs: dict[int, int] | None = None
+    for rest in reversed([m.end() for m in _BOX_OPENER.finditer(text)]):
+        if text.startswith("{", rest):
+            pairs = _matching_braces(text) if pairs is None else pairs
+            if rest in pairs:
+                return text[rest + 1:pairs[rest]].strip()
+        elif text.startswith(" ", rest):
+            word = re.match(r" +([^\s$]+)", text[rest:rest + MAX_SCAN_CHARS])
+            if word:
+                return word.group(1)
+    return None
 
 
 def last_number(text: str) -> str | None:

@@ -9,7 +9,8 @@ answer and give 1.0 or 0.0 (0.0 when no answer was found or the completion was t
 * ``exact``: the stripped strings, whitespace runs collapsed; ``case_sensitive`` (default true).
 * ``regex``: the answer fully matches ``pattern`` in which ``{gold}`` stands for the escaped gold
   answer (default ``"{gold}"``); with ``pattern = "gold"`` the gold answer itself is the regular
-  expression. ``ignore_case``; ``timeout_s`` bounds the match (the ``regex`` package's timeout).
+  expression. ``ignore_case``; ``timeout_s`` bounds the match (in a killable worker: the ``regex``
+  package's own timeout misses some runaway searches).
 
 A user function is named ``"package.module:function"`` and has this signature::
 
@@ -62,18 +63,26 @@ def exact_verifier(case_sensitive: bool = True) -> Callable[[str, str], bool]:
     return lambda answer, gold: norm(answer) == norm(gold)
 
 
+def regex_in_worker(pattern: str, answer: str, flags: int, timeout_s: float) -> bool:
+    """``regex.fullmatch`` inside a ``WorkerPool`` child: the package's own timeout ends most runaway
+    matches early, and the pool kills the child for those it does not check (long literal searches)."""
+    try:
+        return regex.fullmatch(pattern, answer, flags, timeout=timeout_s) is not None
+    except Exception:  # a gold that is no valid expression, too deeply nested, or past the time bound
+        return False
+
+
 def regex_verifier(pattern: str = "{gold}", ignore_case: bool = False, timeout_s: float = 1.0
                    ) -> Callable[[str, str], bool]:
     flags = regex.IGNORECASE if ignore_case else 0
     if pattern != "gold":  # checked once: a pattern that cannot compile is a config error
         regex.compile(pattern.replace("{gold}", ""), flags)
+    pool = WorkerPool.shared("grpolab.tasks.rewards:regex_in_worker")
 
     def match(answer: str, gold: str) -> bool:
         source = gold if pattern == "gold" else pattern.replace("{gold}", regex.escape(gold))
-        try:
-            return regex.fullmatch(source, answer.strip(), flags, timeout=timeout_s) is not None
-        except Exception:  # a gold that is no valid expression, too deeply nested, or past the time bound
-            return False
+        reply = pool.call([source, answer.strip(), flags, timeout_s], timeout_s=timeout_s + 0.5)
+        return reply.ok and reply.value is True
 
     return match
 
