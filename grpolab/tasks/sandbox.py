@@ -130,15 +130,15 @@ class _Worker:
             raise WorkerStartError(f"{target}: could not be loaded in a worker process:\n{detail}")
 
     def _read(self, timeout_s: float) -> Any:
+        """The next JSON line; None past the deadline; "died" when the child's output ended or was garbled."""
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         if not ready:
             return None
-        line = self.proc.stdout.readline()
         try:
-            return json.loads(line) if line else None
+            return json.loads(self.proc.stdout.readline() or b'"died"')
         except ValueError:
-            return None
+            return "died"
 
     def call(self, args: list, kwargs: dict, timeout_s: float) -> Reply | None:
         """The reply, or None when the child died or missed the deadline (the caller must close it)."""
@@ -146,8 +146,10 @@ class _Worker:
         self.proc.stdin.write(_encode([args, kwargs, SOFT_FRACTION * timeout_s]))
         self.proc.stdin.flush()
         reply = self._read(timeout_s)
-        if not isinstance(reply, dict) or "ok" not in reply:
+        if reply is None:
             return None
+        if not isinstance(reply, dict) or "ok" not in reply:
+            return Reply(False, error="worker died")
         return Reply(bool(reply["ok"]), reply.get("value"), reply.get("error"))
 
     def close(self) -> None:
@@ -193,12 +195,11 @@ class WorkerPool:
             worker = worker or _Worker(self.target)
             try:
                 reply = worker.call(list(args), dict(kwargs or {}), timeout_s)
-            except (OSError, ValueError):
-                reply = None
-            if reply is None:
-                died = worker.proc.poll() is not None
+            except (OSError, ValueError):  # the pipe broke: the child is gone
+                reply = Reply(False, error="worker died")
+            if reply is None or reply.error == "worker died":
                 worker.close()
-                return Reply(False, error="worker died" if died else f"timed out after {timeout_s:g} s (killed)")
+                return reply or Reply(False, error=f"timed out after {timeout_s:g} s (killed)")
             with self.lock:
                 self.idle.append(worker)
             return reply
