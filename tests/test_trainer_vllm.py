@@ -93,7 +93,9 @@ def session_members(sid: int) -> set[int]:
     return members
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "ctrl-c, vllm in a child interpreter"])
+# the in-process Ctrl-C case is slow (a minute): the child-interpreter case covers the same signal with more processes
+@pytest.mark.parametrize("how", [pytest.param("ctrl-c", marks=pytest.mark.slow), "sigterm",
+                                 "ctrl-c, vllm in a child interpreter"])
 def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, how):
     """Ctrl-C in a terminal signals the whole process group (engine processes included); SIGTERM
     (``kill PID``) reaches the trainer alone. Either way: exit code 130 and no process left."""
