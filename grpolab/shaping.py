@@ -18,6 +18,8 @@ import torch
 
 from grpolab.tasks.base import Grade
 
+SHAPING_TERMS = ("truncation_penalty", "overlong_penalty")  # component names; they never fail
+
 
 def truncation_penalty(truncated: torch.Tensor, penalty: float) -> torch.Tensor:
     """[N] bool -> [N] float: ``-penalty`` where truncated, else 0."""
@@ -40,9 +42,9 @@ def shape_rewards(grades: list[Grade], lengths: list[int], truncated: list[bool]
         return grades
     terms = []
     if penalty:
-        terms.append(("truncation_penalty", truncation_penalty(torch.tensor(truncated), penalty)))
+        terms.append((SHAPING_TERMS[0], truncation_penalty(torch.tensor(truncated), penalty)))
     if buffer:
-        terms.append(("overlong_penalty", overlong_penalty(torch.tensor(lengths), max_len, buffer, factor)))
+        terms.append((SHAPING_TERMS[1], overlong_penalty(torch.tensor(lengths), max_len, buffer, factor)))
     shaped = []
     for i, grade in enumerate(grades):
         for name, values in terms:

@@ -52,6 +52,7 @@ from grpolab.rundir import (
     write_eval_records,
     write_json,
 )
+from grpolab.shaping import SHAPING_TERMS
 from grpolab.tasks import build_task
 from grpolab.tasks.base import Example, Grade
 from grpolab.threads import choose_threads
@@ -89,7 +90,7 @@ def reward_components(grades: list[Grade]) -> dict[str, float]:
         for name in grade.failed:
             failed[name] = failed.get(name, 0) + 1
     out = {f"reward/{name}": mean(v) for name, v in values.items()}
-    for name in {*failed, *(n for n in values if n not in ("truncation_penalty", "overlong_penalty"))}:
+    for name in {*failed, *(n for n in values if n not in SHAPING_TERMS)}:
         out[f"reward/{name}_failed"] = failed.get(name, 0)
     return out
 

@@ -76,7 +76,7 @@ def test_regex_runaway_matches_end_at_their_bound(answer, gold):
 def test_bad_options_and_patterns_are_config_errors():
     with pytest.raises(ValueError, match="bad options"):
         reward_term("exact", None, 1.0, {"tolerance": 0.1}, None)
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="pattern '\\(unclosed' does not compile"):
         reward_term("regex", None, 1.0, {"pattern": "(unclosed"}, None)
 
 

@@ -9,8 +9,8 @@ math-verify's own timeouts use ``signal.alarm``: whole seconds, main thread only
 ``verify`` raises), and they replace any alarm the caller set. So math-verify runs in a killable
 child process instead (``grpolab.tasks.sandbox``): its soft timer ends slow Python-level work, and
 the child is killed when no reply arrives within ``timeout_s``. This works from any thread. A
-worker starts on first use (~0.4 s here, not counted in ``timeout_s``) and is reused. Inputs longer than ``MAX_ANSWER_CHARS`` only match
-exactly. The function never raises.
+worker starts on first use (~0.4 s here, not counted in ``timeout_s``) and is reused. Inputs longer
+than ``MAX_ANSWER_CHARS`` only match exactly. The function never raises.
 """
 
 from __future__ import annotations

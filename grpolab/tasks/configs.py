@@ -12,6 +12,8 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from grpolab.tasks.base import Task
+from grpolab.tasks.extract import AnswerFormat
+from grpolab.tasks.prompts import PromptBuilder, PromptFormat
 from grpolab.tasks.sandbox import IMPORT_PATH
 
 
@@ -59,14 +61,14 @@ class GSM8KTaskConfig(_Section):
 class PromptConfig(_Section):
     """How prompts are made and where the completion states its answer (``grpolab.tasks.prompts``)."""
 
-    format: Literal["r1_zero", "chat", "template"] = Field("r1_zero", description="r1_zero; chat = the tokenizer's "
+    format: PromptFormat = Field("r1_zero", description="r1_zero; chat = the tokenizer's "
                                                            "chat template; template = your format string")
     template: str | None = Field(None, description="template: the whole prompt; chat: the user message (default "
                                  "'{question}'); fields as {name}: question and the data row's fields")
     system: str | None = Field(None, description="chat: a system message")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="chat: passed to the chat "
                                                  "template, e.g. {enable_thinking = false}")
-    answer: Literal["r1_zero", "answer_tags", "boxed", "last_number"] | None = Field(
+    answer: AnswerFormat | None = Field(
         None, description="where the completion states its answer: r1_zero ('</think> <answer> X </answer>'), "
         "answer_tags (the last <answer>X</answer>), boxed (the last \\boxed{X}), last_number; None = r1_zero for "
         "the r1_zero format, else required")
@@ -78,8 +80,6 @@ class PromptConfig(_Section):
                 raise ValueError(f"prompt.answer is required with prompt.format {self.format!r}: answer_tags, "
                                  "boxed or last_number")
             self.answer = "r1_zero"
-        from grpolab.tasks.prompts import PromptBuilder
-
         PromptBuilder(self.format, self.template, self.system, self.chat_template_kwargs)  # refuses bad combinations
         return self
 

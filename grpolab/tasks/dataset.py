@@ -149,8 +149,7 @@ class DatasetTask:
 
     def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
         extracted = extract_answer(completion, self.answer_format)
-        sample = Sample(completion, example.answer, example.question, example.id, extracted, truncated,
-                        dict(example.fields))
+        sample = Sample(completion, example.answer, example.question, example.id, extracted, truncated, example.fields)
         values, failed = self.rewards.score(sample)
         return Grade(format_reward=float(extracted is not None and not truncated),
                      answer_reward=values[self.rewards.terms[0].name], extracted=extracted,

@@ -63,7 +63,7 @@ def last_boxed(text: str) -> str | None:
             if rest in pairs:
                 return text[rest + 1:pairs[rest]].strip()
         elif text.startswith(" ", rest):
-            word = re.match(r" +([^\s$]+)", text[rest:rest + MAX_SCAN_CHARS])
+            word = re.match(r" +([^\s$]+)", text[rest:rest + 1000])
             if word:
                 return word.group(1)
     return None

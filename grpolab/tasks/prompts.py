@@ -42,7 +42,7 @@ def fill_template(template: str, fields: Mapping[str, Any]) -> str:
 
 
 class PromptBuilder:
-    """Renders prompts of one format; ``needs_tokenizer`` until ``bind_tokenizer`` for chat."""
+    """Renders prompts of one format; chat prompts only once ``bind_tokenizer`` has been called."""
 
     def __init__(self, format: PromptFormat, template: str | None = None, system: str | None = None,
                  chat_template_kwargs: Mapping[str, Any] | None = None):

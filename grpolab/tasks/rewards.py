@@ -32,7 +32,7 @@ import inspect
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +76,10 @@ def regex_verifier(pattern: str = "{gold}", ignore_case: bool = False, timeout_s
                    ) -> Callable[[str, str], bool]:
     flags = regex.IGNORECASE if ignore_case else 0
     if pattern != "gold":  # checked once: a pattern that cannot compile is a config error
-        regex.compile(pattern.replace("{gold}", ""), flags)
+        try:
+            regex.compile(pattern.replace("{gold}", ""), flags)
+        except regex.error as err:
+            raise ValueError(f"regex verifier: pattern {pattern!r} does not compile ({err})") from None
     pool = WorkerPool.shared("grpolab.tasks.rewards:regex_in_worker")
 
     def match(answer: str, gold: str) -> bool:
@@ -108,7 +111,7 @@ class Sample:
     id: str
     extracted: str | None
     truncated: bool
-    fields: dict[str, Any] = field(default_factory=dict)
+    fields: Mapping[str, Any] = field(default_factory=dict)
 
 
 class UserFunction:

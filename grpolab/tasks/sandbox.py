@@ -105,7 +105,7 @@ def serve(target: str) -> None:
         try:
             data = _encode(reply)
         except ValueError:  # e.g. a circular structure
-            data = _encode({"ok": True, "value": f"<{type(reply['value']).__name__} object>"})
+            data = _encode({"ok": True, "value": f"<{type(reply.get('value')).__name__} object>"})
         channel.write(data)
 
 
