@@ -3,7 +3,8 @@
 Row ``i`` is ``prompt_ids + completion_ids`` starting at column 0, padded on the right. The
 log-prob convention matches ``grpolab.logprobs.token_logprobs``: column ``t`` holds
 ``log p(token t | tokens before t)``, so ``engine_logprobs`` and ``token_logprobs(...).logprobs``
-line up element-wise and ``response_mask`` selects the policy's own tokens in both.
+line up element-wise and ``response_mask`` selects the policy's own tokens in both: 1 on the tokens
+it sampled, 0 on the prompt, padding and tool observations (``Completion.policy_mask``).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ class TrainBatch:
 
     input_ids: LongTensor[N, L] prompt + completion, ``pad_id`` after.
     attention_mask: LongTensor[N, L] 1 on prompt and completion tokens.
-    response_mask: FloatTensor[N, L] 1 exactly on completion tokens (EOS included).
+    response_mask: FloatTensor[N, L] 1 exactly on the completion tokens the policy sampled (EOS
+        included), 0 on tool observations.
     engine_logprobs: FloatTensor[N, L] the engine's log-prob of each completion token at its
         column, 0 elsewhere.
     prompt_lens: LongTensor[N] prompt length per row.
-    completion_lens: LongTensor[N] completion length per row.
+    completion_lens: LongTensor[N] completion length per row (observations included).
 
     Every tensor field is either per-token ``[N, L]`` (2-D) or per-row ``[N]`` (1-D); ``select``
     and ``to`` rely on that (subclasses may add fields following the same rule).
@@ -48,7 +50,17 @@ class TrainBatch:
 
     @property
     def num_response_tokens(self) -> int:
-        return int(self.completion_lens.sum())
+        """Tokens the policy sampled (the loss's tokens)."""
+        return int(self.response_mask.sum())
+
+    def token_counts(self) -> dict[str, int]:
+        """Every token position of the batch, by why it is or is not in the loss:
+        ``tokens/policy`` (trained on), ``tokens/masked_observation`` (tool output),
+        ``tokens/masked_prompt`` and ``tokens/masked_padding``."""
+        policy, prompt = self.num_response_tokens, int(self.prompt_lens.sum())
+        real = int(self.attention_mask.sum())
+        return {"tokens/policy": policy, "tokens/masked_observation": real - prompt - policy,
+                "tokens/masked_prompt": prompt, "tokens/masked_padding": self.attention_mask.numel() - real}
 
     def _map(self, fn) -> "TrainBatch":
         changes = {}
@@ -95,8 +107,9 @@ def collate(completions: Sequence[Completion], pad_id: int) -> TrainBatch:
         input_ids[row, :p] = torch.tensor(c.prompt_ids, dtype=torch.long)
         if k:
             input_ids[row, p : p + k] = torch.tensor(c.completion_ids, dtype=torch.long)
-            response_mask[row, p : p + k] = 1.0
-            engine_logprobs[row, p : p + k] = torch.tensor(c.logprobs, dtype=torch.float32)
+            mask = torch.tensor(c.mask, dtype=torch.float32)
+            response_mask[row, p : p + k] = mask
+            engine_logprobs[row, p : p + k] = torch.tensor(c.logprobs, dtype=torch.float32) * mask
         attention_mask[row, : p + k] = 1
     return TrainBatch(
         input_ids=input_ids,

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from grpolab.algorithms import PRESETS, AlgorithmSpec, describe_validation_error
 from grpolab.precision import PrecisionName
-from grpolab.tasks.configs import TASK_KINDS, ArithmeticTaskConfig, TaskConfig
+from grpolab.tasks.configs import TASK_KINDS, TINY_MODEL_TASKS, ArithmeticTaskConfig, TaskConfig
 
 
 class ConfigError(ValueError):
@@ -201,8 +201,9 @@ class RunConfig(_Section):
         if like and self.rollout.engine == "vllm":
             raise ValueError("a like:NAME model has random weights and no weight files for vLLM to load; "
                              "use rollout.engine 'hf'")
-        if self.model.path is None and self.task.name != "arithmetic":
-            raise ValueError(f"model.path (--model DIR) is required for task {self.task.name!r}")
+        if self.model.path is None and self.task.name not in TINY_MODEL_TASKS:
+            raise ValueError(f"model.path (--model DIR) is required for task {self.task.name!r} (the demo's tiny "
+                             f"model is warm-started for {' and '.join(TINY_MODEL_TASKS)} only)")
         if any(k > self.eval.pass_n for k in self.eval.pass_k):
             raise ValueError(f"eval.pass_k {self.eval.pass_k} needs eval.pass_n >= the largest k")
         return self

@@ -59,7 +59,7 @@ def print_demo_plan(cfg: RunConfig, reporter: Reporter) -> None:
     if cfg.model.path and not cfg.model.path.startswith(LIKE_PREFIX):
         check_model_path(cfg.model.path)
     torch.set_num_threads(choose_threads(cfg.threads).threads)  # the run measures again and agrees
-    settings = WarmStartSettings()
+    settings = WarmStartSettings(**getattr(task, "warm_start_overrides", {}))
     step, parameters = calibration_step_seconds(settings)
     shape = (cfg.rollout.prompts_per_step * cfg.rollout.group_size / 256) * (cfg.rollout.max_new_tokens / 48)
     n_val = cfg.eval.n_examples or len(task.validation_examples())

@@ -14,6 +14,7 @@ from typing import Any
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
 from grpolab.stats import pass_at_k
 from grpolab.tasks.base import Example, Grade, Task
+from grpolab.tools.multiturn import tool_metrics
 
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,9 @@ def item_record(task: Task, example: Example, completion: Completion, grade: Gra
     return {"id": example.id, "prompt_sha256": prompt_sha256(task.prompt(example)), "completion": completion.text,
             "extracted": grade.extracted, "gold": example.answer, "format_ok": grade.format_reward > 0,
             "correct": grade.answer_reward > 0, "length": len(completion.completion_ids),
-            "truncated": completion.truncated, **({"rewards": dict(grade.components)} if grade.components else {})}
+            "truncated": completion.truncated, **({"rewards": dict(grade.components)} if grade.components else {}),
+            **({"turns": completion.turns, "tool_calls": completion.tool_calls} if completion.turns > 1 or completion.tool_calls
+               else {})}
 
 
 def greedy(sampling: SamplingParams) -> SamplingParams:
@@ -98,6 +101,8 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
         "val/completion_len_mean": mean(len(c[0].completion_ids) for c in completions),
         "val/truncation_rate": mean(c[0].truncated for c in completions),
     }
+    if getattr(task, "toolset", None) is not None:
+        out.update(tool_metrics([c[0] for c in completions], [g.answer_reward > 0 for g in grades], prefix="val/tool/"))
     if pass_k:
         sampled = engine.generate(prompt_ids, pass_n, replace(sampling, seed=seed))
         correct = [sum(g.answer_reward > 0 for g in group) for group in grade_completions(task, examples, sampled)]

@@ -71,4 +71,4 @@ class PolicyLearner:
             self.model.eval()
         self.updates["attempted"] += result.attempted
         self.updates["actual"] += result.actual
-        return {**advantage_metrics(rewards, advantages), **result.metrics(), **sync}
+        return {**advantage_metrics(rewards, advantages), **result.metrics(), **sync, **batch.token_counts()}

@@ -40,12 +40,13 @@ WARM_START_VERSION = 1  # bump when the recipe changes, to invalidate old caches
 
 
 def build_tokenizer(
-    corpus: Iterable[str], vocab_size: int = 512, max_token_length: int | None = None
+    corpus: Iterable[str], vocab_size: int = 512, max_token_length: int | None = None, tags: Iterable[str] = TAGS
 ) -> PreTrainedTokenizerFast:
     """Train a small byte-level BPE tokenizer on ``corpus``.
 
     Every byte is in the base alphabet, so any text encodes and decodes exactly. Digits are always
-    split one per token; the r1_zero tags are single (non-special) tokens, so decoding with
+    split one per token; the ``tags`` (r1_zero's, and a tool task's call and response tags) are single
+    (non-special) tokens, so decoding with
     ``skip_special_tokens=True`` keeps them; ``<|endoftext|>`` is EOS and ``<|pad|>`` is padding.
     Pre-tokenisation does not split on spaces, so the fixed prompt preamble merges into a few
     multi-word tokens (at most ``max_token_length`` characters each).
@@ -59,7 +60,7 @@ def build_tokenizer(
     )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (EOS_TOKEN, PAD_TOKEN)])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in dict.fromkeys(tags)])
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
@@ -158,6 +159,17 @@ def default_cache_root() -> Path:
     return (Path(base) if base else Path.home() / ".cache" / "grpolab") / "tiny"
 
 
+def _tags(task: Task) -> tuple[str, ...]:
+    toolset = getattr(task, "toolset", None)
+    return TAGS + (toolset.tags() if toolset is not None else ())
+
+
+def _segments(task: Task) -> Callable[[str], list[tuple[str, bool]]]:
+    """Splits a solution into (text, is_observation): a tool task's observations are not trained on."""
+    toolset = getattr(task, "toolset", None)
+    return toolset.segments if toolset is not None else (lambda text: [(text, False)])
+
+
 def _solved(task: Task, settings: WarmStartSettings) -> list[tuple[str, str]]:
     pairs = [(task.prompt(e), e.solution) for e in task.train_examples() if e.solution]
     pairs = pairs[: settings.max_examples] if settings.max_examples is not None else pairs
@@ -175,21 +187,32 @@ def warm_start_key(task: Task, settings: WarmStartSettings) -> str:
     return h.hexdigest()[:12]
 
 
-def _encode(tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, str]]) -> list[tuple[list[int], int]]:
-    """Token ids of prompt + solution + EOS, and the prompt length (loss starts after it)."""
-    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
-    solutions = tokenizer([s for _, s in pairs], add_special_tokens=False)["input_ids"]
-    return [(p + s + [tokenizer.eos_token_id], len(p)) for p, s in zip(prompts, solutions)]
+def _encode(tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, str]],
+            segments: Callable[[str], list[tuple[str, bool]]] = lambda text: [(text, False)]
+            ) -> list[tuple[list[int], list[bool]]]:
+    """Token ids of prompt + solution + EOS, and which of them the loss trains on: the solution's and
+    EOS, except tool observations. Each segment of the solution is tokenised on its own, as a
+    multi-turn rollout joins a turn's tokens and an observation's."""
+    rows = []
+    for prompt, solution in pairs:
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        trained = [False] * len(ids)
+        for text, observation in segments(solution):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids, trained = ids + piece, trained + [not observation] * len(piece)
+        rows.append((ids + [tokenizer.eos_token_id], trained + [True]))
+    return rows
 
 
-def _batch(rows: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
+def _batch(rows: list[tuple[list[int], list[bool]]], pad_id: int) -> dict[str, torch.Tensor]:
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (ids, n_prompt) in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+    for i, (ids, trained) in enumerate(rows):
+        row = torch.tensor(ids)
+        input_ids[i, : len(ids)] = row
+        labels[i, : len(ids)] = torch.where(torch.tensor(trained), row, -100)
         mask[i, : len(ids)] = 1
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
@@ -209,14 +232,15 @@ def supervised_warm_start(
     pairs: list[tuple[str, str]],
     settings: WarmStartSettings,
     on_step: Callable[[float], None] | None = None,
+    segments: Callable[[str], list[tuple[str, bool]]] = lambda text: [(text, False)],
 ) -> list[float]:
     """Fine-tune ``model`` in place on (prompt, solution) pairs; returns the loss per step.
 
     AdamW with warmup and cosine decay, random batches drawn epoch by epoch from a generator
-    seeded with ``settings.seed``; cross-entropy on solution and EOS tokens only. ``on_step(loss)``
-    is called after every step.
+    seeded with ``settings.seed``; cross-entropy on solution and EOS tokens only, tool observations
+    excepted (``segments`` splits them out). ``on_step(loss)`` is called after every step.
     """
-    rows = _encode(tokenizer, pairs)
+    rows = _encode(tokenizer, pairs, segments)
     gen = torch.Generator().manual_seed(settings.seed)
     opt = torch.optim.AdamW(
         model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay
@@ -268,11 +292,12 @@ def warm_start_model(
 
     The folder is ``<cache_dir or default_cache_root()>/<warm_start_key>``; it holds the
     ``save_pretrained`` output of model and tokenizer plus ``warm_start.json`` (settings, losses,
-    seconds). It is written to a temporary folder and renamed into place, so a half-written cache is
+    seconds). Without ``settings``, the defaults with the task's ``warm_start_overrides`` (an optional
+    member). It is written to a temporary folder and renamed into place, so a half-written cache is
     never returned. Deterministic for a given seed on CPU. ``reporter`` shows the steps, the loss
     and the time left.
     """
-    settings = settings or WarmStartSettings()
+    settings = settings or WarmStartSettings(**getattr(task, "warm_start_overrides", {}))
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     target = root / warm_start_key(task, settings)
     if (target / "warm_start.json").exists():
@@ -281,7 +306,7 @@ def warm_start_model(
     started = time.perf_counter()
     pairs = _solved(task, settings)
     tokenizer = build_tokenizer(
-        (p + s for p, s in pairs), settings.vocab_size, settings.max_token_length
+        (p + s for p, s in pairs), settings.vocab_size, settings.max_token_length, _tags(task)
     )
     torch.manual_seed(settings.seed)
     model = build_model(
@@ -294,13 +319,14 @@ def warm_start_model(
         tie_word_embeddings=settings.tie_word_embeddings,
     )
     if reporter is None:
-        losses = supervised_warm_start(model, tokenizer, pairs, settings)
+        losses = supervised_warm_start(model, tokenizer, pairs, settings, segments=_segments(task))
     else:
         reporter.line(f"warm start: {settings.steps} supervised steps on {len(pairs)} worked solutions, "
                       f"cached afterwards in {target}")
         with reporter.phase("warm start", total=settings.steps, unit="steps", every=max(1, settings.steps // 10)) as phase:
             losses = supervised_warm_start(model, tokenizer, pairs, settings,
-                                           on_step=lambda loss: phase.advance(info=f"loss {loss:.3f}"))
+                                           on_step=lambda loss: phase.advance(info=f"loss {loss:.3f}"),
+                                           segments=_segments(task))
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
         save_checked(model, tokenizer, tmp, probe=pairs[0][0] + pairs[0][1])

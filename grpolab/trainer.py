@@ -56,11 +56,12 @@ from grpolab.shaping import SHAPING_TERMS
 from grpolab.tasks import build_task
 from grpolab.tasks.base import Example, Grade
 from grpolab.threads import choose_threads
+from grpolab.tools import MultiTurnEngine, tool_metrics
 
 
 def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
     """One log line of a step's vital signs (KL only when a reference exists, grad norm only when
-    an optimizer step ran)."""
+    an optimizer step ran, tool calls only with tools)."""
     def num(key: str, fmt: str) -> str:
         value = record.get(key)
         return "-" if value is None else format(value, fmt)
@@ -73,6 +74,8 @@ def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
     parts += [f"clip {clip:.3f}", f"ratio {num('ratio_mean', '.3f')}", f"len {num('completion_len_mean', '.1f')}",
               f"trunc {num('truncation_rate', '.2f')}", f"gnorm {num('grad_norm', '.3f')}",
               f"{record['time/step']:.1f} s/step", f"~{format_seconds(seconds_left)} left"]
+    if "tool/call_rate" in record:
+        parts.insert(-3, f"tool calls {record['tool/call_rate']:.2f} (errors {record['tool/errors']})")
     failed = sum(v for k, v in record.items() if k.startswith("reward/") and k.endswith("_failed"))
     if failed:
         parts.insert(-2, f"reward failures {failed}")
@@ -152,6 +155,9 @@ class Trainer:
             engine = build_engine(cfg.rollout, self.model, self.tokenizer, weights_dir, seed=cfg.seed,
                                   max_model_len=max(map(len, self.prompt_ids.values())) + cfg.rollout.max_new_tokens,
                                   precision=self.precision)
+        self.toolset = getattr(self.task, "toolset", None)
+        if self.toolset is not None:  # tool-using trajectories, observations masked out of the loss
+            engine = MultiTurnEngine(engine, self.toolset, self.tokenizer)
         self.collector = RolloutCollector(engine, self.task, self.prompts, self.prompt_ids, cfg.rollout, self.spec, cfg.seed,
                                           cfg.reward)
         self.learner = PolicyLearner(cfg, self.model, self.reference, self.optimizer, self.precision, self.device,
@@ -323,6 +329,8 @@ class Trainer:
             "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
             "tokens_per_s": tokens / rollout.seconds["generate"], **reward_components(grades),
         }
+        if self.toolset is not None:
+            record.update(tool_metrics(flat, [g.answer_reward > 0 for g in grades]))
         self.log.write(record)
         return record
 

@@ -161,6 +161,19 @@ def failures(run: Run, per_kind: int = 2) -> dict[str, list[dict[str, Any]]]:
     return {kind: [{**r, "question": questions.get(r["id"])} for r in records] for kind, records in picked.items()}
 
 
+TOOL_KEYS = ("call_rate", "valid_call_rate", "turns_mean", "accuracy_with_calls", "accuracy_without_calls")
+
+
+def tool_use(run: Run) -> dict[str, Any] | None:
+    """Tool use at the first and last evaluation (``val/tool/...``); None for a run without tools."""
+    evals = [r for r in run.evals if "val/tool/call_rate" in r]
+    if not evals:
+        return None
+    pick = lambda r: {k: r.get(f"val/tool/{k}") for k in TOOL_KEYS}  # noqa: E731
+    return {"run": run.name, "first_step": evals[0]["step"], "first": pick(evals[0]), "last_step": evals[-1]["step"],
+            "last": pick(evals[-1])}
+
+
 def analyse(title: str, runs: list[Run], baseline: str | None, resamples: int, seed: int) -> dict[str, Any]:
     """Everything the report says, as JSON-ready data."""
     names = [r.name for r in runs]
@@ -180,4 +193,5 @@ def analyse(title: str, runs: list[Run], baseline: str | None, resamples: int, s
         "seed_groups": seed_groups(runs, resamples, seed),
         "pass_at_k": {r.name: curves for r in runs if (curves := pass_curves(r))},
         "failures": {r.name: f for r in runs if (f := failures(r))},
+        "tool_use": [found for r in runs if (found := tool_use(r))],
     }

@@ -41,6 +41,9 @@ CURVES: list[tuple[str, str, str, Series]] = [
     ("completion_length", "completion length (mean tokens)", "train", _key("completion_len_mean")),
     ("truncation_rate", "truncation rate", "train", _key("truncation_rate")),
     ("grad_norm", "grad norm (before clipping)", "train", _key("grad_norm")),
+    ("tool_call_rate", "tool-call rate (validation, greedy)", "val", _key("val/tool/call_rate")),
+    ("tool_accuracy", "accuracy of trajectories with a valid tool call (validation)", "val",
+     _key("val/tool/accuracy_with_calls")),
 ]
 PHASES = ["time/generate", "time/reward", "time/train", "time/sync"]
 

@@ -109,6 +109,23 @@ def pass_section(curves: dict[str, dict[int, dict[int, float]]]) -> list[str]:
     return lines
 
 
+def tool_section(rows: list[dict[str, Any]]) -> list[str]:
+    header = ["run", "step", "tool-call rate", "valid calls", "turns", "acc. with a valid call", "acc. without"]
+    lines = [[r["run"], str(r[f"{when}_step"]), *(num(r[when][k], ".2f" if k == "turns_mean" else ".3f")
+                                                   for k in ("call_rate", "valid_call_rate", "turns_mean",
+                                                             "accuracy_with_calls", "accuracy_without_calls"))]
+             for r in rows for when in ("first", "last")]
+    return table(header, lines)
+
+
+def _tool_note(record: dict[str, Any]) -> str:
+    calls = record.get("tool_calls") or []
+    if not calls:
+        return ""
+    errors = [c["error"] for c in calls if c["error"]]
+    return f", {len(calls)} tool call(s) in {record['turns']} turns" + (f" (errors: {'; '.join(errors)})" if errors else "")
+
+
 def failure_section(failures: dict[str, dict[str, list[dict[str, Any]]]], limit: int = 600) -> list[str]:
     lines = []
     for name, kinds in failures.items():
@@ -118,7 +135,7 @@ def failure_section(failures: dict[str, dict[str, list[dict[str, Any]]]], limit:
                 text = r["completion"] if len(r["completion"]) <= limit else r["completion"][:limit] + " [...]"
                 question = f" {r['question']!r}" if r.get("question") else ""
                 lines += ["", f"- {kind}: item `{r['id']}`{question}, gold `{r['gold']}`, extracted "
-                              f"`{r['extracted']}`, {r['length']} tokens", "", "  ```",
+                              f"`{r['extracted']}`, {r['length']} tokens{_tool_note(r)}", "", "  ```",
                           *[f"  {t}" for t in text.splitlines() or [""]], "  ```"]
         lines.append("")
     return lines
@@ -151,6 +168,9 @@ def render(data: dict[str, Any], figures: list[tuple[str, str]]) -> str:
     if data["pass_at_k"]:
         out += ["## pass@k (sampled, unbiased estimator)", "", *pass_section(data["pass_at_k"])]
     out += ["## Figures", ""] + [line for title, name in figures for line in (f"![{title}]({name})", "")]
+    if data.get("tool_use"):
+        out += ["## Tool use", "", "Greedy validation trajectories at the first and last evaluation; accuracy split by "
+                "whether a trajectory made a valid tool call.", "", *tool_section(data["tool_use"]), ""]
     if data["failures"]:
         out += ["## Failure examples (last evaluation)", "", *failure_section(data["failures"])]
     return "\n".join(out).rstrip() + "\n"

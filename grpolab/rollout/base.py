@@ -11,13 +11,17 @@ Token conventions:
   *sampling temperature* (temperature 1 for greedy, ``temperature == 0``). top-k / top-p
   truncation is *not* applied to these log-probs, so they are directly comparable with
   ``grpolab.logprobs.token_logprobs(..., temperature=params.temperature)``.
+* A multi-turn (tool-using) completion also holds the tool observations inserted between the
+  policy's turns: ``policy_mask[i]`` is 1 on tokens the policy sampled and 0 on observation
+  tokens, whose ``logprobs`` entries are 0 (nothing sampled them). Single-turn completions have no
+  observations (``policy_mask`` None = all 1).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from torch import nn
 
@@ -77,8 +81,13 @@ class Completion:
     prompt_ids: the prompt tokens as given to the engine.
     completion_ids: generated tokens (EOS / stop-string tokens included, nothing after).
     logprobs: one float per completion token, see the module docstring.
-    finish_reason: "stop" (EOS or stop string) or "length" (hit max_new_tokens).
-    text: decoded completion (special tokens such as EOS skipped).
+    finish_reason: "stop" (EOS or stop string) or "length" (hit max_new_tokens; for a multi-turn
+        completion: its token budget).
+    text: decoded completion (special tokens such as EOS skipped), observations included.
+    policy_mask: one 0/1 per completion token, 0 on tool observations; None = all 1.
+    tool_calls: one record per tool call of a multi-turn completion (``grpolab.tools.ToolCall``
+        as a dict: call text, name, arguments, error, observation and its token span).
+    turns: generation turns (1 for a single-turn completion).
     """
 
     prompt_ids: list[int]
@@ -86,16 +95,32 @@ class Completion:
     logprobs: list[float]
     finish_reason: FinishReason
     text: str
+    policy_mask: list[int] | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    turns: int = 1
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
             raise ValueError(
                 f"{len(self.logprobs)} logprobs for {len(self.completion_ids)} completion tokens"
             )
+        if self.policy_mask is not None and len(self.policy_mask) != len(self.completion_ids):
+            raise ValueError(
+                f"{len(self.policy_mask)} policy-mask entries for {len(self.completion_ids)} completion tokens"
+            )
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    @property
+    def mask(self) -> list[int]:
+        """The policy mask, all 1 for a single-turn completion."""
+        return [1] * len(self.completion_ids) if self.policy_mask is None else self.policy_mask
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return len(self.completion_ids) if self.policy_mask is None else sum(self.policy_mask)
 
 
 @runtime_checkable

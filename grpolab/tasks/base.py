@@ -100,3 +100,5 @@ class Task(Protocol):
 #   bind_tokenizer(tokenizer)       called once the model's tokenizer is loaded, before any prompt
 #                                   (chat-template prompts need it)
 #   grade_batch(items) -> [Grade]   grade many (completion, example, truncated) at once, e.g. in parallel
+#   toolset: grpolab.tools.Toolset  tools the model may call: rollouts become multi-turn
+#   warm_start_overrides: dict      WarmStartSettings fields for the demo's tiny model

@@ -1,6 +1,7 @@
 """Task settings (the ``[task]`` table): one pydantic class per kind of task, each with ``build()``.
 
-``task.name`` picks the kind: ``arithmetic`` (built in), ``gsm8k``, ``dataset`` (your own data,
+``task.name`` picks the kind: ``arithmetic`` (built in), ``gsm8k``, ``calculator`` (the built-in
+tool task), ``dataset`` (your own data,
 prompt format and rewards), or ``"package.module:Class"``, a task class of your own that follows
 the ``grpolab.tasks.base.Task`` contract and takes the table's other keys as keyword arguments.
 """
@@ -13,12 +14,39 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from grpolab.tasks.base import Task
 from grpolab.tasks.extract import AnswerFormat
-from grpolab.tasks.prompts import PromptBuilder, PromptFormat
+from grpolab.tasks.prompts import PromptBuilder, PromptFormat, template_fields
 from grpolab.tasks.sandbox import IMPORT_PATH
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class ToolsConfig(_Section):
+    """Tools the model may call in multi-turn rollouts (``grpolab.tools``); none = single-turn."""
+
+    enabled: list[str] = Field(default_factory=list, description="tool names (calculator); [] = no tools")
+    max_turns: int = Field(4, ge=2, description="generation turns per trajectory; a call in the last is not run")
+    call_tags: tuple[str, str] = Field(("<tool_call>", "</tool_call>"), description="around a JSON call "
+                                       '{"name": ..., "arguments": {...}}; best single tokens of the vocabulary')
+    response_tags: tuple[str, str] = Field(("<tool_response>", "</tool_response>"),
+                                           description="around the tool's output in the observation")
+
+    @field_validator("enabled")
+    @classmethod
+    def _known_tools(cls, value: list[str]) -> list[str]:
+        from grpolab.tools.protocol import TOOLS
+
+        unknown = [v for v in value if v not in TOOLS]
+        if unknown:
+            raise ValueError(f"unknown tools {', '.join(unknown)}; available: {', '.join(TOOLS)}")
+        return value
+
+    def build(self):
+        """The ``Toolset``, or None without tools."""
+        from grpolab.tools.protocol import Toolset
+
+        return Toolset(self.enabled, self.max_turns, self.call_tags, self.response_tags) if self.enabled else None
 
 
 class ArithmeticTaskConfig(_Section):
@@ -49,13 +77,42 @@ class GSM8KTaskConfig(_Section):
     n_val: int | None = Field(1024, ge=1, description="first M test rows as validation (None = all)")
     question_field: str = "question"
     answer_field: str = "answer"
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="e.g. {enabled = [\"calculator\"]}: "
+                               "the prompt says how to call them, rollouts run them")
 
     FILES: ClassVar[tuple[str, ...]] = ("train_path", "test_path")
 
     def build(self) -> Task:
         from grpolab.tasks.gsm8k import GSM8KTask
 
-        return GSM8KTask(**self.model_dump(exclude={"name"}))
+        return GSM8KTask(**self.model_dump(exclude={"name", "tools"}), toolset=self.tools.build())
+
+
+class CalculatorTaskConfig(_Section):
+    """The built-in tool task: a*b+c with two-digit numbers, the calculator at hand."""
+
+    name: Literal["calculator"] = "calculator"
+    n_train: int = Field(4000, ge=1)
+    n_val: int = Field(500, ge=1)
+    seed: int = 0
+    digits: int = Field(2, ge=1, le=4)
+    tool_demos: float = Field(0.8, ge=0, le=1, description="share of the warm start's demonstrations that "
+                              "call the calculator (the others answer directly)")
+    tools: ToolsConfig = Field(default_factory=lambda: ToolsConfig(enabled=["calculator"], max_turns=3))
+
+    FILES: ClassVar[tuple[str, ...]] = ()
+
+    @field_validator("tools")
+    @classmethod
+    def _has_calculator(cls, value: ToolsConfig) -> ToolsConfig:
+        if "calculator" not in value.enabled:
+            raise ValueError("the calculator task needs tools.enabled to include 'calculator'")
+        return value
+
+    def build(self) -> Task:
+        from grpolab.tasks.calculator import CalculatorTask
+
+        return CalculatorTask(**self.model_dump(exclude={"name", "tools"}), toolset=self.tools.build())
 
 
 class PromptConfig(_Section):
@@ -125,6 +182,8 @@ class DatasetTaskConfig(_Section):
     prompt: PromptConfig = PromptConfig()
     rewards: list[RewardConfig] = Field(default_factory=lambda: [RewardConfig(function="math")], min_length=1,
                                         description="weighted; the first is the task's correctness (accuracy)")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="tools the model may call; the prompt "
+                               "says how (chat: the template's tools argument; template: {tools})")
 
     FILES: ClassVar[tuple[str, ...]] = ("train", "validation")
 
@@ -134,6 +193,8 @@ class DatasetTaskConfig(_Section):
             raise ValueError("give either task.validation (a source) or task.validation_size (a split of train)")
         if self.validation_size is not None and self.validation_size >= 1 and self.validation_size % 1:
             raise ValueError(f"task.validation_size {self.validation_size}: a count must be whole, a fraction < 1")
+        if not self.tools.enabled and "tools" in template_fields(self.prompt.template or ""):
+            raise ValueError("task.prompt.template names {tools} but task.tools.enabled is empty")
         return self
 
     def build(self) -> Task:
@@ -176,10 +237,12 @@ class ImportedTaskConfig(BaseModel):
         return task
 
 
-BUILT_IN = {"arithmetic": ArithmeticTaskConfig, "gsm8k": GSM8KTaskConfig, "dataset": DatasetTaskConfig}
+BUILT_IN = {"arithmetic": ArithmeticTaskConfig, "gsm8k": GSM8KTaskConfig, "calculator": CalculatorTaskConfig,
+            "dataset": DatasetTaskConfig}
 
 
 TASK_KINDS = (*BUILT_IN, "imported")  # the union's tags
+TINY_MODEL_TASKS = ("arithmetic", "calculator")  # built-in tasks with worked solutions for the tiny model
 
 
 def _kind(value: Any) -> str:

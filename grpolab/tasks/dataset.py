@@ -77,7 +77,8 @@ class DatasetTask:
     def __init__(self, cfg: "DatasetTaskConfig"):
         self.cfg = cfg
         p = cfg.prompt
-        self.prompts = PromptBuilder(p.format, p.template, p.system, p.chat_template_kwargs)
+        self.toolset = cfg.tools.build()
+        self.prompts = PromptBuilder(p.format, p.template, p.system, p.chat_template_kwargs, self.toolset)
         self.answer_format = p.answer or "r1_zero"
         self.rewards = RewardSet([reward_term(r.function, r.name, r.weight, r.options, r.timeout_s)
                                   for r in cfg.rewards])

@@ -22,6 +22,7 @@ from grpolab.tasks.answers import plain_number
 from grpolab.tasks.base import Example, Grade
 from grpolab.tasks.datasets import DataError, first_n, load_source, rows_sha256, text_sha256
 from grpolab.tasks.r1_zero import R1_ZERO_TEMPLATE, grade_r1_zero, r1_zero_prompt
+from grpolab.tools.protocol import Toolset
 
 FINAL_ANSWER_MARK = "####"
 _CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")
@@ -67,6 +68,7 @@ class GSM8KTask:
         n_train: take the first ``n_train`` train rows (None = all).
         n_val: take the first ``n_val`` test rows (None = all).
         question_field, answer_field: field names in the files.
+        toolset: tools the model may call (the prompt says how); None = single-turn.
     """
 
     train_path: str | Path
@@ -75,6 +77,7 @@ class GSM8KTask:
     n_val: int | None = None
     question_field: str = "question"
     answer_field: str = "answer"
+    toolset: Toolset | None = None
     name: str = field(default="gsm8k", init=False)
 
     def __post_init__(self) -> None:
@@ -93,8 +96,8 @@ class GSM8KTask:
         return list(self._splits["test"][1])  # type: ignore[attr-defined]
 
     def prompt(self, example: Example) -> str:
-        """The r1_zero prompt for ``example``."""
-        return r1_zero_prompt(example.question)
+        """The r1_zero prompt for ``example`` (with the tool instruction when there are tools)."""
+        return r1_zero_prompt(example.question, self.toolset.instruction() if self.toolset else "")
 
     def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
         """r1_zero grading (format and answer rewards) against the gold number."""
@@ -109,5 +112,6 @@ class GSM8KTask:
             "train_sha256": rows_sha256(train_rows),
             "validation_rows": len(val_rows),
             "validation_sha256": rows_sha256(val_rows),
-            "prompt_template_sha256": text_sha256(R1_ZERO_TEMPLATE),
+            "prompt_template_sha256": text_sha256(R1_ZERO_TEMPLATE if self.toolset is None else
+                                                  r1_zero_prompt("{question}", self.toolset.instruction())),
         }

@@ -7,6 +7,11 @@
   ``template`` filled in (default ``"{question}"``). Needs ``bind_tokenizer`` before use.
 * ``template``: a user format string, the whole prompt.
 
+With tools (``grpolab.tools.Toolset``), ``r1_zero`` prompts carry ``Toolset.instruction()`` before the
+question, ``chat`` prompts pass the tools' schemas to the template (``apply_chat_template(tools=...)``,
+which Qwen3's and Llama 3's templates render), and ``template`` prompts may place the instruction with
+``{tools}``.
+
 Templates name fields as ``{name}``: ``question`` and every field of the data row. ``{{`` and ``}}``
 are literal braces, and any other brace is literal too, so ``"... within \\boxed{}."`` needs no
 escaping.
@@ -45,7 +50,7 @@ class PromptBuilder:
     """Renders prompts of one format; chat prompts only once ``bind_tokenizer`` has been called."""
 
     def __init__(self, format: PromptFormat, template: str | None = None, system: str | None = None,
-                 chat_template_kwargs: Mapping[str, Any] | None = None):
+                 chat_template_kwargs: Mapping[str, Any] | None = None, toolset: Any = None):
         if format == "template" and not template:
             raise ValueError("prompt format 'template' needs prompt.template, e.g. \"Q: {question}\\nA:\"")
         if format == "r1_zero" and (template or system or chat_template_kwargs):
@@ -56,12 +61,14 @@ class PromptBuilder:
         self.format, self.system = format, system
         self.template = template or "{question}"
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.tokenizer = None
+        self.toolset, self.tokenizer = toolset, None
+        self.tools_note = toolset.instruction() if toolset is not None else ""
 
     @property
     def fields(self) -> list[str]:
         """Row fields every example must have."""
-        return ["question"] if self.format == "r1_zero" else template_fields(self.template)
+        return ["question"] if self.format == "r1_zero" else [f for f in template_fields(self.template)
+                                                               if not (f == "tools" and self.toolset is not None)]
 
     def bind_tokenizer(self, tokenizer: Any) -> None:
         """The tokenizer whose chat template renders chat prompts (refused when it has none)."""
@@ -79,22 +86,24 @@ class PromptBuilder:
     def render(self, fields: Mapping[str, Any]) -> str:
         """The prompt string for one example's ``fields`` (``question`` plus the row's fields)."""
         if self.format == "r1_zero":
-            return r1_zero_prompt(str(fields["question"]))
+            return r1_zero_prompt(str(fields["question"]), self.tools_note)
         if self.format == "template":
-            return fill_template(self.template, fields)
+            return fill_template(self.template, {**fields, "tools": self.tools_note} if self.toolset else fields)
         if self.tokenizer is None:
             raise RuntimeError("chat prompts are rendered once the model's tokenizer is bound (bind_tokenizer)")
+        tools = {"tools": self.toolset.schemas()} if self.toolset is not None else {}
         return self.tokenizer.apply_chat_template(self.messages(fields), tokenize=False, add_generation_prompt=True,
-                                                  **self.chat_template_kwargs)
+                                                  **tools, **self.chat_template_kwargs)
 
     def describe(self) -> str:
         """How prompts are made, as text (for the snapshot and the fingerprint); for chat prompts the
         tokenizer's chat template itself once bound."""
         if self.format == "r1_zero":
-            return R1_ZERO_TEMPLATE
+            return R1_ZERO_TEMPLATE if self.toolset is None else r1_zero_prompt("{question}", self.tools_note)
         if self.format == "template":
-            return self.template
+            return self.template + (f"\n[tools]\n{self.tools_note}" if self.toolset is not None else "")
         return json.dumps({"format": "chat", "system": self.system, "user": self.template,
                            "chat_template_kwargs": self.chat_template_kwargs,
+                           "tools": self.toolset.schemas() if self.toolset is not None else None,
                            "chat_template": getattr(self.tokenizer, "chat_template", None)},
                           sort_keys=True, ensure_ascii=False, indent=1)

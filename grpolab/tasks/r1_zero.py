@@ -22,12 +22,11 @@ R1_ZERO_TEMPLATE = (
 THINK_CLOSE_ANSWER_OPEN = "</think> <answer>"
 ANSWER_CLOSE = "</answer>"
 
-# One number: optional sign, digits with an optional fraction, or a bare fraction (".5").
-
-
-def r1_zero_prompt(question: str) -> str:
-    """Insert ``question`` into the r1_zero template."""
-    return R1_ZERO_TEMPLATE.format(question=question)
+def r1_zero_prompt(question: str, tools_note: str = "") -> str:
+    """Insert ``question`` into the r1_zero template; ``tools_note`` (how to call the tools, e.g.
+    ``Toolset.instruction()``) goes on its own line before the question."""
+    head, tail = R1_ZERO_TEMPLATE.split("User: {question}")
+    return f"{head}{tools_note}User: {question}{tail}"
 
 
 def parse_r1_zero(completion: str) -> tuple[bool, str | None]:
