@@ -56,7 +56,7 @@ from grpolab.shaping import SHAPING_TERMS
 from grpolab.tasks import build_task
 from grpolab.tasks.base import Example, Grade
 from grpolab.threads import choose_threads
-from grpolab.tools import MultiTurnEngine, tool_metrics
+from grpolab.tools.multiturn import MultiTurnEngine, tool_metrics
 
 
 def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:

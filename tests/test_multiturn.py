@@ -20,7 +20,8 @@ from grpolab.rollout.hf import HFEngine
 from grpolab.rollout.sync_check import verify_weight_sync
 from grpolab.tasks.calculator import CalculatorTask
 from grpolab.tinymodel import WarmStartSettings, warm_start_model
-from grpolab.tools import MultiTurnEngine, Toolset, tool_metrics
+from grpolab.tools import Toolset
+from grpolab.tools.multiturn import MultiTurnEngine, tool_metrics
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 

@@ -54,3 +54,13 @@ def test_threads_share_a_pool_of_at_most_max_workers():
     assert sorted(results) == list(range(8)) and len(pool.idle) <= 2
     pool.close()
     assert WorkerPool.shared("reward_fns:echo") is WorkerPool.shared("reward_fns:echo")
+
+
+def test_worker_processes_start_without_torch():
+    """Every worker imports grpolab.tasks: it must stay light (torch alone takes seconds to import)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import sys, grpolab.tasks.sandbox; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

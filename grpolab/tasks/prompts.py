@@ -102,8 +102,8 @@ class PromptBuilder:
             return R1_ZERO_TEMPLATE if self.toolset is None else r1_zero_prompt("{question}", self.tools_note)
         if self.format == "template":
             return self.template + (f"\n[tools]\n{self.tools_note}" if self.toolset is not None else "")
+        tools = {"tools": self.toolset.schemas()} if self.toolset is not None else {}
         return json.dumps({"format": "chat", "system": self.system, "user": self.template,
-                           "chat_template_kwargs": self.chat_template_kwargs,
-                           "tools": self.toolset.schemas() if self.toolset is not None else None,
+                           "chat_template_kwargs": self.chat_template_kwargs, **tools,
                            "chat_template": getattr(self.tokenizer, "chat_template", None)},
                           sort_keys=True, ensure_ascii=False, indent=1)
