@@ -238,7 +238,7 @@ def test_a_tool_task_run_logs_tool_use_and_masked_tokens(tool_model, tmp_path):
     assert "## Tool use" in report
 
 
-@pytest.mark.slow  # about 8 minutes on 2 cores: the default 300-step warm start, then 40 RL steps
+@pytest.mark.slow  # about 6.5 minutes on 2 cores: the default 300-step warm start, then 40 RL steps
 def test_rl_on_the_tool_task_learns(tmp_path, monkeypatch):
     """The built-in tool task from its warm start: greedy validation accuracy rises with RL."""
     from grpolab.config import load_config
