@@ -164,10 +164,15 @@ def _tags(task: Task) -> tuple[str, ...]:
     return TAGS + (toolset.tags() if toolset is not None else ())
 
 
+def _whole(text: str) -> list[tuple[str, bool]]:
+    """A solution without tool observations: one segment, all trained on."""
+    return [(text, False)]
+
+
 def _segments(task: Task) -> Callable[[str], list[tuple[str, bool]]]:
     """Splits a solution into (text, is_observation): a tool task's observations are not trained on."""
     toolset = getattr(task, "toolset", None)
-    return toolset.segments if toolset is not None else (lambda text: [(text, False)])
+    return toolset.segments if toolset is not None else _whole
 
 
 def _solved(task: Task, settings: WarmStartSettings) -> list[tuple[str, str]]:
@@ -188,8 +193,7 @@ def warm_start_key(task: Task, settings: WarmStartSettings) -> str:
 
 
 def _encode(tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, str]],
-            segments: Callable[[str], list[tuple[str, bool]]] = lambda text: [(text, False)]
-            ) -> list[tuple[list[int], list[bool]]]:
+            segments: Callable[[str], list[tuple[str, bool]]] = _whole) -> list[tuple[list[int], list[bool]]]:
     """Token ids of prompt + solution + EOS, and which of them the loss trains on: the solution's and
     EOS, except tool observations. Each segment of the solution is tokenised on its own, as a
     multi-turn rollout joins a turn's tokens and an observation's."""
@@ -232,7 +236,7 @@ def supervised_warm_start(
     pairs: list[tuple[str, str]],
     settings: WarmStartSettings,
     on_step: Callable[[float], None] | None = None,
-    segments: Callable[[str], list[tuple[str, bool]]] = lambda text: [(text, False)],
+    segments: Callable[[str], list[tuple[str, bool]]] = _whole,
 ) -> list[float]:
     """Fine-tune ``model`` in place on (prompt, solution) pairs; returns the loss per step.
 
