@@ -108,7 +108,14 @@ class OptimConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    micro_batch_size: int = Field(32, ge=1)
+    micro_batch_size: int = Field(32, ge=1, description="sequences per micro-batch (unless micro_batch_tokens)")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="token budget per micro-batch instead of a count: sequences (or shared-prompt "
+        "units) sorted by length, each micro-batch padded to its longest holds at most this many positions; "
+        "the gradient is unchanged (denominators are those of the whole optimizer step)")
+    shared_prompts: bool = Field(True, description="compute each prompt once for the completions that share it "
+                                 "in the training forward (same log-probs and gradients); off or unsupported by "
+                                 "the model's attention: every sequence on its own")
     precision: PrecisionName = Field(
         "fp32_master", description="with bf16 compute (model.dtype): fp32_master = fp32 weights and AdamW "
         "under bf16 autocast; bf16_compensated = bf16 weights, AdamW with Kahan summation (torch-optimi); "

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["TokenStats", "token_logprobs", "enable_gradient_checkpointing", "backbone_and_head"]
+__all__ = ["TokenStats", "token_logprobs", "head_stats", "enable_gradient_checkpointing", "backbone_and_head"]
 
 
 @dataclass
@@ -61,7 +61,7 @@ def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return backbone, head
 
 
-def _chunk_stats(
+def head_stats(
     head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor]:
     """hidden: [N, C, H]; targets: LongTensor[N, C] -> (logprobs [N, C], entropy [N, C] or empty)."""
@@ -121,10 +121,10 @@ def token_logprobs(
         tgt = input_ids[:, start + 1 : end + 1]
         if use_ckpt:
             lp, ent = checkpoint(
-                _chunk_stats, head, h, tgt, temperature, with_entropy, use_reentrant=False
+                head_stats, head, h, tgt, temperature, with_entropy, use_reentrant=False
             )
         else:
-            lp, ent = _chunk_stats(head, h, tgt, temperature, with_entropy)
+            lp, ent = head_stats(head, h, tgt, temperature, with_entropy)
         lp_chunks.append(lp)
         ent_chunks.append(ent)
 

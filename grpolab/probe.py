@@ -65,9 +65,11 @@ def probe_update(learner: PolicyLearner, batch: TrainBatch, advantages: torch.Te
     learner.model.train()
     learner.optimizer.zero_grad(set_to_none=True)
     spec = learner.spec.override(epochs=1, steps_per_epoch=1)
-    step = accumulate_gradients(spec, data, torch.arange(len(batch)),
-                                lambda idx: learner.logprobs_of(learner.model, batch, idx, True),
-                                learner.cfg.optim.micro_batch_size, learner.cfg.rollout.max_new_tokens)
+    forward = learner.forward(batch)
+    step = accumulate_gradients(spec, data, torch.arange(len(batch), device=batch.input_ids.device),
+                                lambda idx: forward.logprobs(learner.model, idx, True),
+                                learner.cfg.optim.micro_batch_size, learner.cfg.rollout.max_new_tokens,
+                                plan=forward.planner.plan)
     with_grad = sum(1 for p in learner.params if p.grad is not None and bool(p.grad.abs().sum() > 0))
     grad_norm = torch.nn.utils.clip_grad_norm_(learner.params, learner.cfg.optim.max_grad_norm)
     if not torch.isfinite(grad_norm):

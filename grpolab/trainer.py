@@ -162,6 +162,8 @@ class Trainer:
                                           cfg.reward)
         self.learner = PolicyLearner(cfg, self.model, self.reference, self.optimizer, self.precision, self.device,
                                      self.tokenizer.pad_token_id, minibatch_gen, self.sync_monitor, self.updates)
+        if self.learner.sharing_note:
+            self.reporter.line(self.learner.sharing_note)
         self.records: list[dict[str, Any]] = []  # the metrics of the steps before a resume
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)  # only once everything above validated

@@ -17,6 +17,8 @@ from grpolab.algorithms import AlgorithmSpec
 from grpolab.losses import NonFiniteError, PolicyLossInput, TokenMetrics, policy_loss, step_denominators
 
 PolicyLogprobs = Callable[[Tensor], tuple[Tensor, Tensor | None]]
+# rows of an optimizer step [n] -> their micro-batches (index tensors); None = consecutive slices of micro_batch_size
+MicroBatchPlan = Callable[[Tensor], list[Tensor]]
 
 
 @dataclass
@@ -109,8 +111,10 @@ def rows_with_gradient(spec: AlgorithmSpec, data: UpdateData, indices: Tensor) -
 
 
 def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor, policy_logprobs: PolicyLogprobs,
-                         micro_batch_size: int, max_new_tokens: int, full_metrics: bool = True) -> StepGradients:
-    """Backward the loss of one optimizer step over ``indices`` [n], micro-batch by micro-batch.
+                         micro_batch_size: int, max_new_tokens: int, full_metrics: bool = True,
+                         plan: MicroBatchPlan | None = None) -> StepGradients:
+    """Backward the loss of one optimizer step over ``indices`` [n], micro-batch by micro-batch
+    (``plan``'s, or slices of ``micro_batch_size``).
 
     Rows whose loss is identically zero (``rows_with_gradient``) are not backpropagated: their
     gradient is exactly 0 and the denominators still count them, so the gradient is identical. With
@@ -122,7 +126,7 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
     parts = [(indices[grad_rows], True)] + ([(indices[~grad_rows], False)] if full_metrics else [])
     merged = TokenMetrics()
     for rows, with_grad in parts:
-        for micro in rows.split(micro_batch_size) if len(rows) else ():
+        for micro in (plan(rows) if plan else rows.split(micro_batch_size)) if len(rows) else ():
             with torch.set_grad_enabled(with_grad):
                 logprobs, entropy = policy_logprobs(micro)
                 loss, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
@@ -137,7 +141,8 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
 def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLogprobs,
                optimizer: torch.optim.Optimizer, parameters: list[Tensor], *, micro_batch_size: int,
                max_new_tokens: int, max_grad_norm: float | None = 1.0,
-               generator: torch.Generator | None = None, full_metrics: bool = True) -> UpdateResult:
+               generator: torch.Generator | None = None, full_metrics: bool = True,
+               plan: MicroBatchPlan | None = None) -> UpdateResult:
     """Every optimizer step the schedule asks for on one rollout batch.
 
     A step whose whole loss is zero (all advantages 0 and no KL penalty) is skipped: counted as
@@ -151,7 +156,7 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
         result.attempted += 1
         optimizer.zero_grad(set_to_none=True)
         step = accumulate_gradients(spec, data, indices, policy_logprobs, micro_batch_size, max_new_tokens,
-                                    full_metrics)
+                                    full_metrics, plan)
         result.tokens = result.tokens.merge(step.metrics)
         if not step.backward:
             continue

@@ -95,7 +95,7 @@ def test_precision_settings_and_memory_table():
 
 def run_rewards(model_dir, out, **overrides) -> tuple[list[float], list[float]]:
     cfg = quick_config(model_dir, out, **{"steps": 8, "eval.every": 100, "checkpoint.every": 100,
-                                          "rollout.prompts_per_step": 8, "optim.lr": 3e-3, **overrides})
+                                          "rollout.prompts_per_step": 8, **overrides})
     trainer = Trainer(cfg, Console(quiet=True))
     try:
         trainer.run()
@@ -110,7 +110,9 @@ def test_short_bf16_run_tracks_the_fp32_run(warm_model_dir, tmp_path):
     bf16_rewards, bf16_norms = run_rewards(warm_model_dir, tmp_path / "bf16", **{"model.dtype": "bfloat16"})
     # 64 samples a step: the standard error of a step's mean reward is <= 0.0625; of the 8-step mean <= 0.022
     assert abs(statistics.mean(fp32_rewards) - statistics.mean(bf16_rewards)) < 0.1, (fp32_rewards, bf16_rewards)
-    assert statistics.mean(bf16_rewards[4:]) > statistics.mean(bf16_rewards[:2]) - 0.1  # it learns, not diverges
+    # it does not drift away: the last four steps too (at lr 3e-3 both runs collapse within 2 steps, which
+    # would make this vacuous; at 1e-3 both stay near the start)
+    assert abs(statistics.mean(fp32_rewards[4:]) - statistics.mean(bf16_rewards[4:])) < 0.1, (fp32_rewards, bf16_rewards)
     assert all(0 < n < 10 * max(fp32_norms) for n in bf16_norms)
 
 
