@@ -200,3 +200,31 @@ def test_sampling_params_validation():
     with pytest.raises(ValueError):
         SamplingParams(max_new_tokens=4, stop_strings="</answer>")  # type: ignore[arg-type]
     assert SamplingParams(max_new_tokens=4, temperature=0).greedy
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2"])
+def test_shared_prefill_samples_what_a_full_prefill_does(make_tiny_model, tokenizer, prompts, arch):
+    """Each distinct prompt is prefilled once for its n samples (max_batch_size 5 splits a group across
+    calls): the same tokens, finish reasons and log-probs as generate's own prefill of every row."""
+    model = make_tiny_model(arch)
+    backbone = model.get_decoder()
+    widths: list[tuple[int, int]] = []
+    hook = backbone.register_forward_pre_hook(lambda _, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)),
+                                              with_kwargs=True)
+    try:
+        for params in (SamplingParams(max_new_tokens=10, temperature=0), SamplingParams(max_new_tokens=10, seed=5),
+                       SamplingParams(max_new_tokens=10, seed=5, stop_strings=["4"])):
+            runs = {}
+            for shared in (True, False):
+                widths.clear()
+                runs[shared] = _flat(HFEngine(model, tokenizer, max_batch_size=5, shared_prefill=shared)
+                                     .generate(prompts, 4, params))
+                # prompts of 6, 5 and 1 tokens x 4 rows, 5 rows a call: the calls' prompts are 6, 5 and 1 wide
+                prefills = [w for w in widths if w[1] > 1]
+                # shared: the 2 distinct prompts of each call, all but their last column; then a token per row
+                assert prefills == ([(2, 5), (2, 4)] if shared else [(5, 6), (5, 5)])
+            for a, b in zip(runs[True], runs[False]):
+                assert (a.completion_ids, a.finish_reason) == (b.completion_ids, b.finish_reason)
+                assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    finally:
+        hook.remove()

@@ -150,3 +150,18 @@ def test_rl_steps_end_in_the_same_parameters(warm_model_dir, tmp_path, overrides
         assert ra["actual_updates"] == rb["actual_updates"] > 0
         for key in ("reward_mean", "kl_ref", "entropy", "ratio_mean", "approx_kl_old_new", "grad_norm"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_model_that_cannot_share_says_so_once_and_trains_row_by_row(warm_model_dir, tmp_path):
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    cfg = quick_config(warm_model_dir, tmp_path / "run", **{"model.gradient_checkpointing": True, "steps": 1})
+    trainer = Trainer(cfg, console)
+    try:
+        assert not trainer.learner.share_prompts
+        record = trainer.train_step(0)
+    finally:
+        trainer.close()
+    assert console.export_text().count("shared prompts off: gradient checkpointing") == 1
+    assert record["actual_updates"] == 1

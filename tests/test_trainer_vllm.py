@@ -50,11 +50,14 @@ def test_rl_steps_sync_checked_every_step_and_a_skipped_sync_is_caught(warm_mode
         assert record["time/sync"] > 0
         # skip one sync: the update moves the trainer, the engine keeps the old weights
         trainer.engine.sync_weights, sync = (lambda model: None), trainer.engine.sync_weights
-        assert trainer.train_step(4)["actual_updates"] > 0
+        step = 4
+        while trainer.train_step(step)["actual_updates"] == 0:  # no signal in the batch: nothing moved yet
+            step += 1
+            assert step < 10, "no step with an update"
         with pytest.raises(WeightSyncError, match="not sampling from the trainer's current weights"):
-            trainer.train_step(5)
+            trainer.train_step(step + 1)
         sync(trainer.model)  # a real sync repairs it
-        assert trainer.train_step(6)["sync/logprob_diff_max"] < TOL
+        assert trainer.train_step(step + 2)["sync/logprob_diff_max"] < TOL
     finally:
         trainer.close()
     assert wait_gone(before) == set(), "no engine process outlives the run"

@@ -8,6 +8,12 @@ that order, after a recorder that keeps the log-prob of each sampled token under
 ``softmax(logits / temperature)`` (see ``grpolab.rollout.base`` for the convention). The
 recorder holds one ``[B, vocab]`` step at a time, never the logits of the whole generation.
 
+Shared prefill: the rows of a batch that repeat a prompt (its ``n`` samples) get its prefill once: the
+backbone runs over the distinct prompts (all but their last token), transformers' ``DynamicCache`` rows
+are repeated for each sample (``batch_select_indices``), and ``generate`` continues from that cache
+with the position ids it would have computed itself, so only the prompts' last tokens are prefilled
+per row.
+
 Seeding: ``params.seed`` seeds torch's RNG for this call only, inside ``torch.random.fork_rng``,
 so the caller's global RNG stream is left untouched. Results for a seed depend on the call's
 prompts, ``n`` and ``max_batch_size`` (rows are sampled together in batches).
@@ -21,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 from transformers import (
+    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -31,6 +38,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from grpolab.logprobs import backbone_and_head
 from grpolab.rollout.base import (
     Completion,
     FinishReason,
@@ -137,17 +145,20 @@ class HFEngine:
         ``model.generation_config``.
     compute_context: a factory of the context generation runs in (the trainer's bf16 autocast
         when its weights are float32 masters), so that sampling and training forwards agree.
+    shared_prefill: prefill each distinct prompt of a batch once (see the module docstring).
     """
 
     def __init__(self, model: nn.Module, tokenizer, max_batch_size: int = 64,
                  eos_token_ids: Sequence[int] | None = None,
-                 compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 shared_prefill: bool = True):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.compute_context = compute_context
+        self.shared_prefill = shared_prefill
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else collect_eos_ids(
             tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         if not self.eos_token_ids:
@@ -204,6 +215,22 @@ class HFEngine:
             warpers.append(TopPLogitsWarper(top_p=params.top_p))
         return warpers
 
+    def _prefill(self, prompts: list[list[int]], input_ids: Tensor, attention_mask: Tensor) -> DynamicCache | None:
+        """The cache of every row's left-padded prompt but its last column, each distinct prompt computed
+        once; None when no prompt repeats (``generate`` prefills as usual)."""
+        distinct: dict[tuple[int, ...], int] = {}
+        row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        if not self.shared_prefill or len(distinct) == len(prompts) or input_ids.shape[1] < 2:
+            return None
+        firsts = torch.tensor([row_of.index(u) for u in range(len(distinct))], device=input_ids.device)
+        ids, mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate computes them
+        cache = DynamicCache(config=self.model.config)
+        backbone_and_head(self.model)[0](input_ids=ids, attention_mask=mask, position_ids=positions,
+                                         past_key_values=cache, use_cache=True)
+        cache.batch_select_indices(torch.tensor(row_of, device=input_ids.device))
+        return cache
+
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, device) -> list[Completion]:
         batch, plen = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((batch, plen), self.pad_token_id, dtype=torch.long)
@@ -231,9 +258,11 @@ class HFEngine:
             pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_ids,
         )
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         sequences = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=self._prefill(prompts, input_ids, attention_mask),
             generation_config=config,
             logits_processor=LogitsProcessorList([recorder, *self._warpers(params)]),
             stopping_criteria=criteria,
