@@ -1,0 +1,49 @@
+"""The speed benchmarks run, and what they compare agrees (their figures are printed, never asserted)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TASK
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def _small(model_dir) -> list[str]:
+    """Dotted overrides: the test model and task, 2 prompts x 8, micro-batches of 4."""
+    pairs = {"model.path": model_dir, **{f"task.{k}": v for k, v in TASK.items()}, "rollout.prompts_per_step": 2,
+             "rollout.group_size": 8, "rollout.max_new_tokens": 24, "optim.micro_batch_size": 4}
+    return [item for key, value in pairs.items() for item in (f"--{key}", str(value))]
+
+
+def test_training_phase_ways_agree_with_the_previous_path(warm_model_dir, capsys):
+    import training_phase
+
+    assert training_phase.main(["--repeats", "1", "--micro-batch-tokens", "100", *_small(warm_model_dir)]) == 0
+    rows = {m[0]: m for m in re.findall(r"^(previous|rows|shared\+tokens|shared)\s+(\S+)\s+(\S+)x\s+(\S+)\s+(\S+)$",
+                                         capsys.readouterr().out, re.M)}
+    assert set(rows) == {"previous", "rows", "shared", "shared+tokens"}
+    for name, _, _, logprob_diff, grad_diff in rows.values():
+        assert float(logprob_diff) <= 1e-5 and float(grad_diff) <= 1e-5, name
+
+
+def test_shared_prefill_benchmark_generates_the_same_completions(warm_model_dir, capsys):
+    import shared_prefill
+
+    assert shared_prefill.main(["--repeats", "1", *_small(warm_model_dir)]) == 0
+    assert "same completions: True" in capsys.readouterr().out
+
+
+def test_vs_trl_runs_both_at_the_same_settings(warm_model_dir, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("trl")
+    import vs_trl
+
+    overrides = [f"{k.removeprefix('--')}={v}" for k, v in zip(_small(warm_model_dir)[::2], _small(warm_model_dir)[1::2])]
+    monkeypatch.setattr(sys, "argv", ["vs_trl.py", "--steps", "1", "--json", str(tmp_path / "f.json"), *overrides])
+    assert vs_trl.main() == 0
+    out = capsys.readouterr().out
+    assert "TRL s / grpolab s per step" in out and "2 prompts x 8, <= 24 new tokens" in out
+    assert (tmp_path / "f.json").is_file()
