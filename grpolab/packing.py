@@ -73,8 +73,8 @@ class MicroBatchPlanner:
     def plan(self, rows: Tensor) -> list[Tensor]:
         """Index tensors (on the device of ``rows``) of the micro-batches, each the concatenation of its units.
 
-        Without sharing and without a token budget this is today's split by count, in order. Otherwise
-        units are sorted by cost, longest first, and each micro-batch takes units while
+        Without sharing and without a token budget: consecutive slices of ``max_sequences`` rows, in
+        order. Otherwise units are sorted by cost, longest first, and each micro-batch takes units while
         ``units x longest <= max_tokens`` (or its rows stay within ``max_sequences``).
         """
         if not self.share and self.max_tokens is None:
