@@ -11,6 +11,7 @@ micro-batch gradients gives the whole-batch gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,15 +52,19 @@ class Denominators:
     kl: float
 
 
-def step_denominators(spec: AlgorithmSpec, response_mask: Tensor, max_new_tokens: int) -> Denominators:
+def step_denominators(spec: AlgorithmSpec, response_mask: Tensor, max_new_tokens: int,
+                      reduce: Callable[[Tensor], Tensor] | None = None) -> Denominators:
     """Denominators for an optimizer step over the sequences of ``response_mask`` [n, T].
 
     Count every sequence of the step, including those later pruned for zero advantage.
     sequence -> n; token -> total response tokens; constant -> Z (spec.loss_denominator, else
-    n x max_new_tokens: independent of response lengths).
+    n x max_new_tokens: independent of response lengths). Under data parallelism ``reduce`` sums the
+    counts over the ranks (``grpolab.distributed``), so each rank divides by the global step's.
     """
-    n_seqs = response_mask.shape[0]
-    n_tokens = max(float(response_mask.sum().item()), 1.0)
+    counts = torch.tensor([float(response_mask.shape[0]), float(response_mask.sum().item())], dtype=torch.float64)
+    if reduce is not None:
+        counts = reduce(counts)
+    n_seqs, n_tokens = int(counts[0]), max(float(counts[1]), 1.0)
     if spec.aggregation == "sequence":
         policy = float(n_seqs)
     elif spec.aggregation == "token":

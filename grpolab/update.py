@@ -19,6 +19,8 @@ from grpolab.losses import NonFiniteError, PolicyLossInput, TokenMetrics, policy
 PolicyLogprobs = Callable[[Tensor], tuple[Tensor, Tensor | None]]
 # rows of an optimizer step [n] -> their micro-batches (index tensors); None = consecutive slices of micro_batch_size
 MicroBatchPlan = Callable[[Tensor], list[Tensor]]
+# sums a tensor over the data-parallel ranks, in place (``grpolab.distributed``); None = one process
+Reduce = Callable[[Tensor], Tensor]
 
 
 @dataclass
@@ -112,16 +114,17 @@ def rows_with_gradient(spec: AlgorithmSpec, data: UpdateData, indices: Tensor) -
 
 def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor, policy_logprobs: PolicyLogprobs,
                          micro_batch_size: int, max_new_tokens: int, full_metrics: bool = True,
-                         plan: MicroBatchPlan | None = None) -> StepGradients:
+                         plan: MicroBatchPlan | None = None, reduce: Reduce | None = None) -> StepGradients:
     """Backward the loss of one optimizer step over ``indices`` [n], micro-batch by micro-batch
-    (``plan``'s, or slices of ``micro_batch_size``).
+    (``plan``'s, or slices of ``micro_batch_size``). With ``reduce`` the rows are this rank's share of the
+    step: the denominators count the whole step, and ``backward`` is True when any rank's loss is not zero.
 
     Rows whose loss is identically zero (``rows_with_gradient``) are not backpropagated: their
     gradient is exactly 0 and the denominators still count them, so the gradient is identical. With
     ``full_metrics`` they get a no-grad forward instead, so the token metrics (entropy, KL, ratio)
     cover every response token of the step.
     """
-    denominators = step_denominators(spec, data.response_mask[indices], max_new_tokens)
+    denominators = step_denominators(spec, data.response_mask[indices], max_new_tokens, reduce)
     grad_rows = rows_with_gradient(spec, data, indices)
     parts = [(indices[grad_rows], True)] + ([(indices[~grad_rows], False)] if full_metrics else [])
     merged = TokenMetrics()
@@ -135,20 +138,27 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
             if entropy is not None:
                 metrics.add("entropy", entropy, data.response_mask[micro].to(entropy.dtype))
             merged = merged.merge(metrics)
-    return StepGradients(merged, backward=bool(grad_rows.any()))
+    backward = torch.tensor([float(grad_rows.any())])
+    return StepGradients(merged, backward=bool((reduce(backward) if reduce else backward) > 0))
 
 
 def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLogprobs,
                optimizer: torch.optim.Optimizer, parameters: list[Tensor], *, micro_batch_size: int,
                max_new_tokens: int, max_grad_norm: float | None = 1.0,
                generator: torch.Generator | None = None, full_metrics: bool = True,
-               plan: MicroBatchPlan | None = None) -> UpdateResult:
+               plan: MicroBatchPlan | None = None, reduce: Reduce | None = None) -> UpdateResult:
     """Every optimizer step the schedule asks for on one rollout batch.
 
     A step whose whole loss is zero (all advantages 0 and no KL penalty) is skipped: counted as
     attempted, not actual, parameters untouched (its metrics are still measured with ``full_metrics``).
     Gradient norm is clipped to ``max_grad_norm`` (None = no clipping); a non-finite norm raises
     NonFiniteError before the optimizer step. Index tensors live on the device of ``data``.
+
+    Data parallel (``reduce``): ``data`` holds this rank's whole groups; each rank accumulates its own
+    micro-batches without communicating, then the gradients are summed over the ranks (the loss already
+    divides by the global step's denominators), so every rank steps with the gradient one process would
+    compute on the global batch and clips by its global norm. Every rank makes the same collective calls
+    in the same order (counts, the skip decision, the gradients), whatever its micro-batch count.
     """
     check_schedule(spec, data.advantages.shape[0], micro_batch_size, data.old_logprobs is None)
     result = UpdateResult()
@@ -156,10 +166,15 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
         result.attempted += 1
         optimizer.zero_grad(set_to_none=True)
         step = accumulate_gradients(spec, data, indices, policy_logprobs, micro_batch_size, max_new_tokens,
-                                    full_metrics, plan)
+                                    full_metrics, plan, reduce)
         result.tokens = result.tokens.merge(step.metrics)
         if not step.backward:
             continue
+        if reduce is not None:  # a rank without gradient rows still joins the sum, with zeros
+            for p in parameters:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                reduce(p.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm else float("inf"))
         if not torch.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
