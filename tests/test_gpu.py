@@ -39,3 +39,23 @@ def test_bf16_rl_steps_on_cuda_with_the_sync_check(precision, warm_model_dir, tm
     assert all(math.isfinite(v) for r in records for v in r.values() if isinstance(v, float))
     assert records[0]["first_update/ratio_mean"] == pytest.approx(1.0, abs=1e-2) and not same(before, params_of(trainer.model))
     assert records[0]["sync/noise_floor_mean"] < 0.05
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_shared_prompts_on_cuda_match_the_previous_path(make_tiny_model, autocast):
+    """The shared-prompt forward on CUDA: float32 within 1e-5 of token_logprobs, bf16 autocast within its noise."""
+    from test_shared_prefix import _batch
+
+    from grpolab.logprobs import token_logprobs
+    from grpolab.packing import MicroBatchPlanner, prompt_keys
+    from grpolab.shared_prefix import layout_units, unit_logprobs
+
+    model = make_tiny_model("qwen3").cuda()
+    ids, mask, response, plens, slens = (t.cuda() if torch.is_tensor(t) else t for t in _batch(model.config.vocab_size))
+    units = MicroBatchPlanner(prompt_keys(ids, torch.tensor(plens)), plens, slens, share=True,
+                              max_sequences=64).units(list(range(len(ids))))
+    order = torch.tensor([r for u in units for r in u], device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        before = token_logprobs(model, ids, mask).logprobs[order] * response[order]
+        shared = unit_logprobs(model, layout_units(ids, plens, slens, units, True), len(ids), ids.shape[1]).logprobs
+    assert (shared - before).abs().max() <= (5e-2 if autocast else 1e-5)
