@@ -4,11 +4,11 @@ are summed over the ranks (``grpolab.distributed``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_update import ToyPolicy, make_data
-import pytest
 
 from grpolab.algorithms import PRESETS
 from grpolab.distributed import Ranks
