@@ -64,6 +64,8 @@ def test_probe_does_two_real_updates_and_reports(arch, long_context_model_dirs, 
     assert json.loads((tmp_path / "probe.json").read_text())["batch"] == report["batch"]
     assert report["batch"]["sequences"] == 8
     assert report["batch"]["sequence_length"] == report["batch"]["prompt_tokens"] + 8
+    # gradient checkpointing: no shared prompts, one row per micro-batch of micro_batch_size 1
+    assert not report["batch"]["shared_prompts"] and report["batch"]["micro_batches"] == 8
     for update in report["updates"]:
         assert update["parameter_tensors_with_nonzero_grad"] == update["parameter_tensors"]
         assert update["grad_norm"] > 0
