@@ -3,9 +3,9 @@
 The estimate times three training steps of a model with the demo model's shapes (about a second) and
 scales by ratios measured on 2 CPU cores (idle at 1 and 2 threads, and at 1 thread beside another
 CPU-bound process): a warm-start step took 0.7x such a step, an RL step of the demo (32 prompts x 8
-samples, <= 48 new tokens) 2.7x (2 threads) to 3.3x (1 thread) idle since prompts are shared in
-training (4.6-5.4x before; the upper bound keeps room for a loaded machine), one greedy evaluation of
-500 problems 3.4-7.7x.
+samples, <= 48 new tokens) 2.7-4.1x in three idle runs at 1 and 2 threads since prompts are shared in
+training (the calibration step itself varies; 4.6-5.4x before), one greedy evaluation of 500 problems
+3.4-7.7x.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from grpolab.threads import choose_threads
 from grpolab.tinymodel import WarmStartSettings, default_cache_root, settings_config, warm_start_key
 
 WARM_START_RATIO = 0.72  # warm-start step / calibration step
-RL_STEP_RATIO = (2.6, 4.0)  # RL step / calibration step, per 32 x 8 completions of <= 48 tokens
+RL_STEP_RATIO = (2.7, 4.5)  # RL step / calibration step, per 32 x 8 completions of <= 48 tokens
 EVAL_RATIO = (3.5, 7.5)  # evaluation / calibration step, per 500 problems
 CALIBRATION_TOKENS = 64  # warm-start sequences: prompt + worked solution
 
