@@ -16,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -24,7 +25,7 @@ from grpolab.cli import parse_overrides
 from grpolab.config import load_config
 from grpolab.trainer import Trainer
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from training_phase import GSM8K_LIKE  # noqa: E402
 
 

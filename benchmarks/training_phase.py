@@ -101,10 +101,10 @@ def measure(trainer: Trainer, batch, advantages, logprobs, plan, repeats: int):
         seconds.append(time.perf_counter() - started)
     grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     with torch.no_grad():
-        values = torch.cat([logprobs(micro)[0] for micro in (plan(rows) if plan else rows.split(cfg.optim.micro_batch_size))])
-        order = torch.cat(plan(rows)) if plan else rows
+        micros = plan(rows) if plan else list(rows.split(cfg.optim.micro_batch_size))
+        values = torch.cat([logprobs(micro)[0] for micro in micros])
         restored = torch.zeros_like(values)
-        restored[order] = values
+        restored[torch.cat(micros)] = values  # back to row order
     return statistics.median(seconds[1:]), restored * batch.response_mask, grads
 
 

@@ -7,6 +7,7 @@ the global batch. One process (no process group) is the world of one: ``reduce``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -35,12 +36,8 @@ class Ranks:
         return cls()
 
     @property
-    def is_main(self) -> bool:
-        """Rank 0: the one that writes metrics, checkpoints, records and the manifest."""
-        return self.rank == 0
-
-    @property
-    def reduce(self):
+    def reduce(self) -> Callable[[Tensor], Tensor] | None:
+        """``run_update``'s ``reduce``: None for one process."""
         return None if self.world == 1 else all_reduce_sum
 
     def groups(self, n_groups: int) -> range:

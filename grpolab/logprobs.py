@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["TokenStats", "token_logprobs", "head_stats", "enable_gradient_checkpointing", "backbone_and_head"]
+__all__ = ["TokenStats", "token_logprobs", "head_chunk", "enable_gradient_checkpointing", "backbone_and_head"]
 
 
 @dataclass
@@ -61,7 +61,7 @@ def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return backbone, head
 
 
-def head_stats(
+def _chunk_stats(
     head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor]:
     """hidden: [N, C, H]; targets: LongTensor[N, C] -> (logprobs [N, C], entropy [N, C] or empty)."""
@@ -75,6 +75,16 @@ def head_stats(
     else:
         ent = logp.new_zeros(0)
     return logp, ent
+
+
+def head_chunk(
+    head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor]:
+    """``_chunk_stats`` of one chunk, checkpointed when grad is on (its [N, C, V] logits are recomputed in
+    the backward pass instead of kept)."""
+    if torch.is_grad_enabled():
+        return checkpoint(_chunk_stats, head, hidden, targets, temperature, with_entropy, use_reentrant=False)
+    return _chunk_stats(head, hidden, targets, temperature, with_entropy)
 
 
 def token_logprobs(
@@ -111,7 +121,6 @@ def token_logprobs(
     out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
     hidden = out.last_hidden_state  # [N, L, H]
 
-    use_ckpt = torch.is_grad_enabled()
     lp_chunks: list[Tensor] = [hidden.new_zeros(n, 1, dtype=torch.float32)]
     ent_chunks: list[Tensor] = [hidden.new_zeros(n, 1, dtype=torch.float32)]
     # hidden[:, s] predicts input_ids[:, s + 1]; positions 0..L-2 predict columns 1..L-1.
@@ -119,12 +128,7 @@ def token_logprobs(
         end = min(start + chunk_size, length - 1)
         h = hidden[:, start:end]
         tgt = input_ids[:, start + 1 : end + 1]
-        if use_ckpt:
-            lp, ent = checkpoint(
-                head_stats, head, h, tgt, temperature, with_entropy, use_reentrant=False
-            )
-        else:
-            lp, ent = head_stats(head, h, tgt, temperature, with_entropy)
+        lp, ent = head_chunk(head, h, tgt, temperature, with_entropy)
         lp_chunks.append(lp)
         ent_chunks.append(ent)
 

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
-from grpolab.logprobs import TokenStats, backbone_and_head, head_stats
+from grpolab.logprobs import TokenStats, backbone_and_head, head_chunk
 
 __all__ = ["UnitLayout", "layout_units", "unit_logprobs", "sharing_blocker"]
 
@@ -66,17 +65,15 @@ class UnitLayout:
     comp_pos: Tensor | None = None
 
 
-def _right_padded(input_ids: Tensor, rows: list[int], starts: list[int], lengths: list[int], offsets: list[int]):
+def _right_padded(input_ids: Tensor, rows: list[int], starts: list[int], lengths: list[int]):
     """Tokens ``input_ids[row, start:start+length]`` of each row, right-padded to the longest ->
-    (ids, mask, positions ``offset + j``), LongTensor[len(rows), max(lengths)] each."""
-    width = max(max(lengths), 1)
-    j = torch.arange(width)
-    cols = torch.tensor(starts).unsqueeze(1) + j  # [R, W]
+    (ids, mask, position ids = their columns), LongTensor[len(rows), max(lengths)] each."""
+    j = torch.arange(max(max(lengths), 1))
+    positions = torch.tensor(starts).unsqueeze(1) + j  # [R, W]
     mask = j < torch.tensor(lengths).unsqueeze(1)
-    cols = torch.where(mask, cols, torch.zeros_like(cols)).clamp(max=input_ids.shape[1] - 1)
+    cols = torch.where(mask, positions, torch.zeros_like(positions))
     device = input_ids.device
     ids = input_ids[torch.tensor(rows, device=device).unsqueeze(1), cols.to(device)]
-    positions = torch.tensor(offsets).unsqueeze(1) + j
     return ids, mask.long().to(device), positions.to(device)
 
 
@@ -92,17 +89,15 @@ def layout_units(input_ids: Tensor, prompt_lens: list[int], seq_lens: list[int],
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     target = input_ids[as_long([rows[i] for i in out_row]), as_long(out_col)]
     if not shared:
-        ids, mask, pos = _right_padded(input_ids, rows, [0] * len(rows), [seq_lens[r] for r in rows], [0] * len(rows))
+        ids, mask, pos = _right_padded(input_ids, rows, [0] * len(rows), [seq_lens[r] for r in rows])
         width = ids.shape[1]
         source = [i * width + col - 1 for i, col in zip(out_row, out_col)]
         extra = {}
     else:
         firsts = [unit[0] for unit in units]
-        ids, mask, pos = _right_padded(input_ids, firsts, [0] * len(units), [prompt_lens[r] for r in firsts],
-                                       [0] * len(units))
+        ids, mask, pos = _right_padded(input_ids, firsts, [0] * len(units), [prompt_lens[r] for r in firsts])
         unit_of_row = [u for u, unit in enumerate(units) for _ in unit]
-        c_ids, c_mask, c_pos = _right_padded(input_ids, rows, [prompt_lens[r] for r in rows], comp,
-                                             [prompt_lens[r] for r in rows])
+        c_ids, c_mask, c_pos = _right_padded(input_ids, rows, [prompt_lens[r] for r in rows], comp)
         width, c_width, after = ids.shape[1], c_ids.shape[1], ids.numel()
         # token t of row i's completion: predicted by its prompt's last state (t = 0) or by completion token t - 1
         source = [unit_of_row[i] * width + prompt_lens[rows[i]] - 1 if col == prompt_lens[rows[i]]
@@ -145,10 +140,7 @@ def unit_logprobs(model: nn.Module, layout: UnitLayout, n_rows: int, width: int,
     for start in range(0, hidden.shape[0], chunk_tokens):
         h = hidden[start:start + chunk_tokens].unsqueeze(0)  # [1, c, H]
         tgt = layout.target[start:start + chunk_tokens].unsqueeze(0)
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(head_stats, head, h, tgt, temperature, with_entropy, use_reentrant=False)
-        else:
-            lp, ent = head_stats(head, h, tgt, temperature, with_entropy)
+        lp, ent = head_chunk(head, h, tgt, temperature, with_entropy)
         lp_chunks.append(lp.flatten())
         ent_chunks.append(ent.flatten())
 

@@ -62,6 +62,6 @@ def test_two_ranks_make_the_single_process_update(name, tmp_path):
 
 def test_groups_are_whole_and_even():
     assert [list(Ranks(r, 2).groups(4)) for r in (0, 1)] == [[0, 1], [2, 3]]
-    assert list(Ranks().groups(3)) == [0, 1, 2] and Ranks().reduce is None and Ranks().is_main
+    assert list(Ranks().groups(3)) == [0, 1, 2] and Ranks().reduce is None
     with pytest.raises(ValueError, match="cannot be split evenly"):
         Ranks(0, 2).groups(3)
