@@ -1,30 +1,70 @@
-"""Data parallelism over ``torch.distributed``: who this process is, and the sums the ranks agree on.
+"""Data parallelism over ``torch.distributed``: who this process is, and what the ranks agree on.
 
 Under ``torchrun`` every rank takes whole prompt groups (a group is never split, so advantages are
-those of one process) and ``run_update(..., reduce=ranks.reduce)`` makes its optimizer steps those of
-the global batch. One process (no process group) is the world of one: ``reduce`` is None.
+those of one process); the update divides by the global step's denominators and sums the gradients over
+the ranks (DDP's all-reduce, with a sum in place of its mean), so an N-rank optimizer step is the one
+one process would make on the global batch. One process (no process group) is the world of one, and
+every function here is then a no-op.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import datetime
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["Ranks", "all_reduce_sum"]
+__all__ = ["Ranks", "init_from_env", "split_evenly", "wrap_ddp"]
+
+T = TypeVar("T")
 
 
-def all_reduce_sum(tensor: Tensor) -> Tensor:
-    """Sum ``tensor`` over every rank, in place; returns it."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
+def init_from_env(device_type: str) -> "Ranks":
+    """Join the process group ``torchrun`` describes (WORLD_SIZE > 1 in the environment): gloo on CPU,
+    NCCL on CUDA (each rank on its LOCAL_RANK device). Without torchrun: one process, nothing started."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # a rank that dies leaves the others in a collective: torchrun ends them; this bounds the rest
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=int(os.environ.get("GRPOLAB_DIST_TIMEOUT_MIN", "30"))))
+    return Ranks.current()
+
+
+def split_evenly(n: int, world: int, rank: int) -> range:
+    """Rank ``rank``'s contiguous block of ``range(n)`` when it is cut into ``world`` blocks whose sizes
+    differ by at most one (the first ``n % world`` blocks are one longer)."""
+    share, extra = divmod(n, world)
+    start = rank * share + min(rank, extra)
+    return range(start, start + share + (rank < extra))
+
+
+def _sum_allreduce_hook(state, bucket):  # no annotations: DDP checks them, and they are strings here
+    """DDP's all-reduce of a ``dist.GradBucket`` without its division by the world size: the loss already
+    divides by the global step's denominators, so the ranks' gradients add up to the global batch's."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def wrap_ddp(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module`` in ``DistributedDataParallel`` with summed gradients. Its weights are broadcast from
+    rank 0 here with its buffers; buffers are not re-synchronised at each forward (they never change, and
+    a forward must not be a collective: ranks run different numbers of forwards)."""
+    ddp = nn.parallel.DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None,
+                                              forward_sync_buffers=False)
+    ddp.register_comm_hook(None, _sum_allreduce_hook)
+    return ddp
 
 
 @dataclass(frozen=True)
 class Ranks:
-    """This process's place among the data-parallel ranks."""
+    """This process's place among the data-parallel ranks, and the collectives the trainer needs. Every
+    method must be called by every rank, in the same order."""
 
     rank: int = 0
     world: int = 1
@@ -36,13 +76,78 @@ class Ranks:
         return cls()
 
     @property
-    def reduce(self) -> Callable[[Tensor], Tensor] | None:
-        """``run_update``'s ``reduce``: None for one process."""
-        return None if self.world == 1 else all_reduce_sum
+    def is_main(self) -> bool:
+        """Rank 0: the one that writes files and prints."""
+        return self.rank == 0
+
+    @property
+    def parallel(self) -> bool:
+        return self.world > 1
 
     def groups(self, n_groups: int) -> range:
-        """The whole groups of ``n_groups`` this rank takes: a contiguous block, equal on every rank."""
+        """The whole groups of ``n_groups`` this rank trains on: a contiguous block, equal on every rank."""
         if n_groups % self.world:
             raise ValueError(f"{n_groups} prompt groups cannot be split evenly over {self.world} ranks")
-        share = n_groups // self.world
-        return range(self.rank * share, (self.rank + 1) * share)
+        return split_evenly(n_groups, self.world, self.rank)
+
+    def share(self, n: int) -> range:
+        """This rank's contiguous block of ``n`` items (sizes differ by at most one between ranks)."""
+        return split_evenly(n, self.world, self.rank)
+
+    def sum_(self, tensor: Tensor) -> Tensor:
+        """Sum ``tensor`` over every rank, in place; returns it."""
+        if self.parallel:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any."""
+        return bool(self.sum_(torch.tensor([float(flag)])) > 0) if self.parallel else flag
+
+    def gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, in rank order, on every rank (pickled: small Python objects only)."""
+        if not self.parallel:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def concat(self, items: list[T]) -> list[T]:
+        """The ranks' lists, concatenated in rank order, on every rank."""
+        return [x for part in self.gather(items) for x in part]
+
+    def from_main(self, obj: T) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.parallel:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.parallel:
+            dist.barrier()
+
+    def run_on_main(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on rank 0 only, its result (or its exception, raised on every rank) everywhere: a
+        failure there ends every rank with the same error instead of leaving them in a collective."""
+        result: tuple[T | None, BaseException | None] = (None, None)
+        if self.is_main:
+            try:
+                result = (fn(), None)
+            except Exception as err:  # re-raised below, on every rank
+                result = (None, err)
+        value, error = self.from_main(result)
+        if error is not None:
+            raise error
+        return value  # type: ignore[return-value]
+
+
+def no_sync(module: nn.Module) -> contextlib.AbstractContextManager:
+    """DDP's ``no_sync`` (backward passes accumulate locally), or nothing for a plain module."""
+    return module.no_sync() if isinstance(module, nn.parallel.DistributedDataParallel) else contextlib.nullcontext()
+
+
+def batched(items: list[T], size: int) -> Iterator[list[T]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]

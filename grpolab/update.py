@@ -7,20 +7,37 @@ such a function; tests use plain parameter tensors.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, ContextManager, Iterable
 
 import torch
 from torch import Tensor
 
 from grpolab.algorithms import AlgorithmSpec
+from grpolab.distributed import Ranks
 from grpolab.losses import NonFiniteError, PolicyLossInput, TokenMetrics, policy_loss, step_denominators
 
 PolicyLogprobs = Callable[[Tensor], tuple[Tensor, Tensor | None]]
 # rows of an optimizer step [n] -> their micro-batches (index tensors); None = consecutive slices of micro_batch_size
 MicroBatchPlan = Callable[[Tensor], list[Tensor]]
-# sums a tensor over the data-parallel ranks, in place (``grpolab.distributed``); None = one process
-Reduce = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class DataParallelShare:
+    """This rank's part of a data-parallel update: its rows ``rows`` of the global batch of ``n_rows``
+    sequences (``UpdateData`` holds exactly those, in order), and ``accumulate``: the context in which a
+    backward pass only accumulates locally (DDP's ``no_sync``); the step's last backward synchronises."""
+
+    ranks: Ranks
+    rows: range
+    n_rows: int
+    accumulate: Callable[[], ContextManager] = contextlib.nullcontext
+
+    def local(self, indices: Tensor) -> Tensor:
+        """Global row indices [k] -> the positions in this rank's data of those it holds, in order."""
+        inside = (indices >= self.rows.start) & (indices < self.rows.stop)
+        return indices[inside] - self.rows.start
 
 
 @dataclass
@@ -98,55 +115,77 @@ class StepGradients:
     backward: bool
 
 
-def rows_with_gradient(spec: AlgorithmSpec, data: UpdateData, indices: Tensor) -> Tensor:
+def rows_with_gradient(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
+                       any_rank: Callable[[bool], bool] = bool) -> Tensor:
     """Bool [n], on the device of ``indices``: the rows of one step that need a backward pass.
 
     A row's loss is A_i x (surrogate) + beta x KL: it is identically zero, with zero gradient, when its
     advantage is 0 and there is no KL penalty. Without pruning every row is fed, unless the whole
-    step's loss is zero.
+    step's loss (on every rank: ``any_rank``) is zero.
     """
     nonzero = data.advantages[indices] != 0
     has_kl = spec.beta > 0 and data.ref_logprobs is not None
-    if has_kl or (not spec.prune_zero_advantage and bool(nonzero.any())):
+    if has_kl or (not spec.prune_zero_advantage and any_rank(bool(nonzero.any()))):
         return torch.ones_like(nonzero)
     return nonzero
 
 
 def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor, policy_logprobs: PolicyLogprobs,
                          micro_batch_size: int, max_new_tokens: int, full_metrics: bool = True,
-                         plan: MicroBatchPlan | None = None, reduce: Reduce | None = None) -> StepGradients:
+                         plan: MicroBatchPlan | None = None, dp: DataParallelShare | None = None) -> StepGradients:
     """Backward the loss of one optimizer step over ``indices`` [n], micro-batch by micro-batch
-    (``plan``'s, or slices of ``micro_batch_size``). With ``reduce`` the rows are this rank's share of the
-    step: the denominators count the whole step, and ``backward`` is True when any rank's loss is not zero.
+    (``plan``'s, or slices of ``micro_batch_size``).
 
     Rows whose loss is identically zero (``rows_with_gradient``) are not backpropagated: their
     gradient is exactly 0 and the denominators still count them, so the gradient is identical. With
     ``full_metrics`` they get a no-grad forward instead, so the token metrics (entropy, KL, ratio)
     cover every response token of the step.
+
+    Data parallel (``dp``): ``indices`` are this rank's rows of the step; the denominators count the whole
+    step, and ``backward`` is decided for all ranks at once. Every backward but the last only accumulates;
+    the last one synchronises the gradients (summed over the ranks). A rank with no row to backpropagate
+    still joins that synchronisation, with a backward of a zero loss on one of its rows.
     """
-    denominators = step_denominators(spec, data.response_mask[indices], max_new_tokens, reduce)
-    grad_rows = rows_with_gradient(spec, data, indices)
-    parts = [(indices[grad_rows], True)] + ([(indices[~grad_rows], False)] if full_metrics else [])
+    ranks = dp.ranks if dp is not None else Ranks()
+    denominators = step_denominators(spec, data.response_mask[indices], max_new_tokens,
+                                     ranks.sum_ if ranks.parallel else None)
+    grad_rows = rows_with_gradient(spec, data, indices, ranks.any)
+    backward = ranks.any(bool(grad_rows.any()))
+    split = (lambda rows: plan(rows) if plan else list(rows.split(micro_batch_size)))  # noqa: E731
+    grad_micros = split(indices[grad_rows]) if backward and bool(grad_rows.any()) else []
+    rest = indices[~grad_rows] if backward else indices
+    metric_micros = split(rest) if full_metrics and len(rest) else []
+    accumulate = dp.accumulate if dp is not None else contextlib.nullcontext
     merged = TokenMetrics()
-    for rows, with_grad in parts:
-        for micro in (plan(rows) if plan else rows.split(micro_batch_size)) if len(rows) else ():
-            with torch.set_grad_enabled(with_grad):
-                logprobs, entropy = policy_logprobs(micro)
-                loss, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
-            if with_grad:
-                loss.backward()
-            if entropy is not None:
-                metrics.add("entropy", entropy, data.response_mask[micro].to(entropy.dtype))
-            merged = merged.merge(metrics)
-    backward = torch.tensor([float(grad_rows.any())])
-    return StepGradients(merged, backward=bool((reduce(backward) if reduce else backward) > 0))
+    for i, micro in enumerate(grad_micros):
+        last = i == len(grad_micros) - 1
+        with contextlib.nullcontext() if last else accumulate():
+            logprobs, entropy = policy_logprobs(micro)
+            loss, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
+            loss.backward()
+        merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
+    if backward and not grad_micros and ranks.parallel:  # join the synchronising backward with zeros
+        logprobs, _ = policy_logprobs(torch.zeros(1, dtype=torch.long, device=indices.device))
+        (logprobs.sum() * 0.0).backward()
+    for micro in metric_micros:
+        with torch.no_grad():
+            logprobs, entropy = policy_logprobs(micro)
+            _, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
+        merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
+    return StepGradients(merged, backward=backward)
+
+
+def _with_entropy(metrics: TokenMetrics, entropy: Tensor | None, mask: Tensor) -> TokenMetrics:
+    if entropy is not None:
+        metrics.add("entropy", entropy, mask.to(entropy.dtype))
+    return metrics
 
 
 def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLogprobs,
                optimizer: torch.optim.Optimizer, parameters: list[Tensor], *, micro_batch_size: int,
                max_new_tokens: int, max_grad_norm: float | None = 1.0,
                generator: torch.Generator | None = None, full_metrics: bool = True,
-               plan: MicroBatchPlan | None = None, reduce: Reduce | None = None) -> UpdateResult:
+               plan: MicroBatchPlan | None = None, dp: DataParallelShare | None = None) -> UpdateResult:
     """Every optimizer step the schedule asks for on one rollout batch.
 
     A step whose whole loss is zero (all advantages 0 and no KL penalty) is skipped: counted as
@@ -154,27 +193,25 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
     Gradient norm is clipped to ``max_grad_norm`` (None = no clipping); a non-finite norm raises
     NonFiniteError before the optimizer step. Index tensors live on the device of ``data``.
 
-    Data parallel (``reduce``): ``data`` holds this rank's whole groups; each rank accumulates its own
-    micro-batches without communicating, then the gradients are summed over the ranks (the loss already
-    divides by the global step's denominators), so every rank steps with the gradient one process would
-    compute on the global batch and clips by its global norm. Every rank makes the same collective calls
-    in the same order (counts, the skip decision, the gradients), whatever its micro-batch count.
+    Data parallel (``dp``): ``data`` holds this rank's whole groups, ``policy_logprobs`` runs the
+    DDP-wrapped forward. The mini-batches are drawn over the global batch (the same shuffle on every
+    rank) and each rank takes its rows of each; every rank makes the same collective calls in the same
+    order (counts, the skip decision, one synchronising backward, the metrics), whatever its micro-batch
+    count, and steps with the gradient one process computes on the global batch, clipped by its norm.
     """
-    check_schedule(spec, data.advantages.shape[0], micro_batch_size, data.old_logprobs is None)
+    n_rows = dp.n_rows if dp is not None else data.advantages.shape[0]
+    check_schedule(spec, n_rows, micro_batch_size, data.old_logprobs is None)
+    ranks = dp.ranks if dp is not None else Ranks()
     result = UpdateResult()
-    for indices in minibatches(spec, data.advantages.shape[0], generator, data.advantages.device):
+    for indices in minibatches(spec, n_rows, generator, data.advantages.device):
         result.attempted += 1
         optimizer.zero_grad(set_to_none=True)
-        step = accumulate_gradients(spec, data, indices, policy_logprobs, micro_batch_size, max_new_tokens,
-                                    full_metrics, plan, reduce)
-        result.tokens = result.tokens.merge(step.metrics)
+        step = accumulate_gradients(spec, data, dp.local(indices) if dp is not None else indices, policy_logprobs,
+                                    micro_batch_size, max_new_tokens, full_metrics, plan, dp)
+        metrics = _merge(ranks.gather(step.metrics)) if ranks.parallel else step.metrics
+        result.tokens = result.tokens.merge(metrics)
         if not step.backward:
             continue
-        if reduce is not None:  # a rank without gradient rows still joins the sum, with zeros
-            for p in parameters:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                reduce(p.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm else float("inf"))
         if not torch.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
@@ -184,6 +221,13 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
         result.actual += 1
         result.grad_norms.append(float(grad_norm))
         if result.actual == 1:
-            result.first_step = step.metrics.means()
+            result.first_step = metrics.means()
     optimizer.zero_grad(set_to_none=True)
     return result
+
+
+def _merge(parts: list[TokenMetrics]) -> TokenMetrics:
+    merged = TokenMetrics()
+    for part in parts:
+        merged = merged.merge(part)
+    return merged

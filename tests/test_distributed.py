@@ -1,8 +1,10 @@
 """Data parallelism on CPU (gloo, 2 processes): the update of N ranks is the update one process makes on
-the global batch. Each rank holds whole groups; the denominators, the skip decision and the gradients
-are summed over the ranks (``grpolab.distributed``)."""
+the global batch. Each rank holds whole groups; the denominators and the skip decision are agreed over
+the ranks, and DDP sums the gradients (``grpolab.distributed``)."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -11,8 +13,8 @@ import torch.multiprocessing as mp
 from test_update import ToyPolicy, make_data
 
 from grpolab.algorithms import PRESETS
-from grpolab.distributed import Ranks
-from grpolab.update import UpdateData, run_update
+from grpolab.distributed import Ranks, no_sync, wrap_ddp
+from grpolab.update import DataParallelShare, UpdateData, run_update
 
 GROUPS, G, T = 4, 4, 9
 # per rollout batch, the groups whose rewards are all equal: batch 2 has no signal anywhere (skipped on
@@ -20,48 +22,73 @@ GROUPS, G, T = 4, 4, 9
 ZERO_GROUPS = ((0,), tuple(range(GROUPS)), (2, 3))
 
 
-def updates(name: str, ranks: Ranks) -> dict:
+class _ToyModule(torch.nn.Module):
+    """The toy policy as a module, so that DDP can wrap it: rows [k] -> (log-probs, entropy) [k, T]."""
+
+    def __init__(self, policy: ToyPolicy):
+        super().__init__()
+        self.policy, self.weight = policy, policy.weight
+
+    def forward(self, rows: torch.Tensor):
+        return self.policy(rows)
+
+
+def updates(name: str, ranks: Ranks, **overrides) -> dict:
     """Three rollout batches' updates of a float64 toy policy; this rank's whole groups only."""
-    spec = PRESETS[name]
+    spec = PRESETS[name].model_copy(update=overrides)
     policy = ToyPolicy(GROUPS * G, T, seed=1)
+    module = _ToyModule(policy)
+    forward = wrap_ddp(module, torch.device("cpu")) if ranks.parallel else module
     optimizer = torch.optim.AdamW([policy.weight], lr=0.05)
-    rows = torch.tensor([g * G + j for g in ranks.groups(GROUPS) for j in range(G)])
-    out = {"actual": [], "grad_norms": []}
+    mine = range(ranks.groups(GROUPS).start * G, ranks.groups(GROUPS).stop * G)
+    rows = torch.tensor(list(mine))
+    dp = DataParallelShare(ranks, mine, GROUPS * G, lambda: no_sync(forward)) if ranks.parallel else None
+    out = {"actual": [], "grad_norms": [], "metrics": []}
+    gen = torch.Generator().manual_seed(3)
     for batch, zero in enumerate(ZERO_GROUPS):
         data = make_data(policy, seed=10 + batch, groups=GROUPS, group_size=G, spec=spec, zero_groups=zero)
         local = UpdateData(advantages=data.advantages[rows], response_mask=data.response_mask[rows],
                            old_logprobs=data.old_logprobs[rows], ref_logprobs=data.ref_logprobs[rows])
-        result = run_update(spec, local, lambda idx: policy(rows[idx]), optimizer, [policy.weight],
-                            micro_batch_size=3, max_new_tokens=T, reduce=ranks.reduce)
+        result = run_update(spec, local, lambda idx: forward(rows[idx]), optimizer, [policy.weight],
+                            micro_batch_size=3, max_new_tokens=T, generator=gen, dp=dp)
         out["actual"].append(result.actual)
         out["grad_norms"] += result.grad_norms
+        out["metrics"].append(result.metrics())
     out["weight"] = policy.weight.detach().clone()
     return out
 
 
-def _rank(rank: int, world: int, init_file: str, out_dir: str, name: str) -> None:
+def _rank(rank: int, world: int, init_file: str, out_dir: str, name: str, overrides: dict) -> None:
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        torch.save(updates(name, Ranks.current()), f"{out_dir}/{rank}.pt")
+        torch.save(updates(name, Ranks.current(), **overrides), f"{out_dir}/{rank}.pt")
     finally:
+        gc.collect()  # DDP's reducer goes before its process group, or its thread aborts the process
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", ["grpo", "cispo", "dr_grpo"])  # sequence, token, constant aggregation
-def test_two_ranks_make_the_single_process_update(name, tmp_path):
-    mp.spawn(_rank, args=(2, str(tmp_path / "init"), str(tmp_path), name), nprocs=2, join=True)
-    single = updates(name, Ranks())
+# sequence, token and constant aggregation; cispo's 4 epochs and offpolicy's shuffled mini-batches, where
+# a rank may hold no row of an optimizer step
+@pytest.mark.parametrize("name, overrides", [("grpo", {}), ("cispo", {}), ("dr_grpo", {}),
+                                             ("offpolicy_clip", {"steps_per_epoch": 4})])
+def test_two_ranks_make_the_single_process_update(name, overrides, tmp_path):
+    mp.spawn(_rank, args=(2, str(tmp_path / "init"), str(tmp_path), name, overrides), nprocs=2, join=True)
+    single = updates(name, Ranks(), **overrides)
     assert single["actual"][1] == 0 and single["actual"][0] > 0 and single["actual"][2] > 0
     for rank in (0, 1):
         ranked = torch.load(tmp_path / f"{rank}.pt")
         assert ranked["actual"] == single["actual"]
         assert ranked["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-9)
         torch.testing.assert_close(ranked["weight"], single["weight"], rtol=0, atol=1e-6)
+        for got, want in zip(ranked["metrics"], single["metrics"]):  # every rank logs the global step's metrics
+            assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
     assert not torch.equal(single["weight"], ToyPolicy(GROUPS * G, T, seed=1).weight)
 
 
 def test_groups_are_whole_and_even():
     assert [list(Ranks(r, 2).groups(4)) for r in (0, 1)] == [[0, 1], [2, 3]]
-    assert list(Ranks().groups(3)) == [0, 1, 2] and Ranks().reduce is None
+    assert list(Ranks().groups(3)) == [0, 1, 2] and not Ranks().parallel
+    assert [list(Ranks(r, 3).share(7)) for r in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
     with pytest.raises(ValueError, match="cannot be split evenly"):
         Ranks(0, 2).groups(3)
