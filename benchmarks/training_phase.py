@@ -84,7 +84,7 @@ def variant(trainer: Trainer, batch, share: bool, tokens: int | None):
     learner.cfg = trainer.cfg.model_copy(update={"optim": trainer.cfg.optim.model_copy(
         update={"micro_batch_tokens": tokens})})
     forward = learner.forward(batch)
-    return (lambda idx: forward.logprobs(trainer.model, idx, True)), forward.planner.plan
+    return (lambda idx: forward.logprobs(trainer.learner.train_forward, idx, True)), forward.planner.plan
 
 
 def measure(trainer: Trainer, batch, advantages, logprobs, plan, repeats: int):

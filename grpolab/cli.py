@@ -7,6 +7,7 @@ name; ``grpolab demo`` is ``train`` with the built-in defaults (tiny model, arit
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import Any
@@ -184,7 +185,7 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         return 0
     from grpolab.trainer import train
 
-    if args.command == "demo":
+    if args.command == "demo" and os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 says it
         from grpolab.demo import print_demo_plan
         from grpolab.progress import Reporter
 

@@ -5,13 +5,14 @@ for it (it keeps groups whose RL rewards, shaping included, are not all equal)."
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from grpolab.advantages import informative_groups
 from grpolab.algorithms import AlgorithmSpec
 from grpolab.config import RewardShapingConfig, RolloutConfig
+from grpolab.distributed import Ranks
 from grpolab.evaluation import grade_completions
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
 from grpolab.run_state import PromptStream
@@ -42,10 +43,12 @@ class RolloutCollector:
     Every generation is seeded from (seed, step, round), so a collector holds no sampling state."""
 
     def __init__(self, engine: RolloutEngine, task: Task, prompts: PromptStream, prompt_ids: dict[str, list[int]],
-                 rollout: RolloutConfig, spec: AlgorithmSpec, seed: int, shaping: RewardShapingConfig | None = None):
+                 rollout: RolloutConfig, spec: AlgorithmSpec, seed: int, shaping: RewardShapingConfig | None = None,
+                 ranks: Ranks = Ranks()):
         self.engine, self.task, self.prompts, self.prompt_ids = engine, task, prompts, prompt_ids
         self.rollout, self.spec, self.seed = rollout, spec, seed
         self.shaping = shaping or RewardShapingConfig()
+        self.ranks = ranks
 
     def grade(self, examples: list[Example], completions: list[list[Completion]]) -> list[list[Grade]]:
         """The task's grades, with the configured length shaping added to the RL reward."""
@@ -69,13 +72,16 @@ class RolloutCollector:
         seconds = {"generate": 0.0, "reward": 0.0}
         while len(kept.examples) < want and rounds <= self.spec.max_resample_rounds:
             examples = self.prompts.take(want - len(kept.examples))
+            mine = self.ranks.share(len(examples))  # this rank's prompts of the round
             t0 = time.perf_counter()
-            completions = self.engine.generate([self.prompt_ids[e.id] for e in examples], group,
-                                               self.sampling_params(step, rounds))
+            completions = self.engine.generate([self.prompt_ids[e.id] for e in examples[mine.start:mine.stop]], group,
+                                               replace(self.sampling_params(step, rounds), prompt_offset=mine.start))
             t1 = time.perf_counter()
-            grades = self.grade(examples, completions)
+            grades = self.grade(examples[mine.start:mine.stop], completions)
             seconds["generate"] += t1 - t0
             seconds["reward"] += time.perf_counter() - t1
+            if self.ranks.parallel:  # every rank gets the round's groups, in prompt order
+                completions, grades = map(list, zip(*self.ranks.concat(list(zip(completions, grades)))))
             rounds += 1
             batch = RolloutBatch(examples, completions, grades)
             keep = informative_groups(batch.rewards()) if self.spec.dynamic_sampling else torch.ones(len(examples), dtype=torch.bool)

@@ -141,6 +141,15 @@ class LogConfig(_Section):
                               "RUN_DIR/tensorboard (needs the tensorboard package: pip install 'grpolab[tensorboard]')")
 
 
+class DistConfig(_Section):
+    """Data parallelism under ``torchrun --nproc_per_node N`` (ignored in one process)."""
+
+    strategy: Literal["ddp"] = Field("ddp", description="ddp: every rank holds the whole model, gradients "
+                                     "all-reduced by DistributedDataParallel (FSDP2 sharding is not built yet)")
+    timeout_minutes: int = Field(30, ge=1, description="how long a collective waits for a rank before the run "
+                                 "fails (torchrun ends the others at once when a rank exits)")
+
+
 class RunConfig(_Section):
     seed: int = 0
     steps: int = Field(100, ge=1)
@@ -161,6 +170,7 @@ class RunConfig(_Section):
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    dist: DistConfig = DistConfig()
 
     @field_validator("task", mode="before")
     @classmethod

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,21 +21,31 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["Ranks", "init_from_env", "split_evenly", "wrap_ddp"]
+__all__ = ["Ranks", "end_process_group", "init_from_env", "no_sync", "split_evenly", "wrap_ddp"]
 
 T = TypeVar("T")
 
 
-def init_from_env(device_type: str) -> "Ranks":
+def init_from_env(device: torch.device, timeout_minutes: int = 30) -> tuple["Ranks", torch.device]:
     """Join the process group ``torchrun`` describes (WORLD_SIZE > 1 in the environment): gloo on CPU,
-    NCCL on CUDA (each rank on its LOCAL_RANK device). Without torchrun: one process, nothing started."""
+    NCCL on CUDA, each rank on its LOCAL_RANK device. Returns (ranks, this rank's device). Without
+    torchrun: one process, nothing started. A rank that dies leaves the others in a collective: torchrun
+    ends them at once, and ``timeout_minutes`` bounds every collective in any case."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        # a rank that dies leaves the others in a collective: torchrun ends them; this bounds the rest
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(minutes=int(os.environ.get("GRPOLAB_DIST_TIMEOUT_MIN", "30"))))
-    return Ranks.current()
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    return Ranks.current(), device
+
+
+def end_process_group() -> None:
+    """Leave the process group, if any (after DDP's reducer is gone: its thread aborts the process when
+    the group goes first)."""
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def split_evenly(n: int, world: int, rank: int) -> range:
@@ -116,6 +127,22 @@ class Ranks:
         """The ranks' lists, concatenated in rank order, on every rank."""
         return [x for part in self.gather(items) for x in part]
 
+    def stack_rows(self, tensor: Tensor) -> Tensor:
+        """Every rank's [n_r, T_r] ``tensor``, right-padded with zeros to the widest and stacked in rank
+        order: [sum n_r, max T_r] (on CPU when there are several ranks)."""
+        if not self.parallel:
+            return tensor
+        parts = self.gather(tensor.cpu())
+        width = max(p.shape[1] for p in parts)
+        return torch.cat([nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+    def sum_counts(self, counts: dict[str, int]) -> dict[str, int]:
+        """``counts`` added up key by key over the ranks (the same keys on every rank)."""
+        if not self.parallel:
+            return counts
+        parts = self.gather(counts)
+        return {k: sum(p[k] for p in parts) for k in counts}
+
     def from_main(self, obj: T) -> T:
         """Rank 0's ``obj`` on every rank."""
         if not self.parallel:
@@ -146,8 +173,3 @@ class Ranks:
 def no_sync(module: nn.Module) -> contextlib.AbstractContextManager:
     """DDP's ``no_sync`` (backward passes accumulate locally), or nothing for a plain module."""
     return module.no_sync() if isinstance(module, nn.parallel.DistributedDataParallel) else contextlib.nullcontext()
-
-
-def batched(items: list[T], size: int) -> Iterator[list[T]]:
-    for start in range(0, len(items), size):
-        yield items[start:start + size]

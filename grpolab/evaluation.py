@@ -11,6 +11,7 @@ from dataclasses import replace
 from statistics import mean
 from typing import Any
 
+from grpolab.distributed import Ranks
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
 from grpolab.stats import pass_at_k
 from grpolab.tasks.base import Example, Grade, Task
@@ -73,27 +74,47 @@ def greedy(sampling: SamplingParams) -> SamplingParams:
     return replace(sampling, temperature=0.0, top_p=1.0, top_k=0, seed=None)
 
 
+def eval_share(n_items: int, chunk: int, ranks: Ranks) -> range:
+    """The items this rank evaluates: a contiguous block of whole ``chunk``-item chunks, so that each
+    chunk is generated exactly as one process generates it."""
+    chunks = ranks.share(-(-n_items // chunk))
+    return range(min(chunks.start * chunk, n_items), min(chunks.stop * chunk, n_items))
+
+
 def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_ids: list[list[int]],
              sampling: SamplingParams, pass_k: list[int], pass_n: int, seed: int, chunk: int | None = None,
-             on_items: Callable[[int], None] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+             on_items: Callable[[int], None] | None = None,
+             ranks: Ranks = Ranks()) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Greedy metrics over ``examples`` and, when ``pass_k`` is set, pass@k from ``pass_n`` samples.
 
     ``sampling`` is the training rollout's: every generation here keeps its token limit and stop
     strings, so completions are cut and graded exactly as in training; the pass@k samples also use
     its temperature / top-p / top-k, with ``seed``. Greedy completions are generated ``chunk``
     prompts at a time (None: all at once; the hf engine's own batch size leaves its batches, and so
-    its results, unchanged), and ``on_items(k)`` is called as k more items finish.
+    its results, unchanged), and ``on_items(k)`` is called as k more items finish. Data parallel
+    (``ranks``): each rank generates and grades its ``eval_share`` and the results are gathered, so
+    every rank returns the metrics and records of all items.
 
     Returns (metrics, one ``item_record`` per example, with ``pass_n`` / ``pass_correct``: the sampled
     count and how many were correct, when ``pass_k`` is set).
     """
     step = chunk or max(1, len(prompt_ids))
+    share = eval_share(len(prompt_ids), step, ranks)
     completions = []
-    for start in range(0, len(prompt_ids), step):
-        completions += engine.generate(prompt_ids[start:start + step], 1, greedy(sampling))
+    for start in range(share.start, share.stop, step):
+        part = prompt_ids[start:min(start + step, share.stop)]
+        completions += engine.generate(part, 1, greedy(sampling))
         if on_items is not None:
-            on_items(len(prompt_ids[start:start + step]))
-    grades = [g[0] for g in grade_completions(task, examples, completions)]
+            on_items(len(part))
+    grades = [g[0] for g in grade_completions(task, examples[share.start:share.stop], completions)]
+    correct = [None] * len(completions)
+    if pass_k:
+        sampled = engine.generate(prompt_ids[share.start:share.stop], pass_n,
+                                  replace(sampling, seed=seed, prompt_offset=share.start))
+        correct = [sum(g.answer_reward > 0 for g in group)
+                   for group in grade_completions(task, examples[share.start:share.stop], sampled)]
+    if ranks.parallel:
+        completions, grades, correct = map(list, zip(*ranks.concat(list(zip(completions, grades, correct)))))
     records = [item_record(task, ex, c[0], g) for ex, c, g in zip(examples, completions, grades)]
     out = {
         "val/accuracy": mean(g.answer_reward for g in grades),
@@ -104,8 +125,6 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
     if getattr(task, "toolset", None) is not None:
         out.update(tool_metrics([c[0] for c in completions], [g.answer_reward > 0 for g in grades], prefix="val/tool/"))
     if pass_k:
-        sampled = engine.generate(prompt_ids, pass_n, replace(sampling, seed=seed))
-        correct = [sum(g.answer_reward > 0 for g in group) for group in grade_completions(task, examples, sampled)]
         for k in pass_k:
             out[f"val/pass@{k}"] = mean(pass_at_k(pass_n, c, k) for c in correct)
         for record, c in zip(records, correct):

@@ -1,21 +1,42 @@
 """Learning from a rollout batch (steps 3-4 of the loop): group advantages, the frozen log-probs the
-objective needs (old policy, reference), the per-step sync check, and the update schedule."""
+objective needs (old policy, reference), the per-step sync check, and the update schedule.
+
+Data parallel: the rollout batch is the global one on every rank; a rank computes the advantages of all
+groups, trains on its own block of whole groups through the DDP-wrapped forward, and checks the sync
+and reports metrics over the global batch."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch import nn
 
 from grpolab.advantages import advantage_metrics, group_advantages
 from grpolab.batching import TrainBatch, collate
 from grpolab.collect import RolloutBatch
 from grpolab.config import RunConfig
+from grpolab.distributed import Ranks, no_sync, wrap_ddp
 from grpolab.packing import MicroBatchPlanner, prompt_keys
 from grpolab.precision import TrainingPrecision
 from grpolab.rollout.sync_check import SyncMonitor
-from grpolab.shared_prefix import layout_units, sharing_blocker, unit_logprobs
-from grpolab.update import UpdateData, run_update
+from grpolab.shared_prefix import UnitLayout, layout_units, sharing_blocker, unit_logprobs
+from grpolab.update import DataParallelShare, UpdateData, run_update
+
+
+class PolicyForward(nn.Module):
+    """The training forward of ``model`` as a module (so that DDP wraps it): a ``UnitLayout`` ->
+    (log-probs, entropy or None) [n_rows, width] (``grpolab.shared_prefix.unit_logprobs``)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, layout: UnitLayout, n_rows: int, width: int, temperature: float, with_entropy: bool,
+                chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        stats = unit_logprobs(self.model, layout, n_rows, width, temperature=temperature, with_entropy=with_entropy,
+                              chunk_tokens=chunk_tokens)
+        return stats.logprobs, stats.entropy
 
 
 class BatchForward:
@@ -31,36 +52,39 @@ class BatchForward:
             prompt_lens=prompt_lens, seq_lens=seq_lens, share=share,
             max_sequences=cfg.optim.micro_batch_size, max_tokens=cfg.optim.micro_batch_tokens)
 
-    def logprobs(self, model, indices: torch.Tensor, with_entropy: bool):
-        """Log-probs (and entropy) [n, T] of the rows ``indices`` (in that order) at the batch width T;
-        consecutive rows with the same prompt share its computation."""
+    def logprobs(self, forward: nn.Module, indices: torch.Tensor, with_entropy: bool):
+        """Log-probs (and entropy) [n, T] of the rows ``indices`` (in that order) at the batch width T, by
+        ``forward`` (a ``PolicyForward``, DDP-wrapped or not); consecutive rows with the same prompt share
+        its computation."""
         units = self.planner.runs(indices.tolist())
         layout = layout_units(self.batch.input_ids, self.planner.prompt_lens, self.planner.seq_lens, units,
                               shared=any(len(u) > 1 for u in units))
         with self.precision.autocast(self.device):
-            stats = unit_logprobs(model, layout, len(indices), self.batch.input_ids.shape[1],
-                                  temperature=self.cfg.rollout.temperature, with_entropy=with_entropy,
-                                  chunk_tokens=self.cfg.model.logprob_chunk_size * len(indices))
-        return stats.logprobs, stats.entropy
+            return forward(layout, len(indices), self.batch.input_ids.shape[1], self.cfg.rollout.temperature,
+                           with_entropy, self.cfg.model.logprob_chunk_size * len(indices))
 
     @torch.no_grad()
-    def frozen(self, model) -> torch.Tensor:
-        """[N, T] log-probs of every row, micro-batch by micro-batch as planned, without gradients."""
+    def frozen(self, model: nn.Module) -> torch.Tensor:
+        """[N, T] log-probs of every row by ``model``, micro-batch by micro-batch as planned, without gradients."""
+        forward = PolicyForward(model)
         out = torch.zeros(self.batch.input_ids.shape, dtype=torch.float32, device=self.batch.input_ids.device)
         for micro in self.planner.plan(torch.arange(len(self.batch), device=out.device)):
-            out[micro] = self.logprobs(model, micro, False)[0]
+            out[micro] = self.logprobs(forward, micro, False)[0]
         return out
 
 
 class PolicyLearner:
     """Updates ``model`` with ``optimizer`` from rollout batches; ``updates`` counts attempted and actual
-    optimizer steps (the run state's counters, updated in place)."""
+    optimizer steps (the run state's counters, updated in place). With several ``ranks`` the training
+    forward is wrapped in DDP (which broadcasts rank 0's weights here)."""
 
     def __init__(self, cfg: RunConfig, model, reference, optimizer: torch.optim.Optimizer,
                  precision: TrainingPrecision, device: torch.device, pad_token_id: int,
-                 minibatch_gen: torch.Generator, sync_monitor: SyncMonitor, updates: dict[str, int]):
-        self.cfg, self.spec = cfg, cfg.algorithm
+                 minibatch_gen: torch.Generator, sync_monitor: SyncMonitor, updates: dict[str, int],
+                 ranks: Ranks = Ranks()):
+        self.cfg, self.spec, self.ranks = cfg, cfg.algorithm, ranks
         self.model, self.reference, self.optimizer = model, reference, optimizer
+        self.train_forward = wrap_ddp(PolicyForward(model), device) if ranks.parallel else PolicyForward(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.precision, self.device, self.pad_token_id = precision, device, pad_token_id
         self.minibatch_gen, self.sync_monitor, self.updates = minibatch_gen, sync_monitor, updates
@@ -74,29 +98,38 @@ class PolicyLearner:
 
     def learn(self, rollout: RolloutBatch) -> dict[str, Any]:
         """Advantages, sync check and the update schedule over one rollout batch; returns its metrics."""
-        rewards = rollout.rewards()
+        rewards = rollout.rewards()  # [B, G], all groups
         advantages = group_advantages(rewards, self.spec.baseline, self.spec.normalizer, self.spec.adv_eps)
-        batch = collate(rollout.flat(), self.pad_token_id).to(self.device)
+        groups, group_size = self.ranks.groups(len(rollout.completions)), rewards.shape[1]
+        mine = [c for group in rollout.completions[groups.start:groups.stop] for c in group]
+        batch = collate(mine, self.pad_token_id).to(self.device)
         # With one optimizer step the policy is still the sampling policy: old = current, detached
         # (exactly the log-probs frozen before the update, without a second forward pass), unless
         # the sync check needs them anyway.
         check = self.cfg.rollout.checks_sync()
         forward = self.forward(batch)
         old = None if self.spec.is_single_update and not check else forward.frozen(self.model)
-        sync = self.sync_monitor.check(batch.engine_logprobs, old, batch.response_mask) if check else {}
+        # checked over the global batch, so that every rank takes the same decision
+        sync = self.sync_monitor.check(*map(self.ranks.stack_rows, (batch.engine_logprobs, old, batch.response_mask))
+                                       ) if check else {}
         ref = forward.frozen(self.reference) if self.reference is not None else None
-        data = UpdateData(advantages=advantages.flatten().to(self.device), response_mask=batch.response_mask,
-                          old_logprobs=old, ref_logprobs=ref, engine_logprobs=batch.engine_logprobs)
+        data = UpdateData(advantages=advantages[groups.start:groups.stop].flatten().to(self.device),
+                          response_mask=batch.response_mask, old_logprobs=old, ref_logprobs=ref,
+                          engine_logprobs=batch.engine_logprobs)
+        rows = range(groups.start * group_size, groups.stop * group_size)
+        dp = DataParallelShare(self.ranks, rows, rewards.numel(), lambda: no_sync(self.train_forward)) \
+            if self.ranks.parallel else None
         self.model.train()
         try:
-            result = run_update(self.spec, data, lambda idx: forward.logprobs(self.model, idx, True),
+            result = run_update(self.spec, data, lambda idx: forward.logprobs(self.train_forward, idx, True),
                                 self.optimizer, self.params, plan=forward.planner.plan,
                                 micro_batch_size=self.cfg.optim.micro_batch_size,
                                 max_new_tokens=self.cfg.rollout.max_new_tokens,
                                 max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen,
-                                full_metrics=self.cfg.optim.full_metrics)
+                                full_metrics=self.cfg.optim.full_metrics, dp=dp)
         finally:
             self.model.eval()
         self.updates["attempted"] += result.attempted
         self.updates["actual"] += result.actual
-        return {**advantage_metrics(rewards, advantages), **result.metrics(), **sync, **batch.token_counts()}
+        return {**advantage_metrics(rewards, advantages), **result.metrics(), **sync,
+                **self.ranks.sum_counts(batch.token_counts())}

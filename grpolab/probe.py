@@ -67,7 +67,7 @@ def probe_update(learner: PolicyLearner, batch: TrainBatch, advantages: torch.Te
     spec = learner.spec.override(epochs=1, steps_per_epoch=1)
     forward = learner.forward(batch)
     step = accumulate_gradients(spec, data, torch.arange(len(batch), device=batch.input_ids.device),
-                                lambda idx: forward.logprobs(learner.model, idx, True),
+                                lambda idx: forward.logprobs(learner.train_forward, idx, True),
                                 learner.cfg.optim.micro_batch_size, learner.cfg.rollout.max_new_tokens,
                                 plan=forward.planner.plan)
     with_grad = sum(1 for p in learner.params if p.grad is not None and bool(p.grad.abs().sum() > 0))

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from grpolab.distributed import Ranks
 from grpolab.rollout.sync_check import SyncMonitor
 from grpolab.tasks.base import Example
 
@@ -61,30 +62,37 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class RunState:
     """The mutable parts of a run the weights do not hold, as one ``state_dict``: the step reached,
     update counters, the optimizer, the prompt order, the mini-batch shuffle generator, the global
-    RNGs and the sync check's calibrated noise floor."""
+    RNGs (of every data-parallel rank) and the sync check's calibrated noise floor. Under data
+    parallelism every other part is the same on every rank (the ranks step alike)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, prompts: PromptStream, minibatch_gen: torch.Generator,
-                 sync_monitor: SyncMonitor):
+                 sync_monitor: SyncMonitor, ranks: Ranks = Ranks()):
         self.step = 0
         self.updates = {"attempted": 0, "actual": 0}
         self.optimizer, self.prompts, self.minibatch_gen, self.sync_monitor = optimizer, prompts, minibatch_gen, sync_monitor
+        self.ranks = ranks
 
     def state_dict(self) -> dict[str, Any]:
+        """Called on every rank (it gathers their RNGs)."""
+        rngs = self.ranks.gather(rng_state())
         return {"step": self.step, "updates": dict(self.updates), "optimizer": self.optimizer.state_dict(),
                 "prompts": self.prompts.state_dict(), "minibatch_gen": self.minibatch_gen.get_state(),
-                "rng": rng_state(), "sync_noise_floor": self.sync_monitor.noise_floor}
+                "rng": rngs[0], "rng_by_rank": rngs, "sync_noise_floor": self.sync_monitor.noise_floor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Each rank takes its own RNGs; a run resumed with another number of ranks takes rank 0's."""
         self.step = state["step"]
         self.updates.update(state["updates"])  # in place: the learner counts into this dict
         self.optimizer.load_state_dict(state["optimizer"])
         self.prompts.load_state_dict(state["prompts"])
         self.minibatch_gen.set_state(state["minibatch_gen"])
-        set_rng_state(state["rng"])
+        by_rank = state.get("rng_by_rank") or [state["rng"]]
+        set_rng_state(by_rank[self.ranks.rank] if len(by_rank) == self.ranks.world else state["rng"])
         self.sync_monitor.noise_floor = state["sync_noise_floor"]
 
-    def save(self, folder: Path) -> None:
-        torch.save(self.state_dict(), folder / STATE_FILE)
+    @staticmethod
+    def save(state: dict[str, Any], folder: Path) -> None:
+        torch.save(state, folder / STATE_FILE)
 
     def load(self, folder: Path) -> None:
         # our own file, written by save(): it holds python and numpy RNG states, hence weights_only=False

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 class RunDirError(FileExistsError):
@@ -103,9 +103,10 @@ def eval_record_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.stem.removeprefix("step_")) for p in (run_dir / EVAL_DIR).glob("step_*.jsonl"))
 
 
-def save_checkpoint(model, tokenizer, run_dir: Path, step: int, state=None) -> Path:
-    """Hugging Face model + tokenizer (+ the run's ``state``: a ``RunState``) in checkpoints/step_NNNNNN,
-    written to a temp dir then renamed: a checkpoint folder is complete or absent."""
+def save_checkpoint(model, tokenizer, run_dir: Path, step: int,
+                    state: Callable[[Path], None] | None = None) -> Path:
+    """Hugging Face model + tokenizer (+ what ``state(folder)`` writes: the run's state) in
+    checkpoints/step_NNNNNN, written to a temp dir then renamed: a checkpoint folder is complete or absent."""
     parent = run_dir / "checkpoints"
     parent.mkdir(exist_ok=True)
     target = parent / f"step_{step:06d}"
@@ -114,7 +115,7 @@ def save_checkpoint(model, tokenizer, run_dir: Path, step: int, state=None) -> P
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if state is not None:
-            state.save(tmp)
+            state(tmp)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

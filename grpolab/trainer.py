@@ -22,7 +22,8 @@ from rich.table import Table
 import grpolab
 from grpolab.config import RunConfig
 from grpolab.collect import RolloutCollector
-from grpolab.evaluation import evaluate
+from grpolab.distributed import end_process_group, init_from_env
+from grpolab.evaluation import eval_share, evaluate
 from grpolab.like import LIKE_PREFIX, is_like_dir
 from grpolab.learn import PolicyLearner
 from grpolab.logprobs import enable_gradient_checkpointing
@@ -103,15 +104,22 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, console: Console | None = None, resume: bool = False):
         """A new run into ``cfg.output_dir`` (new or empty), or with ``resume`` the continuation of the run
-        in that directory from its newest complete checkpoint (weights, optimizer, RNGs, data position)."""
+        in that directory from its newest complete checkpoint (weights, optimizer, RNGs, data position).
+
+        Under ``torchrun`` every rank builds its own trainer: rank 0 alone prints and writes files, and
+        every rank takes the same decisions (``grpolab.distributed``)."""
         self.cfg, self.spec = cfg, cfg.algorithm
-        self.console = console or Console()
+        self.ranks, self.device = init_from_env(resolve_device(cfg.model.device), cfg.dist.timeout_minutes)
+        if cfg.rollout.prompts_per_step % self.ranks.world:
+            raise ValueError(f"rollout.prompts_per_step {cfg.rollout.prompts_per_step} cannot be split into whole "
+                             f"prompt groups over {self.ranks.world} ranks")
+        self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
         self.reporter = Reporter(self.console)
         torch.manual_seed(cfg.seed)
         self.threads = choose_threads(cfg.threads)
         torch.set_num_threads(self.threads.threads)
-        # bad input is refused before anything is printed: one error line
-        self.run_dir, self.resumed_from = self._run_dir(resume)
+        # bad input is refused before anything is printed: one error line (every rank raises rank 0's error)
+        self.run_dir, self.resumed_from = self.ranks.run_on_main(lambda: self._run_dir(resume))
         if cfg.log.tensorboard:
             summary_writer()
         with self.reporter.phase(f"load task {cfg.task.name}", done_note=None):
@@ -120,11 +128,17 @@ class Trainer:
         if cfg.model.path and not cfg.model.path.startswith(LIKE_PREFIX):
             check_model_path(cfg.model.path)
         self.reporter.line(self.threads.note)
-        self.model_dir = resolve_model_dir(cfg.model.path, self.task, cfg.model.like_overrides, self.reporter)
+        if self.ranks.parallel:
+            self.reporter.line(f"data parallel: {self.ranks.world} ranks ({cfg.dist.strategy}), "
+                               f"{cfg.rollout.prompts_per_step // self.ranks.world} prompt groups each per step")
+        # rank 0 first: a warm start of the demo's model is cached, and the other ranks then find it
+        self.model_dir = self.ranks.run_on_main(lambda: resolve_model_dir(cfg.model.path, self.task,
+                                                                          cfg.model.like_overrides, self.reporter))
+        if not self.ranks.is_main:
+            self.model_dir = resolve_model_dir(cfg.model.path, self.task, cfg.model.like_overrides)
         if is_like_dir(self.model_dir):
             self.reporter.line(f"{cfg.model.path}: random weights at the real shapes (for memory and speed): "
                                "completions rarely stop and run to max_new_tokens")
-        self.device = resolve_device(cfg.model.device)
         self.precision = resolve_precision(cfg.optim.precision, resolve_dtype(cfg.model.dtype, self.device))
         weights_dir = self.resumed_from or self.model_dir
         with self.reporter.phase(f"load model {weights_dir}") as phase:
@@ -149,7 +163,7 @@ class Trainer:
         compute = dtype_name(self.precision.compute)
         self.sync_monitor = SyncMonitor(*cfg.rollout.sync_limits(compute), noise_multiple=cfg.rollout.sync_noise_multiple,
                                         min_floor=MIN_NOISE_FLOOR[compute])
-        self.state = RunState(self.optimizer, self.prompts, minibatch_gen, self.sync_monitor)
+        self.state = RunState(self.optimizer, self.prompts, minibatch_gen, self.sync_monitor, self.ranks)
         self.updates = self.state.updates
         with self.reporter.phase(f"start {cfg.rollout.engine} engine", done_note=cfg.rollout.engine != "hf" or None):
             engine = build_engine(cfg.rollout, self.model, self.tokenizer, weights_dir, seed=cfg.seed,
@@ -159,23 +173,22 @@ class Trainer:
         if self.toolset is not None:  # tool-using trajectories, observations masked out of the loss
             engine = MultiTurnEngine(engine, self.toolset, self.tokenizer)
         self.collector = RolloutCollector(engine, self.task, self.prompts, self.prompt_ids, cfg.rollout, self.spec, cfg.seed,
-                                          cfg.reward)
+                                          cfg.reward, self.ranks)
         self.learner = PolicyLearner(cfg, self.model, self.reference, self.optimizer, self.precision, self.device,
-                                     self.tokenizer.pad_token_id, minibatch_gen, self.sync_monitor, self.updates)
+                                     self.tokenizer.pad_token_id, minibatch_gen, self.sync_monitor, self.updates,
+                                     self.ranks)
         if self.learner.sharing_note:
             self.reporter.line(self.learner.sharing_note)
-        self.records: list[dict[str, Any]] = []  # the metrics of the steps before a resume
+        self.log: MetricsLog | None = None  # rank 0's
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)  # only once everything above validated
             if resume:
                 self.state.load(self.resumed_from)
-                self.records = rewind_metrics(self.run_dir / "metrics.jsonl", self.state.step)
-                self._record_resume()
-            else:
-                self._write_manifest()
-            self.log = MetricsLog(self.run_dir / "metrics.jsonl",
-                                  self.run_dir / "tensorboard" if cfg.log.tensorboard else None,
-                                  first_step=self.state.step + 1 if resume else 0)
+            # the metrics of the steps before a resume
+            self.records: list[dict[str, Any]] = self.ranks.run_on_main(lambda: self._prepare_run_dir(resume))
+            if self.ranks.is_main:
+                self.log = MetricsLog(self.run_dir / "metrics.jsonl",
+                                      self.run_dir / "tensorboard" if cfg.log.tensorboard else None,
+                                      first_step=self.state.step + 1 if resume else 0)
         except BaseException:
             self.engine.close()
             raise
@@ -195,6 +208,17 @@ class Trainer:
             raise FileNotFoundError(f"nothing to resume in {run_dir}: no config.json or no complete checkpoint "
                                     f"(checkpoints/step_NNNNNN with {STATE_FILE})")
         return run_dir, checkpoint
+
+    def _prepare_run_dir(self, resume: bool) -> list[dict[str, Any]]:
+        """Create the run directory (only once everything validated) with its config and manifest, or for a
+        resume rewind its metrics to the checkpoint's step and record the resume; the records kept."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            self._write_manifest()
+            return []
+        records = rewind_metrics(self.run_dir / "metrics.jsonl", self.state.step)
+        self._record_resume()
+        return records
 
     def _record_resume(self) -> None:
         path = self.run_dir / "manifest.json"
@@ -233,6 +257,7 @@ class Trainer:
             "grpolab": grpolab.__version__, "grpolab_source": str(Path(grpolab.__file__).resolve().parent),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "command": sys.argv, "device": str(self.device),
+            "ranks": {"world": self.ranks.world, "strategy": self.cfg.dist.strategy},
             "cpu": {"threads": self.threads.threads, "cores": self.threads.cores, "busy_at_start": self.threads.busy},
             "model": model_record(self.model, self.model_dir), "task": self.task.name,
             # a start from another run's checkpoint: its weights only, with a fresh optimizer and this seed
@@ -258,15 +283,18 @@ class Trainer:
 
     # ---- evaluation, the loop, the summary ------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
-        started = time.perf_counter()
-        with self.reporter.phase(f"eval step {step}", total=len(self.val_examples), unit="items") as phase:
+        """Every validation item (each rank its share, gathered); rank 0 writes the records."""
+        started, chunk = time.perf_counter(), self.cfg.rollout.max_batch_size
+        mine = len(eval_share(len(self.val_examples), chunk, self.ranks))
+        with self.reporter.phase(f"eval step {step}", total=mine, unit="items") as phase:
             out, records = evaluate(self.engine, self.task, self.val_examples, [self.prompt_ids[e.id] for e in self.val_examples],
-                           self.collector.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
-                           seed=self.cfg.seed + 7, chunk=self.cfg.rollout.max_batch_size, on_items=phase.advance)
+                                    self.collector.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
+                                    seed=self.cfg.seed + 7, chunk=chunk, on_items=phase.advance, ranks=self.ranks)
             phase.info = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in out.items())
-        write_eval_records(self.run_dir, step, records)
         out["time/eval"] = time.perf_counter() - started
-        self.log.write({"step": step, **out})
+        if self.ranks.is_main:
+            write_eval_records(self.run_dir, step, records)
+            self.log.write({"step": step, **out})
         return out
 
     def run(self, stop: StopRequest | None = None) -> dict[str, Any]:
@@ -282,7 +310,8 @@ class Trainer:
         with self.reporter.phase("train", total=cfg.steps, unit="steps", done_note=False, done=first - 1) as bar:
             # vLLM's engine processes share the terminal's process group and die of the same Ctrl-C, so a
             # graceful stop could wait on a dead engine: with vLLM a signal still stops the run at once
-            stop.armed = cfg.rollout.engine == "hf"
+            # under torchrun a signal ends every rank at once (resume from the last checkpoint)
+            stop.armed = cfg.rollout.engine == "hf" and not self.ranks.parallel
             for step in range(first, cfg.steps + 1):
                 record = self.train_step(step, bar.set_status)
                 self.state.step = step
@@ -296,7 +325,7 @@ class Trainer:
                 if step % cfg.checkpoint.every == 0 or step == cfg.steps or stop.requested:
                     bar.set_status("checkpoint")
                     with self.reporter.phase(f"checkpoint step {step}") as phase:
-                        phase.info = str(save_checkpoint(self.model, self.tokenizer, self.run_dir, step, self.state))
+                        phase.info = str(self.save_checkpoint(step))
                 bar.set_status("")
                 bar.advance(info=f"reward {record['reward_mean']:.3f}, val acc {evals[max(evals)]['val/accuracy']:.3f}")
                 if stop.requested and step < cfg.steps:
@@ -304,6 +333,12 @@ class Trainer:
                                      f"grpolab train --resume {self.run_dir}")
             stop.armed = False
         return self._summarize(evals, rewards, time.perf_counter() - started)
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Rank 0 writes the checkpoint of ``step`` (every rank's RNGs in its state); the others wait for it."""
+        state = self.state.state_dict()
+        return self.ranks.run_on_main(lambda: save_checkpoint(self.model, self.tokenizer, self.run_dir, step,
+                                                              lambda folder: RunState.save(state, folder)))
 
     def train_step(self, step: int, status: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
         """One rollout batch: rollout -> reward -> advantage -> update -> sync; logs and returns its metrics.
@@ -333,7 +368,8 @@ class Trainer:
         }
         if self.toolset is not None:
             record.update(tool_metrics(flat, [g.answer_reward > 0 for g in grades]))
-        self.log.write(record)
+        if self.log is not None:
+            self.log.write(record)
         return record
 
     def _summarize(self, evals: dict[int, dict[str, float]], rewards: list[float], seconds: float) -> dict[str, Any]:
@@ -347,7 +383,8 @@ class Trainer:
             "updates": dict(self.updates), "wall_seconds": seconds,
             "final_checkpoint": str(self.run_dir / "checkpoints" / f"step_{self.cfg.steps:06d}"),
         }
-        write_json(self.run_dir / "summary.json", summary)
+        if self.ranks.is_main:
+            write_json(self.run_dir / "summary.json", summary)
         table = Table(title=f"{self.spec.name}: start -> end")
         for column in ("metric", "start", "end"):
             table.add_column(column)
@@ -362,7 +399,8 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        self.log.close()
+        if self.log is not None:
+            self.log.close()
         self.engine.close()
 
 
@@ -370,10 +408,14 @@ def train(cfg: RunConfig, console: Console | None = None, resume: bool = False,
           stop: StopRequest | None = None) -> dict[str, Any]:
     """Run ``cfg`` to the end (with ``resume``: continue the run in ``cfg.output_dir``); the engine is
     closed whatever happens."""
-    trainer = Trainer(cfg, console, resume)
+    trainer = None
     try:
+        trainer = Trainer(cfg, console, resume)
         return trainer.run(stop)
     finally:
         if stop is not None:
             stop.armed = False
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
+        trainer = None  # DDP's reducer before the process group
+        end_process_group()

@@ -69,6 +69,7 @@ class UpdateResult:
 
     attempted: int = 0
     actual: int = 0
+    losses: list[float] = field(default_factory=list)  # each optimizer step's loss (skipped ones: 0)
     grad_norms: list[float] = field(default_factory=list)
     tokens: TokenMetrics = field(default_factory=TokenMetrics)
     first_step: dict[str, float] = field(default_factory=dict)
@@ -76,6 +77,8 @@ class UpdateResult:
     def metrics(self) -> dict[str, float]:
         out = self.tokens.means()
         out.update(attempted_updates=self.attempted, actual_updates=self.actual)
+        if self.losses:
+            out["loss"] = sum(self.losses) / len(self.losses)
         if self.grad_norms:
             out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
             out["grad_norm_max"] = max(self.grad_norms)
@@ -108,11 +111,13 @@ def minibatches(spec: AlgorithmSpec, n: int, generator: torch.Generator | None,
 
 @dataclass
 class StepGradients:
-    """What one optimizer step's accumulation did: its token metrics, and whether any loss was
-    backpropagated (False: the step's whole loss is identically zero, nothing to update)."""
+    """What one optimizer step's accumulation did: its token metrics, its loss (this rank's part of the
+    step's, which the ranks' parts add up to), and whether any loss was backpropagated (False: the
+    step's whole loss is identically zero, nothing to update)."""
 
     metrics: TokenMetrics
     backward: bool
+    loss: float = 0.0
 
 
 def rows_with_gradient(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
@@ -156,13 +161,14 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
     rest = indices[~grad_rows] if backward else indices
     metric_micros = split(rest) if full_metrics and len(rest) else []
     accumulate = dp.accumulate if dp is not None else contextlib.nullcontext
-    merged = TokenMetrics()
+    merged, total = TokenMetrics(), 0.0
     for i, micro in enumerate(grad_micros):
         last = i == len(grad_micros) - 1
         with contextlib.nullcontext() if last else accumulate():
             logprobs, entropy = policy_logprobs(micro)
             loss, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
             loss.backward()
+        total += float(loss.detach())
         merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
     if backward and not grad_micros and ranks.parallel:  # join the synchronising backward with zeros
         logprobs, _ = policy_logprobs(torch.zeros(1, dtype=torch.long, device=indices.device))
@@ -172,7 +178,7 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
             logprobs, entropy = policy_logprobs(micro)
             _, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
         merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
-    return StepGradients(merged, backward=backward)
+    return StepGradients(merged, backward=backward, loss=total)
 
 
 def _with_entropy(metrics: TokenMetrics, entropy: Tensor | None, mask: Tensor) -> TokenMetrics:
@@ -208,8 +214,10 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
         optimizer.zero_grad(set_to_none=True)
         step = accumulate_gradients(spec, data, dp.local(indices) if dp is not None else indices, policy_logprobs,
                                     micro_batch_size, max_new_tokens, full_metrics, plan, dp)
-        metrics = _merge(ranks.gather(step.metrics)) if ranks.parallel else step.metrics
+        parts = ranks.gather((step.metrics, step.loss))
+        metrics = _merge([m for m, _ in parts])
         result.tokens = result.tokens.merge(metrics)
+        result.losses.append(sum(loss for _, loss in parts))
         if not step.backward:
             continue
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm else float("inf"))

@@ -38,3 +38,39 @@ class NotATask:
 
     def train_examples(self) -> list[Example]:
         return []
+
+
+class ArithmeticWithBlanks:
+    """The built-in arithmetic task, except that the training examples whose ids are in ``blank`` score 0
+    whatever the completion (a step drawing only those has no signal), and that grading ``crash_on`` in
+    the process of torchrun rank ``crash_rank`` ends that process mid-step: ``crash = "raise"`` raises
+    an error nothing catches, ``"kill"`` dies at once as the kernel's OOM killer would do it."""
+
+    name = "arithmetic_with_blanks"
+
+    def __init__(self, blank: list[str] = (), crash_on: str | None = None, crash_rank: int = 1,
+                 crash: str = "raise", **arithmetic):
+        from grpolab.tasks import ArithmeticTask
+
+        self.inner, self.blank = ArithmeticTask(**arithmetic), set(blank)
+        self.crash_on, self.crash_rank, self.crash = crash_on, str(crash_rank), crash
+
+    def train_examples(self) -> list[Example]:
+        return self.inner.train_examples()
+
+    def validation_examples(self) -> list[Example]:
+        return self.inner.validation_examples()
+
+    def prompt(self, example: Example) -> str:
+        return self.inner.prompt(example)
+
+    def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
+        import os
+        import signal
+
+        if example.id == self.crash_on and os.environ.get("RANK") == self.crash_rank:
+            if self.crash == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise SystemExit(f"rank {self.crash_rank}: the grader crashed on {example.id}")
+        grade = self.inner.grade(completion, example, truncated)
+        return Grade(0.0, 0.0, extracted=grade.extracted) if example.id in self.blank else grade

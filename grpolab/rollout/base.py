@@ -43,6 +43,9 @@ class SamplingParams:
     stop_strings: generation stops once the completion text contains any of these; the
         completion is cut right after the token that completed the first occurrence.
     seed: seeds the engine's sampler for this call (see each engine for its scope).
+    prompt_offset: the index of the call's first prompt in a larger list the caller split (a
+        data-parallel rank's share of a step): engines seed by that global position, so the rows a
+        rank samples are those one process sampling the whole list would draw (see each engine).
     """
 
     max_new_tokens: int
@@ -51,6 +54,7 @@ class SamplingParams:
     top_k: int = 0
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    prompt_offset: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -14,9 +14,11 @@ are repeated for each sample (``batch_select_indices``), and ``generate`` contin
 with the position ids it would have computed itself, so only the prompts' last tokens are prefilled
 per row.
 
-Seeding: ``params.seed`` seeds torch's RNG for this call only, inside ``torch.random.fork_rng``,
-so the caller's global RNG stream is left untouched. Results for a seed depend on the call's
-prompts, ``n`` and ``max_batch_size`` (rows are sampled together in batches).
+Seeding: every batch seeds torch's RNG from ``params.seed`` and the global index of its first row
+(``params.prompt_offset * n`` plus its position in the call; a call's first batch at offset 0 takes the
+seed itself), inside ``torch.random.fork_rng``, so the caller's global RNG stream is left untouched.
+Results for a seed depend on the batch's rows (prompts, ``n``, ``max_batch_size``): a rank whose share
+starts on a batch boundary of the whole list samples exactly what one process samples for it.
 """
 
 from __future__ import annotations
@@ -115,6 +117,11 @@ class _StopStringCriteria(StoppingCriteria):
         return hits
 
 
+def batch_seed(seed: int, first_row: int) -> int:
+    """The seed of a generation batch whose first row has global index ``first_row`` (``seed`` itself at 0)."""
+    return seed if first_row == 0 else (seed * 1_000_003 + first_row * 7_919) % 2**63
+
+
 def trim_completion(
     tokens: Sequence[int], eos_ids: Iterable[int], stop_index: int | None = None
 ) -> tuple[list[int], FinishReason]:
@@ -193,10 +200,10 @@ class HFEngine:
                 stack.enter_context(torch.no_grad())
                 stack.enter_context(self.compute_context())
                 if params.seed is not None:
-                    devices = [device] if device.type == "cuda" else []
-                    stack.enter_context(torch.random.fork_rng(devices=devices))
-                    torch.manual_seed(params.seed)
+                    stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
                 for i in range(0, len(flat), self.max_batch_size):
+                    if params.seed is not None:
+                        torch.manual_seed(batch_seed(params.seed, params.prompt_offset * n + i))
                     out.extend(self._generate_batch(flat[i : i + self.max_batch_size], params, device))
         finally:
             model.generation_config = saved_config

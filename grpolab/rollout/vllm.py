@@ -218,7 +218,8 @@ class VLLMEngine:
         if not prompts:
             return []
         k = 1 if params.greedy else n  # vLLM refuses greedy n > 1: sample once, copy (deterministic)
-        requests = [self.sampling_params(params, k, request_seed(params.seed, i, n)) for i in range(len(prompts))]
+        requests = [self.sampling_params(params, k, request_seed(params.seed, params.prompt_offset + i, n))
+                    for i in range(len(prompts))]
         self._wake()
         try:
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,

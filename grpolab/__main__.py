@@ -1,0 +1,7 @@
+"""``python -m grpolab`` (and ``torchrun --nproc_per_node N -m grpolab train ...``): the ``grpolab`` command."""
+
+import sys
+
+from grpolab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,124 @@
+"""The trainer under ``torchrun --nproc_per_node 2`` on CPU (gloo): the same numbers as one process on the
+same global batch, one writer, errors that end every rank, and checkpoints one process continues.
+
+Each rank generates its own prompt groups; with ``rollout.max_batch_size`` equal to a rank's rows, its
+generation batches are exactly those of the one-process run (engines seed a batch by its global
+position), so the two runs see the same samples and must compute the same update."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpolab.cli import main
+from grpolab.rundir import read_metrics
+from grpolab.run_state import STATE_FILE, PromptStream
+
+TESTS = Path(__file__).resolve().parent
+TASK = {"n_train": 60, "n_val": 16, "digits": 1}
+PROMPTS, GROUP = 4, 8
+# numbers that depend on wall time or on each rank's padding width, not on the maths
+NOT_COMPARED = ("time/", "tokens_per_s", "tokens/masked_padding")
+
+
+def blank_ids() -> list[str]:
+    """The training prompts that score 0: all of step 2's (a step with no signal, skipped on every rank)
+    and rank 1's of step 3 (a step where rank 1 has nothing to backpropagate)."""
+    from custom_task import ArithmeticWithBlanks
+
+    stream = PromptStream(ArithmeticWithBlanks(**TASK).train_examples(), seed=0)
+    steps = [stream.take(PROMPTS) for _ in range(3)]
+    return [e.id for e in steps[1] + steps[2][PROMPTS // 2:]]
+
+
+def run_args(model_dir: Path, out: Path, algo: str, steps: int = 3, **task) -> list[str]:
+    args = ["train", "--model", str(model_dir), "--output-dir", str(out), "--algo", algo, "--steps", str(steps),
+            "--task.name", "custom_task:ArithmeticWithBlanks", "--task.blank", json.dumps(blank_ids()),
+            "--rollout.prompts_per_step", str(PROMPTS), "--rollout.group_size", str(GROUP),
+            "--rollout.max_new_tokens", "40", "--rollout.max_batch_size", str(PROMPTS * GROUP // 2),
+            "--optim.micro_batch_size", "6", "--optim.lr", "1e-4", "--eval.every", "2", "--checkpoint.every", "1",
+            "--threads", "1"]
+    for key, value in {**TASK, **task}.items():
+        args += [f"--task.{key}", json.dumps(value)]
+    return args
+
+
+def torchrun(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "grpolab", *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def steps_of(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)}
+            for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors")
+
+
+def assert_same_run(got: Path, want: Path, steps: int = 3) -> None:
+    a, b = steps_of(got), steps_of(want)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:  # the loss and the gradient to 1e-6; diagnostics such as ratio_max to 1e-5
+            tolerance = 1e-6 if key in ("loss", "grad_norm") else 1e-5
+            assert x[key] == pytest.approx(y[key], rel=tolerance, abs=tolerance), (x["step"], key)
+    wa, wb = weights(got, steps), weights(want, steps)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wb) <= 1e-6
+
+
+@pytest.mark.parametrize("algo", ["grpo", "cispo", "dr_grpo"])  # sequence, token, constant aggregation
+def test_two_processes_compute_the_one_process_run(algo, warm_model_dir, tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    done = torchrun(run_args(warm_model_dir, two, algo))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert main(run_args(warm_model_dir, one, algo)) == 0
+    records = [r for r in read_metrics(one / "metrics.jsonl") if "loss" in r]
+    assert [r["actual_updates"] > 0 for r in records] == [True, False, True]  # step 2 has no signal
+    assert_same_run(two, one)
+    # rank 0 alone wrote and printed; the manifest says how the run was spread
+    manifest = json.loads((two / "manifest.json").read_text())
+    assert manifest["ranks"] == {"world": 2, "strategy": "ddp"}
+    assert done.stdout.count("checkpoint step 3") == 1
+    assert len((two / "eval" / "step_000002.jsonl").read_text().splitlines()) == TASK["n_val"]
+
+
+def test_a_two_process_checkpoint_continues_in_one_process(warm_model_dir, tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    done = torchrun(run_args(warm_model_dir, two, "grpo", steps=2))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(torch.load(two / "checkpoints" / "step_000002" / STATE_FILE, weights_only=False)["rng_by_rank"]) == 2
+    assert main(["train", "--resume", str(two), "--steps", "3"]) == 0
+    assert main(run_args(warm_model_dir, one, "grpo")) == 0
+    assert_same_run(two, one)
+
+
+@pytest.mark.parametrize("crash", ["raise", "kill"])
+def test_a_rank_that_fails_mid_step_ends_every_rank(crash, warm_model_dir, tmp_path):
+    out = tmp_path / "run"
+    victim = PromptStream(__import__("custom_task").ArithmeticWithBlanks(**TASK).train_examples(), seed=0)
+    victim.take(PROMPTS)
+    crash_on = victim.take(PROMPTS)[-1].id  # a prompt of rank 1 in step 2
+    started = time.monotonic()
+    done = torchrun(run_args(warm_model_dir, out, "grpo", crash_on=crash_on, crash=crash, blank=[]), timeout=180)
+    seconds = time.monotonic() - started
+    assert done.returncode != 0 and seconds < 120
+    output = done.stdout + done.stderr
+    assert "rank 1" in output or "local_rank: 1" in output
+    if crash == "raise":
+        assert f"the grader crashed on {crash_on}" in output
+    # the last good checkpoint is intact, nothing after it
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000001"]
+    assert (out / "checkpoints" / "step_000001" / STATE_FILE).is_file()
+    assert main(["train", "--resume", str(out), "--steps", "2"]) == 0  # in one process: no crash
