@@ -144,8 +144,10 @@ class LogConfig(_Section):
 class DistConfig(_Section):
     """Data parallelism under ``torchrun --nproc_per_node N`` (ignored in one process)."""
 
-    strategy: Literal["ddp"] = Field("ddp", description="ddp: every rank holds the whole model, gradients "
-                                     "all-reduced by DistributedDataParallel (FSDP2 sharding is not built yet)")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: every rank holds the whole model, gradients all-reduced by DistributedDataParallel; "
+        "fsdp: weights, gradients and optimizer state sharded over the ranks by FSDP2 (fully_shard), for models "
+        "that do not fit on one device (hf engine only, no tools)")
     timeout_minutes: int = Field(30, ge=1, description="how long a collective waits for a rank before the run "
                                  "fails (torchrun ends the others at once when a rank exits)")
 

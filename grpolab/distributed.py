@@ -13,7 +13,8 @@ import contextlib
 import datetime
 import gc
 import os
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["Ranks", "end_process_group", "init_from_env", "no_sync", "split_evenly", "wrap_ddp"]
+__all__ = ["Ranks", "end_process_group", "full_optimizer_state", "full_state_dict", "init_from_env", "is_sharded",
+           "load_optimizer_state", "no_sync", "shard_fsdp", "split_evenly", "wrap_ddp"]
 
 T = TypeVar("T")
 
@@ -111,6 +113,10 @@ class Ranks:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def max(self, value: int) -> int:
+        """The largest ``value`` over the ranks, on every rank."""
+        return max(self.gather(value)) if self.parallel else value
+
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is True on any."""
         return bool(self.sum_(torch.tensor([float(flag)])) > 0) if self.parallel else flag
@@ -170,6 +176,90 @@ class Ranks:
         return value  # type: ignore[return-value]
 
 
+def shard_fsdp(model: nn.Module, forward_methods: dict[str, Callable[..., Any]]) -> nn.Module:
+    """Shard ``model`` in place with FSDP2: each decoder layer (transformers' ``_no_split_modules``) is
+    one unit, the root the rest (embedding, tied output layer, final norm). Gradients are summed over
+    the ranks, not averaged (the loss divides by the global denominators; gloo has no pre-scaled sum).
+    The root reshards after every forward too, so that a no-grad forward (metrics, generation) between
+    a step's last backward and the optimizer step cannot leave a stale unsharded copy of its weights.
+
+    ``forward_methods`` (name -> function(model, ...)) become methods of ``model`` that gather its
+    weights like ``forward`` does (``register_fsdp_forward_method``): the training forward calls the
+    backbone and the output layer apart, which the root's hooks would not see."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"dist.strategy 'fsdp': cannot find the decoder layers of {type(model).__name__}")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.set_reshard_after_forward(True, recurse=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # neither setter recurses
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    for name, fn in forward_methods.items():
+        setattr(model, name, types.MethodType(fn, model))
+        register_fsdp_forward_method(model, name)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The whole weights of a sharded ``model`` on rank 0, on CPU ({} elsewhere); every rank calls it. A
+    tied weight (output layer = embedding) appears once, under its first name, as ``save_pretrained``
+    writes it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    tied = ({n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()})
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v for k, v in weights.items() if k not in tied}
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state of a sharded ``model``, whole and keyed by parameter name, on rank 0; every
+    rank calls it. Before the first update (empty state) the plain ``state_dict``: torch's conversion
+    would initialise an empty state with a zero-learning-rate step, which counts as a step for AdamW."""
+    if not optimizer.state:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a saved optimizer state: a plain ``state_dict`` (keyed by position) or a whole one keyed by
+    parameter name (``full_optimizer_state``), into a sharded or a plain ``model``'s optimizer."""
+    by_name = any(isinstance(p, str) for group in state["param_groups"] for p in group["params"])
+    if not by_name:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
 def no_sync(module: nn.Module) -> contextlib.AbstractContextManager:
-    """DDP's ``no_sync`` (backward passes accumulate locally), or nothing for a plain module."""
-    return module.no_sync() if isinstance(module, nn.parallel.DistributedDataParallel) else contextlib.nullcontext()
+    """A context in which backward passes only accumulate locally: DDP's ``no_sync``, FSDP2's gradient
+    sync switched off, nothing for a plain module."""
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        return module.no_sync()
+    if is_sharded(module):
+        return _fsdp_no_sync(module)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)

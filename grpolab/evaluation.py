@@ -101,10 +101,11 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
     step = chunk or max(1, len(prompt_ids))
     share = eval_share(len(prompt_ids), step, ranks)
     completions = []
-    for start in range(share.start, share.stop, step):
+    for i in range(ranks.max(len(range(share.start, share.stop, step)))):  # the same calls on every rank
+        start = share.start + i * step
         part = prompt_ids[start:min(start + step, share.stop)]
         completions += engine.generate(part, 1, greedy(sampling))
-        if on_items is not None:
+        if on_items is not None and part:
             on_items(len(part))
     grades = [g[0] for g in grade_completions(task, examples[share.start:share.stop], completions)]
     correct = [None] * len(completions)

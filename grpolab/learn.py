@@ -16,7 +16,7 @@ from grpolab.advantages import advantage_metrics, group_advantages
 from grpolab.batching import TrainBatch, collate
 from grpolab.collect import RolloutBatch
 from grpolab.config import RunConfig
-from grpolab.distributed import Ranks, no_sync, wrap_ddp
+from grpolab.distributed import Ranks, is_sharded, no_sync, wrap_ddp
 from grpolab.packing import MicroBatchPlanner, prompt_keys
 from grpolab.precision import TrainingPrecision
 from grpolab.rollout.sync_check import SyncMonitor
@@ -24,9 +24,14 @@ from grpolab.shared_prefix import UnitLayout, layout_units, sharing_blocker, uni
 from grpolab.update import DataParallelShare, UpdateData, run_update
 
 
+# the name under which an FSDP-sharded model carries ``unit_logprobs`` as a weight-gathering method
+SHARDED_FORWARD = "grpolab_unit_logprobs"
+
+
 class PolicyForward(nn.Module):
     """The training forward of ``model`` as a module (so that DDP wraps it): a ``UnitLayout`` ->
-    (log-probs, entropy or None) [n_rows, width] (``grpolab.shared_prefix.unit_logprobs``)."""
+    (log-probs, entropy or None) [n_rows, width] (``grpolab.shared_prefix.unit_logprobs``; through the
+    model's ``SHARDED_FORWARD`` method when FSDP shards it)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -34,8 +39,8 @@ class PolicyForward(nn.Module):
 
     def forward(self, layout: UnitLayout, n_rows: int, width: int, temperature: float, with_entropy: bool,
                 chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        stats = unit_logprobs(self.model, layout, n_rows, width, temperature=temperature, with_entropy=with_entropy,
-                              chunk_tokens=chunk_tokens)
+        fn = getattr(self.model, SHARDED_FORWARD, None) or (lambda *a, **k: unit_logprobs(self.model, *a, **k))
+        stats = fn(layout, n_rows, width, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
         return stats.logprobs, stats.entropy
 
 
@@ -44,8 +49,9 @@ class BatchForward:
     prompt computed as one unit (``grpolab.shared_prefix``) when ``share``."""
 
     def __init__(self, cfg: RunConfig, batch: TrainBatch, precision: TrainingPrecision, device: torch.device,
-                 share: bool):
+                 share: bool, lockstep: Ranks | None = None):
         self.cfg, self.batch, self.precision, self.device = cfg, batch, precision, device
+        self.lockstep = lockstep  # every forward a collective over these ranks (FSDP): equal counts
         prompt_lens, seq_lens = batch.prompt_lens.tolist(), batch.attention_mask.sum(1).tolist()
         self.planner = MicroBatchPlanner(
             keys=prompt_keys(batch.input_ids, batch.prompt_lens) if share else list(range(len(batch))),
@@ -68,15 +74,18 @@ class BatchForward:
         """[N, T] log-probs of every row by ``model``, micro-batch by micro-batch as planned, without gradients."""
         forward = PolicyForward(model)
         out = torch.zeros(self.batch.input_ids.shape, dtype=torch.float32, device=self.batch.input_ids.device)
-        for micro in self.planner.plan(torch.arange(len(self.batch), device=out.device)):
+        micros = self.planner.plan(torch.arange(len(self.batch), device=out.device))
+        for micro in micros:
             out[micro] = self.logprobs(forward, micro, False)[0]
+        for _ in range(self.lockstep.max(len(micros)) - len(micros) if self.lockstep else 0):
+            self.logprobs(forward, micros[0][:1], False)  # joins the busiest rank's weight gathers
         return out
 
 
 class PolicyLearner:
     """Updates ``model`` with ``optimizer`` from rollout batches; ``updates`` counts attempted and actual
     optimizer steps (the run state's counters, updated in place). With several ``ranks`` the training
-    forward is wrapped in DDP (which broadcasts rank 0's weights here)."""
+    forward is wrapped in DDP (which broadcasts rank 0's weights here), unless FSDP sharded ``model``."""
 
     def __init__(self, cfg: RunConfig, model, reference, optimizer: torch.optim.Optimizer,
                  precision: TrainingPrecision, device: torch.device, pad_token_id: int,
@@ -84,17 +93,23 @@ class PolicyLearner:
                  ranks: Ranks = Ranks()):
         self.cfg, self.spec, self.ranks = cfg, cfg.algorithm, ranks
         self.model, self.reference, self.optimizer = model, reference, optimizer
-        self.train_forward = wrap_ddp(PolicyForward(model), device) if ranks.parallel else PolicyForward(model)
+        self.sharded = is_sharded(model)
+        self.train_forward = PolicyForward(model)
+        if ranks.parallel and not self.sharded:
+            self.train_forward = wrap_ddp(self.train_forward, device)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.precision, self.device, self.pad_token_id = precision, device, pad_token_id
         self.minibatch_gen, self.sync_monitor, self.updates = minibatch_gen, sync_monitor, updates
-        blocker = sharing_blocker(model) if cfg.optim.shared_prompts else None
+        # FSDP gathers the weights at every backbone pass: a shared-prompt unit takes two, a lone row one
+        blocker = "FSDP ranks must run the same forwards" if is_sharded(model) else sharing_blocker(model)
+        blocker = blocker if cfg.optim.shared_prompts else None
         self.share_prompts = cfg.optim.shared_prompts and blocker is None
         # said once, at start: why every sequence is computed on its own
         self.sharing_note = None if blocker is None else f"shared prompts off: {blocker}"
 
     def forward(self, batch: TrainBatch) -> BatchForward:
-        return BatchForward(self.cfg, batch, self.precision, self.device, self.share_prompts)
+        return BatchForward(self.cfg, batch, self.precision, self.device, self.share_prompts,
+                            self.ranks if self.sharded else None)
 
     def learn(self, rollout: RolloutBatch) -> dict[str, Any]:
         """Advantages, sync check and the update schedule over one rollout batch; returns its metrics."""
@@ -117,7 +132,8 @@ class PolicyLearner:
                           response_mask=batch.response_mask, old_logprobs=old, ref_logprobs=ref,
                           engine_logprobs=batch.engine_logprobs)
         rows = range(groups.start * group_size, groups.stop * group_size)
-        dp = DataParallelShare(self.ranks, rows, rewards.numel(), lambda: no_sync(self.train_forward)) \
+        sync_owner = self.model if self.sharded else self.train_forward
+        dp = DataParallelShare(self.ranks, rows, rewards.numel(), lambda: no_sync(sync_owner), lockstep=self.sharded) \
             if self.ranks.parallel else None
         self.model.train()
         try:

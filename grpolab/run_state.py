@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from grpolab.distributed import Ranks
+from grpolab.distributed import Ranks, full_optimizer_state, is_sharded, load_optimizer_state
 from grpolab.rollout.sync_check import SyncMonitor
 from grpolab.tasks.base import Example
 
@@ -66,16 +66,18 @@ class RunState:
     parallelism every other part is the same on every rank (the ranks step alike)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, prompts: PromptStream, minibatch_gen: torch.Generator,
-                 sync_monitor: SyncMonitor, ranks: Ranks = Ranks()):
+                 sync_monitor: SyncMonitor, ranks: Ranks = Ranks(), model: torch.nn.Module | None = None):
         self.step = 0
         self.updates = {"attempted": 0, "actual": 0}
         self.optimizer, self.prompts, self.minibatch_gen, self.sync_monitor = optimizer, prompts, minibatch_gen, sync_monitor
-        self.ranks = ranks
+        self.ranks, self.model = ranks, model  # the model whose parameters the optimizer holds
 
     def state_dict(self) -> dict[str, Any]:
         """Called on every rank (it gathers their RNGs)."""
         rngs = self.ranks.gather(rng_state())
-        return {"step": self.step, "updates": dict(self.updates), "optimizer": self.optimizer.state_dict(),
+        sharded = self.model is not None and is_sharded(self.model)
+        optimizer = full_optimizer_state(self.model, self.optimizer) if sharded else self.optimizer.state_dict()
+        return {"step": self.step, "updates": dict(self.updates), "optimizer": optimizer,
                 "prompts": self.prompts.state_dict(), "minibatch_gen": self.minibatch_gen.get_state(),
                 "rng": rngs[0], "rng_by_rank": rngs, "sync_noise_floor": self.sync_monitor.noise_floor}
 
@@ -83,7 +85,7 @@ class RunState:
         """Each rank takes its own RNGs; a run resumed with another number of ranks takes rank 0's."""
         self.step = state["step"]
         self.updates.update(state["updates"])  # in place: the learner counts into this dict
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.prompts.load_state_dict(state["prompts"])
         self.minibatch_gen.set_state(state["minibatch_gen"])
         by_rank = state.get("rng_by_rank") or [state["rng"]]

@@ -103,16 +103,17 @@ def eval_record_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.stem.removeprefix("step_")) for p in (run_dir / EVAL_DIR).glob("step_*.jsonl"))
 
 
-def save_checkpoint(model, tokenizer, run_dir: Path, step: int,
-                    state: Callable[[Path], None] | None = None) -> Path:
-    """Hugging Face model + tokenizer (+ what ``state(folder)`` writes: the run's state) in
-    checkpoints/step_NNNNNN, written to a temp dir then renamed: a checkpoint folder is complete or absent."""
+def save_checkpoint(model, tokenizer, run_dir: Path, step: int, state: Callable[[Path], None] | None = None,
+                    weights: dict[str, Any] | None = None) -> Path:
+    """Hugging Face model (its ``weights`` when given: a sharded model's, gathered) + tokenizer (+ what
+    ``state(folder)`` writes: the run's state) in checkpoints/step_NNNNNN, written to a temp dir then
+    renamed: a checkpoint folder is complete or absent."""
     parent = run_dir / "checkpoints"
     parent.mkdir(exist_ok=True)
     target = parent / f"step_{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{target.name}-"))
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         if state is not None:
             state(tmp)

@@ -22,10 +22,10 @@ from rich.table import Table
 import grpolab
 from grpolab.config import RunConfig
 from grpolab.collect import RolloutCollector
-from grpolab.distributed import end_process_group, init_from_env
+from grpolab.distributed import end_process_group, full_state_dict, init_from_env, shard_fsdp
 from grpolab.evaluation import eval_share, evaluate
 from grpolab.like import LIKE_PREFIX, is_like_dir
-from grpolab.learn import PolicyLearner
+from grpolab.learn import SHARDED_FORWARD, PolicyLearner
 from grpolab.logprobs import enable_gradient_checkpointing
 from grpolab.models import (
     check_model_path,
@@ -39,6 +39,7 @@ from grpolab.models import (
 from grpolab.precision import resolve_precision
 from grpolab.progress import Reporter, format_seconds
 from grpolab.rollout.base import RolloutEngine
+from grpolab.rollout.lockstep import LockstepEngine
 from grpolab.rollout.select import build_engine, dtype_name
 from grpolab.rollout.sync_check import MIN_NOISE_FLOOR, SyncMonitor
 from grpolab.run_state import STATE_FILE, PromptStream, RunState
@@ -54,10 +55,15 @@ from grpolab.rundir import (
     write_json,
 )
 from grpolab.shaping import SHAPING_TERMS
+from grpolab.shared_prefix import unit_logprobs
 from grpolab.tasks import build_task
 from grpolab.tasks.base import Example, Grade
 from grpolab.threads import choose_threads
 from grpolab.tools.multiturn import MultiTurnEngine, tool_metrics
+
+
+FSDP_LIMITS = ("dist.strategy 'fsdp' runs with rollout.engine 'hf' and without tools (every rank must take the same "
+               "number of generation steps); use dist.strategy 'ddp'")
 
 
 def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
@@ -113,6 +119,9 @@ class Trainer:
         if cfg.rollout.prompts_per_step % self.ranks.world:
             raise ValueError(f"rollout.prompts_per_step {cfg.rollout.prompts_per_step} cannot be split into whole "
                              f"prompt groups over {self.ranks.world} ranks")
+        self.sharded = self.ranks.parallel and cfg.dist.strategy == "fsdp"
+        if self.sharded and cfg.rollout.engine != "hf":
+            raise ValueError(FSDP_LIMITS)
         self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
         self.reporter = Reporter(self.console)
         torch.manual_seed(cfg.seed)
@@ -125,6 +134,8 @@ class Trainer:
         with self.reporter.phase(f"load task {cfg.task.name}", done_note=None):
             self.task = build_task(cfg.task)
             self.val_examples = self._validation_examples()
+        if self.sharded and getattr(self.task, "toolset", None) is not None:
+            raise ValueError(FSDP_LIMITS)
         if cfg.model.path and not cfg.model.path.startswith(LIKE_PREFIX):
             check_model_path(cfg.model.path)
         self.reporter.line(self.threads.note)
@@ -155,6 +166,9 @@ class Trainer:
         if cfg.needs_reference():
             start = load_policy(self.model_dir, self.precision.storage, self.device)[0] if resume else self.model
             self.reference = frozen_copy(start).to(self.precision.compute)
+        if self.sharded:  # before the optimizer: it must hold the shards
+            for model in filter(None, (self.model, self.reference)):
+                shard_fsdp(model, {SHARDED_FORWARD: unit_logprobs})
         self.optimizer = self.precision.optimizer(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                                   weight_decay=cfg.optim.weight_decay)
         self.prompts = PromptStream(self.task.train_examples(), cfg.seed)
@@ -163,12 +177,14 @@ class Trainer:
         compute = dtype_name(self.precision.compute)
         self.sync_monitor = SyncMonitor(*cfg.rollout.sync_limits(compute), noise_multiple=cfg.rollout.sync_noise_multiple,
                                         min_floor=MIN_NOISE_FLOOR[compute])
-        self.state = RunState(self.optimizer, self.prompts, minibatch_gen, self.sync_monitor, self.ranks)
+        self.state = RunState(self.optimizer, self.prompts, minibatch_gen, self.sync_monitor, self.ranks, self.model)
         self.updates = self.state.updates
         with self.reporter.phase(f"start {cfg.rollout.engine} engine", done_note=cfg.rollout.engine != "hf" or None):
             engine = build_engine(cfg.rollout, self.model, self.tokenizer, weights_dir, seed=cfg.seed,
                                   max_model_len=max(map(len, self.prompt_ids.values())) + cfg.rollout.max_new_tokens,
-                                  precision=self.precision)
+                                  precision=self.precision, sharded=self.sharded)
+            if self.sharded:
+                engine = LockstepEngine(engine, self.ranks, filler=[self.tokenizer.pad_token_id])
         self.toolset = getattr(self.task, "toolset", None)
         if self.toolset is not None:  # tool-using trajectories, observations masked out of the loss
             engine = MultiTurnEngine(engine, self.toolset, self.tokenizer)
@@ -335,10 +351,12 @@ class Trainer:
         return self._summarize(evals, rewards, time.perf_counter() - started)
 
     def save_checkpoint(self, step: int) -> Path:
-        """Rank 0 writes the checkpoint of ``step`` (every rank's RNGs in its state); the others wait for it."""
+        """Rank 0 writes the checkpoint of ``step`` (whole weights, every rank's RNGs in its state); the
+        others gather what it needs and wait for it."""
+        weights = full_state_dict(self.model) if self.sharded else None
         state = self.state.state_dict()
         return self.ranks.run_on_main(lambda: save_checkpoint(self.model, self.tokenizer, self.run_dir, step,
-                                                              lambda folder: RunState.save(state, folder)))
+                                                              lambda folder: RunState.save(state, folder), weights))
 
     def train_step(self, step: int, status: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
         """One rollout batch: rollout -> reward -> advantage -> update -> sync; logs and returns its metrics.

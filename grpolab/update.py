@@ -27,12 +27,15 @@ MicroBatchPlan = Callable[[Tensor], list[Tensor]]
 class DataParallelShare:
     """This rank's part of a data-parallel update: its rows ``rows`` of the global batch of ``n_rows``
     sequences (``UpdateData`` holds exactly those, in order), and ``accumulate``: the context in which a
-    backward pass only accumulates locally (DDP's ``no_sync``); the step's last backward synchronises."""
+    backward pass only accumulates locally (DDP's ``no_sync``); the step's last backward synchronises.
+    ``lockstep``: every forward is a collective (FSDP gathers the weights), so every rank runs as many
+    as the busiest rank, the extra ones on a row of its own with a zero loss."""
 
     ranks: Ranks
     rows: range
     n_rows: int
     accumulate: Callable[[], ContextManager] = contextlib.nullcontext
+    lockstep: bool = False
 
     def local(self, indices: Tensor) -> Tensor:
         """Global row indices [k] -> the positions in this rank's data of those it holds, in order."""
@@ -149,7 +152,8 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
     Data parallel (``dp``): ``indices`` are this rank's rows of the step; the denominators count the whole
     step, and ``backward`` is decided for all ranks at once. Every backward but the last only accumulates;
     the last one synchronises the gradients (summed over the ranks). A rank with no row to backpropagate
-    still joins that synchronisation, with a backward of a zero loss on one of its rows.
+    still joins that synchronisation, with a backward of a zero loss on one of its rows (in lockstep,
+    every rank pads its forwards so to the busiest rank's counts).
     """
     ranks = dp.ranks if dp is not None else Ranks()
     denominators = step_denominators(spec, data.response_mask[indices], max_new_tokens,
@@ -161,20 +165,31 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
     rest = indices[~grad_rows] if backward else indices
     metric_micros = split(rest) if full_metrics and len(rest) else []
     accumulate = dp.accumulate if dp is not None else contextlib.nullcontext
+    n_grad, n_metric = len(grad_micros), len(metric_micros)
+    if dp is not None and dp.lockstep:
+        counts = ranks.gather((n_grad, n_metric))
+        n_grad, n_metric = max(c[0] for c in counts), max(c[1] for c in counts)
+    elif backward and ranks.parallel:
+        n_grad = max(n_grad, 1)
+    filler = torch.zeros(1, dtype=torch.long, device=indices.device)  # a row of this rank's, for a zero loss
     merged, total = TokenMetrics(), 0.0
-    for i, micro in enumerate(grad_micros):
-        last = i == len(grad_micros) - 1
-        with contextlib.nullcontext() if last else accumulate():
+    for i in range(n_grad):
+        with contextlib.nullcontext() if i == n_grad - 1 else accumulate():
+            if i >= len(grad_micros):  # joins the collectives with a zero gradient
+                (policy_logprobs(filler)[0].sum() * 0.0).backward()
+                continue
+            micro = grad_micros[i]
             logprobs, entropy = policy_logprobs(micro)
             loss, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
             loss.backward()
         total += float(loss.detach())
         merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
-    if backward and not grad_micros and ranks.parallel:  # join the synchronising backward with zeros
-        logprobs, _ = policy_logprobs(torch.zeros(1, dtype=torch.long, device=indices.device))
-        (logprobs.sum() * 0.0).backward()
-    for micro in metric_micros:
+    for i in range(n_metric):
         with torch.no_grad():
+            if i >= len(metric_micros):
+                policy_logprobs(filler)
+                continue
+            micro = metric_micros[i]
             logprobs, entropy = policy_logprobs(micro)
             _, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
         merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
@@ -221,6 +236,7 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
         if not step.backward:
             continue
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm else float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # sharded: global
         if not torch.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(f"non-finite gradient norm ({grad_norm.item()}) before optimizer step "

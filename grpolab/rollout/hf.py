@@ -153,19 +153,21 @@ class HFEngine:
     compute_context: a factory of the context generation runs in (the trainer's bf16 autocast
         when its weights are float32 masters), so that sampling and training forwards agree.
     shared_prefill: prefill each distinct prompt of a batch once (see the module docstring).
+    synced: the model's forwards are collectives over data-parallel ranks (FSDP): transformers keeps
+        decoding, with finished rows idle, until every rank's batch is done (``synced_gpus``).
     """
 
     def __init__(self, model: nn.Module, tokenizer, max_batch_size: int = 64,
                  eos_token_ids: Sequence[int] | None = None,
                  compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 shared_prefill: bool = True):
+                 shared_prefill: bool = True, synced: bool = False):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.compute_context = compute_context
-        self.shared_prefill = shared_prefill
+        self.shared_prefill, self.synced = shared_prefill, synced
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else collect_eos_ids(
             tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         if not self.eos_token_ids:
@@ -273,6 +275,7 @@ class HFEngine:
             generation_config=config,
             logits_processor=LogitsProcessorList([recorder, *self._warpers(params)]),
             stopping_criteria=criteria,
+            synced_gpus=self.synced,
         )
         logprobs = recorder.finalize(sequences).cpu()
         generated = sequences[:, plen:].cpu().tolist()

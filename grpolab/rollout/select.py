@@ -24,17 +24,19 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def build_engine(cfg: RolloutConfig, model: nn.Module, tokenizer, model_dir: Path, *, seed: int,
-                 max_model_len: int, precision: TrainingPrecision) -> RolloutEngine:
+                 max_model_len: int, precision: TrainingPrecision, sharded: bool = False) -> RolloutEngine:
     """The engine for ``cfg.engine``. vLLM starts from the checkpoint in ``model_dir`` (the trainer's
     starting weights) in the trainer's compute dtype, so that engine and trainer log-probs can be
     compared; ``max_model_len`` = longest prompt + max_new_tokens bounds its KV cache. The hf engine
-    generates with the training model under the trainer's compute context (autocast)."""
+    generates with the training model under the trainer's compute context (autocast); on a model FSDP
+    shards (``sharded``) in synced decoding, without the shared prefill (it calls the backbone apart)."""
     if cfg.engine == "hf":
         from grpolab.rollout.hf import HFEngine
 
         device = next(model.parameters()).device
         return HFEngine(model, tokenizer, max_batch_size=cfg.max_batch_size,
-                        compute_context=lambda: precision.autocast(device))
+                        compute_context=lambda: precision.autocast(device), shared_prefill=not sharded,
+                        synced=sharded)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
     v = cfg.vllm
     kwargs = {"dtype": dtype_name(precision.compute), "seed": seed, "max_model_len": max_model_len,
