@@ -81,11 +81,13 @@ class Ranks:
 
     rank: int = 0
     world: int = 1
+    device: str = "cpu"  # where the backend's tensors must be: NCCL reduces CUDA tensors only
 
     @classmethod
     def current(cls) -> "Ranks":
         if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size())
+            nccl = dist.get_backend() == "nccl"
+            return cls(dist.get_rank(), dist.get_world_size(), f"cuda:{torch.cuda.current_device()}" if nccl else "cpu")
         return cls()
 
     @property
@@ -110,7 +112,9 @@ class Ranks:
     def sum_(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` over every rank, in place; returns it."""
         if self.parallel:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            on_backend = tensor.to(self.device)
+            dist.all_reduce(on_backend, op=dist.ReduceOp.SUM)
+            tensor.copy_(on_backend)
         return tensor
 
     def max(self, value: int) -> int:

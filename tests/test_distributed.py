@@ -92,3 +92,42 @@ def test_groups_are_whole_and_even():
     assert [list(Ranks(r, 3).share(7)) for r in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
     with pytest.raises(ValueError, match="cannot be split evenly"):
         Ranks(0, 2).groups(3)
+
+
+def test_torchrun_on_gpus_joins_nccl_on_the_local_device(monkeypatch):
+    """The CUDA path, which cannot run here, through call-recording stand-ins of torch's functions: NCCL,
+    each rank on its LOCAL_RANK device, the collectives' tensors moved there and back."""
+    import grpolab.distributed as D
+
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(D.dist, "init_process_group", lambda backend, timeout: calls.append(("init", backend, timeout)))
+    monkeypatch.setattr(D.torch.cuda, "set_device", lambda device: calls.append(("set_device", str(device))))
+    monkeypatch.setattr(D.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(D.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(D.dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(D.torch.cuda, "current_device", lambda: 1)
+    ranks, device = D.init_from_env(torch.device("cuda"), timeout_minutes=7)
+    assert calls[0] == ("set_device", "cuda:1") and calls[1][:2] == ("init", "nccl")
+    assert calls[1][2].total_seconds() == 7 * 60
+    assert str(device) == "cuda:1" and ranks == Ranks(1, 2, "cuda:1")
+
+    moved = []  # the device each reduced tensor was sent to
+
+    def fake_all_reduce(tensor, op):
+        moved.append(tensor.device_hint)
+        tensor.add_(1)
+
+    original_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        out = original_to(self, "cpu")
+        out.device_hint = args[0] if args else kwargs.get("device")
+        return out
+
+    monkeypatch.setattr(D.dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    counts = torch.tensor([1.0, 2.0])
+    assert ranks.sum_(counts) is counts and counts.tolist() == [2.0, 3.0] and moved == ["cuda:1"]
