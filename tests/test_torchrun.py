@@ -133,3 +133,21 @@ def test_a_rank_that_fails_mid_step_ends_every_rank(crash, warm_model_dir, tmp_p
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000001"]
     assert (out / "checkpoints" / "step_000001" / STATE_FILE).is_file()
     assert main(["train", "--resume", str(out), "--steps", "2"]) == 0  # in one process: no crash
+
+
+def test_one_vllm_engine_per_rank_each_synced_and_checked(warm_model_dir, tmp_path):
+    """Each rank starts its own vLLM engine and syncs it from its weights after every update; the sync
+    check (on by default with vLLM) runs over the global batch, so a stale engine on either rank would
+    stop the run. The samples are one process's (vLLM seeds each prompt by its global index)."""
+    pytest.importorskip("vllm")
+    two, one = tmp_path / "two", tmp_path / "one"
+    done = torchrun(run_args(warm_model_dir, two, "grpo") + ["--engine", "vllm"], timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert main(run_args(warm_model_dir, one, "grpo") + ["--engine", "vllm"]) == 0
+    got, want = [[r for r in read_metrics(d / "metrics.jsonl") if "loss" in r] for d in (two, one)]
+    for x, y in zip(got, want, strict=True):
+        for key in ("reward_mean", "accuracy", "completion_len_mean", "actual_updates"):
+            assert x[key] == y[key], key
+        assert x["loss"] == pytest.approx(y["loss"], abs=1e-6) and x["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+        assert ("grad_norm" in x) == ("grad_norm" in y) and x.get("grad_norm", 0) == pytest.approx(y.get("grad_norm", 0), rel=1e-5)
+        assert x["sync/logprob_diff_max"] < 1e-4  # engines and trainers agree after every sync
