@@ -49,6 +49,9 @@ class RolloutCollector:
         self.rollout, self.spec, self.seed = rollout, spec, seed
         self.shaping = shaping or RewardShapingConfig()
         self.ranks = ranks
+        # ranks take whole generation batches of a round (up to their equal share of a step's prompts): with
+        # rollout.max_batch_size dividing a rank's rows, every batch is one the single process generates
+        self.rank_chunk = max(1, min(rollout.max_batch_size // rollout.group_size, rollout.prompts_per_step // ranks.world))
 
     def grade(self, examples: list[Example], completions: list[list[Completion]]) -> list[list[Grade]]:
         """The task's grades, with the configured length shaping added to the RL reward."""
@@ -72,7 +75,7 @@ class RolloutCollector:
         seconds = {"generate": 0.0, "reward": 0.0}
         while len(kept.examples) < want and rounds <= self.spec.max_resample_rounds:
             examples = self.prompts.take(want - len(kept.examples))
-            mine = self.ranks.share(len(examples))  # this rank's prompts of the round
+            mine = self.ranks.share_chunks(len(examples), self.rank_chunk)  # this rank's prompts of the round
             t0 = time.perf_counter()
             completions = self.engine.generate([self.prompt_ids[e.id] for e in examples[mine.start:mine.stop]], group,
                                                replace(self.sampling_params(step, rounds), prompt_offset=mine.start))

@@ -109,6 +109,13 @@ class Ranks:
         """This rank's contiguous block of ``n`` items (sizes differ by at most one between ranks)."""
         return split_evenly(n, self.world, self.rank)
 
+    def share_chunks(self, n: int, chunk: int) -> range:
+        """This rank's contiguous block of ``n`` items cut into whole ``chunk``-item chunks (the numbers of
+        chunks differ by at most one between ranks): an engine that batches ``chunk`` items then batches
+        each rank's items exactly as one process batches them all."""
+        chunks = self.share(-(-n // chunk))
+        return range(min(chunks.start * chunk, n), min(chunks.stop * chunk, n))
+
     def sum_(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` over every rank, in place; returns it."""
         if self.parallel:

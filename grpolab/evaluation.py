@@ -74,13 +74,6 @@ def greedy(sampling: SamplingParams) -> SamplingParams:
     return replace(sampling, temperature=0.0, top_p=1.0, top_k=0, seed=None)
 
 
-def eval_share(n_items: int, chunk: int, ranks: Ranks) -> range:
-    """The items this rank evaluates: a contiguous block of whole ``chunk``-item chunks, so that each
-    chunk is generated exactly as one process generates it."""
-    chunks = ranks.share(-(-n_items // chunk))
-    return range(min(chunks.start * chunk, n_items), min(chunks.stop * chunk, n_items))
-
-
 def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_ids: list[list[int]],
              sampling: SamplingParams, pass_k: list[int], pass_n: int, seed: int, chunk: int | None = None,
              on_items: Callable[[int], None] | None = None,
@@ -92,14 +85,14 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
     its temperature / top-p / top-k, with ``seed``. Greedy completions are generated ``chunk``
     prompts at a time (None: all at once; the hf engine's own batch size leaves its batches, and so
     its results, unchanged), and ``on_items(k)`` is called as k more items finish. Data parallel
-    (``ranks``): each rank generates and grades its ``eval_share`` and the results are gathered, so
+    (``ranks``): each rank generates and grades its ``share_chunks`` and the results are gathered, so
     every rank returns the metrics and records of all items.
 
     Returns (metrics, one ``item_record`` per example, with ``pass_n`` / ``pass_correct``: the sampled
     count and how many were correct, when ``pass_k`` is set).
     """
     step = chunk or max(1, len(prompt_ids))
-    share = eval_share(len(prompt_ids), step, ranks)
+    share = ranks.share_chunks(len(prompt_ids), step)
     completions = []
     for i in range(ranks.max(len(range(share.start, share.stop, step)))):  # the same calls on every rank
         start = share.start + i * step

@@ -23,7 +23,7 @@ import grpolab
 from grpolab.config import RunConfig
 from grpolab.collect import RolloutCollector
 from grpolab.distributed import end_process_group, full_state_dict, init_from_env, shard_fsdp
-from grpolab.evaluation import eval_share, evaluate
+from grpolab.evaluation import evaluate
 from grpolab.like import LIKE_PREFIX, is_like_dir
 from grpolab.learn import SHARDED_FORWARD, PolicyLearner
 from grpolab.logprobs import enable_gradient_checkpointing
@@ -301,7 +301,7 @@ class Trainer:
     def evaluate(self, step: int) -> dict[str, float]:
         """Every validation item (each rank its share, gathered); rank 0 writes the records."""
         started, chunk = time.perf_counter(), self.cfg.rollout.max_batch_size
-        mine = len(eval_share(len(self.val_examples), chunk, self.ranks))
+        mine = len(self.ranks.share_chunks(len(self.val_examples), chunk))
         with self.reporter.phase(f"eval step {step}", total=mine, unit="items") as phase:
             out, records = evaluate(self.engine, self.task, self.val_examples, [self.prompt_ids[e.id] for e in self.val_examples],
                                     self.collector.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,

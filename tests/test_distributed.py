@@ -90,6 +90,8 @@ def test_groups_are_whole_and_even():
     assert [list(Ranks(r, 2).groups(4)) for r in (0, 1)] == [[0, 1], [2, 3]]
     assert list(Ranks().groups(3)) == [0, 1, 2] and not Ranks().parallel
     assert [list(Ranks(r, 3).share(7)) for r in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [list(Ranks(r, 2).share_chunks(7, 2)) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6]]
+    assert [list(Ranks(r, 2).share_chunks(3, 4)) for r in range(2)] == [[0, 1, 2], []]
     with pytest.raises(ValueError, match="cannot be split evenly"):
         Ranks(0, 2).groups(3)
 

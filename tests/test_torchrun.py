@@ -101,6 +101,16 @@ def test_two_processes_compute_the_one_process_run(algo, strategy, warm_model_di
     assert len((two / "eval" / "step_000002.jsonl").read_text().splitlines()) == TASK["n_val"]
 
 
+def test_dynamic_sampling_keeps_the_same_groups_on_every_rank(warm_model_dir, tmp_path):
+    """DAPO drops step 2's groups (no signal) and resamples: every rank takes the same decisions."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    done = torchrun(run_args(warm_model_dir, two, "dapo"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert main(run_args(warm_model_dir, one, "dapo")) == 0
+    assert max(r.get("rollout_rounds", 1) for r in read_metrics(one / "metrics.jsonl")) > 1
+    assert_same_run(two, one)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_two_process_checkpoint_continues_in_one_process(strategy, warm_model_dir, tmp_path):
     """Whole Hugging Face weights, every rank's RNGs, and (FSDP) the optimizer state gathered by name."""
