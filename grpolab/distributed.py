@@ -1,10 +1,10 @@
-"""Data parallelism over ``torch.distributed``: who this process is, and what the ranks agree on.
+"""Data parallelism over ``torch.distributed``: who this process is, what the ranks agree on, DDP.
 
 Under ``torchrun`` every rank takes whole prompt groups (a group is never split, so advantages are
 those of one process); the update divides by the global step's denominators and sums the gradients over
-the ranks (DDP's all-reduce, with a sum in place of its mean), so an N-rank optimizer step is the one
-one process would make on the global batch. One process (no process group) is the world of one, and
-every function here is then a no-op.
+the ranks (DDP's all-reduce, or FSDP2's reduce-scatter (``grpolab.sharding``), with a sum in place of
+their mean), so an N-rank optimizer step is the one one process would make on the global batch. One
+process (no process group) is the world of one, and every collective here is then a no-op.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import contextlib
 import datetime
 import gc
 import os
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["Ranks", "end_process_group", "full_optimizer_state", "full_state_dict", "init_from_env", "is_sharded",
-           "load_optimizer_state", "no_sync", "shard_fsdp", "split_evenly", "wrap_ddp"]
+from grpolab.sharding import is_sharded
+
+__all__ = ["Ranks", "end_process_group", "init_from_env", "no_sync", "split_evenly", "wrap_ddp"]
 
 T = TypeVar("T")
 
@@ -185,76 +185,6 @@ class Ranks:
         if error is not None:
             raise error
         return value  # type: ignore[return-value]
-
-
-def shard_fsdp(model: nn.Module, forward_methods: dict[str, Callable[..., Any]]) -> nn.Module:
-    """Shard ``model`` in place with FSDP2: each decoder layer (transformers' ``_no_split_modules``) is
-    one unit, the root the rest (embedding, tied output layer, final norm). Gradients are summed over
-    the ranks, not averaged (the loss divides by the global denominators; gloo has no pre-scaled sum).
-    The root reshards after every forward too, so that a no-grad forward (metrics, generation) between
-    a step's last backward and the optimizer step cannot leave a stale unsharded copy of its weights.
-
-    ``forward_methods`` (name -> function(model, ...)) become methods of ``model`` that gather its
-    weights like ``forward`` does (``register_fsdp_forward_method``): the training forward calls the
-    backbone and the output layer apart, which the root's hooks would not see."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
-
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"dist.strategy 'fsdp': cannot find the decoder layers of {type(model).__name__}")
-    for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
-    model.set_reshard_after_forward(True, recurse=False)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):  # neither setter recurses
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
-    for name, fn in forward_methods.items():
-        setattr(model, name, types.MethodType(fn, model))
-        register_fsdp_forward_method(model, name)
-    return model
-
-
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
-def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The whole weights of a sharded ``model`` on rank 0, on CPU ({} elsewhere); every rank calls it. A
-    tied weight (output layer = embedding) appears once, under its first name, as ``save_pretrained``
-    writes it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    tied = ({n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()})
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v for k, v in weights.items() if k not in tied}
-
-
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer state of a sharded ``model``, whole and keyed by parameter name, on rank 0; every
-    rank calls it. Before the first update (empty state) the plain ``state_dict``: torch's conversion
-    would initialise an empty state with a zero-learning-rate step, which counts as a step for AdamW."""
-    if not optimizer.state:
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load a saved optimizer state: a plain ``state_dict`` (keyed by position) or a whole one keyed by
-    parameter name (``full_optimizer_state``), into a sharded or a plain ``model``'s optimizer."""
-    by_name = any(isinstance(p, str) for group in state["param_groups"] for p in group["params"])
-    if not by_name:
-        optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def no_sync(module: nn.Module) -> contextlib.AbstractContextManager:

@@ -16,7 +16,8 @@ from grpolab.advantages import advantage_metrics, group_advantages
 from grpolab.batching import TrainBatch, collate
 from grpolab.collect import RolloutBatch
 from grpolab.config import RunConfig
-from grpolab.distributed import Ranks, is_sharded, no_sync, wrap_ddp
+from grpolab.distributed import Ranks, no_sync, wrap_ddp
+from grpolab.sharding import is_sharded
 from grpolab.packing import MicroBatchPlanner, prompt_keys
 from grpolab.precision import TrainingPrecision
 from grpolab.rollout.sync_check import SyncMonitor
@@ -100,9 +101,9 @@ class PolicyLearner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.precision, self.device, self.pad_token_id = precision, device, pad_token_id
         self.minibatch_gen, self.sync_monitor, self.updates = minibatch_gen, sync_monitor, updates
-        # FSDP gathers the weights at every backbone pass: a shared-prompt unit takes two, a lone row one
-        blocker = "FSDP ranks must run the same forwards" if is_sharded(model) else sharing_blocker(model)
-        blocker = blocker if cfg.optim.shared_prompts else None
+        blocker = None
+        if cfg.optim.shared_prompts:  # FSDP gathers weights at every backbone pass: a unit takes two, a lone row one
+            blocker = "FSDP ranks must run the same forwards" if self.sharded else sharing_blocker(model)
         self.share_prompts = cfg.optim.shared_prompts and blocker is None
         # said once, at start: why every sequence is computed on its own
         self.sharing_note = None if blocker is None else f"shared prompts off: {blocker}"

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from grpolab.distributed import Ranks, full_optimizer_state, is_sharded, load_optimizer_state
+from grpolab.distributed import Ranks
+from grpolab.sharding import full_optimizer_state, is_sharded, load_optimizer_state
 from grpolab.rollout.sync_check import SyncMonitor
 from grpolab.tasks.base import Example
 

@@ -22,7 +22,7 @@ from rich.table import Table
 import grpolab
 from grpolab.config import RunConfig
 from grpolab.collect import RolloutCollector
-from grpolab.distributed import end_process_group, full_state_dict, init_from_env, shard_fsdp
+from grpolab.distributed import end_process_group, init_from_env
 from grpolab.evaluation import evaluate
 from grpolab.like import LIKE_PREFIX, is_like_dir
 from grpolab.learn import SHARDED_FORWARD, PolicyLearner
@@ -55,6 +55,7 @@ from grpolab.rundir import (
     write_json,
 )
 from grpolab.shaping import SHAPING_TERMS
+from grpolab.sharding import full_state_dict, shard_fsdp
 from grpolab.shared_prefix import unit_logprobs
 from grpolab.tasks import build_task
 from grpolab.tasks.base import Example, Grade
