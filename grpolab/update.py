@@ -153,7 +153,7 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
     step, and ``backward`` is decided for all ranks at once. Every backward but the last only accumulates;
     the last one synchronises the gradients (summed over the ranks). A rank with no row to backpropagate
     still joins that synchronisation, with a backward of a zero loss on one of its rows (in lockstep,
-    every rank pads its forwards so to the busiest rank's counts).
+    every rank pads its forwards to the busiest rank's counts).
     """
     ranks = dp.ranks if dp is not None else Ranks()
     denominators = step_denominators(spec, data.response_mask[indices], max_new_tokens,
