@@ -57,7 +57,7 @@ def time_rollout(trainer, repeats: int) -> dict[str, Any]:
     syncs = []
     for _ in range(repeats):
         started = time.perf_counter()
-        trainer.engine.sync_weights(trainer.model)
+        trainer.engine.sync_weights(trainer.sync_source())
         syncs.append(time.perf_counter() - started)
     return {"sequences": len(prompts) * cfg.group_size, "tokens": statistics.mean(tokens),
             "seconds": statistics.median(seconds), "tokens_per_s": sum(tokens) / sum(seconds),

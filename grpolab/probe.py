@@ -114,7 +114,7 @@ def _probe(trainer: Trainer) -> dict[str, Any]:
     started = time.perf_counter()
     prompt = trainer.prompt_ids[longest_id]
     completions = trainer.engine.generate([prompt], cfg.rollout.group_size, trainer.collector.sampling_params(0, 0))[0]
-    trainer.engine.sync_weights(trainer.model)
+    trainer.engine.sync_weights(trainer.sync_source())
     generation = {"seconds": time.perf_counter() - started, "completions": len(completions),
                   "tokens": sum(len(c.completion_ids) for c in completions)}
     phase_peaks["generation"] = peak_memory_mb(device, reset=True)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["full_optimizer_state", "full_state_dict", "is_sharded", "load_optimizer_state", "shard_fsdp"]
+__all__ = ["FullWeights", "full_optimizer_state", "full_state_dict", "is_sharded", "load_optimizer_state", "shard_fsdp"]
 
 
 def shard_fsdp(model: nn.Module, forward_methods: dict[str, Callable[..., Any]]) -> nn.Module:
@@ -55,7 +55,7 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     writes it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    tied = ({n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()})
+    tied = _tied_names(model)
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {k: v for k, v in weights.items() if k not in tied}
 
@@ -81,3 +81,27 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+class FullWeights:
+    """A sharded model's whole weights, gathered on every rank (every rank calls it) and held on the CPU
+    (so an engine syncs through its weight files, as it does from a CPU model), seen the way an engine's
+    weight sync reads a model: ``named_parameters()`` (tied weights once) and ``parameters()``."""
+
+    def __init__(self, model: nn.Module):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        tied = _tied_names(model)
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        self.weights = {k: v.cpu() for k, v in weights.items() if k not in tied}
+
+    def named_parameters(self):
+        return iter(self.weights.items())
+
+    def parameters(self):
+        return iter(self.weights.values())
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """The names under which a tied parameter appears after its first (``named_parameters`` skips them)."""
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}

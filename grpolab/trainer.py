@@ -55,7 +55,7 @@ from grpolab.rundir import (
     write_json,
 )
 from grpolab.shaping import SHAPING_TERMS
-from grpolab.sharding import full_state_dict, shard_fsdp
+from grpolab.sharding import FullWeights, full_state_dict, shard_fsdp
 from grpolab.shared_prefix import unit_logprobs
 from grpolab.tasks import build_task
 from grpolab.tasks.base import Example, Grade
@@ -63,8 +63,8 @@ from grpolab.threads import choose_threads
 from grpolab.tools.multiturn import MultiTurnEngine, tool_metrics
 
 
-FSDP_LIMITS = ("dist.strategy 'fsdp' runs with rollout.engine 'hf' and without tools (every rank must take the same "
-               "number of generation steps); use dist.strategy 'ddp'")
+FSDP_TOOLS = ("dist.strategy 'fsdp' with rollout.engine 'hf' cannot use tools (every rank must take the same number "
+              "of generation steps on the sharded model); use rollout.engine 'vllm' or dist.strategy 'ddp'")
 
 
 def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
@@ -121,8 +121,6 @@ class Trainer:
             raise ValueError(f"rollout.prompts_per_step {cfg.rollout.prompts_per_step} cannot be split into whole "
                              f"prompt groups over {self.ranks.world} ranks")
         self.sharded = self.ranks.parallel and cfg.dist.strategy == "fsdp"
-        if self.sharded and cfg.rollout.engine != "hf":
-            raise ValueError(FSDP_LIMITS)
         self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
         self.reporter = Reporter(self.console)
         torch.manual_seed(cfg.seed)
@@ -135,8 +133,8 @@ class Trainer:
         with self.reporter.phase(f"load task {cfg.task.name}", done_note=None):
             self.task = build_task(cfg.task)
             self.val_examples = self._validation_examples()
-        if self.sharded and getattr(self.task, "toolset", None) is not None:
-            raise ValueError(FSDP_LIMITS)
+        if self.sharded and cfg.rollout.engine == "hf" and getattr(self.task, "toolset", None) is not None:
+            raise ValueError(FSDP_TOOLS)
         if cfg.model.path and not cfg.model.path.startswith(LIKE_PREFIX):
             check_model_path(cfg.model.path)
         self.reporter.line(self.threads.note)
@@ -184,7 +182,7 @@ class Trainer:
             engine = build_engine(cfg.rollout, self.model, self.tokenizer, weights_dir, seed=cfg.seed,
                                   max_model_len=max(map(len, self.prompt_ids.values())) + cfg.rollout.max_new_tokens,
                                   precision=self.precision, sharded=self.sharded)
-            if self.sharded:
+            if self.sharded and cfg.rollout.engine == "hf":  # it generates with the sharded model
                 engine = LockstepEngine(engine, self.ranks, filler=[self.tokenizer.pad_token_id])
         self.toolset = getattr(self.task, "toolset", None)
         if self.toolset is not None:  # tool-using trajectories, observations masked out of the loss
@@ -359,6 +357,11 @@ class Trainer:
         return self.ranks.run_on_main(lambda: save_checkpoint(self.model, self.tokenizer, self.run_dir, step,
                                                               lambda folder: RunState.save(state, folder), weights))
 
+    def sync_source(self):
+        """What the engine's weight sync reads: the model, or under FSDP with an engine of its own (vLLM) the
+        whole weights, gathered on every rank (every rank calls this)."""
+        return FullWeights(self.model) if self.sharded and self.cfg.rollout.engine != "hf" else self.model
+
     def train_step(self, step: int, status: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
         """One rollout batch: rollout -> reward -> advantage -> update -> sync; logs and returns its metrics.
         ``status`` hears the phase it enters (generate, update, sync)."""
@@ -370,7 +373,7 @@ class Trainer:
         metrics = self.learner.learn(rollout)           # 3. group advantages + 4. policy update
         t2 = time.perf_counter()
         status("sync")
-        self.engine.sync_weights(self.model)            # 5. sync the new weights to the engine
+        self.engine.sync_weights(self.sync_source())    # 5. sync the new weights to the engine
         t3 = time.perf_counter()
         flat = rollout.flat()
         grades = [g for group in rollout.grades for g in group]

@@ -111,16 +111,22 @@ def test_dynamic_sampling_keeps_the_same_groups_on_every_rank(warm_model_dir, tm
     assert_same_run(two, one)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_two_process_checkpoint_continues_in_one_process(strategy, warm_model_dir, tmp_path):
-    """Whole Hugging Face weights, every rank's RNGs, and (FSDP) the optimizer state gathered by name."""
+@pytest.mark.parametrize("strategy, resumed_by", [("ddp", 1), ("fsdp", 1), ("fsdp", 2)])
+def test_a_two_process_checkpoint_continues_exactly(strategy, resumed_by, warm_model_dir, tmp_path):
+    """Whole Hugging Face weights, every rank's RNGs, and (FSDP) the optimizer state gathered by name:
+    resumed in one process or under torchrun, the run ends where an uninterrupted one-process run does."""
     two, one = tmp_path / "two", tmp_path / "one"
     args = ["--dist.strategy", strategy, "--optim.shared_prompts", "false"]
     done = torchrun(run_args(warm_model_dir, two, "cispo", steps=2) + args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     state = torch.load(two / "checkpoints" / "step_000002" / STATE_FILE, weights_only=False)
     assert len(state["rng_by_rank"]) == 2 and len(state["optimizer"]["state"]) == len(weights(two, 2))
-    assert main(["train", "--resume", str(two), "--steps", "3"]) == 0
+    resume = ["train", "--resume", str(two), "--steps", "3"]
+    if resumed_by == 1:
+        assert main(resume) == 0
+    else:
+        done = torchrun(resume)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert main(run_args(warm_model_dir, one, "cispo") + args) == 0
     assert_same_run(two, one)
 
@@ -145,13 +151,16 @@ def test_a_rank_that_fails_mid_step_ends_every_rank(crash, warm_model_dir, tmp_p
     assert main(["train", "--resume", str(out), "--steps", "2"]) == 0  # in one process: no crash
 
 
-def test_one_vllm_engine_per_rank_each_synced_and_checked(warm_model_dir, tmp_path):
-    """Each rank starts its own vLLM engine and syncs it from its weights after every update; the sync
-    check (on by default with vLLM) runs over the global batch, so a stale engine on either rank would
-    stop the run. The samples are one process's (vLLM seeds each prompt by its global index)."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_one_vllm_engine_per_rank_each_synced_and_checked(strategy, warm_model_dir, tmp_path):
+    """Each rank starts its own vLLM engine and syncs it from its weights (under FSDP the whole weights,
+    gathered) after every update; the sync check (on by default with vLLM) runs over the global batch, so
+    a stale engine on either rank would stop the run. The samples are one process's (vLLM seeds each
+    prompt by its global index)."""
     pytest.importorskip("vllm")
     two, one = tmp_path / "two", tmp_path / "one"
-    done = torchrun(run_args(warm_model_dir, two, "grpo") + ["--engine", "vllm"], timeout=400)
+    done = torchrun(run_args(warm_model_dir, two, "grpo") + ["--engine", "vllm", "--dist.strategy", strategy],
+                    timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert main(run_args(warm_model_dir, one, "grpo") + ["--engine", "vllm"]) == 0
     got, want = [[r for r in read_metrics(d / "metrics.jsonl") if "loss" in r] for d in (two, one)]
