@@ -13,7 +13,7 @@ import contextlib
 import datetime
 import gc
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from grpolab.sharding import is_sharded
 
 __all__ = ["Ranks", "end_process_group", "init_from_env", "no_sync", "split_evenly", "wrap_ddp"]
 
@@ -188,19 +187,6 @@ class Ranks:
 
 
 def no_sync(module: nn.Module) -> contextlib.AbstractContextManager:
-    """A context in which backward passes only accumulate locally: DDP's ``no_sync``, FSDP2's gradient
-    sync switched off, nothing for a plain module."""
-    if isinstance(module, nn.parallel.DistributedDataParallel):
-        return module.no_sync()
-    if is_sharded(module):
-        return _fsdp_no_sync(module)
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(module) -> Iterator[None]:
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)
+    """DDP's ``no_sync`` (backward passes accumulate locally), or nothing for another module. (FSDP2
+    reduce-scatters at every backward: accumulating unsharded gradients would hold the whole model's.)"""
+    return module.no_sync() if isinstance(module, nn.parallel.DistributedDataParallel) else contextlib.nullcontext()

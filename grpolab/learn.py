@@ -133,9 +133,8 @@ class PolicyLearner:
                           response_mask=batch.response_mask, old_logprobs=old, ref_logprobs=ref,
                           engine_logprobs=batch.engine_logprobs)
         rows = range(groups.start * group_size, groups.stop * group_size)
-        sync_owner = self.model if self.sharded else self.train_forward
-        dp = DataParallelShare(self.ranks, rows, rewards.numel(), lambda: no_sync(sync_owner), lockstep=self.sharded) \
-            if self.ranks.parallel else None
+        dp = DataParallelShare(self.ranks, rows, rewards.numel(), lambda: no_sync(self.train_forward),
+                               lockstep=self.sharded) if self.ranks.parallel else None
         self.model.train()
         try:
             result = run_update(self.spec, data, lambda idx: forward.logprobs(self.train_forward, idx, True),
