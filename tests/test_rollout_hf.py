@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -105,6 +107,19 @@ def test_seed_determinism_and_rng_isolation(model, tokenizer, prompts):
     c = _flat(engine.generate(prompts, 3, SamplingParams(max_new_tokens=10, seed=12)))
     assert [x.completion_ids for x in a] == [x.completion_ids for x in b]
     assert [x.completion_ids for x in a] != [x.completion_ids for x in c]
+
+
+def test_a_share_split_on_a_batch_boundary_samples_what_the_whole_call_samples(model, tokenizer, prompts):
+    """Data-parallel ranks: each batch is seeded by its global first row (``prompt_offset``), so the
+    calls of two ranks holding whole batches of the list draw the same rows as one call over it."""
+    engine = HFEngine(model, tokenizer, max_batch_size=3)  # 3 samples per prompt: one prompt per batch
+    params = SamplingParams(max_new_tokens=10, seed=5)
+    whole = _flat(engine.generate(prompts, 3, params))
+    first = _flat(engine.generate(prompts[:1], 3, params))
+    rest = _flat(engine.generate(prompts[1:], 3, replace(params, prompt_offset=1)))  # two batches
+    assert [c.completion_ids for c in first + rest] == [c.completion_ids for c in whole]
+    without_offset = _flat(engine.generate(prompts[1:], 3, params))  # seeded as the list's first batch
+    assert [c.completion_ids for c in without_offset] != [c.completion_ids for c in rest]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "olmo2"])
