@@ -101,6 +101,17 @@ def test_two_processes_compute_the_one_process_run(algo, strategy, warm_model_di
     assert len((two / "eval" / "step_000002.jsonl").read_text().splitlines()) == TASK["n_val"]
 
 
+def test_a_kl_penalty_to_a_sharded_reference(warm_model_dir, tmp_path):
+    """FSDP2 shards the frozen reference too; with beta > 0 every row is backpropagated (no pruning)."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    args = ["--reference", "frozen", "--algorithm.beta", "0.01", "--optim.shared_prompts", "false"]
+    done = torchrun(run_args(warm_model_dir, two, "grpo") + args + ["--dist.strategy", "fsdp"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert main(run_args(warm_model_dir, one, "grpo") + args) == 0
+    assert max(r.get("kl_ref", 0) for r in read_metrics(one / "metrics.jsonl")) > 0
+    assert_same_run(two, one)
+
+
 def test_dynamic_sampling_keeps_the_same_groups_on_every_rank(warm_model_dir, tmp_path):
     """DAPO drops step 2's groups (no signal) and resamples: every rank takes the same decisions."""
     two, one = tmp_path / "two", tmp_path / "one"
