@@ -102,7 +102,7 @@ class Ranks:
         """The whole groups of ``n_groups`` this rank trains on: a contiguous block, equal on every rank."""
         if n_groups % self.world:
             raise ValueError(f"{n_groups} prompt groups cannot be split evenly over {self.world} ranks")
-        return split_evenly(n_groups, self.world, self.rank)
+        return self.share(n_groups)
 
     def share(self, n: int) -> range:
         """This rank's contiguous block of ``n`` items (sizes differ by at most one between ranks)."""
@@ -166,10 +166,6 @@ class Ranks:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-
-    def barrier(self) -> None:
-        if self.parallel:
-            dist.barrier()
 
     def run_on_main(self, fn: Callable[[], T]) -> T:
         """``fn()`` on rank 0 only, its result (or its exception, raised on every rank) everywhere: a

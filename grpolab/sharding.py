@@ -49,15 +49,15 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The whole weights of a sharded ``model`` on rank 0, on CPU ({} elsewhere); every rank calls it. A
-    tied weight (output layer = embedding) appears once, under its first name, as ``save_pretrained``
-    writes it."""
+def full_state_dict(model: nn.Module, on_every_rank: bool = False) -> dict[str, Tensor]:
+    """The whole weights of a sharded ``model`` on CPU: on rank 0 ({} elsewhere), or ``on_every_rank``;
+    every rank calls it. A tied weight (output layer = embedding) appears once, under its first name, as
+    ``save_pretrained`` writes it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    tied = _tied_names(model)
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v for k, v in weights.items() if k not in tied}
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_every_rank))
+    return {k: v.cpu() for k, v in weights.items() if k not in tied}
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -89,19 +89,10 @@ class FullWeights:
     weight sync reads a model: ``named_parameters()`` (tied weights once) and ``parameters()``."""
 
     def __init__(self, model: nn.Module):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        tied = _tied_names(model)
-        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        self.weights = {k: v.cpu() for k, v in weights.items() if k not in tied}
+        self.weights = full_state_dict(model, on_every_rank=True)
 
     def named_parameters(self):
         return iter(self.weights.items())
 
     def parameters(self):
         return iter(self.weights.values())
-
-
-def _tied_names(model: nn.Module) -> set[str]:
-    """The names under which a tied parameter appears after its first (``named_parameters`` skips them)."""
-    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
