@@ -21,7 +21,8 @@ from grpolab.sharding import is_sharded
 from grpolab.packing import MicroBatchPlanner, prompt_keys
 from grpolab.precision import TrainingPrecision
 from grpolab.rollout.sync_check import SyncMonitor
-from grpolab.shared_prefix import UnitLayout, layout_units, sharing_blocker, unit_logprobs
+from grpolab.model_fidelity import forward_fidelity
+from grpolab.shared_prefix import UnitLayout, layout_units, unit_logprobs
 from grpolab.update import DataParallelShare, UpdateData, run_update
 
 
@@ -103,7 +104,8 @@ class PolicyLearner:
         self.minibatch_gen, self.sync_monitor, self.updates = minibatch_gen, sync_monitor, updates
         blocker = None
         if cfg.optim.shared_prompts:  # FSDP gathers weights at every backbone pass: a unit takes two, a lone row one
-            blocker = "FSDP ranks must run the same forwards" if self.sharded else sharing_blocker(model)
+            blocker = ("FSDP ranks must run the same forwards" if self.sharded
+                       else forward_fidelity(model).share_blocker)
         self.share_prompts = cfg.optim.shared_prompts and blocker is None
         # said once, at start: why every sequence is computed on its own
         self.sharing_note = None if blocker is None else f"shared prompts off: {blocker}"

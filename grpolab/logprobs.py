@@ -8,9 +8,9 @@ layer is then applied to chunks of ``chunk_size`` positions, each chunk wrapped 
 ``torch.utils.checkpoint`` so that neither the forward nor the backward pass ever holds the
 full ``[N, L, vocab]`` logits (only ``[N, chunk_size, vocab]`` at a time).
 
-The logits are produced by the output layer in the model's dtype (exactly what
-``model.generate`` samples from) and everything after that (temperature, log-softmax,
-entropy) is computed in float32.
+The logits are produced by the output layer in the model's dtype, with the transforms the model's
+own forward applies to them (``grpolab.model_fidelity.output_logits``: exactly what ``model.generate``
+samples from), and everything after that (temperature, log-softmax, entropy) is computed in float32.
 
 Inputs must be right-padded (or unpadded): the backbone uses default position ids
 ``0..L-1``, which are only correct when every row starts at column 0.
@@ -18,11 +18,14 @@ Inputs must be right-padded (or unpadded): the backbone uses default position id
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from grpolab.model_fidelity import output_logits
 
 __all__ = ["TokenStats", "token_logprobs", "head_chunk", "enable_gradient_checkpointing", "backbone_and_head"]
 
@@ -41,11 +44,12 @@ class TokenStats:
     entropy: Tensor | None = None
 
 
-def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+def backbone_and_head(model: nn.Module) -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
     """Return ``(decoder_backbone, output_layer)`` of a transformers causal LM.
 
-    The backbone maps ``input_ids`` to final (already normed) hidden states; the output
-    layer maps hidden states to logits.
+    The backbone maps ``input_ids`` to final (already normed) hidden states [N, L, H]; the output
+    layer maps hidden states [..., H] to the logits [..., V] of the model's own forward
+    (``grpolab.model_fidelity.output_logits``).
     """
     backbone = None
     get_decoder = getattr(model, "get_decoder", None)
@@ -55,14 +59,11 @@ def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
         backbone = getattr(model, "base_model", None)
     if backbone is None or backbone is model:
         raise ValueError(f"cannot find the decoder backbone of {type(model).__name__}")
-    head = model.get_output_embeddings()
-    if head is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings")
-    return backbone, head
+    return backbone, output_logits(model)
 
 
 def _chunk_stats(
-    head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+    head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor]:
     """hidden: [N, C, H]; targets: LongTensor[N, C] -> (logprobs [N, C], entropy [N, C] or empty)."""
     logits = head(hidden).float()  # [N, C, V]
@@ -78,7 +79,7 @@ def _chunk_stats(
 
 
 def head_chunk(
-    head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+    head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor]:
     """``_chunk_stats`` of one chunk, checkpointed when grad is on (its [N, C, V] logits are recomputed in
     the backward pass instead of kept)."""
@@ -123,8 +124,9 @@ def token_logprobs(
 
     lp_chunks: list[Tensor] = [hidden.new_zeros(n, 1, dtype=torch.float32)]
     ent_chunks: list[Tensor] = [hidden.new_zeros(n, 1, dtype=torch.float32)]
-    # hidden[:, s] predicts input_ids[:, s + 1]; positions 0..L-2 predict columns 1..L-1.
-    for start in range(0, length - 1, chunk_size):
+    # hidden[:, s] predicts input_ids[:, s + 1]; positions 0..L-2 predict columns 1..L-1. At least one
+    # (maybe empty) chunk: the output layer is in the graph of a backward even without any prediction.
+    for start in range(0, max(length - 1, 1), chunk_size):
         end = min(start + chunk_size, length - 1)
         h = hidden[:, start:end]
         tgt = input_ids[:, start + 1 : end + 1]

@@ -12,8 +12,9 @@ unshared rows, while the prompt's layers run once per unit instead of once per r
 saving in verl, without changing attention). Unshared, each row is one right-padded sequence.
 
 Either way the output layer runs on completion tokens only: the prompt's predictions are never in a
-loss. Gradient checkpointing drops the cache inside checkpointed layers (transformers sets
-``past_key_values=None`` there), so sharing is off with it (``sharing_blocker``).
+loss. Sharing is exact only for some models (``grpolab.model_fidelity.forward_fidelity``: not with
+sliding-window or non-attention layers, nor under gradient checkpointing, which drops the cache inside
+checkpointed layers); the caller decides.
 """
 
 from __future__ import annotations
@@ -26,17 +27,7 @@ from transformers import DynamicCache
 
 from grpolab.logprobs import TokenStats, backbone_and_head, head_chunk
 
-__all__ = ["UnitLayout", "layout_units", "unit_logprobs", "sharing_blocker"]
-
-
-def sharing_blocker(model: nn.Module) -> str | None:
-    """Why prompts cannot be shared in ``model``'s training forward, or None when they can."""
-    if getattr(model, "is_gradient_checkpointing", False):
-        return "gradient checkpointing recomputes each layer without the prompt's key/value cache"
-    layer_types = getattr(model.config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or getattr(model.config, "use_sliding_window", False):
-        return "the model has sliding-window or non-attention layers"
-    return None
+__all__ = ["UnitLayout", "layout_units", "unit_logprobs"]
 
 
 @dataclass
@@ -67,13 +58,14 @@ class UnitLayout:
 
 def _right_padded(input_ids: Tensor, rows: list[int], starts: list[int], lengths: list[int]):
     """Tokens ``input_ids[row, start:start+length]`` of each row, right-padded to the longest ->
-    (ids, mask, position ids = their columns), LongTensor[len(rows), max(lengths)] each."""
+    (ids, mask, position ids = their columns), LongTensor[len(rows), max(lengths)] each. Padding takes
+    column and position 0: a forward's longest position is a real token's (some rope types choose their
+    frequencies by it)."""
     j = torch.arange(max(max(lengths), 1))
-    positions = torch.tensor(starts).unsqueeze(1) + j  # [R, W]
-    mask = j < torch.tensor(lengths).unsqueeze(1)
-    cols = torch.where(mask, positions, torch.zeros_like(positions))
+    mask = j < torch.tensor(lengths).unsqueeze(1)  # [R, W]
+    positions = torch.where(mask, torch.tensor(starts).unsqueeze(1) + j, 0)
     device = input_ids.device
-    ids = input_ids[torch.tensor(rows, device=device).unsqueeze(1), cols.to(device)]
+    ids = input_ids[torch.tensor(rows, device=device).unsqueeze(1), positions.to(device)]
     return ids, mask.long().to(device), positions.to(device)
 
 
@@ -130,14 +122,15 @@ def unit_logprobs(model: nn.Module, layout: UnitLayout, n_rows: int, width: int,
     the convention of ``grpolab.logprobs.token_logprobs`` (0 on prompt and padding columns).
 
     The output layer runs on ``chunk_tokens`` tokens at a time, each chunk checkpointed when grad is on,
-    so no more than [chunk_tokens, vocab] logits exist at once.
+    so no more than [chunk_tokens, vocab] logits exist at once. It runs at least once (on no token when
+    the completions are empty), so that the result is in the graph of every parameter.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     _, head = backbone_and_head(model)
     hidden = _backbone_hidden(model, layout).index_select(0, layout.source)  # [M, H]
     lp_chunks, ent_chunks = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
+    for start in range(0, max(hidden.shape[0], 1), chunk_tokens):
         h = hidden[start:start + chunk_tokens].unsqueeze(0)  # [1, c, H]
         tgt = layout.target[start:start + chunk_tokens].unsqueeze(0)
         lp, ent = head_chunk(head, h, tgt, temperature, with_entropy)
@@ -145,7 +138,7 @@ def unit_logprobs(model: nn.Module, layout: UnitLayout, n_rows: int, width: int,
         ent_chunks.append(ent.flatten())
 
     def scatter(values: list[Tensor]) -> Tensor:
-        flat = torch.cat(values) if values else hidden.new_zeros(0, dtype=torch.float32)
+        flat = torch.cat(values)
         return flat.new_zeros(n_rows, width).index_put((layout.out_row, layout.out_col), flat)
 
     return TokenStats(logprobs=scatter(lp_chunks), entropy=scatter(ent_chunks) if with_entropy else None)

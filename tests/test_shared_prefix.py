@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpolab.logprobs import token_logprobs
+from grpolab.model_fidelity import forward_fidelity
 from grpolab.packing import MicroBatchPlanner, prompt_keys
-from grpolab.shared_prefix import layout_units, sharing_blocker, unit_logprobs
+from grpolab.shared_prefix import layout_units, unit_logprobs
 from grpolab.trainer import Trainer
 
 GROUPS = ((5, [3, 7, 1, 4]), (9, [2, 6, 0]), (4, [5]), (5, [6, 2]))  # (prompt length, completion lengths)
@@ -80,12 +81,14 @@ def test_shared_prompts_give_the_previous_paths_logprobs_and_gradients(make_tiny
 
 def test_sharing_blocker_names_what_prevents_it(make_tiny_model):
     model = make_tiny_model("qwen3")
-    assert sharing_blocker(model) is None
+    assert forward_fidelity(model).share_blocker is None
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert "gradient checkpointing" in sharing_blocker(model)
+    assert "gradient checkpointing" in forward_fidelity(model).share_blocker
     sliding = make_tiny_model("qwen2")
     sliding.config.layer_types = ["sliding_attention"] * len(sliding.config.layer_types)
-    assert "sliding-window" in sharing_blocker(sliding)
+    assert "sliding-window" in forward_fidelity(sliding).share_blocker
+    sliding.config.layer_types = ["full_attention", "linear_attention"]
+    assert "other than full attention (linear_attention)" in forward_fidelity(sliding).share_blocker
 
 
 @st.composite
