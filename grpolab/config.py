@@ -64,8 +64,8 @@ class RolloutConfig(_Section):
     stop_strings: list[str] = Field(default_factory=list)
     max_batch_size: int = Field(256, ge=1, description="sequences generated at once (hf engine)")
     vllm: VLLMConfig = VLLMConfig()
-    sync_check: bool | None = Field(None, description="compare engine and trainer log-probs of the sampled "
-                                    "tokens every step (None = on for vllm, off for hf)")
+    sync_check: bool = Field(True, description="compare engine and trainer log-probs of the sampled tokens "
+                             "every step (one-update schedules read the update's own forward: no extra pass)")
     sync_max_diff: float | None = Field(None, gt=0, description="stop when max |engine - trainer log-prob| "
                                         "exceeds this; None = 1e-3 in float32, off in bfloat16")
     sync_mean_diff: float | None = Field(None, gt=0, description="stop when the mean |diff| exceeds this; "
@@ -82,9 +82,6 @@ class RolloutConfig(_Section):
                 raise ValueError("rollout.vllm.python (--vllm-python) needs rollout.engine 'vllm'")
             self.engine = "vllm"
         return self
-
-    def checks_sync(self) -> bool:
-        return self.engine == "vllm" if self.sync_check is None else self.sync_check
 
     def sync_limits(self, dtype: str) -> tuple[float | None, float | None]:
         """(max, mean) |diff| limits for the trainer's dtype; explicit settings win."""

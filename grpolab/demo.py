@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpolab.config import RunConfig
-from grpolab.like import LIKE_PREFIX
-from grpolab.models import check_model_path
+
+from grpolab.models import check_model_spec
 from grpolab.progress import Reporter, format_seconds
 from grpolab.rundir import resolve_run_dir
 from grpolab.tasks import build_task
@@ -58,8 +58,7 @@ def print_demo_plan(cfg: RunConfig, reporter: Reporter) -> None:
     """Say what the demo will do, with time estimates for this machine (hf engine)."""
     resolve_run_dir(cfg.output_dir, cfg.algorithm.name)  # bad input: one error line, before the plan
     task = build_task(cfg.task)
-    if cfg.model.path and not cfg.model.path.startswith(LIKE_PREFIX):
-        check_model_path(cfg.model.path)
+    check_model_spec(cfg.model.path)
     torch.set_num_threads(choose_threads(cfg.threads).threads)  # the run measures again and agrees
     settings = WarmStartSettings(**getattr(task, "warm_start_overrides", {}))
     step, parameters = calibration_step_seconds(settings)

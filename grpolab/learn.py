@@ -122,14 +122,20 @@ class PolicyLearner:
         mine = [c for group in rollout.completions[groups.start:groups.stop] for c in group]
         batch = collate(mine, self.pad_token_id).to(self.device)
         # With one optimizer step the policy is still the sampling policy: old = current, detached
-        # (exactly the log-probs frozen before the update, without a second forward pass), unless
-        # the sync check needs them anyway.
-        check = self.cfg.rollout.checks_sync()
+        # (exactly the log-probs frozen before the update, without a second forward pass), and the sync
+        # check reads the update's own forward before its optimizer step.
         forward = self.forward(batch)
-        old = None if self.spec.is_single_update and not check else forward.frozen(self.model)
-        # checked over the global batch, so that every rank takes the same decision
-        sync = self.sync_monitor.check(*map(self.ranks.stack_rows, (batch.engine_logprobs, old, batch.response_mask))
-                                       ) if check else {}
+        old = None if self.spec.is_single_update else forward.frozen(self.model)
+        sync: dict[str, float] = {}
+
+        def check_sync(trainer: torch.Tensor, covered: torch.Tensor) -> None:
+            # over the global batch, so that every rank takes the same decision
+            mask = batch.response_mask * covered.unsqueeze(1).to(batch.response_mask.dtype)
+            sync.update(self.sync_monitor.check(*map(self.ranks.stack_rows, (batch.engine_logprobs, trainer, mask))))
+
+        check = self.cfg.rollout.sync_check
+        if check and old is not None:
+            check_sync(old, torch.ones(len(batch), dtype=torch.bool, device=old.device))
         ref = forward.frozen(self.reference) if self.reference is not None else None
         data = UpdateData(advantages=advantages[groups.start:groups.stop].flatten().to(self.device),
                           response_mask=batch.response_mask, old_logprobs=old, ref_logprobs=ref,
@@ -144,7 +150,8 @@ class PolicyLearner:
                                 micro_batch_size=self.cfg.optim.micro_batch_size,
                                 max_new_tokens=self.cfg.rollout.max_new_tokens,
                                 max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen,
-                                full_metrics=self.cfg.optim.full_metrics, dp=dp)
+                                full_metrics=self.cfg.optim.full_metrics, dp=dp,
+                                first_step_check=check_sync if check and old is None else None)
         finally:
             self.model.eval()
         self.updates["attempted"] += result.attempted

@@ -17,6 +17,9 @@ its log-probs are the model's own (and those ``generate`` sampled from):
   ``max_position_embeddings``) give a sequence different rotations in a padded batch, in a prompt's and
   its completion's passes, and in ``generate`` (whose cached keys kept the prompt's). Runs whose longest
   sequence can pass that limit are refused.
+
+The attention kernel matters too: soft-capped attention logits (Gemma-2) are computed by the eager kernel
+only, so such models load with it (``attention_implementation``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ForwardFidelity", "forward_fidelity", "check_trainable", "output_logits", "OUTPUT_TRANSFORMS"]
+__all__ = ["ForwardFidelity", "forward_fidelity", "check_trainable", "output_logits", "attention_implementation",
+           "OUTPUT_TRANSFORMS"]
 
 # model_type -> (operation, config attribute) its ...ForCausalLM applies to the output layer's logits, as
 # transformers' modeling files do it; "softcap" is tanh(logits / c) * c
@@ -166,6 +170,13 @@ def forward_fidelity(model: nn.Module) -> ForwardFidelity:
         blocker = f"the model has layers other than full attention ({', '.join(other)})"
     return ForwardFidelity(share_blocker=blocker, unsupported=unsupported, exact_up_to=exact_up_to,
                            length_reason=length_reason)
+
+
+def attention_implementation(config, requested: str = "sdpa") -> str:
+    """The attention kernel that computes ``config``'s model as designed: eager when its attention logits
+    are soft-capped (Gemma-2; transformers' sdpa and flash kernels skip ``attn_logit_softcapping``)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return "eager" if getattr(text, "attn_logit_softcapping", None) is not None else requested
 
 
 def check_trainable(model: nn.Module, max_total_len: int) -> None:

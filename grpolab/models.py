@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from grpolab.gguf import GGUF_PREFIX, gguf_file, gguf_model_dir, gguf_source
 from grpolab.like import LIKE_PREFIX, is_like_dir, like_model_dir
+from grpolab.model_fidelity import attention_implementation
 from grpolab.progress import Reporter
 from grpolab.tasks.base import Task
 from grpolab.tinymodel import warm_start_model
@@ -37,8 +39,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def resolve_model_dir(path: str | None, task: Task, like_overrides: dict[str, int] | None = None,
                       reporter: Reporter | None = None) -> Path:
     """The model directory to train: ``path`` (must exist), the cached folder of a ``like:NAME`` model
-    (random weights at a reference model's shapes; ``like_overrides`` may shrink it), or the demo's
-    cached warm-started tiny model (its warm start shown on ``reporter``)."""
+    (random weights at a reference model's shapes; ``like_overrides`` may shrink it), the cached
+    conversion of a ``gguf:FILE`` model (``grpolab.gguf``), or the demo's cached warm-started tiny model
+    (its warm start, or a conversion, shown on ``reporter``)."""
     is_like = path is not None and path.startswith(LIKE_PREFIX)
     if like_overrides and not is_like:
         raise ValueError("model.like_overrides applies only to like: models")
@@ -46,7 +49,20 @@ def resolve_model_dir(path: str | None, task: Task, like_overrides: dict[str, in
         return like_model_dir(path[len(LIKE_PREFIX):], task, like_overrides)
     if path is None:
         return warm_start_model(task, reporter=reporter)
+    if path.startswith(GGUF_PREFIX):
+        return gguf_model_dir(path[len(GGUF_PREFIX):], reporter)
     return check_model_path(path)
+
+
+def check_model_spec(path: str | None) -> None:
+    """Refuse, before anything is converted or written, a ``model.path`` that cannot load: a missing
+    directory, a missing GGUF file or short name (``like:`` names are checked when built)."""
+    if not path or path.startswith(LIKE_PREFIX):
+        return
+    if path.startswith(GGUF_PREFIX):
+        gguf_file(path[len(GGUF_PREFIX):])
+    else:
+        check_model_path(path)
 
 
 def check_model_path(path: str) -> Path:
@@ -63,14 +79,16 @@ def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32, device: tor
                 attn_implementation: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model and tokenizer through the Auto classes; the tokenizer gets a pad token if it has none.
 
-    A ``like:`` folder has no weights: its model is built with ``from_config`` from seed 0 (the same
+    The attention kernel is ``attn_implementation`` unless the model needs another to compute as designed
+    (``grpolab.model_fidelity.attention_implementation``). A ``like:`` folder has no weights: its model is built with ``from_config`` from seed 0 (the same
     weights every time), in a forked RNG so that the caller's global torch RNG state is untouched.
     """
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    config = AutoConfig.from_pretrained(model_dir)
+    attn_implementation = attention_implementation(config, attn_implementation)
     if is_like_dir(model_dir):
-        config = AutoConfig.from_pretrained(model_dir)
         with torch.random.fork_rng(devices=[]):  # initialisation runs on the CPU
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
@@ -80,14 +98,16 @@ def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32, device: tor
 
 
 def model_record(model: PreTrainedModel, model_dir: Path) -> dict[str, Any]:
-    """What identifies the starting model: its directory, a SHA-256 of its config, its revision if known."""
+    """What identifies the starting model: its directory, a SHA-256 of its config, its revision if known,
+    and for a converted GGUF file that file and its SHA-256."""
     config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
     revision = getattr(model.config, "_commit_hash", None)
     if revision is None and model_dir.parent.name == "snapshots":  # a Hugging Face cache snapshot
         revision = model_dir.name
     return {"dir": str(model_dir), "config_sha256": hashlib.sha256(config.encode()).hexdigest(),
             "revision": revision, "architecture": type(model).__name__,
-            "parameters": sum(p.numel() for p in model.parameters())}
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "gguf_source": gguf_source(model_dir)}
 
 
 def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:

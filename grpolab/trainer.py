@@ -27,8 +27,9 @@ from grpolab.evaluation import evaluate
 from grpolab.like import LIKE_PREFIX, is_like_dir
 from grpolab.learn import SHARDED_FORWARD, PolicyLearner
 from grpolab.logprobs import enable_gradient_checkpointing
+from grpolab.model_fidelity import check_trainable
 from grpolab.models import (
-    check_model_path,
+    check_model_spec,
     frozen_copy,
     load_policy,
     model_record,
@@ -38,6 +39,7 @@ from grpolab.models import (
 )
 from grpolab.precision import resolve_precision
 from grpolab.progress import Reporter, format_seconds
+from grpolab.prompt_tokens import tokenize_prompts
 from grpolab.rollout.base import RolloutEngine
 from grpolab.rollout.lockstep import LockstepEngine
 from grpolab.rollout.select import build_engine, dtype_name
@@ -135,8 +137,7 @@ class Trainer:
             self.val_examples = self._validation_examples()
         if self.sharded and cfg.rollout.engine == "hf" and getattr(self.task, "toolset", None) is not None:
             raise ValueError(FSDP_TOOLS)
-        if cfg.model.path and not cfg.model.path.startswith(LIKE_PREFIX):
-            check_model_path(cfg.model.path)
+        check_model_spec(cfg.model.path)
         self.reporter.line(self.threads.note)
         if self.ranks.parallel:
             self.reporter.line(f"data parallel: {self.ranks.world} ranks ({cfg.dist.strategy}), "
@@ -172,6 +173,8 @@ class Trainer:
                                                   weight_decay=cfg.optim.weight_decay)
         self.prompts = PromptStream(self.task.train_examples(), cfg.seed)
         self.prompt_ids = self._tokenize_prompts(self.task.train_examples() + self.val_examples)
+        # a model whose own forward the training forward cannot reproduce at these lengths: one line, now
+        check_trainable(self.model, max(map(len, self.prompt_ids.values())) + cfg.rollout.max_new_tokens)
         minibatch_gen = torch.Generator().manual_seed(cfg.seed)
         compute = dtype_name(self.precision.compute)
         self.sync_monitor = SyncMonitor(*cfg.rollout.sync_limits(compute), noise_multiple=cfg.rollout.sync_noise_multiple,
@@ -251,9 +254,9 @@ class Trainer:
         return examples[:wanted]
 
     def _tokenize_prompts(self, examples: list[Example]) -> dict[str, list[int]]:
-        """Prompt token ids by example id. Refuses (listing example ids) prompts longer than
+        """Prompt token ids by example id, with the tokenizer's BOS once (``grpolab.prompt_tokens``). Refuses (listing example ids) prompts longer than
         rollout.max_prompt_tokens or leaving no room for max_new_tokens in the model's context."""
-        ids = self.tokenizer([self.task.prompt(e) for e in examples], add_special_tokens=False)["input_ids"]
+        ids = tokenize_prompts(self.tokenizer, [self.task.prompt(e) for e in examples])
         limit = self.cfg.rollout.max_prompt_tokens or float("inf")
         context = getattr(self.model.config, "max_position_embeddings", None)
         if context:

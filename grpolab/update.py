@@ -138,9 +138,14 @@ def rows_with_gradient(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
     return nonzero
 
 
+# after a step's forwards, before its optimizer step: (log-probs [N, T] detached, bool [N] rows they cover)
+StepCheck = Callable[[Tensor, Tensor], None]
+
+
 def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor, policy_logprobs: PolicyLogprobs,
                          micro_batch_size: int, max_new_tokens: int, full_metrics: bool = True,
-                         plan: MicroBatchPlan | None = None, dp: DataParallelShare | None = None) -> StepGradients:
+                         plan: MicroBatchPlan | None = None, dp: DataParallelShare | None = None,
+                         seen: tuple[Tensor, Tensor] | None = None) -> StepGradients:
     """Backward the loss of one optimizer step over ``indices`` [n], micro-batch by micro-batch
     (``plan``'s, or slices of ``micro_batch_size``).
 
@@ -154,6 +159,8 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
     the last one synchronises the gradients (summed over the ranks). A rank with no row to backpropagate
     still joins that synchronisation, with a backward of a zero loss on one of its rows (in lockstep,
     every rank pads its forwards to the busiest rank's counts).
+
+    ``seen`` (log-probs [N, T], covered bool [N]) receives the detached log-probs of every row forwarded.
     """
     ranks = dp.ranks if dp is not None else Ranks()
     denominators = step_denominators(spec, data.response_mask[indices], max_new_tokens,
@@ -180,6 +187,7 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
                 continue
             micro = grad_micros[i]
             logprobs, entropy = policy_logprobs(micro)
+            _record(seen, micro, logprobs)
             loss, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
             loss.backward()
         total += float(loss.detach())
@@ -191,9 +199,16 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
                 continue
             micro = metric_micros[i]
             logprobs, entropy = policy_logprobs(micro)
+            _record(seen, micro, logprobs)
             _, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
         merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
     return StepGradients(merged, backward=backward, loss=total)
+
+
+def _record(seen: tuple[Tensor, Tensor] | None, rows: Tensor, logprobs: Tensor) -> None:
+    if seen is not None:
+        seen[0][rows] = logprobs.detach().to(seen[0].dtype)
+        seen[1][rows] = True
 
 
 def _with_entropy(metrics: TokenMetrics, entropy: Tensor | None, mask: Tensor) -> TokenMetrics:
@@ -206,7 +221,8 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
                optimizer: torch.optim.Optimizer, parameters: list[Tensor], *, micro_batch_size: int,
                max_new_tokens: int, max_grad_norm: float | None = 1.0,
                generator: torch.Generator | None = None, full_metrics: bool = True,
-               plan: MicroBatchPlan | None = None, dp: DataParallelShare | None = None) -> UpdateResult:
+               plan: MicroBatchPlan | None = None, dp: DataParallelShare | None = None,
+               first_step_check: StepCheck | None = None) -> UpdateResult:
     """Every optimizer step the schedule asks for on one rollout batch.
 
     A step whose whole loss is zero (all advantages 0 and no KL penalty) is skipped: counted as
@@ -219,6 +235,10 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
     rank) and each rank takes its rows of each; every rank makes the same collective calls in the same
     order (counts, the skip decision, one synchronising backward, the metrics), whatever its micro-batch
     count, and steps with the gradient one process computes on the global batch, clipped by its norm.
+
+    ``first_step_check`` sees the first step's own forward (the log-probs of the rows it ran, detached)
+    before that step updates anything, e.g. the engine-vs-trainer sync check at no extra pass; it may
+    raise to stop the update.
     """
     n_rows = dp.n_rows if dp is not None else data.advantages.shape[0]
     check_schedule(spec, n_rows, micro_batch_size, data.old_logprobs is None)
@@ -227,8 +247,14 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
     for indices in minibatches(spec, n_rows, generator, data.advantages.device):
         result.attempted += 1
         optimizer.zero_grad(set_to_none=True)
+        seen = None
+        if first_step_check is not None and result.attempted == 1:
+            seen = (torch.zeros(data.response_mask.shape, dtype=torch.float32, device=data.response_mask.device),
+                    torch.zeros(data.response_mask.shape[0], dtype=torch.bool, device=data.response_mask.device))
         step = accumulate_gradients(spec, data, dp.local(indices) if dp is not None else indices, policy_logprobs,
-                                    micro_batch_size, max_new_tokens, full_metrics, plan, dp)
+                                    micro_batch_size, max_new_tokens, full_metrics, plan, dp, seen)
+        if seen is not None:
+            first_step_check(*seen)
         parts = ranks.gather((step.metrics, step.loss))
         metrics = _merge([m for m, _ in parts])
         result.tokens = result.tokens.merge(metrics)

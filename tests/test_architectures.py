@@ -41,7 +41,8 @@ from transformers import (
 )
 
 from grpolab.algorithms import PRESETS
-from grpolab.model_fidelity import check_trainable, forward_fidelity
+from grpolab.model_fidelity import attention_implementation, check_trainable, forward_fidelity
+from grpolab.models import load_policy
 from grpolab.packing import MicroBatchPlanner, prompt_keys
 from grpolab.rollout import HFEngine, SamplingParams
 from grpolab.shared_prefix import layout_units, unit_logprobs
@@ -73,7 +74,8 @@ CONFIGS = {
     "phi3": lambda: Phi3Config(**COMMON, sliding_window=WINDOW),
     "phi3_longrope": lambda: Phi3Config(**COMMON, original_max_position_embeddings=ORIGINAL,
                                         rope_parameters=dict(LONGROPE)),
-    "gemma2": lambda: Gemma2Config(**COMMON, head_dim=8, sliding_window=WINDOW, final_logit_softcapping=2.0),
+    "gemma2": lambda: Gemma2Config(**COMMON, head_dim=8, sliding_window=WINDOW, final_logit_softcapping=2.0,
+                                attn_logit_softcapping=1.0),
     "gemma3_text": lambda: Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=WINDOW, final_logit_softcapping=2.0,
                                             layer_types=["sliding_attention", "full_attention"]),
     "granite": lambda: GraniteConfig(**COMMON, logits_scaling=4.0),
@@ -96,8 +98,11 @@ STATUS = {
 
 
 def build(family: str) -> torch.nn.Module:
+    """The family's tiny model with the attention kernel grpolab loads it with (``load_policy``)."""
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(CONFIGS[family](), dtype=torch.float32, attn_implementation="sdpa").eval()
+    config = CONFIGS[family]()
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                            attn_implementation=attention_implementation(config)).eval()
 
 
 def batch(groups, seed: int = 1):
@@ -271,3 +276,18 @@ def test_a_logit_attribute_of_a_family_not_known_to_use_it_is_refused():
     model.config.logits_scaling = 2.0
     with pytest.raises(ValueError, match="llama: config.logits_scaling changes the logits"):
         check_trainable(model, 8)
+
+
+def test_soft_capped_attention_loads_with_the_kernel_that_computes_it(tmp_path, tokenizer):
+    """transformers' sdpa kernel skips Gemma-2's ``attn_logit_softcapping``: grpolab loads such a model eager."""
+    torch.manual_seed(0)
+    path = tmp_path / "gemma2"
+    AutoModelForCausalLM.from_config(CONFIGS["gemma2"]()).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    model, _ = load_policy(path)
+    assert model.config._attn_implementation == "eager"
+    ids = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    sdpa = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        assert (model(ids).logits - sdpa(ids).logits).abs().max() > 1e-2  # what sdpa would have computed
+    assert attention_implementation(CONFIGS["llama"]()) == "sdpa"

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 
 import pytest
+import torch
 from conftest import TASK, quick_config
 
 from grpolab.cli import main
 from grpolab.config import ConfigError, load_config
+from grpolab.learn import BatchForward
+from grpolab.rollout.sync_check import WeightSyncError
 from grpolab.trainer import Trainer
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -17,14 +21,14 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 def test_engine_options_and_sync_limits():
     cfg = load_config(None, {})
-    assert cfg.rollout.engine == "hf" and not cfg.rollout.checks_sync()
+    assert cfg.rollout.engine == "hf" and cfg.rollout.sync_check  # every engine checks itself by default
     cfg = load_config(None, {"engine": "vllm"})
-    assert cfg.rollout.checks_sync() and cfg.rollout.sync_limits("float32") == (1e-3, 1e-4)
+    assert cfg.rollout.sync_check and cfg.rollout.sync_limits("float32") == (1e-3, 1e-4)
     assert cfg.rollout.sync_limits("bfloat16") == (None, 0.1)
     cfg = load_config(None, {"vllm_python": "/opt/py/bin/python", "rollout.sync_max_diff": 0.5})
     assert cfg.rollout.engine == "vllm" and cfg.rollout.vllm.python == "/opt/py/bin/python"
     assert cfg.rollout.sync_limits("float32") == (0.5, 1e-4)
-    assert load_config(None, {"rollout.sync_check": True}).rollout.checks_sync()
+    assert not load_config(None, {"rollout.sync_check": False}).rollout.sync_check
     with pytest.raises(ConfigError, match="needs rollout.engine 'vllm'"):
         load_config(None, {"engine": "hf", "vllm_python": "/opt/py/bin/python"})
     with pytest.raises(ConfigError, match="rollout.engine"):
@@ -44,12 +48,24 @@ def test_bad_engine_input_is_one_line_and_leaves_no_run_dir(warm_model_dir, tmp_
     assert not out.exists()
 
 
-def test_hf_engine_checks_its_own_logprobs_when_asked(warm_model_dir, tmp_path):
-    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", **{"rollout.sync_check": True}))
+def test_hf_engine_checks_its_own_logprobs_by_default_from_the_update_forward(warm_model_dir, tmp_path, monkeypatch):
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run"))
+    frozen = []
+    monkeypatch.setattr(BatchForward, "frozen", lambda self, model: frozen.append(model))
     record = trainer.train_step(1)
-    trainer.close()
-    assert record["sync/logprob_diff_max"] < 1e-4  # generate's KV-cached log-probs vs a full forward
+    assert not frozen  # one-update schedule: the check read the update's own forward, no extra pass
+    assert 0 < record["sync/logprob_diff_max"] < 1e-4  # generate's KV-cached log-probs vs a full forward
     assert record["first_update/ratio_mean"] == 1.0
+    # an engine sampling from other weights is caught before the update moves the trainer's
+    stale = copy.deepcopy(trainer.model)
+    with torch.no_grad():
+        stale.get_output_embeddings().weight.mul_(1.05)
+    trainer.engine.sync_weights(stale)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(WeightSyncError):
+        trainer.train_step(2)
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+    trainer.close()
 
 
 @pytest.mark.parametrize("kind", ["rollout", "step"])

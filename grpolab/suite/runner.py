@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from grpolab.config import RunConfig, load_config
-from grpolab.models import check_model_path
+from grpolab.models import check_model_spec
 from grpolab.progress import Reporter, format_seconds
 from grpolab.run_state import STATE_FILE
 from grpolab.rundir import RunDirError, latest_resumable_checkpoint, read_metrics
@@ -233,8 +233,8 @@ def prepare_suite(suite_file: str | Path, root: Path, console: Console, dry_run:
         return None
     for run in spec.runs:  # a start model that cannot load is refused now, not hours into the queue
         path = configs[run.name].model.path
-        if path and not path.startswith("like:") and run.init_from is None:
-            check_model_path(path)
+        if run.init_from is None:
+            check_model_spec(path)
     root.mkdir(parents=True, exist_ok=True)
     code = snapshot_code(root / "snapshot" / "src")
     data: dict[str, dict[str, Any]] = {}

