@@ -64,6 +64,11 @@ def gguf_file(spec: str) -> Path:
     return path
 
 
+def absolute_spec(spec: str) -> str:
+    """``spec`` (what follows ``gguf:``) that still names the same file from any working directory."""
+    return spec if spec.lower() in PACKAGED else str(Path(spec).expanduser().resolve())
+
+
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:

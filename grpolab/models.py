@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from grpolab.gguf import GGUF_PREFIX, gguf_file, gguf_model_dir, gguf_source
+from grpolab.gguf import GGUF_PREFIX, absolute_spec, gguf_file, gguf_model_dir, gguf_source
 from grpolab.like import LIKE_PREFIX, is_like_dir, like_model_dir
 from grpolab.model_fidelity import attention_implementation
 from grpolab.progress import Reporter
@@ -63,6 +63,15 @@ def check_model_spec(path: str | None) -> None:
         gguf_file(path[len(GGUF_PREFIX):])
     else:
         check_model_path(path)
+
+
+def absolute_model_spec(path: str) -> str:
+    """``model.path`` naming the same model from any working directory (a suite's runs start elsewhere)."""
+    if path.startswith(LIKE_PREFIX):
+        return path
+    if path.startswith(GGUF_PREFIX):
+        return GGUF_PREFIX + absolute_spec(path[len(GGUF_PREFIX):])
+    return str(Path(path).resolve())
 
 
 def check_model_path(path: str) -> Path:

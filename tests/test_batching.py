@@ -92,3 +92,13 @@ def test_empty_completion_and_errors():
         collate([], pad_id=PAD)
     with pytest.raises(ValueError):
         Completion(prompt_ids=[1], completion_ids=[2, 3], logprobs=[0.0], finish_reason="stop", text="")
+
+
+def test_an_eos_that_is_also_the_pad_token_is_trained():
+    """SmolLM2's ``<|im_end|>`` (id 2) is EOS and pad: the EOS that ends a completion is a response token
+    and attended to, the padding after a shorter row is not."""
+    eos = 2
+    b = collate([_completion([5, 6], [7, eos]), _completion([5, 6], [eos])], pad_id=eos)
+    assert b.input_ids.tolist() == [[5, 6, 7, eos], [5, 6, eos, eos]]
+    assert b.response_mask.tolist() == [[0, 0, 1, 1], [0, 0, 1, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]

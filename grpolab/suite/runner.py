@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from grpolab.config import RunConfig, load_config
-from grpolab.models import check_model_spec
+from grpolab.models import absolute_model_spec, check_model_spec
 from grpolab.progress import Reporter, format_seconds
 from grpolab.run_state import STATE_FILE
 from grpolab.rundir import RunDirError, latest_resumable_checkpoint, read_metrics
@@ -246,8 +246,8 @@ def prepare_suite(suite_file: str | Path, root: Path, console: Console, dry_run:
             data[key] = snapshot_data(cfg, root / "snapshot" / "data" / key)
         updates = {"task": cfg.task.model_copy(update={k.removeprefix("task."): v
                                                        for k, v in data[key]["task_paths"].items()})}
-        if cfg.model.path and not cfg.model.path.startswith("like:") and run.init_from is None:
-            updates["model"] = cfg.model.model_copy(update={"path": str(Path(cfg.model.path).resolve())})
+        if cfg.model.path and run.init_from is None:
+            updates["model"] = cfg.model.model_copy(update={"path": absolute_model_spec(cfg.model.path)})
         cfg = cfg.model_copy(update=updates)
         config_file = root / "configs" / f"{run.name}.json"
         config_file.parent.mkdir(exist_ok=True)
