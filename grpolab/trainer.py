@@ -24,7 +24,7 @@ from grpolab.config import RunConfig
 from grpolab.collect import RolloutCollector
 from grpolab.distributed import end_process_group, init_from_env
 from grpolab.evaluation import evaluate
-from grpolab.like import LIKE_PREFIX, is_like_dir
+from grpolab.like import is_like_dir
 from grpolab.learn import SHARDED_FORWARD, PolicyLearner
 from grpolab.logprobs import enable_gradient_checkpointing
 from grpolab.model_fidelity import check_trainable
@@ -254,8 +254,9 @@ class Trainer:
         return examples[:wanted]
 
     def _tokenize_prompts(self, examples: list[Example]) -> dict[str, list[int]]:
-        """Prompt token ids by example id, with the tokenizer's BOS once (``grpolab.prompt_tokens``). Refuses (listing example ids) prompts longer than
-        rollout.max_prompt_tokens or leaving no room for max_new_tokens in the model's context."""
+        """Prompt token ids by example id, with the tokenizer's BOS once (``grpolab.prompt_tokens``). Refuses
+        (listing example ids) prompts longer than rollout.max_prompt_tokens or leaving no room for
+        max_new_tokens in the model's context."""
         ids = tokenize_prompts(self.tokenizer, [self.task.prompt(e) for e in examples])
         limit = self.cfg.rollout.max_prompt_tokens or float("inf")
         context = getattr(self.model.config, "max_position_embeddings", None)
