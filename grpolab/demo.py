@@ -16,7 +16,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpolab.config import RunConfig
-
 from grpolab.models import check_model_spec
 from grpolab.progress import Reporter, format_seconds
 from grpolab.rundir import resolve_run_dir

@@ -15,18 +15,16 @@ dequantized weights are not the bf16 release's.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from grpolab.cached_folder import cached_folder
 from grpolab.progress import Reporter
+from grpolab.tasks.datasets import file_sha256
 from grpolab.tinymodel import default_cache_root
 
 GGUF_PREFIX = "gguf:"
@@ -70,14 +68,6 @@ def absolute_spec(spec: str) -> str:
     return spec if spec.lower() in PACKAGED else str(Path(spec).expanduser().resolve())
 
 
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def gguf_source(model_dir: Path) -> dict[str, Any] | None:
     """The GGUF source record of a converted folder (file, SHA-256, ...), or None for any other folder."""
     path = model_dir / SOURCE_FILE
@@ -109,27 +99,18 @@ def gguf_model_dir(spec: str, reporter: Reporter | None = None, cache_dir: str |
     """The cached Hugging Face folder of the GGUF file ``spec`` names, converting it on first use."""
     path = gguf_file(spec)
     sha = file_sha256(path)
-    root = (Path(cache_dir) if cache_dir is not None else default_cache_root().parent / "gguf")
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root().parent / "gguf"
     target = root / f"{sha[:32]}-v{GGUF_VERSION}"
-    if (target / SOURCE_FILE).is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
-    try:
+
+    def write(folder: Path) -> None:
         if reporter is None:
-            _convert(path, tmp)
+            _convert(path, folder)
         else:
             reporter.line(f"{path.name}: dequantizing to float32 once, cached in {target}")
             with reporter.phase(f"convert {path.name}"):
-                _convert(path, tmp)
+                _convert(path, folder)
         record = {"file": str(path.resolve()), "name": path.name, "sha256": sha, "bytes": path.stat().st_size,
                   "converter_version": GGUF_VERSION}
-        (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=1))
-        os.replace(tmp, target)
-    except OSError:
-        if not (target / SOURCE_FILE).is_file():
-            raise
-        # another process converted the same file first: keep theirs
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        (folder / SOURCE_FILE).write_text(json.dumps(record, indent=1))
+
+    return cached_folder(target, SOURCE_FILE, write)

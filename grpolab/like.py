@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
+from grpolab.cached_folder import cached_folder
 from grpolab.tasks.base import Task
 from grpolab.tinymodel import default_cache_root
 
@@ -158,27 +156,18 @@ def like_model_dir(spec: str, task: Task, overrides: dict[str, int] | None = Non
         key.update(f"{len(text)}:{text}".encode())
     root = Path(cache_dir) if cache_dir is not None else default_cache_root().parent / "like"
     target = root / f"{spec}-{key.hexdigest()[:12]}"
-    if is_like_dir(target):
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_like_tokenizer(texts, config)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
-    try:
-        config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+
+    def write(folder: Path) -> None:
+        tokenizer = build_like_tokenizer(texts, config)
+        config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
         probe = texts[0]
-        if AutoTokenizer.from_pretrained(tmp)(probe)["input_ids"] != tokenizer(probe)["input_ids"]:
+        if AutoTokenizer.from_pretrained(folder)(probe)["input_ids"] != tokenizer(probe)["input_ids"]:
             raise ValueError(f"AutoTokenizer reloads a different tokenizer for model type {config.model_type!r}")
         marker = {"like": spec, "overrides": dict(overrides or {}), "task": task.name, "note": "random weights"}
-        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
-        os.replace(tmp, target)
-    except OSError:
-        if not is_like_dir(target):
-            raise
-        # another process finished the same folder first: keep theirs
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        (folder / MARKER).write_text(json.dumps(marker, indent=1))
+
+    return cached_folder(target, MARKER, write)
 
 
 def is_like_dir(path: str | Path) -> bool:

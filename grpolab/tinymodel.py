@@ -12,8 +12,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -30,6 +28,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from grpolab.cached_folder import cached_folder
 from grpolab.progress import Reporter
 from grpolab.tasks.base import Task
 
@@ -304,36 +303,34 @@ def warm_start_model(
     settings = settings or WarmStartSettings(**getattr(task, "warm_start_overrides", {}))
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     target = root / warm_start_key(task, settings)
-    if (target / "warm_start.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    pairs = _solved(task, settings)
-    tokenizer = build_tokenizer(
-        (p + s for p, s in pairs), settings.vocab_size, settings.max_token_length, _tags(task)
-    )
-    torch.manual_seed(settings.seed)
-    model = build_model(
-        tokenizer,
-        settings.arch,
-        hidden_size=settings.hidden_size,
-        num_layers=settings.num_layers,
-        num_heads=settings.num_heads,
-        intermediate_size=settings.intermediate_size,
-        tie_word_embeddings=settings.tie_word_embeddings,
-    )
-    if reporter is None:
-        losses = supervised_warm_start(model, tokenizer, pairs, settings, segments=_segments(task))
-    else:
-        reporter.line(f"warm start: {settings.steps} supervised steps on {len(pairs)} worked solutions, "
-                      f"cached afterwards in {target}")
-        with reporter.phase("warm start", total=settings.steps, unit="steps", every=max(1, settings.steps // 10)) as phase:
-            losses = supervised_warm_start(model, tokenizer, pairs, settings,
-                                           on_step=lambda loss: phase.advance(info=f"loss {loss:.3f}"),
-                                           segments=_segments(task))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
-    try:
-        save_checked(model, tokenizer, tmp, probe=pairs[0][0] + pairs[0][1])
+
+    def write(folder: Path) -> None:
+        started = time.perf_counter()
+        pairs = _solved(task, settings)
+        tokenizer = build_tokenizer(
+            (p + s for p, s in pairs), settings.vocab_size, settings.max_token_length, _tags(task)
+        )
+        torch.manual_seed(settings.seed)
+        model = build_model(
+            tokenizer,
+            settings.arch,
+            hidden_size=settings.hidden_size,
+            num_layers=settings.num_layers,
+            num_heads=settings.num_heads,
+            intermediate_size=settings.intermediate_size,
+            tie_word_embeddings=settings.tie_word_embeddings,
+        )
+        if reporter is None:
+            losses = supervised_warm_start(model, tokenizer, pairs, settings, segments=_segments(task))
+        else:
+            reporter.line(f"warm start: {settings.steps} supervised steps on {len(pairs)} worked solutions, "
+                          f"cached afterwards in {target}")
+            with reporter.phase("warm start", total=settings.steps, unit="steps",
+                                every=max(1, settings.steps // 10)) as phase:
+                losses = supervised_warm_start(model, tokenizer, pairs, settings,
+                                               on_step=lambda loss: phase.advance(info=f"loss {loss:.3f}"),
+                                               segments=_segments(task))
+        save_checked(model, tokenizer, folder, probe=pairs[0][0] + pairs[0][1])
         info = {
             "task": task.name,
             "settings": settings.model_dump(),
@@ -342,12 +339,6 @@ def warm_start_model(
             "losses": losses,
             "seconds": round(time.perf_counter() - started, 2),
         }
-        (tmp / "warm_start.json").write_text(json.dumps(info, indent=1))
-        os.replace(tmp, target)
-    except OSError:
-        if not (target / "warm_start.json").exists():
-            raise
-        # another process finished the same warm start first: keep theirs
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        (folder / "warm_start.json").write_text(json.dumps(info, indent=1))
+
+    return cached_folder(target, "warm_start.json", write)

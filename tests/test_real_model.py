@@ -42,7 +42,9 @@ def smollm2_dir():
 def test_the_converted_folder_is_the_gguf_model(smollm2_dir):
     source = json.loads((smollm2_dir / SOURCE_FILE).read_text())
     assert source["sha256"] == file_sha256(GGUF_FILE) and source["name"] == GGUF_FILE.name
+    written = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
     assert gguf_model_dir("smollm2") == smollm2_dir  # cached: found by the file's hash, not converted again
+    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == written
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     assert type(model).__name__ == "LlamaForCausalLM" and not hasattr(model.config, "quantization_config")
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
