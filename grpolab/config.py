@@ -7,6 +7,7 @@ Validation reports one line per bad field.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tomllib
 from pathlib import Path
@@ -131,6 +132,8 @@ class EvalConfig(_Section):
 
 class CheckpointConfig(_Section):
     every: int = Field(50, ge=1)
+    keep_last: int | None = Field(None, ge=1, description="keep only the newest N checkpoints (the oldest are "
+                                  "removed once a newer one verifies); None keeps all")
 
 
 class LogConfig(_Section):
@@ -290,8 +293,43 @@ def load_run_config(run_dir: str | Path, overrides: dict[str, Any] | None = None
     if changed:
         raise ConfigError(f"a resumed run keeps its config; only {', '.join(sorted(RESUME_OVERRIDES))} may change "
                           f"(got {', '.join('--' + c for c in changed)})")
-    data = json.loads(path.read_text())
+    data = read_config_json(path)
     for dotted, value in (overrides or {}).items():
         apply_override(data, dotted, value)
     data["output_dir"] = str(run_dir)
     return validate_config(data)
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A config saved as JSON (a run's config.json, a suite's configs/NAME.json); ConfigError when it is
+    not a JSON object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a config (a JSON object), but a {type(data).__name__}")
+    return data
+
+
+def config_sha256(data: dict[str, Any]) -> str:
+    """SHA-256 of a config's JSON form with sorted keys: what a run or suite records and later verifies."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def first_difference(recorded: Any, found: Any, prefix: str = "") -> str | None:
+    """The first dotted field (in sorted order) where ``found`` differs from ``recorded``, as
+    'optim.lr is 0.05, was 0.0001'; None when they are equal."""
+    if isinstance(recorded, dict) and isinstance(found, dict):
+        for key in sorted(set(recorded) | set(found)):
+            name = f"{prefix}{key}"
+            if key not in found:
+                return f"{name} was removed (was {json.dumps(recorded[key])})"
+            if key not in recorded:
+                return f"{name} was added ({json.dumps(found[key])})"
+            if (diff := first_difference(recorded[key], found[key], f"{name}.")) is not None:
+                return diff
+        return None
+    if recorded == found and type(recorded) is type(found):
+        return None
+    return f"{prefix.removesuffix('.') or 'the whole config'} is {json.dumps(found)}, was {json.dumps(recorded)}"

@@ -1,16 +1,16 @@
-"""The run directory: refuse to overwrite, metrics as JSON lines, per-item evaluation records, atomic
-checkpoints, summary."""
+"""The run directory: refuse to overwrite, metrics as JSON lines, per-item evaluation records, rewinding
+them for a resume (checkpoints: ``grpolab.checkpoints``)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 
 class RunDirError(FileExistsError):
@@ -76,8 +76,35 @@ class MetricsLog:
             self.tensorboard.close()
 
 
+@dataclass(frozen=True)
+class JsonLines:
+    """The records of a JSON-lines file and how many of its lines could not be read (a line torn by a
+    kill, or one being written)."""
+
+    records: list[dict[str, Any]]
+    skipped: int
+
+
+def read_json_lines(path: Path) -> JsonLines:
+    """Every readable JSON object line of ``path`` (none when it does not exist), counting the others."""
+    records, skipped = [], 0
+    for line in path.read_text(errors="replace").splitlines() if Path(path).is_file() else []:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            skipped += 1
+    return JsonLines(records, skipped)
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The readable records of a metrics file (``read_json_lines`` says how many were skipped)."""
+    return read_json_lines(path).records
 
 
 EVAL_DIR = "eval"
@@ -103,45 +130,21 @@ def eval_record_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.stem.removeprefix("step_")) for p in (run_dir / EVAL_DIR).glob("step_*.jsonl"))
 
 
-def save_checkpoint(model, tokenizer, run_dir: Path, step: int, state: Callable[[Path], None] | None = None,
-                    weights: dict[str, Any] | None = None) -> Path:
-    """Hugging Face model (its ``weights`` when given: a sharded model's, gathered) + tokenizer (+ what
-    ``state(folder)`` writes: the run's state) in checkpoints/step_NNNNNN, written to a temp dir then
-    renamed: a checkpoint folder is complete or absent."""
-    parent = run_dir / "checkpoints"
-    parent.mkdir(exist_ok=True)
-    target = parent / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{target.name}-"))
-    try:
-        model.save_pretrained(tmp, state_dict=weights)
-        tokenizer.save_pretrained(tmp)
-        if state is not None:
-            state(tmp)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def latest_resumable_checkpoint(run_dir: Path, state_file: str) -> Path | None:
-    """The newest checkpoints/step_NNNNNN folder holding ``state_file`` (temp folders start with '.')."""
-    found = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / state_file).is_file())
-    return found[-1] if found else None
-
-
-def rewind_metrics(path: Path, step: int) -> list[dict[str, Any]]:
+def rewind_metrics(path: Path, step: int, session: int) -> list[dict[str, Any]]:
     """Keep the records of steps <= ``step`` in ``path`` (rewritten atomically) and return them. Records of
-    later steps (written before an interruption, redone on resume) and a torn last line move to
-    ``metrics.discarded.jsonl`` beside it, and their evaluation records to eval/discarded/, so nothing
-    is lost."""
+    later steps (written before an interruption, redone on resume) and unreadable lines are appended to
+    ``metrics.discarded.jsonl`` beside it, and the later steps' evaluation records move to
+    eval/discarded/session_NNN/ (``session``: the session that discards them), so nothing is lost or
+    overwritten however often a step is redone."""
     kept, dropped = [], []
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            dropped.append(line)
+            record = None
+        if not line.strip():
             continue
-        (kept if record.get("step", 0) <= step else dropped).append(line)
+        (kept if isinstance(record, dict) and record.get("step", 0) <= step else dropped).append(line)
     if dropped:
         with (path.parent / "metrics.discarded.jsonl").open("a") as f:
             f.write("".join(line + "\n" for line in dropped))
@@ -151,7 +154,8 @@ def rewind_metrics(path: Path, step: int) -> list[dict[str, Any]]:
     os.replace(tmp, path)
     later = [eval_records_path(path.parent, s) for s in eval_record_steps(path.parent) if s > step]
     if later:
-        (path.parent / EVAL_DIR / "discarded").mkdir(exist_ok=True)
+        aside = path.parent / EVAL_DIR / "discarded" / f"session_{session:03d}"
+        aside.mkdir(parents=True, exist_ok=True)
         for record_file in later:
-            os.replace(record_file, path.parent / EVAL_DIR / "discarded" / record_file.name)
+            os.replace(record_file, aside / record_file.name)
     return [json.loads(line) for line in kept]

@@ -6,7 +6,6 @@ looks at an algorithm's name.
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
@@ -46,12 +45,15 @@ from grpolab.rollout.select import build_engine, dtype_name
 from grpolab.rollout.sync_check import MIN_NOISE_FLOOR, SyncMonitor
 from grpolab.run_state import STATE_FILE, PromptStream, RunState
 from grpolab.stop import RunStopped, StopRequest
+from grpolab.checkpoints import prune, remove_temp_folders, save_checkpoint, set_aside
+from grpolab.resume import ResumePlan, check_data, plan_resume
+from grpolab.run_journal import RunJournal
+from grpolab.run_lock import LOCK_FILE, RunLock
 from grpolab.rundir import (
     MetricsLog,
-    latest_resumable_checkpoint,
+    RunDirError,
     resolve_run_dir,
     rewind_metrics,
-    save_checkpoint,
     summary_writer,
     write_eval_records,
     write_json,
@@ -114,9 +116,23 @@ class Trainer:
     def __init__(self, cfg: RunConfig, console: Console | None = None, resume: bool = False):
         """A new run into ``cfg.output_dir`` (new or empty), or with ``resume`` the continuation of the run
         in that directory from its newest complete checkpoint (weights, optimizer, RNGs, data position).
+        The run directory's lock is held from the first write (a resume: from the first check) to
+        ``close``: one trainer per run directory.
 
-        Under ``torchrun`` every rank builds its own trainer: rank 0 alone prints and writes files, and
-        every rank takes the same decisions (``grpolab.distributed``)."""
+        Under ``torchrun`` every rank builds its own trainer: rank 0 alone prints, writes files and holds
+        the lock, and every rank takes the same decisions (``grpolab.distributed``)."""
+        self.lock: RunLock | None = None
+        self.collector: RolloutCollector | None = None
+        self.log: MetricsLog | None = None  # rank 0's
+        self.journal: RunJournal | None = None  # rank 0's
+        self.plan: ResumePlan | None = None
+        try:
+            self._set_up(cfg, console, resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _set_up(self, cfg: RunConfig, console: Console | None, resume: bool) -> None:
         self.cfg, self.spec = cfg, cfg.algorithm
         self.ranks, self.device = init_from_env(resolve_device(cfg.model.device), cfg.dist.timeout_minutes)
         if cfg.rollout.prompts_per_step % self.ranks.world:
@@ -135,6 +151,9 @@ class Trainer:
         with self.reporter.phase(f"load task {cfg.task.name}", done_note=None):
             self.task = build_task(cfg.task)
             self.val_examples = self._validation_examples()
+        fingerprint = getattr(self.task, "data_fingerprint", None)
+        if resume:
+            self.ranks.run_on_main(lambda: check_data(self.plan.journal, fingerprint() if fingerprint else None))
         if self.sharded and cfg.rollout.engine == "hf" and getattr(self.task, "toolset", None) is not None:
             raise ValueError(FSDP_TOOLS)
         check_model_spec(cfg.model.path)
@@ -197,53 +216,51 @@ class Trainer:
                                      self.ranks)
         if self.learner.sharing_note:
             self.reporter.line(self.learner.sharing_note)
-        self.log: MetricsLog | None = None  # rank 0's
-        try:
-            if resume:
-                self.state.load(self.resumed_from)
-            # the metrics of the steps before a resume
-            self.records: list[dict[str, Any]] = self.ranks.run_on_main(lambda: self._prepare_run_dir(resume))
-            if self.ranks.is_main:
-                self.log = MetricsLog(self.run_dir / "metrics.jsonl",
-                                      self.run_dir / "tensorboard" if cfg.log.tensorboard else None,
-                                      first_step=self.state.step + 1 if resume else 0)
-        except BaseException:
-            self.engine.close()
-            raise
+        if resume:
+            self.state.load(self.resumed_from)
+        # the metrics of the steps before a resume
+        self.records: list[dict[str, Any]] = self.ranks.run_on_main(lambda: self._prepare_run_dir(resume))
+        if self.ranks.is_main:
+            self.log = MetricsLog(self.run_dir / "metrics.jsonl",
+                                  self.run_dir / "tensorboard" if cfg.log.tensorboard else None,
+                                  first_step=self.state.step + 1 if resume else 0)
 
     @property
     def engine(self) -> RolloutEngine:
         return self.collector.engine
 
     def _run_dir(self, resume: bool) -> tuple[Path, Path | None]:
-        """(run directory, checkpoint resumed from). A new run refuses a used directory; a resumed one
-        needs its config and a complete checkpoint."""
+        """(run directory, checkpoint resumed from). A new run refuses a used directory; a resume takes the
+        run's lock, then every check of ``plan_resume`` (nothing on disk moves yet)."""
         if not resume:
             return resolve_run_dir(self.cfg.output_dir, self.spec.name), None
         run_dir = Path(self.cfg.output_dir or "")
-        checkpoint = latest_resumable_checkpoint(run_dir, STATE_FILE) if (run_dir / "config.json").is_file() else None
-        if checkpoint is None:
-            raise FileNotFoundError(f"nothing to resume in {run_dir}: no config.json or no complete checkpoint "
-                                    f"(checkpoints/step_NNNNNN with {STATE_FILE})")
-        return run_dir, checkpoint
+        if (run_dir / "config.json").is_file():
+            self.lock = RunLock(run_dir).acquire()
+        self.plan = plan_resume(self.cfg, on_check=lambda folder: self.reporter.line(f"verify checkpoint {folder}"))
+        for folder, why in self.plan.damaged:
+            self.reporter.line(f"checkpoint {folder.name} is damaged ({why}): set aside into checkpoints/damaged/; "
+                               f"continuing from {self.plan.checkpoint.name}")
+        return run_dir, self.plan.checkpoint
 
     def _prepare_run_dir(self, resume: bool) -> list[dict[str, Any]]:
-        """Create the run directory (only once everything validated) with its config and manifest, or for a
-        resume rewind its metrics to the checkpoint's step and record the resume; the records kept."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        """Create the run directory (only once everything validated), lock it, write its config and
+        manifest; or for a resume remove interrupted checkpoint writes, set damaged checkpoints aside,
+        rewind the metrics to the checkpoint's step and record the resume. Returns the records kept."""
         if not resume:
-            self._write_manifest()
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.lock = RunLock(self.run_dir).acquire()
+            if any(p.name != LOCK_FILE for p in self.run_dir.iterdir()):
+                raise RunDirError(f"output directory {self.run_dir} was filled by another process meanwhile")
+            self.journal = RunJournal.create(self.run_dir, self.cfg.model_dump(mode="json"), self._manifest_record())
             return []
-        records = rewind_metrics(self.run_dir / "metrics.jsonl", self.state.step)
-        self._record_resume()
+        plan, self.journal = self.plan, self.plan.journal
+        removed = remove_temp_folders(self.run_dir)
+        for folder, _ in plan.damaged:
+            set_aside(folder)
+        records = rewind_metrics(self.run_dir / "metrics.jsonl", plan.step, session=plan.journal.session_number + 1)
+        plan.journal.record_resume(plan.checkpoint, plan.step, plan.changes, plan.damaged, removed)
         return records
-
-    def _record_resume(self) -> None:
-        path = self.run_dir / "manifest.json"
-        manifest = json.loads(path.read_text())
-        manifest.setdefault("resumes", []).append({"from_checkpoint": str(self.resumed_from), "step": self.state.step,
-                                                   "command": sys.argv, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-        write_json(path, manifest)
 
     # ---- set-up helpers -------------------------------------------------------------------
     def _validation_examples(self) -> list[Example]:
@@ -269,10 +286,10 @@ class Trainer:
                              f"{', '.join(too_long[:20])}{' ...' if len(too_long) > 20 else ''}")
         return {e.id: p for e, p in zip(examples, ids)}
 
-    def _write_manifest(self) -> None:
-        write_json(self.run_dir / "config.json", self.cfg.model_dump(mode="json"))
+    def _manifest_record(self) -> dict[str, Any]:
+        """What manifest.json records about a new run's start (``RunJournal`` adds the config and sessions)."""
         fingerprint = getattr(self.task, "data_fingerprint", None)
-        write_json(self.run_dir / "manifest.json", {
+        return {
             "grpolab": grpolab.__version__, "grpolab_source": str(Path(grpolab.__file__).resolve().parent),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "command": sys.argv, "device": str(self.device),
@@ -286,8 +303,7 @@ class Trainer:
             "precision": {"setting": self.precision.name, "weights": dtype_name(self.precision.storage),
                           "compute": dtype_name(self.precision.compute)},
             "rollout_engine": self._engine_record(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        })
+        }
 
     def _engine_record(self) -> dict[str, Any]:
         r = self.cfg.rollout
@@ -344,22 +360,33 @@ class Trainer:
                 if step % cfg.checkpoint.every == 0 or step == cfg.steps or stop.requested:
                     bar.set_status("checkpoint")
                     with self.reporter.phase(f"checkpoint step {step}") as phase:
-                        phase.info = str(self.save_checkpoint(step))
+                        phase.info = self.save_checkpoint(step)
+                if self.journal is not None:
+                    self.journal.tick(step, time.perf_counter() - started)
                 bar.set_status("")
                 bar.advance(info=f"reward {record['reward_mean']:.3f}, val acc {evals[max(evals)]['val/accuracy']:.3f}")
                 if stop.requested and step < cfg.steps:
                     raise RunStopped(f"stopped after step {step} with a checkpoint; continue with: "
                                      f"grpolab train --resume {self.run_dir}")
             stop.armed = False
-        return self._summarize(evals, rewards, time.perf_counter() - started)
+        seconds = self.journal.total_seconds() if self.journal is not None else time.perf_counter() - started
+        return self._summarize(evals, rewards, seconds)
 
-    def save_checkpoint(self, step: int) -> Path:
-        """Rank 0 writes the checkpoint of ``step`` (whole weights, every rank's RNGs in its state); the
-        others gather what it needs and wait for it."""
+    def save_checkpoint(self, step: int) -> str:
+        """Rank 0 writes the checkpoint of ``step`` (whole weights, every rank's RNGs in its state) and, with
+        checkpoint.keep_last, removes the oldest once it verifies; the others gather what it needs and
+        wait for it. Returns what was done, for the progress line."""
         weights = full_state_dict(self.model) if self.sharded else None
         state = self.state.state_dict()
-        return self.ranks.run_on_main(lambda: save_checkpoint(self.model, self.tokenizer, self.run_dir, step,
-                                                              lambda folder: RunState.save(state, folder), weights))
+
+        def write() -> str:
+            folder = save_checkpoint(self.model, self.tokenizer, self.run_dir, step,
+                                     lambda tmp: RunState.save(state, tmp), weights)
+            keep = self.cfg.checkpoint.keep_last
+            removed = prune(self.run_dir, keep, (STATE_FILE,)) if keep else []
+            return str(folder) + (f"; removed {', '.join(p.name for p in removed)} (keep_last {keep})" if removed else "")
+
+        return self.ranks.run_on_main(write)
 
     def sync_source(self):
         """What the engine's weight sync reads: the model, or under FSDP with an engine of its own (vLLM) the
@@ -407,6 +434,7 @@ class Trainer:
             "val_format_rate": {"start": first["val/format_rate"], "final": last["val/format_rate"]},
             "train_reward": {"first": mean(rewards[:window]), "last": mean(rewards[-window:])},
             "updates": dict(self.updates), "wall_seconds": seconds,
+            "sessions": self.journal.session_number if self.journal is not None else 1,
             "final_checkpoint": str(self.run_dir / "checkpoints" / f"step_{self.cfg.steps:06d}"),
         }
         if self.ranks.is_main:
@@ -425,9 +453,16 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        """Close the metrics log and the engine, then release the run directory's lock (safe to call twice)."""
         if self.log is not None:
             self.log.close()
-        self.engine.close()
+            self.log = None
+        if self.collector is not None:
+            self.engine.close()
+            self.collector = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 def train(cfg: RunConfig, console: Console | None = None, resume: bool = False,

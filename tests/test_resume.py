@@ -67,7 +67,8 @@ def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(w
     for step in (0, 2, 4):  # per-item records too; the stale one kept aside
         name = f"eval/step_{step:06d}.jsonl"
         assert (run / name).read_text() == (uninterrupted / name).read_text()
-    assert (run / "eval" / "discarded" / "step_000004.jsonl").read_text() == "stale\n"
+    assert (run / "eval" / "discarded" / "session_002" / "step_000004.jsonl").read_text() == "stale\n"
+    assert not torn.exists()  # the interrupted write is removed at resume, under the run's lock
     events = EventAccumulator(str(run / "tensorboard"))  # step 3, logged twice, shows once: the resumed one
     events.Reload()
     logged = {e.step: e.value for e in events.Scalars("reward_mean")}
@@ -115,7 +116,8 @@ def test_resume_needs_a_run_with_a_complete_checkpoint(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "checkpoints" / ".step_000002-tmp").mkdir(parents=True)  # a write the kill interrupted
     assert main(["train", "--resume", str(tmp_path)]) == 2
-    assert "no complete checkpoint" in capsys.readouterr().out
+    assert "no manifest.json" in capsys.readouterr().out
+    assert (tmp_path / "checkpoints" / ".step_000002-tmp").is_dir()  # refused before anything moved
 
 
 def test_ctrl_c_ends_the_step_writes_a_checkpoint_and_says_how_to_resume(warm_model_dir, uninterrupted, tmp_path,
