@@ -1,0 +1,142 @@
+"""Chaos: ``grpolab train`` killed with SIGKILL at random moments (starting up, mid-step, evaluating, inside
+checkpoint writes) and resumed each time ends with the metrics and weights of an uninterrupted run, no
+duplicate step, no temp folder and no lock left."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import TASK, quick_config
+from grpolab.checkpoints import newest_verified
+from grpolab.run_lock import lock_holder
+from grpolab.run_state import STATE_FILE
+from grpolab.rundir import read_metrics
+from grpolab.trainer import train
+
+# a process of the run kills itself inside its Nth fsync of a checkpoint write (a file, checkpoint.json,
+# the folder, or the parent after the rename) when GRPOLAB_TEST_KILL_AT_FSYNC=N
+HOOK = """
+import os, signal
+if os.environ.get("GRPOLAB_TEST_KILL_AT_FSYNC"):
+    import grpolab.checkpoints as checkpoints
+    _fsync, calls = checkpoints._fsync, [0]
+    def fsync(path):
+        calls[0] += 1
+        if calls[0] == int(os.environ["GRPOLAB_TEST_KILL_AT_FSYNC"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _fsync(path)
+    checkpoints._fsync = fsync
+"""
+
+
+def settings(model_dir: Path, run: Path, steps: int) -> dict:
+    return {"model.path": str(model_dir), "output_dir": str(run), "threads": 1, "steps": steps,
+            "checkpoint.every": 1, "eval.every": 3, **{f"task.{k}": v for k, v in TASK.items()},
+            "rollout.prompts_per_step": 4, "rollout.max_new_tokens": 40, "optim.micro_batch_size": 16,
+            "optim.lr": 1e-3}
+
+
+def untimed(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
+
+
+def session_step(run: Path, sessions: int) -> int | None:
+    """The step the newest session reached, once there are more than ``sessions`` sessions."""
+    try:
+        recorded = json.loads((run / "manifest.json").read_text())["sessions"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return recorded[-1]["to_step"] if len(recorded) > sessions else None
+
+
+def sessions_of(run: Path) -> int:
+    return len(json.loads((run / "manifest.json").read_text())["sessions"]) if (run / "manifest.json").is_file() else 0
+
+
+def kill_and_resume(model_dir: Path, run: Path, steps: int, kills: int, seed: int, hook: Path) -> list[str]:
+    """Kill the run ``kills`` times at random moments, resuming after each; returns how each kill landed."""
+    rng, landed = random.Random(seed), []
+    args = [f"--{k}={v}" for k, v in settings(model_dir, run, steps).items()]
+    while True:
+        checkpoint = newest_verified(run, (STATE_FILE,)).checkpoint if run.exists() else None
+        if run.exists() and checkpoint is None:  # killed before its first checkpoint: nothing to resume, start again
+            shutil.rmtree(run)
+        start = int(checkpoint.name.removeprefix("step_")) if checkpoint else 0
+        command = ["train", "--resume", str(run)] if checkpoint else ["train", *args]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+        how = None if len(landed) == kills else rng.choice(["startup", "mid-step", "mid-step", "checkpoint write"])
+        if how is not None and start == steps - 1:
+            how = "startup"  # the last step could end before a later kill
+        if how == "checkpoint write":  # in this session's first checkpoint write (about 10 fsyncs)
+            env["GRPOLAB_TEST_KILL_AT_FSYNC"] = str(rng.randint(1, 10))
+        before = sessions_of(run)
+        proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", *command], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        if how == "startup":  # importing, loading, verifying, rewinding
+            time.sleep(rng.uniform(0.0, 2.5))
+        elif how == "mid-step":  # a random moment of one of this session's next steps
+            target, deadline = min(steps - 1, start + rng.randint(0, 2)), time.monotonic() + 120
+            while proc.poll() is None and time.monotonic() < deadline:
+                reached = session_step(run, before)
+                if reached is not None and reached >= target:
+                    break
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 0.5))
+        if how is None or how == "checkpoint write":
+            proc.wait(timeout=300)
+        else:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        if proc.returncode == 0:
+            return landed
+        assert proc.returncode == -signal.SIGKILL, f"attempt {command} failed with exit code {proc.returncode}"
+        landed.append(how)
+
+
+@pytest.fixture(scope="module")
+def hook(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("hook")
+    (folder / "sitecustomize.py").write_text(HOOK)
+    return folder
+
+
+def check_against_uninterrupted(model_dir: Path, run: Path, reference: Path, steps: int) -> None:
+    train(quick_config(model_dir, reference, **{k: v for k, v in settings(model_dir, reference, steps).items()
+                                                 if k not in ("model.path", "output_dir")}))
+    got = read_metrics(run / "metrics.jsonl")
+    train_steps = [r["step"] for r in got if "reward_mean" in r]
+    assert train_steps == list(range(1, steps + 1))  # no duplicate, none missing
+    assert untimed(got) == untimed(read_metrics(reference / "metrics.jsonl"))
+    last = f"checkpoints/step_{steps:06d}"
+    for (name, a), (_, b) in zip(AutoModelForCausalLM.from_pretrained(run / last).state_dict().items(),
+                                 AutoModelForCausalLM.from_pretrained(reference / last).state_dict().items()):
+        assert torch.equal(a, b), name
+    assert not list((run / "checkpoints").glob(".*")), "a temp folder was left"
+    assert lock_holder(run) is None
+
+
+def test_a_few_random_kills_then_resumes_match_the_uninterrupted_run(warm_model_dir, hook, tmp_path):
+    run = tmp_path / "run"
+    landed = kill_and_resume(warm_model_dir, run, steps=5, kills=3, seed=0, hook=hook)
+    assert len(landed) == 3 and "checkpoint write" in landed, landed
+    check_against_uninterrupted(warm_model_dir, run, tmp_path / "reference", steps=5)
+
+
+@pytest.mark.slow
+def test_fifty_random_kills_then_resumes_match_the_uninterrupted_run(warm_model_dir, hook, tmp_path):
+    run = tmp_path / "run"
+    landed = kill_and_resume(warm_model_dir, run, steps=12, kills=50, seed=1, hook=hook)
+    assert len(landed) == 50 and "checkpoint write" in landed
+    check_against_uninterrupted(warm_model_dir, run, tmp_path / "reference", steps=12)
