@@ -122,6 +122,7 @@ def test_seed_groups_pass_at_k_and_failures_come_from_the_records(runs):
     (group,) = data["seed_groups"]  # a and b: the same settings at seeds 0 and 1 (e differs in its normalizer)
     finals = [np.mean([r["correct"] for r in records(runs / n, 4)]) for n in ("a", "b")]
     assert group["runs"] == ["a", "b"] and group["mean"] == pytest.approx(np.mean(finals))
+    assert (group["step"], group["items"], group["stopped_early"]) == (4, len(records(runs / "a", 4)), [])
     assert group["std"] == pytest.approx(np.std(finals, ddof=1))
     curves = data["pass_at_k"]["a"]
     assert set(curves) == {"0", "4"} and set(curves["4"]) == {"1", "2", "4"}
@@ -181,11 +182,13 @@ def test_a_suite_with_running_failed_and_queued_runs_is_reported_as_such(runs, t
     assert table["e"][4] == "3/4" and table["e"][6] == f"{np.mean([r['correct'] for r in records(root / 'e', 2)]):.3f} (step 2)"
     assert table["f"][4] == "0/-" or table["f"][5:8] == ["-", "-", "-"]
     assert "- f: no evaluation records yet" in text and "- g: no evaluation records yet" in text
-    # the 2x2: cells std x seq (a, b), std x const (d), none x const (c), none x seq (e, at its step 2)
+    assert "run e: 1 unreadable line skipped" in text  # its torn last metrics line
+    # the 2x2: cells std x seq (a, b), std x const (d), none x const (c), none x seq (e, stopped after its
+    # evaluation at step 2): every cell at step 2, the latest step all of them evaluated
     data = json.loads((root / "report" / "report.json").read_text())
     f = data["factorial"]
-    cell = {n: np.array([r["correct"] for r in records(root / n if n == "e" else runs / n, 2 if n == "e" else 4)], float)
-            for n in "abcde"}
+    assert (f["step"], f["stopped_early"]) == (2, ["e"]) and "e last evaluated at step 2 of 4" in text
+    cell = {n: np.array([r["correct"] for r in records(root / n if n == "e" else runs / n, 2)], float) for n in "abcde"}
     y00, y01, y10, y11 = (cell["a"] + cell["b"]) / 2, cell["d"], cell["e"], cell["c"]
     assert f["interaction"]["estimate"] == pytest.approx(np.mean((y11 - y01) - (y10 - y00)), abs=1e-12)
     assert f["cell_accuracy"] == pytest.approx({"std x seq": y00.mean(), "std x const": y01.mean(),

@@ -1,49 +1,46 @@
 """``grpolab report DIR`` and ``grpolab compare RUN_A RUN_B``: results with paired confidence intervals.
 
 ``runs`` finds what is on disk, ``analysis`` turns the runs into numbers with ``grpolab.stats``,
-``markdown`` and ``figures`` render them into DIR/report/.
+``markdown`` and ``figures`` render them into DIR/report/, a folder ``folder`` marks as the report's own.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from grpolab.progress import Reporter
 from grpolab.report.analysis import analyse, comparison
+from grpolab.report.folder import REPORT_DIR, check_replaceable, new_report_folder, put_in_place, remove_leftovers
 from grpolab.report.runs import ReportError, Run, find_runs
 from grpolab.stats import RESAMPLES
-
-REPORT_DIR = "report"
 
 
 def write_report(directory: Path, reporter: Reporter, baseline: str | None = None, resamples: int = RESAMPLES,
                  seed: int = 0) -> Path:
-    """Write DIR/report/ (report.md, report.json, PNGs), replacing an earlier report as a whole."""
+    """Write DIR/report/ (report.md, report.json, PNGs), replacing an earlier report as a whole. Raises
+    ReportError, before anything is computed or written, when DIR/report exists and is not a report's
+    own folder (no marker: a run directory, a user's folder, a file)."""
     from grpolab.report.figures import all_figures  # matplotlib only when figures are drawn
     from grpolab.report.markdown import render
 
     directory = Path(directory)
     title, runs = find_runs(directory)
+    target = directory / REPORT_DIR
+    check_replaceable(target)
     with reporter.phase(f"report: statistics of {len(runs)} runs ({resamples:,} resamples)"):
         data = analyse(title, runs, baseline, resamples, seed)
-    tmp = Path(tempfile.mkdtemp(dir=directory, prefix=f".{REPORT_DIR}-"))
+    tmp = new_report_folder(directory)
     try:
+        remove_leftovers(directory, keep=tmp)
         with reporter.phase("report: figures") as phase:
             figures = all_figures(runs, data, tmp)
             phase.info = f"{len(figures)} figures"
         (tmp / "report.md").write_text(render(data, figures))
         (tmp / "report.json").write_text(json.dumps(data, indent=2, default=str))
-        target = directory / REPORT_DIR
-        old = directory / f".{REPORT_DIR}-old"
-        shutil.rmtree(old, ignore_errors=True)
-        if target.exists():
-            target.rename(old)
-        tmp.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
+        put_in_place(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target / "report.md"

@@ -1,6 +1,7 @@
 """Every number of a report, computed from the runs' files into plain dicts (written as report.json,
 rendered by ``markdown``): the run table, paired comparisons with a baseline, the 2x2 interaction,
-seed-level summaries, pass@k curves and failure examples."""
+seed-level summaries, pass@k curves and failure examples. Seed groups and the 2x2 pool runs only at a
+common step on shared items (``common``), and say which runs stopped early."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from grpolab.report.common import Common, align, at_common_step, progress, steps_done  # noqa: F401 (align: re-exported)
 from grpolab.report.runs import Outcomes, Run, outcomes, pair
 from grpolab.stats import holm, interaction, mcnemar_exact, pass_at_k_curve, paired_difference, seed_summary
 
@@ -22,11 +24,13 @@ FAILURE_KINDS = {
 
 def run_row(run: Run) -> dict[str, Any]:
     """The run table's line: progress, start / final / best validation accuracy, final validation
-    format rate, length and truncation, updates, tokens generated, wall time."""
+    format rate, length and truncation, updates, tokens generated, wall time; ``skipped_lines`` (when
+    not 0): unreadable lines of metrics.jsonl and the evaluation record files."""
     train, evals = run.train, run.evals
     row: dict[str, Any] = {"run": run.name, "state": run.state, "reason": run.reason, "algorithm": run.algorithm,
-                           "seed": run.seed, "steps_done": train[-1]["step"] if train else 0,
-                           "steps": run.total_steps}
+                           "seed": run.seed, "steps_done": steps_done(run), "steps": run.total_steps}
+    if skipped := run.skipped_lines():
+        row["skipped_lines"] = skipped
     if evals:
         first, last = evals[0], evals[-1]
         best = max(evals, key=lambda r: (r["val/accuracy"], -r["step"]))
@@ -79,66 +83,93 @@ def learning(run: Run, resamples: int, seed: int) -> dict[str, Any] | None:
     return {"run": run.name, "step": last.step, "baseline_step": start.step, **paired(last, start, resamples, seed)}
 
 
-def align(all_outcomes: list[Outcomes]) -> np.ndarray:
-    """Correctness [runs, items] over the items every run evaluated with the same prompt."""
-    by_id = [dict(zip(o.ids, zip(o.prompt_hashes, o.correct))) for o in all_outcomes]
-    ids = [i for i in all_outcomes[0].ids if all(i in m and m[i][0] == by_id[0][i][0] for m in by_id[1:])]
-    return np.array([[m[i][1] for i in ids] for m in by_id]).reshape(len(by_id), len(ids))
+def _cells(declared: list[Run]) -> tuple[dict[str, list[str]], dict[tuple[int, int], list[Run]]] | str:
+    """(factor -> its two levels, (i, j) -> the runs of cell (level i, level j)), or a note when the
+    declared factors are not exactly two with two levels each."""
+    names = list(declared[0].factors)
+    levels = {f: list(dict.fromkeys(r.factors.get(f) for r in declared)) for f in names}
+    if len(names) != 2 or any(list(r.factors) != names for r in declared) or any(len(v) != 2 for v in levels.values()):
+        return ("factors declared, but not exactly two factors with two levels each: "
+                + ", ".join(f"{f}: {'/'.join(map(str, v))}" for f, v in levels.items()))
+    (fa, la), (fb, lb) = levels.items()
+    return levels, {(i, j): [r for r in declared if r.factors == {fa: la[i], fb: lb[j]}] for i in (0, 1) for j in (0, 1)}
+
+
+def _cell_rows(common: Common, cells: dict[tuple[int, int], list[Run]]) -> dict[tuple[int, int], np.ndarray]:
+    """Each cell's per-item mean correctness over its runs [items]; ``common`` holds the cells' runs in
+    the order of ``cells``."""
+    rows, start = {}, 0
+    for key, members in cells.items():
+        rows[key] = common.correct[start:start + len(members)].mean(axis=0)
+        start += len(members)
+    return rows
 
 
 def factorial(runs: list[Run], resamples: int, seed: int) -> dict[str, Any] | None:
     """The 2x2 interaction when the runs that declare factors declare the same two, with two levels
-    each. A cell with several runs (seeds) counts each item's mean correctness over them."""
+    each. Every cell's evaluated runs are taken at their common step (the latest step all of them
+    evaluated) on the items all of them evaluated; a cell with several runs (seeds) counts each item's
+    mean correctness over them. Runs that stopped before the others are named in ``stopped_early``."""
     declared = [r for r in runs if r.factors]
     if not declared:
         return None
-    names = list(declared[0].factors)
-    levels = {f: list(dict.fromkeys(r.factors.get(f) for r in declared)) for f in names}
-    if len(names) != 2 or any(list(r.factors) != names for r in declared) or any(len(v) != 2 for v in levels.values()):
-        return {"note": "factors declared, but not exactly two factors with two levels each: "
-                        + ", ".join(f"{f}: {'/'.join(map(str, v))}" for f, v in levels.items())}
+    found = _cells(declared)
+    if isinstance(found, str):
+        return {"note": found}
+    levels, cells = found
     (fa, la), (fb, lb) = levels.items()
-    cells = {(i, j): [r for r in declared if r.factors == {fa: la[i], fb: lb[j]}] for i in (0, 1) for j in (0, 1)}
-    found = {key: [o for o in map(outcomes, members) if o is not None] for key, members in cells.items()}
     out: dict[str, Any] = {"factors": {fa: la, fb: lb},
                            "cells": {f"{la[i]} x {lb[j]}": [r.name for r in members] for (i, j), members in cells.items()}}
-    if any(not o for o in found.values()):
+    evaluated = {key: [r for r in members if r.eval_steps] for key, members in cells.items()}
+    waiting = [r.name for members in cells.values() for r in members if not r.eval_steps]
+    if waiting:
+        out["not_evaluated"] = waiting
+    if any(not members for members in evaluated.values()):
         return out | {"note": "a cell has no evaluated run yet"}
-    flat = [o for key in sorted(found) for o in found[key]]
-    matrix = align(flat)
-    rows, start = {}, 0
-    for key in sorted(found):
-        rows[key] = matrix[start:start + len(found[key])].mean(axis=0)
-        start += len(found[key])
+    flat = [r for members in evaluated.values() for r in members]
+    common = at_common_step(flat)
+    made = progress(flat)
+    out |= {"step": common.step, "stopped_early": made["stopped_early"],
+            "last_eval_step": dict(zip([r.name for r in flat], made["last_eval_step"])),
+            "configured_steps": dict(zip([r.name for r in flat], made["configured_steps"]))}
+    if common.note:
+        return out | {"note": common.note}
+    rows = _cell_rows(common, evaluated)
     y00, y01, y10, y11 = rows[0, 0], rows[0, 1], rows[1, 0], rows[1, 1]
     effect = interaction(y00, y01, y10, y11, resamples, seed)
     simple = {f"{fa} {la[0]} -> {la[1]} at {fb} {lb[j]}": paired_difference(rows[1, j], rows[0, j], resamples, seed)
               for j in (0, 1)}
     simple |= {f"{fb} {lb[0]} -> {lb[1]} at {fa} {la[i]}": paired_difference(rows[i, 1], rows[i, 0], resamples, seed)
                for i in (0, 1)}
-    return out | {"items": int(matrix.shape[1]),
+    return out | {"items": common.items, "items_per_run": dict(zip([r.name for r in flat], common.items_per_run)),
                   "cell_accuracy": {f"{la[i]} x {lb[j]}": float(rows[i, j].mean()) for i in (0, 1) for j in (0, 1)},
                   "interaction": asdict(effect), "simple_effects": {k: asdict(v) for k, v in simple.items()}}
 
 
+def seed_group(members: list[Run], resamples: int, seed: int) -> dict[str, Any]:
+    """Runs of the same settings at different seeds, each scored at their common step on their shared
+    items: accuracy per seed, mean, std, a bootstrap CI over seeds and the Student-t CI; a ``note``
+    instead of numbers when the runs have no step or no items in common."""
+    common = at_common_step(members)
+    out: dict[str, Any] = {"runs": [r.name for r in members], "seeds": [r.seed for r in members],
+                           "step": common.step, "items": common.items, **progress(members)}
+    if common.note:
+        return out | {"note": common.note}
+    accuracy = [float(a) for a in common.correct.mean(axis=1)]
+    summary = seed_summary(accuracy, resamples, seed)
+    return out | {"items_per_run": common.items_per_run, "accuracy": accuracy, "mean": summary.mean,
+                  "std": summary.std, "ci_low": summary.interval.low, "ci_high": summary.interval.high,
+                  "t_low": summary.t_low, "t_high": summary.t_high}
+
+
 def seed_groups(runs: list[Run], resamples: int, seed: int) -> list[dict[str, Any]]:
-    """Configurations run at several seeds: final validation accuracy per seed, mean, std and a
-    bootstrap CI over seeds."""
+    """Configurations run at several seeds (runs with evaluation records whose settings differ only in
+    the seed), each summarised by ``seed_group``."""
     groups: dict[str, list[Run]] = defaultdict(list)
     for run in runs:
-        if run.config and run.evals:
+        if run.config and run.eval_steps:
             groups[run.setting_key()].append(run)
-    out = []
-    for members in groups.values():
-        if len({r.seed for r in members}) < 2:
-            continue
-        finals = [r.evals[-1]["val/accuracy"] for r in members]
-        summary = seed_summary(finals, resamples, seed)
-        out.append({"runs": [r.name for r in members], "seeds": [r.seed for r in members], "final_accuracy": finals,
-                    "steps": [r.evals[-1]["step"] for r in members], "mean": summary.mean, "std": summary.std,
-                    "ci_low": summary.interval.low, "ci_high": summary.interval.high,
-                    "t_low": summary.t_low, "t_high": summary.t_high})
-    return out
+    return [seed_group(members, resamples, seed) for members in groups.values() if len({r.seed for r in members}) >= 2]
 
 
 def pass_curves(run: Run) -> dict[int, dict[int, float]]:

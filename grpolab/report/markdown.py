@@ -40,6 +40,27 @@ def run_table(rows: list[dict[str, Any]]) -> list[str]:
     return table(header, lines)
 
 
+def skipped_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per run whose files had unreadable lines (the run table's ``skipped_lines``)."""
+    return [f"- run {r['run']}: {n} unreadable line{'s' if n > 1 else ''} skipped in metrics.jsonl or the evaluation "
+            f"records ({'lines' if n > 1 else 'a line'} torn by a kill, or being written)"
+            for r in rows if (n := r.get("skipped_lines"))]
+
+
+def flagged(names: list[str], early: list[str]) -> list[str]:
+    """Run names, those that stopped early marked with ``*``."""
+    return [f"{n}*" if n in early else n for n in names]
+
+
+def early_note(early: list[str], last: dict[str, Any], configured: dict[str, Any], step: Any) -> list[str]:
+    """The footnote of ``flagged``: where each early-stopped run last evaluated."""
+    if not early:
+        return []
+    return ["", "\\* stopped early (or not finished): " + "; ".join(
+        f"{n} last evaluated at step {last.get(n)} of {configured.get(n) or '?'}" for n in early)
+        + (f"; every run is taken at step {step}, the latest step all of them evaluated." if step is not None else ".")]
+
+
 def learning_table(rows: list[dict[str, Any]]) -> list[str]:
     header = ["run", "steps", "items", "start acc", "final acc", "gain", "95% CI", "right only at the end",
               "right only at the start", "McNemar p"]
@@ -72,10 +93,15 @@ def factorial_section(f: dict[str, Any]) -> list[str]:
     if "factors" not in f:
         return [f["note"] + "."]
     (fa, la), (fb, lb) = f["factors"].items()
+    early = f.get("stopped_early", [])
     lines = [f"Factors: {fa} ({' / '.join(la)}) x {fb} ({' / '.join(lb)}); cells: "
-             + "; ".join(f"{cell}: {', '.join(names) or 'none'}" for cell, names in f["cells"].items()) + "."]
+             + "; ".join(f"{cell}: {', '.join(flagged(names, early)) or 'none'}" for cell, names in f["cells"].items())
+             + "."]
+    if f.get("not_evaluated"):
+        lines += ["", f"Not evaluated yet, left out: {', '.join(f['not_evaluated'])}."]
+    notes = early_note(early, f.get("last_eval_step", {}), f.get("configured_steps", {}), f.get("step"))
     if "note" in f:
-        return lines + ["", f["note"] + "."]
+        return lines + ["", f["note"] + "."] + notes
     e = f["interaction"]
     lines += ["", *table(["cell", "accuracy"], [[k, num(v)] for k, v in f["cell_accuracy"].items()]), "",
               *table(["effect", "estimate", "95% CI"],
@@ -83,21 +109,34 @@ def factorial_section(f: dict[str, Any]) -> list[str]:
                       for k, v in f["simple_effects"].items()]
                      + [[f"interaction ({fa} change at {fb} {lb[1]} minus at {fb} {lb[0]})",
                          num(e["estimate"], "+.3f"), ci(e["low"], e["high"])]]),
-              "", f"Paired over the {f['items']} items every cell's runs evaluated; a cell with several runs "
-                  "counts each item's mean correctness over them. An interaction CI that excludes 0 says the two "
-                  "changes do not simply add up."]
+              "", f"At step {f['step']} (the latest step every cell's runs evaluated), paired over the {f['items']} "
+                  "items all of them evaluated with the same prompt; a cell with several runs counts each item's mean "
+                  "correctness over them. An interaction CI that excludes 0 says the two changes do not simply add up.",
+              *notes]
     return lines
 
 
 def seed_section(groups: list[dict[str, Any]]) -> list[str]:
-    rows = [[", ".join(g["runs"]), ", ".join(map(str, g["seeds"])), ", ".join(num(a) for a in g["final_accuracy"]),
-             num(g["mean"]), num(g["std"]), ci(g["ci_low"], g["ci_high"], ".3f"),
-             ci(g["t_low"], g["t_high"], ".3f")] for g in groups]
-    return table(["runs (same settings)", "seeds", "final acc", "mean", "std", "seed bootstrap 95% CI",
-                  "Student-t 95% CI"], rows) + [
-        "", "The seed bootstrap resamples the training seeds: it can never be wider than their range, so with a "
-            "handful of seeds it understates the uncertainty; the Student-t interval (seeds assumed normal) is "
-            "the more cautious reading. Both need more seeds to be tight."]
+    rows, notes = [], []
+    for g in groups:
+        early = g["stopped_early"]
+        names = ", ".join(flagged(g["runs"], early))
+        if "note" in g:
+            rows.append([names, ", ".join(map(str, g["seeds"])), "-", "-", "-", "-", "-", "-", "-"])
+            notes += ["", f"- {names}: {g['note']}."]
+        else:
+            rows.append([names, ", ".join(map(str, g["seeds"])), str(g["step"]), str(g["items"]),
+                         ", ".join(num(a) for a in g["accuracy"]), num(g["mean"]), num(g["std"]),
+                         ci(g["ci_low"], g["ci_high"], ".3f"), ci(g["t_low"], g["t_high"], ".3f")])
+        notes += early_note(early, dict(zip(g["runs"], g["last_eval_step"])),
+                            dict(zip(g["runs"], g["configured_steps"])), g["step"])
+    return table(["runs (same settings)", "seeds", "step", "items", "accuracy", "mean", "std",
+                  "seed bootstrap 95% CI", "Student-t 95% CI"], rows) + notes + [
+        "", "Each seed's accuracy is taken at the group's common step (the latest step every seed evaluated) on "
+            "the items all of them evaluated with the same prompt. The seed bootstrap resamples the training seeds: "
+            "it can never be wider than their range, so with a handful of seeds it understates the uncertainty; "
+            "the Student-t interval (seeds assumed normal) is the more cautious reading. Both need more seeds to be "
+            "tight."]
 
 
 def pass_section(curves: dict[str, dict[int, dict[int, float]]]) -> list[str]:
@@ -151,7 +190,8 @@ def render(data: dict[str, Any], figures: list[tuple[str, str]]) -> str:
     if unfinished:
         out += ["Not complete: " + "; ".join(f"{r['run']} is {r['state']}" + (f" ({r['reason']})" if r["reason"] else "")
                                              for r in unfinished) + ". Their numbers are those of what exists.", ""]
-    out += ["## Runs", "", *run_table(data["runs"]), "",
+    skipped = skipped_notes(data["runs"])
+    out += ["## Runs", "", *run_table(data["runs"]), "", *skipped, *([""] if skipped else []),
             "Accuracy is greedy validation accuracy; format, mean length and truncation are of the final evaluation.",
             ""]
     if data["learning"]:

@@ -11,26 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from grpolab.rundir import eval_record_steps, eval_records_path
+from grpolab.report.folder import ReportError, is_report
+from grpolab.rundir import JsonLines, eval_record_steps, eval_records_path, read_json_lines
 from grpolab.suite.manifest import MANIFEST, SuiteManifest, pid_alive
 
 
 NOT_TRAINING = ("seed", "output_dir", "eval", "checkpoint", "log", "log_every", "threads")
-
-
-class ReportError(ValueError):
-    """The directory holds nothing a report can be made of."""
-
-
-def _json_lines(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of ``path`` (a torn last line of a run still writing is skipped)."""
-    out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 @dataclass
@@ -44,7 +30,7 @@ class Run:
     reason: str | None = None
     factors: dict[str, str] = field(default_factory=dict)
     config_file: Path | None = None  # a suite's copy of the config, for runs that have not started
-    _records: dict[int, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
+    _records: dict[int, JsonLines] = field(default_factory=dict, repr=False)
 
     @cached_property
     def config(self) -> dict[str, Any]:
@@ -54,8 +40,13 @@ class Run:
         return {}
 
     @cached_property
+    def _metrics_file(self) -> JsonLines:
+        return read_json_lines(self.path / "metrics.jsonl")
+
+    @property
     def metrics(self) -> list[dict[str, Any]]:
-        return _json_lines(self.path / "metrics.jsonl")
+        """The readable records of metrics.jsonl (a line torn by a kill, or being written, is skipped)."""
+        return self._metrics_file.records
 
     @cached_property
     def summary(self) -> dict[str, Any] | None:
@@ -78,10 +69,16 @@ class Run:
         return eval_record_steps(self.path) if (self.path / "eval").is_dir() else []
 
     def records(self, step: int) -> list[dict[str, Any]]:
-        """The per-item records of ``step``, read once."""
+        """The readable per-item records of ``step``, read once."""
         if step not in self._records:
-            self._records[step] = _json_lines(eval_records_path(self.path, step))
-        return self._records[step]
+            self._records[step] = read_json_lines(eval_records_path(self.path, step))
+        return self._records[step].records
+
+    def skipped_lines(self) -> int:
+        """Unreadable lines in metrics.jsonl and in every evaluation record file (each file is read)."""
+        for step in self.eval_steps:
+            self.records(step)
+        return self._metrics_file.skipped + sum(self._records[s].skipped for s in self.eval_steps)
 
     def questions(self) -> dict[str, str]:
         """Validation questions by item id, rebuilt from the run's task settings ({} when its data cannot be
@@ -131,14 +128,15 @@ def _plain_run(path: Path) -> Run:
 
 
 def find_runs(directory: Path) -> tuple[str, list[Run]]:
-    """(title, runs) of a suite directory, a run directory or a folder of run directories."""
+    """(title, runs) of a suite directory, a run directory or a folder of run directories (a report's own
+    folder is not a run; a run directory that is merely named ``report`` is)."""
     directory = Path(directory)
     if (directory / MANIFEST).is_file():
         return f"suite {SuiteManifest.load(directory).suite}", _suite_runs(directory)
     if (directory / "config.json").is_file():
         return f"run {directory.name}", [_plain_run(directory)]
-    runs = [_plain_run(p) for p in sorted(directory.iterdir()) if (p / "config.json").is_file()] \
-        if directory.is_dir() else []
+    found = sorted(directory.iterdir()) if directory.is_dir() else []
+    runs = [_plain_run(p) for p in found if (p / "config.json").is_file() and not is_report(p)]
     if not runs:
         raise ReportError(f"{directory}: not a suite directory ({MANIFEST}), a run directory (config.json) "
                           "or a folder of run directories")
