@@ -53,7 +53,9 @@ def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: Non
                                 + (f"; {problems}" if problems else ""))
     step = step_of(verified.checkpoint)
     if step >= cfg.steps:
-        raise RunDirError(f"run {run_dir} is already complete at step {step}; nothing to resume "
+        unfinished = "" if (run_dir / "summary.json").is_file() else \
+            " (killed while finishing: no summary.json, but its metrics and final checkpoint are complete)"
+        raise RunDirError(f"run {run_dir} is already complete at step {step}{unfinished}; nothing to resume "
                           f"(extend it with --steps N, N > {step})")
     changes = {k: v for k, v in (("steps", cfg.steps), ("log_every", cfg.log_every)) if found.get(k) != v}
     return ResumePlan(journal, verified.checkpoint, step, verified.damaged, changes)
