@@ -2,6 +2,10 @@
 middle of one run and resumed with `grpolab suite resume`. Prints, per run, the final validation
 accuracy of both and whether every metric (timings aside) and the final weights are identical.
 
+With ``--runner-only`` the runner alone is killed (as when its terminal is closed): its run, in its own
+session, trains on, and the resume, started at once, must wait for it instead of starting a second
+trainer; the killed run's log then shows how many trainers it had (one).
+
     python benchmarks/suite_kill_resume.py suites/demo_all.toml --out /tmp/kill_resume --kill-run 5 --kill-step 20
 """
 
@@ -35,6 +39,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="a new directory")
     parser.add_argument("--kill-run", type=int, default=5, help="kill during the k-th run (1-based)")
     parser.add_argument("--kill-step", type=int, default=20, help="once that run has logged this many steps")
+    parser.add_argument("--runner-only", action="store_true", help="kill the runner alone: its run trains on")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True)
@@ -49,9 +54,10 @@ def main() -> None:
             record = None
         if record is not None and record.state == "running" and progress_of(Path(record.run_dir))[0] >= args.kill_step:
             victim.kill()
-            os.killpg(record.pid, signal.SIGKILL)
-            print(f"killed run {record.name} at step {progress_of(Path(record.run_dir))[0]} "
-                  f"after {time.monotonic() - started:.0f} s", flush=True)
+            if not args.runner_only:
+                os.killpg(record.pid, signal.SIGKILL)
+            print(f"killed {'the runner during ' if args.runner_only else ''}run {record.name} at step "
+                  f"{progress_of(Path(record.run_dir))[0]} after {time.monotonic() - started:.0f} s", flush=True)
             break
         time.sleep(0.2)
     victim.wait()
@@ -65,6 +71,11 @@ def main() -> None:
         print(f"{x.name:<18} {x.state + '/' + y.state:<20} {progress_of(Path(x.run_dir))[1]:>9.3f} "
               f"{progress_of(Path(y.run_dir))[1]:>11.3f}  {str(same):<13}  "
               f"{x.final_checkpoint_sha256 == y.final_checkpoint_sha256}", flush=True)
+    victim_run = b.runs[args.kill_run - 1]
+    log = killed_root / "logs" / f"{victim_run.name}.log"
+    trainers = [line for line in log.read_text().splitlines() if line.startswith("# ") and "grpolab.cli train" in line]
+    print(f"run {victim_run.name}: {len(trainers)} trainer command(s) in its log; the resume waited for "
+          f"{[w['pid'] for w in victim_run.waits] or 'no process'}", flush=True)
 
 
 if __name__ == "__main__":

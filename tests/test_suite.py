@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -148,13 +149,22 @@ def test_the_reason_of_a_failure_is_its_error_line_or_the_end_of_its_traceback(t
     assert last_error(tmp_path / "missing.log") is None
 
 
+def write_checkpoint(folder: Path, files: dict[str, bytes], step: int) -> Path:
+    """A checkpoint folder as the trainer writes one: its files, then checkpoint.json listing them."""
+    folder.mkdir(parents=True)
+    for name, content in files.items():
+        (folder / name).write_bytes(content)
+    listing = {name: {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+               for name, content in files.items()}
+    (folder / "checkpoint.json").write_text(json.dumps({"step": step, "files": listing}))
+    return folder
+
+
 def test_exit_0_without_the_final_validation_record_is_not_completion(tmp_path):
     cfg = load_config(None, {"steps": 2})
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 2, "reward_mean": 0.5}) + "\n")
-    checkpoint = tmp_path / "checkpoints" / "step_000002"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "config.json").write_text("{}")
-    (checkpoint / "model.safetensors").write_text("")
+    write_checkpoint(tmp_path / "checkpoints" / "step_000002", {"config.json": b"{}", "model.safetensors": b"w",
+                                                               "trainer_state.pt": b"s"}, step=2)
     assert completion_problems(tmp_path, cfg) == ["the validation record of step 2"]
 
 

@@ -80,13 +80,42 @@ def load_suite(path: str | Path) -> SuiteSpec:
 
 
 def final_checkpoint(run_dir: Path, cfg: RunConfig) -> Path:
+    """Where a run's last checkpoint goes: checkpoints/step_NNNNNN of its final step."""
     return run_dir / "checkpoints" / f"step_{cfg.steps:06d}"
+
+
+def output_dir_problems(spec: SuiteSpec, root: Path) -> list[str]:
+    """A suite places every run at ROOT/runs/NAME itself: an ``output_dir`` in [base] or in a run's overrides
+    (two runs on one directory, or a user's directory moved aside) is refused, one line each."""
+    problems = []
+    if "output_dir" in spec.base:
+        problems.append(f"base: output_dir is set by the suite (each run goes to {root / 'runs' / 'NAME'}); "
+                        "remove it")
+    for run in spec.runs:
+        if any(key.split(".")[0] == "output_dir" for key in run.overrides):
+            problems.append(f"run {run.name}: output_dir is set by the suite ({root / 'runs' / run.name}); "
+                            "remove it from its overrides")
+    return problems
+
+
+def shared_directory_problems(configs: dict[str, RunConfig]) -> list[str]:
+    """Two runs of one suite must never share a run directory (a defence: names are unique already)."""
+    owner: dict[str, str] = {}
+    problems = []
+    for name, cfg in configs.items():
+        key = str(Path(cfg.output_dir or "").resolve())
+        if key in owner:
+            problems.append(f"run {name}: its run directory {key} is also run {owner[key]}'s")
+        owner.setdefault(key, name)
+    return problems
 
 
 def resolve_runs(spec: SuiteSpec, root: Path) -> dict[str, RunConfig]:
     """Every run's validated config, by name; problems are reported together, one line each."""
+    problems = output_dir_problems(spec, root)
+    if problems:
+        raise ConfigError("\n".join(problems))
     configs: dict[str, RunConfig] = {}
-    problems: list[str] = []
     for run in spec.runs:
         data = copy.deepcopy(spec.base)
         data["algorithm"] = {**data.get("algorithm", {}), "name": run.algo}
@@ -101,6 +130,7 @@ def resolve_runs(spec: SuiteSpec, root: Path) -> dict[str, RunConfig]:
             configs[run.name] = validate_config(data)
         except ConfigError as err:
             problems += [f"run {run.name}: {line}" for line in str(err).splitlines()]
+    problems += shared_directory_problems(configs)
     if problems:
         raise ConfigError("\n".join(problems))
     return configs
