@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from test_report import md_table
 from grpolab.cli import main
 from grpolab.report.runs import find_runs
 from grpolab.suite.manifest import RunRecord, SuiteManifest
@@ -69,19 +70,6 @@ def listing(root: Path) -> dict[str, str]:
             else:
                 out[key] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
-
-
-def md_rows(text: str, first_header: str) -> dict[str, list[str]]:
-    """Rows of the markdown table whose header starts with ``first_header``, by their first cell."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
-    rows = {}
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[cells[0]] = cells
-    return rows
 
 
 @pytest.fixture
@@ -199,7 +187,7 @@ def test_seed_table_uses_the_common_step_and_shared_items_and_flags_the_early_st
     assert group["stopped_early"] == ["s1"] and group["last_eval_step"] == [50, 10, 50]
     assert group["steps_done"] == [50, 10, 50] and group["configured_steps"] == [50, 50, 50]
     text = (root / "report" / "report.md").read_text()
-    row = md_rows(text, "runs (same settings)")["s0, s1*, s2"]
+    row = md_table(text, "runs (same settings)")["s0, s1*, s2"]
     assert row[1:5] == ["0, 1, 2", "10", "20", ", ".join(f"{a:.3f}" for a in expected)]
     assert row[5:7] == [f"{np.mean(expected):.3f}", f"{np.std(expected, ddof=1):.3f}"]
     assert "s1 last evaluated at step 10 of 50" in text
@@ -215,7 +203,7 @@ def test_seeds_without_a_common_step_are_not_pooled(tmp_path):
     (group,) = json.loads((root / "report" / "report.json").read_text())["seed_groups"]
     assert group["step"] is None and "mean" not in group and "no evaluation step common" in group["note"]
     text = (root / "report" / "report.md").read_text()
-    assert md_rows(text, "runs (same settings)")["s0*, s1"][2:5] == ["-", "-", "-"]
+    assert md_table(text, "runs (same settings)")["s0*, s1"][2:5] == ["-", "-", "-"]
     assert "no evaluation step common to all runs" in text
 
 

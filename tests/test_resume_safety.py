@@ -47,23 +47,28 @@ def uninterrupted(warm_model_dir, tmp_path_factory):
     return run
 
 
+def train_until(cfg, stop_at: int) -> None:
+    """Train ``cfg`` and interrupt it (KeyboardInterrupt) as step ``stop_at`` begins."""
+    original = Trainer.train_step
+
+    def die(self, step, *args):
+        if step == stop_at:
+            raise KeyboardInterrupt
+        return original(self, step, *args)
+
+    Trainer.train_step = die
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg)
+    finally:
+        Trainer.train_step = original
+
+
 @pytest.fixture(scope="module")
 def interrupted(warm_model_dir, tmp_path_factory):
     """The same run, killed before step 4: checkpoints of steps 1, 2 and 3."""
     run = tmp_path_factory.mktemp("cut") / "run"
-    original = Trainer.train_step
-
-    def die_at_step_4(self, step, *args):
-        if step == 4:
-            raise KeyboardInterrupt
-        return original(self, step, *args)
-
-    Trainer.train_step = die_at_step_4
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train(quick_config(warm_model_dir, run, **OVERRIDES))
-    finally:
-        Trainer.train_step = original
+    train_until(quick_config(warm_model_dir, run, **OVERRIDES), stop_at=4)
     return run
 
 
@@ -252,19 +257,7 @@ def test_changed_data_is_refused_naming_the_hash(warm_model_dir, tmp_path, capsy
     cfg["task"] = {"name": "dataset", "train": str(rows), "validation_size": 8, "rewards": [{"function": "numeric"}]}
     from grpolab.config import validate_config
 
-    original = Trainer.train_step
-
-    def die_at_step_2(self, step, *args):
-        if step == 2:
-            raise KeyboardInterrupt
-        return original(self, step, *args)
-
-    Trainer.train_step = die_at_step_2
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train(validate_config(cfg))
-    finally:
-        Trainer.train_step = original
+    train_until(validate_config(cfg), stop_at=2)
     rows.write_text(rows.read_text().replace('"answer": "10"', '"answer": "11"'))
     before = tree(run)
     assert main(["train", "--resume", str(run)]) == 2
