@@ -182,7 +182,8 @@ def test_training_forward_is_the_models_own(family):
         lp = training_logprobs(model, ids, plens, slens, shared)
         rows = [lp[i, plens[i]:slens[i]] for i in range(len(ids))]
         assert all(lp[i, :plens[i]].eq(0).all() and lp[i, slens[i]:].eq(0).all() for i in range(len(ids)))
-        torch.testing.assert_close(torch.cat(rows), torch.cat(own).detach(), rtol=0, atol=1e-5)
+        # float32 log-probs of a random model reach -16: a few ulps of that is ~1e-6 relative
+        torch.testing.assert_close(torch.cat(rows), torch.cat(own).detach(), rtol=2e-6, atol=1e-5)
         grads = gradients(model, weighted_sum(rows))
         scale = max(g.abs().max() for g in own_grads)
         assert all(g.isfinite().all() for g in grads) and scale > 0

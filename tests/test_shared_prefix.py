@@ -147,12 +147,15 @@ def test_rl_steps_end_in_the_same_parameters(warm_model_dir, tmp_path, overrides
         finally:
             trainer.close()
     (records_a, params_a), (records_b, params_b) = results
+    # AdamW divides each gradient element by its own RMS: on an element whose gradient is float32 summation
+    # noise, another summation order moves the weight by a fraction of lr (1e-3) per update (8 updates here;
+    # seen: 1.3e-5). A wrong shared-prefix gradient moves many weights by ~lr.
     for a, b in zip(params_a, params_b):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-5)
     for ra, rb in zip(records_a, records_b):
         assert ra["actual_updates"] == rb["actual_updates"] > 0
         for key in ("reward_mean", "kl_ref", "entropy", "ratio_mean", "approx_kl_old_new", "grad_norm"):
-            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), key
+            assert ra[key] == pytest.approx(rb[key], rel=1e-3, abs=1e-6), key
 
 
 def test_a_model_that_cannot_share_says_so_once_and_trains_row_by_row(warm_model_dir, tmp_path):
