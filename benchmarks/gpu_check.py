@@ -11,15 +11,21 @@ the others still run):
   probe_olmo2_1b   ``grpolab probe`` at the OLMo-2-1B reference shapes (like:olmo2-1b, 256 completions
                    of the longest training prompt + 512 tokens, micro-batch 1, chunk 32): peak memory
                    per phase and seconds
-Sized to finish well within 8 minutes on one H200 (an estimate: it has not run on a GPU yet);
-``--quick`` shrinks everything for a CPU rehearsal (about 5 minutes on 2 cores).
+The report also records the environment (Python, machine, torch and its CUDA, the driver, the GPU,
+package versions), each section's seconds, and for the RL steps the sync check's margin (the largest
+step's mean engine/trainer difference over the noise floor, against the multiple that stops a run).
+Sized to finish well within 8 minutes on one H200 (an estimate: it has not run on a GPU yet); a guard
+(``--budget-seconds``, default 450) skips the sections that would start past it, and at the budget plus
+60 s writes the report and exits with 3 whatever is still running. ``--quick`` shrinks everything for
+a CPU rehearsal (about 5 minutes on 2 cores). The report and a log of everything printed go into the
+folder ``--out-dir`` names (``gpu_check.json``, ``gpu_check.log``).
 
 The target has torch and transformers but no pydantic, math-verify or torch-optimi: prepare their
 wheels here with ``python benchmarks/gpu_check.py --download-wheels .gpu_wheels`` (pure Python or
 manylinux, a few MB) and carry that folder; ``--wheels .gpu_wheels`` installs them into a private
 folder there (no network, no changes to the interpreter's site-packages).
 
-    python benchmarks/gpu_check.py --wheels .gpu_wheels --out gpu_check.json
+    python benchmarks/gpu_check.py --wheels .gpu_wheels --out-dir OUT
 """
 
 from __future__ import annotations
@@ -29,14 +35,16 @@ import json
 import os
 import subprocess
 import sys
+import shutil
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the target lacks, at the versions installed here (pydantic-core must match pydantic exactly)
-CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "math-verify",
+CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "math-verify",
            "latex2sympy2_extended", "antlr4-python3-runtime", "torch-optimi")
 
 
@@ -59,8 +67,33 @@ def use_wheels(folder: Path) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
-def section(report: dict, name: str, fn, *args) -> None:
-    """Run one section; its figures or its error go into the report, which is rewritten every time."""
+class Tee:
+    """Everything printed also goes into the log file."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        self.log.flush()
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def write_report(report: dict) -> None:
+    Path(report["out"]).write_text(json.dumps(report, indent=2, default=str))
+
+
+def section(report: dict, name: str, fn, *args, deadline: float = float("inf")) -> None:
+    """Run one section; its figures or its error go into the report, which is rewritten every time. A
+    section that would start past ``deadline`` (a ``time.monotonic()``) is skipped and says so."""
+    if time.monotonic() > deadline:
+        report[name] = {"ok": False, "error": "skipped: past the time budget", "seconds": 0.0}
+        print(f"[gpu_check] {name}: skipped, past the time budget", flush=True)
+        write_report(report)
+        return
     started = time.perf_counter()
     print(f"[gpu_check] {name} ...", flush=True)
     try:
@@ -70,7 +103,56 @@ def section(report: dict, name: str, fn, *args) -> None:
     report[name]["seconds"] = round(time.perf_counter() - started, 2)
     print(f"[gpu_check] {name}: {'ok' if report[name]['ok'] else report[name]['error']} "
           f"({report[name]['seconds']} s)", flush=True)
-    Path(report["out"]).write_text(json.dumps(report, indent=2, default=str))
+    write_report(report)
+
+
+def start_guard(report: dict, seconds: float) -> None:
+    """At ``seconds`` from now: record the overrun in the report, write it and exit with 3."""
+    def expire() -> None:
+        report["guard"] = f"stopped at the {seconds:.0f} s guard; sections still running were cut off"
+        write_report(report)
+        print(f"[gpu_check] {report['guard']}", flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+
+
+def environment() -> dict:
+    """What the check ran on: interpreter, machine, torch and CUDA, driver and GPU, package versions."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True) if shutil.which("nvidia-smi") else None
+    return {"python": platform.python_version(), "machine": platform.machine(), "uname": " ".join(platform.uname()),
+            "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "nvidia_smi": smi.stdout.strip() if smi is not None and smi.returncode == 0 else None,
+            "packages": {name: installed(name) for name in (
+                "transformers", "tokenizers", "safetensors", "accelerate", "peft", "numpy", "scipy", *CARRIED)}}
+
+
+def sync_margin(steps: list[dict], multiple: float | None) -> dict:
+    """The sync check's headroom: the largest step mean |engine - trainer| over the noise floor (the first
+    checked step's), and the multiple past which a run stops; ``headroom`` = multiple / that ratio."""
+    floor = steps[0].get("sync/noise_floor_mean")
+    means = [s["sync/logprob_diff_mean"] for s in steps if s.get("sync/logprob_diff_mean") is not None]
+    if not floor or not means:
+        return {"largest_mean_over_floor": None, "limit_multiple": multiple, "headroom": None}
+    ratio = max(means) / floor
+    return {"largest_mean_over_floor": ratio, "limit_multiple": multiple,
+            "headroom": None if multiple is None else multiple / ratio}
 
 
 def gpu_tests() -> dict:
@@ -112,11 +194,12 @@ def rl_steps(device: str, quick: bool) -> dict:
                     "sync/noise_floor_mean", "first_update/ratio_mean", "grad_norm", "actual_updates",
                     "time/generate", "time/train", "time/step", "tokens_per_s")})
             peaks["steps"] = peak_memory_mb(trainer.device)
-            precision = trainer.precision
+            precision, multiple = trainer.precision, trainer.cfg.rollout.sync_noise_multiple
         finally:
             trainer.close()
     return {"precision": precision.name, "weights": str(precision.storage), "compute": str(precision.compute),
-            "noise_floor_mean": steps[0]["sync/noise_floor_mean"], "steps": steps, "peak_memory_mb": peaks}
+            "noise_floor_mean": steps[0]["sync/noise_floor_mean"], "sync_margin": sync_margin(steps, multiple),
+            "steps": steps, "peak_memory_mb": peaks}
 
 
 def weights_changed(device: str, quick: bool, steps: int = 10) -> dict:
@@ -182,33 +265,47 @@ def probe_olmo2_1b(device: str, quick: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="gpu_check.json")
+    parser.add_argument("--out-dir", type=Path, default=Path("gpu_check"),
+                        help="folder for gpu_check.json and gpu_check.log (made if missing; files must not exist)")
     parser.add_argument("--wheels", type=Path, help="folder of carried wheels (see --download-wheels)")
     parser.add_argument("--download-wheels", type=Path, metavar="DIR", help="prepare the wheels, then exit")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a rehearsal on CPU")
+    parser.add_argument("--budget-seconds", type=float, default=450.0,
+                        help="no section starts after this; the whole check stops 60 s later")
     args = parser.parse_args(argv)
     if args.download_wheels:
         download_wheels(args.download_wheels)
         return 0
+    out, log = args.out_dir / "gpu_check.json", args.out_dir / "gpu_check.log"
+    if out.exists() or log.exists():
+        print(f"error: {out} or {log} exists; name another --out-dir")
+        return 2
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    sys.stdout = Tee(sys.stdout, log.open("w"))
+    report = {"out": str(out), "budget_seconds": args.budget_seconds, "quick": args.quick}
+    start_guard(report, args.budget_seconds + 60)
     if args.wheels:
         use_wheels(args.wheels.resolve())
     sys.path.insert(0, str(ROOT))
     import torch
-    import transformers
 
     torch.set_num_threads(min(4, os.cpu_count() or 1))  # the CPU-side work (warm start, init) is small
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device (use --device cpu --quick for a rehearsal)")
         return 2
-    report = {"out": args.out, "torch": torch.__version__, "transformers": transformers.__version__,
-              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "quick": args.quick}
-    section(report, "gpu_tests", gpu_tests)
+    report["environment"] = environment()
+    report["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    deadline = started + args.budget_seconds
+    section(report, "gpu_tests", gpu_tests, deadline=deadline)
     for name, fn in (("rl_steps", rl_steps), ("weights_changed", weights_changed), ("probe_olmo2_1b", probe_olmo2_1b)):
-        section(report, name, fn, args.device, args.quick)
+        section(report, name, fn, args.device, args.quick, deadline=deadline)
+    report["total_seconds"] = round(time.monotonic() - started, 1)
+    write_report(report)
     failed = [k for k, v in report.items() if isinstance(v, dict) and not v.get("ok", True)]
-    print(f"[gpu_check] wrote {args.out}; failed sections: {', '.join(failed) or 'none'}")
+    print(f"[gpu_check] wrote {out} in {report['total_seconds']} s; failed sections: {', '.join(failed) or 'none'}")
     return 1 if failed else 0
 
 

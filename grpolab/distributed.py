@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,12 +64,21 @@ def _sum_allreduce_hook(state, bucket):  # no annotations: DDP checks them, and 
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's keyword that turns off the buffer broadcast at every forward: ``forward_sync_buffers`` from
+    torch 2.13; before it ``broadcast_buffers``, which also skips the broadcast at construction (the
+    buffers of a transformers model, rotary frequencies and the like, are built alike on every rank)."""
+    if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def wrap_ddp(module: nn.Module, device: torch.device) -> nn.Module:
     """``module`` in ``DistributedDataParallel`` with summed gradients. Its weights are broadcast from
     rank 0 here with its buffers; buffers are not re-synchronised at each forward (they never change, and
     a forward must not be a collective: ranks run different numbers of forwards)."""
     ddp = nn.parallel.DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None,
-                                              forward_sync_buffers=False)
+                                              **no_forward_buffer_sync())
     ddp.register_comm_hook(None, _sum_allreduce_hook)
     return ddp
 

@@ -2,9 +2,11 @@
 
 Every sequence of the rollout batch is the longest training prompt followed by a full
 ``max_new_tokens`` completion (random tokens, random +-1 advantages), so the update sees the largest
-tensors the run can produce. Update 1, a real generation from the longest prompt, update 2; then a
-JSON report of peak memory, tensor shapes, parameter tensors that received gradient, optimizer state
-and seconds per phase.
+tensors the run can produce. Update 1, a real generation of the whole rollout batch (``prompts_per_step``
+x ``group_size`` samples of the longest prompt, as a step generates them at once), update 2; then a
+JSON report of peak memory, tensor shapes, parameter tensors that received gradient, optimizer state,
+the rollout's key/value cache at its largest (counted from the model's shapes: sampled completions may
+stop before ``max_new_tokens``, so the measured peak can fall short of it) and seconds per phase.
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ def worst_case_batch(trainer: Trainer, generator: torch.Generator) -> tuple[Trai
         tokens = torch.randint(0, vocab, (cfg.max_new_tokens,), generator=generator).tolist()
         rows.append(Completion(prompt, tokens, [0.0] * len(tokens), "length", ""))
     return collate(rows, trainer.tokenizer.pad_token_id).to(trainer.device), longest_id
+
+
+def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes of a transformers key/value cache holding ``rows`` sequences of ``length`` tokens: keys and
+    values of every layer, [rows, kv_heads, length, head_dim] each, in ``dtype``."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    element = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * rows * kv_heads * length * head_dim * element
 
 
 def probe_update(learner: PolicyLearner, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, Any]:
@@ -113,10 +126,16 @@ def _probe(trainer: Trainer) -> dict[str, Any]:
     phase_peaks["update_1"] = peak_memory_mb(device, reset=True)
     started = time.perf_counter()
     prompt = trainer.prompt_ids[longest_id]
-    completions = trainer.engine.generate([prompt], cfg.rollout.group_size, trainer.collector.sampling_params(0, 0))[0]
+    r = cfg.rollout
+    groups = trainer.engine.generate([prompt] * r.prompts_per_step, r.group_size, trainer.collector.sampling_params(0, 0))
     trainer.engine.sync_weights(trainer.sync_source())
-    generation = {"seconds": time.perf_counter() - started, "completions": len(completions),
-                  "tokens": sum(len(c.completion_ids) for c in completions)}
+    rows = r.prompts_per_step * r.group_size
+    cache_rows = min(rows, r.max_batch_size) if r.engine == "hf" else rows
+    generation = {"seconds": time.perf_counter() - started, "completions": rows,
+                  "tokens": sum(len(c.completion_ids) for g in groups for c in g),
+                  "kv_cache_rows": cache_rows,
+                  "kv_cache_bytes": kv_cache_bytes(trainer.model.config, cache_rows, len(prompt) + r.max_new_tokens,
+                                                   trainer.precision.compute)}
     phase_peaks["generation"] = peak_memory_mb(device, reset=True)
     second = probe_update(trainer.learner, batch, advantages)
     phase_peaks["update_2"] = peak_memory_mb(device)

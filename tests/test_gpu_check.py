@@ -1,0 +1,48 @@
+"""benchmarks/gpu_check.py's own plumbing: its margins, its time guard, its environment record and its
+refusal to overwrite a report (the sections themselves need CUDA or minutes: `--device cpu --quick`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_check  # noqa: E402
+
+
+def test_sync_margin_is_the_largest_step_mean_over_the_first_steps_floor():
+    steps = [{"sync/noise_floor_mean": 2e-3, "sync/logprob_diff_mean": 2e-3},
+             {"sync/noise_floor_mean": 2e-3, "sync/logprob_diff_mean": 3e-3},
+             {"sync/noise_floor_mean": 2e-3, "sync/logprob_diff_mean": None}]
+    margin = gpu_check.sync_margin(steps, 3.0)
+    assert margin["largest_mean_over_floor"] == pytest.approx(1.5)
+    assert margin["headroom"] == pytest.approx(2.0) and margin["limit_multiple"] == 3.0
+    assert gpu_check.sync_margin([{"sync/logprob_diff_mean": 1e-3}], 3.0)["headroom"] is None
+
+
+def test_a_section_past_the_budget_is_skipped_and_recorded(tmp_path):
+    report = {"out": str(tmp_path / "r.json")}
+    gpu_check.section(report, "late", lambda: {"never": True}, deadline=time.monotonic() - 1)
+    gpu_check.section(report, "broken", lambda: 1 / 0)
+    gpu_check.section(report, "fine", lambda: {"x": 1})
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["late"] == {"ok": False, "error": "skipped: past the time budget", "seconds": 0.0}
+    assert not written["broken"]["ok"] and written["broken"]["error"].startswith("ZeroDivisionError")
+    assert written["fine"]["ok"] and written["fine"]["x"] == 1 and written["fine"]["seconds"] >= 0
+
+
+def test_the_environment_names_the_machine_and_the_versions():
+    env = gpu_check.environment()
+    assert env["machine"] and env["python"] and env["torch"]
+    assert env["packages"]["transformers"] and "typing-extensions" in env["packages"]
+
+
+def test_an_existing_report_is_never_overwritten(tmp_path, capsys):
+    (tmp_path / "gpu_check.json").write_text("earlier")
+    assert gpu_check.main(["--out-dir", str(tmp_path), "--device", "cpu", "--quick"]) == 2
+    assert capsys.readouterr().out.startswith("error: ")
+    assert (tmp_path / "gpu_check.json").read_text() == "earlier" and not (tmp_path / "gpu_check.log").exists()
