@@ -17,7 +17,7 @@ from grpolab.batching import TrainBatch, collate
 from grpolab.collect import RolloutBatch
 from grpolab.config import RunConfig
 from grpolab.distributed import Ranks, no_sync, wrap_ddp
-from grpolab.sharding import is_sharded
+from grpolab.sharding import drop_stale_weights, is_sharded
 from grpolab.packing import MicroBatchPlanner, prompt_keys
 from grpolab.precision import TrainingPrecision
 from grpolab.rollout.sync_check import SyncMonitor
@@ -96,6 +96,8 @@ class PolicyLearner:
         self.cfg, self.spec, self.ranks = cfg, cfg.algorithm, ranks
         self.model, self.reference, self.optimizer = model, reference, optimizer
         self.sharded = is_sharded(model)
+        if self.sharded:
+            optimizer.register_step_post_hook(lambda *_: drop_stale_weights(model))
         self.train_forward = PolicyForward(model)
         if ranks.parallel and not self.sharded:
             self.train_forward = wrap_ddp(self.train_forward, device)

@@ -10,7 +10,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FullWeights", "full_optimizer_state", "full_state_dict", "is_sharded", "load_optimizer_state", "shard_fsdp"]
+__all__ = ["FullWeights", "drop_stale_weights", "full_optimizer_state", "full_state_dict", "is_sharded", "load_optimizer_state", "shard_fsdp"]
+
+
+# Before torch 2.13 the root's pre-backward gather does not cover a checkpointed output-layer chunk that
+# the backward recomputes (``aten.mm got mixed torch.Tensor and DTensor``): there the root keeps its whole
+# weights from forward to backward, and ``drop_stale_weights`` reshards it after each optimizer step.
+ROOT_RESHARDS_AFTER_FORWARD = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+def drop_stale_weights(model: nn.Module) -> None:
+    """After an optimizer step on a sharded ``model``: free any whole weights a forward left gathered, so
+    that the next forward gathers the updated shards (a no-op where the root reshards after every forward)."""
+    if not ROOT_RESHARDS_AFTER_FORWARD and is_sharded(model):
+        model.reshard()
 
 
 def shard_fsdp(model: nn.Module, forward_methods: dict[str, Callable[..., Any]]) -> nn.Module:
@@ -32,7 +45,7 @@ def shard_fsdp(model: nn.Module, forward_methods: dict[str, Callable[..., Any]])
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)
-    model.set_reshard_after_forward(True, recurse=False)
+    model.set_reshard_after_forward(ROOT_RESHARDS_AFTER_FORWARD, recurse=False)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # neither setter recurses
             module.set_gradient_divide_factor(1.0)

@@ -139,7 +139,8 @@ def test_ddp_buffer_sync_keyword_matches_the_installed_torch(monkeypatch):
     """torch 2.13 names it forward_sync_buffers; torch 2.11 (the GPU image) only has broadcast_buffers."""
     from grpolab.distributed import no_forward_buffer_sync
 
-    assert no_forward_buffer_sync() == {"forward_sync_buffers": False}
+    new_keyword = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
+    assert no_forward_buffer_sync() == ({"forward_sync_buffers": False} if new_keyword else {"broadcast_buffers": False})
 
     class OldDDP:  # the torch 2.11 signature's keywords, recording the call
         def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True):
@@ -147,3 +148,28 @@ def test_ddp_buffer_sync_keyword_matches_the_installed_torch(monkeypatch):
 
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", OldDDP)
     assert no_forward_buffer_sync() == {"broadcast_buffers": False}
+
+
+@pytest.mark.parametrize("root_reshards", [True, False])
+def test_a_sharded_root_drops_its_gathered_weights_after_each_optimizer_step_before_torch_2_13(
+        monkeypatch, root_reshards):
+    """Before torch 2.13 the FSDP root keeps its whole weights from forward to backward; a forward with no
+    backward after it (a frozen or padding forward) would leave them gathered into the next optimizer
+    step, and the forward after that step would use them stale. ``drop_stale_weights`` reshards then."""
+    import grpolab.sharding as sharding
+
+    class Root(torch.nn.Linear):  # records FSDPModule.reshard calls
+        reshards = 0
+
+        def reshard(self):
+            self.reshards += 1
+
+    monkeypatch.setattr(sharding, "ROOT_RESHARDS_AFTER_FORWARD", root_reshards)
+    monkeypatch.setattr(sharding, "is_sharded", lambda model: True)
+    root = Root(2, 2)
+    optimizer = torch.optim.SGD(root.parameters(), lr=0.1)
+    optimizer.register_step_post_hook(lambda *_: sharding.drop_stale_weights(root))  # as the learner does
+    root(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    optimizer.step()
+    assert root.reshards == (0 if root_reshards else 2)
