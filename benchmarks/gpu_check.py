@@ -33,9 +33,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
-import shutil
 import tempfile
 import threading
 import time
@@ -44,8 +44,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the target lacks, at the versions installed here (pydantic-core must match pydantic exactly)
-CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "math-verify",
-           "latex2sympy2_extended", "antlr4-python3-runtime", "torch-optimi")
+CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
+           "math-verify", "latex2sympy2_extended", "antlr4-python3-runtime", "torch-optimi")
 
 
 def download_wheels(folder: Path, python: str = "3.12") -> None:

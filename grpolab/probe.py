@@ -127,15 +127,16 @@ def _probe(trainer: Trainer) -> dict[str, Any]:
     started = time.perf_counter()
     prompt = trainer.prompt_ids[longest_id]
     r = cfg.rollout
-    groups = trainer.engine.generate([prompt] * r.prompts_per_step, r.group_size, trainer.collector.sampling_params(0, 0))
+    groups = trainer.engine.generate([prompt] * r.prompts_per_step, r.group_size,
+                                     trainer.collector.sampling_params(0, 0))
     trainer.engine.sync_weights(trainer.sync_source())
     rows = r.prompts_per_step * r.group_size
     cache_rows = min(rows, r.max_batch_size) if r.engine == "hf" else rows
     generation = {"seconds": time.perf_counter() - started, "completions": rows,
                   "tokens": sum(len(c.completion_ids) for g in groups for c in g),
                   "kv_cache_rows": cache_rows,
-                  "kv_cache_bytes": kv_cache_bytes(trainer.model.config, cache_rows, len(prompt) + r.max_new_tokens,
-                                                   trainer.precision.compute)}
+                  "kv_cache_bytes": kv_cache_bytes(trainer.model.config, cache_rows,
+                                                   len(prompt) + r.max_new_tokens, trainer.precision.compute)}
     phase_peaks["generation"] = peak_memory_mb(device, reset=True)
     second = probe_update(trainer.learner, batch, advantages)
     phase_peaks["update_2"] = peak_memory_mb(device)

@@ -4,8 +4,9 @@
 with ``logits_to_keep=1``: the family's logit transforms included, and under FSDP the forward that
 gathers the weights) on the rows still generating, then ``sample_step`` draws one token per row. A
 row ends at an EOS id, at a stop string, or at ``max_new_tokens``, and leaves the batch (its cache rows
-too), so that the rest stop paying for it. ``model.generate`` instead keeps every row to the end and samples with ``torch.multinomial``,
-whose exponential draws over the vocabulary cost as much as a tenth of a step on a 49k vocabulary.
+too), so that the rest stop paying for it. ``model.generate`` instead keeps every row to the end and
+samples with ``torch.multinomial``, whose exponential draws over the vocabulary cost as much as a tenth
+of a step on a 49k vocabulary.
 Each step draws one uniform for every row of the batch, live or not, so a row's tokens do not depend on
 when the other rows end or leave.
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import Cache, DynamicCache, TopKLogitsWarper, TopPLogitsWarper
 
-__all__ = ["Decoded", "decode", "sample_step"]
+__all__ = ["Decoded", "decode", "left_padded_positions", "sample_step"]
 
 
 def sample_step(logits: Tensor, uniform: Tensor | None, temperature: float, top_k: int = 0,
@@ -93,6 +94,12 @@ class _StopStrings:
         return any(s in text for s in self.stop_strings)
 
 
+def left_padded_positions(attention_mask: Tensor) -> Tensor:
+    """[B, P] mask of left-padded rows -> [B, P] position ids: each column's count of real tokens before
+    it (1 on the padding, as ``generate`` sets it)."""
+    return (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+
+
 def _forward(model: nn.Module, ids: Tensor, mask: Tensor, positions: Tensor, cache: Cache) -> Tensor:
     """The model's own forward over ``ids`` [A, C] with the cache; the last column's logits [A, V] float32."""
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
@@ -118,13 +125,14 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
     device, batch = input_ids.device, input_ids.shape[0]
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
     stops = _StopStrings(stop_strings, decode_ids) if stop_strings else None
-    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    positions = left_padded_positions(attention_mask)
     if cache is None:
         cache = DynamicCache(config=model.config)
         logits = _forward(model, input_ids, attention_mask, positions, cache)
     else:
         logits = _forward(model, input_ids[:, -1:], attention_mask, positions[:, -1:], cache)
     rows = list(range(batch))  # the batch row of each row computed
+    row_index = torch.arange(batch, device=device)  # the same, as a tensor
     live = [True] * batch  # per row computed: it has not ended
     last_position = positions[:, -1]
     tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -132,8 +140,7 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
     stopped = [False] * batch
     for step in range(max_new_tokens):
         draws = None if temperature == 0 else torch.rand(batch, dtype=torch.float64, device=device)
-        new, logp = sample_step(logits, None if draws is None else draws[torch.tensor(rows, device=device)],
-                                temperature, top_k, top_p)
+        new, logp = sample_step(logits, None if draws is None else draws[row_index], temperature, top_k, top_p)
         for i, (token, lp, at_eos) in enumerate(zip(new.tolist(), logp.tolist(), torch.isin(new, eos).tolist())):
             if live[i]:
                 row = rows[i]
@@ -148,7 +155,7 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
             index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)
             attention_mask, last_position, new = attention_mask[index], last_position[index], new[index]
-            rows, live = [rows[i] for i in keep], [live[i] for i in keep]
+            rows, live, row_index = [rows[i] for i in keep], [live[i] for i in keep], row_index[index]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
         last_position = last_position + 1
         logits = _forward(model, new[:, None], attention_mask, last_position[:, None], cache)

@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from grpolab.logprobs import backbone_and_head
 from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
-from grpolab.rollout.decode import decode
+from grpolab.rollout.decode import decode, left_padded_positions
 
 __all__ = ["HFEngine"]
 
@@ -117,7 +117,7 @@ class HFEngine:
             return None
         firsts = torch.tensor([row_of.index(u) for u in range(len(distinct))], device=input_ids.device)
         ids, mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as decode computes them
+        positions = left_padded_positions(mask)
         cache = DynamicCache(config=self.model.config)
         backbone_and_head(self.model)[0](input_ids=ids, attention_mask=mask, position_ids=positions,
                                          past_key_values=cache, use_cache=True)
