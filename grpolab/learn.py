@@ -7,6 +7,7 @@ and reports metrics over the global batch."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -59,12 +60,27 @@ class BatchForward:
             keys=prompt_keys(batch.input_ids, batch.prompt_lens) if share else list(range(len(batch))),
             prompt_lens=prompt_lens, seq_lens=seq_lens, share=share,
             max_sequences=cfg.optim.micro_batch_size, max_tokens=cfg.optim.micro_batch_tokens)
+        # every planned micro-batch of this batch, by id (the tensor is kept, so that its id stays its own)
+        self._planned: dict[int, tuple[torch.Tensor, list[int]]] = {}
+
+    def plan(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """The planner's micro-batches of ``rows`` (index tensors on their device). Their rows are read to
+        the host here, once per optimizer step, so that the micro-batches' forwards wait for nothing."""
+        micros = self.planner.plan(rows)
+        host = torch.cat(micros).tolist() if micros else []
+        starts = itertools.accumulate((len(m) for m in micros), initial=0)
+        self._planned.update((id(m), (m, host[start:start + len(m)])) for m, start in zip(micros, starts))
+        return micros
+
+    def _rows(self, indices: torch.Tensor) -> list[int]:
+        planned = self._planned.get(id(indices))
+        return planned[1] if planned is not None else indices.tolist()
 
     def logprobs(self, forward: nn.Module, indices: torch.Tensor, with_entropy: bool):
         """Log-probs (and entropy) [n, T] of the rows ``indices`` (in that order) at the batch width T, by
         ``forward`` (a ``PolicyForward``, DDP-wrapped or not); consecutive rows with the same prompt share
         its computation."""
-        units = self.planner.runs(indices.tolist())
+        units = self.planner.runs(self._rows(indices))
         layout = layout_units(self.batch.input_ids, self.planner.prompt_lens, self.planner.seq_lens, units,
                               shared=any(len(u) > 1 for u in units))
         with self.precision.autocast(self.device):
@@ -76,7 +92,7 @@ class BatchForward:
         """[N, T] log-probs of every row by ``model``, micro-batch by micro-batch as planned, without gradients."""
         forward = PolicyForward(model)
         out = torch.zeros(self.batch.input_ids.shape, dtype=torch.float32, device=self.batch.input_ids.device)
-        micros = self.planner.plan(torch.arange(len(self.batch), device=out.device))
+        micros = self.plan(torch.arange(len(self.batch), device=out.device))
         for micro in micros:
             out[micro] = self.logprobs(forward, micro, False)[0]
         for _ in range(self.lockstep.max(len(micros)) - len(micros) if self.lockstep else 0):
@@ -148,7 +164,7 @@ class PolicyLearner:
         self.model.train()
         try:
             result = run_update(self.spec, data, lambda idx: forward.logprobs(self.train_forward, idx, True),
-                                self.optimizer, self.params, plan=forward.planner.plan,
+                                self.optimizer, self.params, plan=forward.plan,
                                 micro_batch_size=self.cfg.optim.micro_batch_size,
                                 max_new_tokens=self.cfg.rollout.max_new_tokens,
                                 max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen,

@@ -74,26 +74,49 @@ def step_denominators(spec: AlgorithmSpec, response_mask: Tensor, max_new_tokens
     return Denominators(policy=policy, kl=n_tokens)
 
 
+Number = float | Tensor  # a Python float, or a 0-dim float64 tensor still on the device
+
+
 @dataclass
 class TokenMetrics:
-    """Token-summed diagnostics of one or more micro-batches; ``merge`` then ``means``."""
+    """Token-summed diagnostics of one or more micro-batches, kept on the device: ``add`` and ``merge``
+    never wait for it; ``on_host`` reads them all in one transfer (once per optimizer step), then ``means``.
 
-    tokens: float = 0.0
-    sums: dict[str, float] = field(default_factory=dict)
-    ratio_min: float = float("inf")
-    ratio_max: float = float("-inf")
+    loss: the summed objective of the micro-batches (not a token mean); nonfinite: how many of them had a
+    non-finite loss or ratio (the update raises ``NonFiniteError`` before its optimizer step).
+    """
+
+    tokens: Number = 0.0
+    sums: dict[str, Number] = field(default_factory=dict)
+    ratio_min: Number = float("inf")
+    ratio_max: Number = float("-inf")
+    loss: Number = 0.0
+    nonfinite: Number = 0.0
 
     def add(self, name: str, per_token: Tensor, mask: Tensor) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float((per_token.detach().double() * mask).sum())
+        self.sums[name] = self.sums.get(name, 0.0) + (per_token.detach().double() * mask).sum()
 
     def merge(self, other: "TokenMetrics") -> "TokenMetrics":
         sums = dict(self.sums)
         for k, v in other.sums.items():
             sums[k] = sums.get(k, 0.0) + v
-        return TokenMetrics(self.tokens + other.tokens, sums,
-                            min(self.ratio_min, other.ratio_min), max(self.ratio_max, other.ratio_max))
+        return TokenMetrics(self.tokens + other.tokens, sums, _extreme(min, self.ratio_min, other.ratio_min),
+                            _extreme(max, self.ratio_max, other.ratio_max), self.loss + other.loss,
+                            self.nonfinite + other.nonfinite)
+
+    def on_host(self) -> "TokenMetrics":
+        """The same metrics as Python floats, read from the device in one transfer."""
+        values = [self.tokens, self.ratio_min, self.ratio_max, self.loss, self.nonfinite, *self.sums.values()]
+        on_device = [v for v in values if isinstance(v, Tensor)]
+        if on_device:
+            device = on_device[0].device
+            values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values]).tolist()
+        tokens, ratio_min, ratio_max, loss, nonfinite, *sums = values
+        return TokenMetrics(tokens, dict(zip(self.sums, sums)), ratio_min, ratio_max, loss, nonfinite)
 
     def means(self) -> dict[str, float]:
+        """Per-token means of the sums (read from the device first, if they are still there)."""
+        self = self.on_host()
         out = {name: total / max(self.tokens, 1.0) for name, total in self.sums.items()}
         if "clip_low_frac" in out:
             out["clip_frac"] = out["clip_low_frac"] + out["clip_high_frac"]
@@ -101,6 +124,15 @@ class TokenMetrics:
             out["ratio_min"], out["ratio_max"] = self.ratio_min, self.ratio_max
         out["metric_tokens"] = self.tokens  # response tokens the metrics cover
         return out
+
+
+def _extreme(pick: Callable, a: Number, b: Number) -> Number:
+    """min or max of two numbers, on the device when either is a tensor (without waiting for it)."""
+    if not isinstance(a, Tensor) and not isinstance(b, Tensor):
+        return pick(a, b)
+    tensor_pick = torch.minimum if pick is min else torch.maximum
+    device = (a if isinstance(a, Tensor) else b).device
+    return tensor_pick(*(torch.as_tensor(x, dtype=torch.float64, device=device) for x in (a, b)))
 
 
 def _masked(x: Tensor, mask: Tensor) -> Tensor:
@@ -185,11 +217,12 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
     """Scalar loss of one micro-batch (its share of the step) and its token metrics.
 
     loss = aggregate(surrogate) + beta * sum(k3 * m) / (tokens in the step)
-    Raises NonFiniteError on a non-finite loss or ratio.
+    Nothing here waits for the device: a non-finite loss or ratio is counted in ``metrics.nonfinite``
+    (``raise_if_nonfinite`` reads it once the step's metrics are on the host).
     """
     mask = inp.response_mask.to(inp.logprobs.dtype)
     surrogate, ratio, clip_low, clip_high = per_token_surrogate(inp, spec)
-    metrics = TokenMetrics(tokens=float(mask.sum()))
+    metrics = TokenMetrics(tokens=mask.sum().double())
     if spec.engine_correction != "none" and inp.engine_logprobs is not None:
         weight = engine_correction_weight(inp.old_logprobs, inp.engine_logprobs, mask, spec.engine_correction,
                                           spec.engine_correction_cap)
@@ -204,9 +237,9 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
         if spec.beta > 0:
             loss = loss + spec.beta * _masked(kl, mask).sum() / denominators.kl
 
-    ratio_on_mask = ratio.detach()[mask.bool()]
-    if not torch.isfinite(loss) or not torch.isfinite(ratio_on_mask).all():
-        raise NonFiniteError(f"non-finite loss ({loss.item()}) or ratio in the policy update")
+    on_mask = mask.bool()
+    finite = torch.isfinite(loss.detach()) & (torch.isfinite(ratio.detach()) | ~on_mask).all()
+    metrics.loss, metrics.nonfinite = loss.detach().double(), (~finite).double()
 
     token_w = token_ratio(inp.logprobs.detach(), inp.old_logprobs, mask)
     metrics.add("ratio_mean", ratio, mask)
@@ -215,7 +248,13 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
     metrics.add("approx_kl_old_new", (token_w - 1) - torch.log(token_w), mask)
     if inp.engine_logprobs is not None:  # trainer vs rollout-engine log-prob mismatch
         metrics.add("engine_logprob_absdiff", (_masked(inp.logprobs.detach() - inp.engine_logprobs, mask)).abs(), mask)
-    if ratio_on_mask.numel():
-        metrics.ratio_min = float(ratio_on_mask.min())
-        metrics.ratio_max = float(ratio_on_mask.max())
+    masked_ratio = ratio.detach().double()
+    metrics.ratio_min = masked_ratio.masked_fill(~on_mask, float("inf")).amin()
+    metrics.ratio_max = masked_ratio.masked_fill(~on_mask, float("-inf")).amax()
     return loss, metrics
+
+
+def raise_if_nonfinite(metrics: TokenMetrics) -> None:
+    """NonFiniteError when a micro-batch's loss or ratio was NaN or infinite (``metrics`` on the host)."""
+    if metrics.nonfinite:
+        raise NonFiniteError(f"non-finite loss ({metrics.loss}) or ratio in the policy update")

@@ -94,7 +94,7 @@ def probe_update(learner: PolicyLearner, batch: TrainBatch, advantages: torch.Te
         torch.cuda.synchronize()
     return {"seconds": time.perf_counter() - started, "grad_norm": float(grad_norm),
             "parameter_tensors_with_nonzero_grad": with_grad, "parameter_tensors": len(learner.params),
-            "trained_tokens": step.metrics.tokens}
+            "trained_tokens": step.metrics.on_host().tokens}
 
 
 def run_probe(cfg: RunConfig, report_path: Path) -> dict[str, Any]:

@@ -8,6 +8,7 @@ such a function; tests use plain parameter tensors.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterable
 
@@ -16,7 +17,8 @@ from torch import Tensor
 
 from grpolab.algorithms import AlgorithmSpec
 from grpolab.distributed import Ranks
-from grpolab.losses import NonFiniteError, PolicyLossInput, TokenMetrics, policy_loss, step_denominators
+from grpolab.losses import (NonFiniteError, PolicyLossInput, TokenMetrics, policy_loss, raise_if_nonfinite,
+                            step_denominators)
 
 PolicyLogprobs = Callable[[Tensor], tuple[Tensor, Tensor | None]]
 # rows of an optimizer step [n] -> their micro-batches (index tensors); None = consecutive slices of micro_batch_size
@@ -114,13 +116,12 @@ def minibatches(spec: AlgorithmSpec, n: int, generator: torch.Generator | None,
 
 @dataclass
 class StepGradients:
-    """What one optimizer step's accumulation did: its token metrics, its loss (this rank's part of the
-    step's, which the ranks' parts add up to), and whether any loss was backpropagated (False: the
-    step's whole loss is identically zero, nothing to update)."""
+    """What one optimizer step's accumulation did: its token metrics (still on the device; their ``loss``
+    is this rank's part of the step's, which the ranks' parts add up to), and whether any loss was
+    backpropagated (False: the step's whole loss is identically zero, nothing to update)."""
 
     metrics: TokenMetrics
     backward: bool
-    loss: float = 0.0
 
 
 def rows_with_gradient(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
@@ -179,7 +180,7 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
     elif backward and ranks.parallel:
         n_grad = max(n_grad, 1)
     filler = torch.zeros(1, dtype=torch.long, device=indices.device)  # a row of this rank's, for a zero loss
-    merged, total = TokenMetrics(), 0.0
+    merged = TokenMetrics()
     for i in range(n_grad):
         with contextlib.nullcontext() if i == n_grad - 1 else accumulate():
             if i >= len(grad_micros):  # joins the collectives with a zero gradient
@@ -190,7 +191,6 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
             _record(seen, micro, logprobs)
             loss, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
             loss.backward()
-        total += float(loss.detach())
         merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
     for i in range(n_metric):
         with torch.no_grad():
@@ -202,7 +202,7 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
             _record(seen, micro, logprobs)
             _, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
         merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
-    return StepGradients(merged, backward=backward, loss=total)
+    return StepGradients(merged, backward=backward)
 
 
 def _record(seen: tuple[Tensor, Tensor] | None, rows: Tensor, logprobs: Tensor) -> None:
@@ -253,23 +253,27 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
                     torch.zeros(data.response_mask.shape[0], dtype=torch.bool, device=data.response_mask.device))
         step = accumulate_gradients(spec, data, dp.local(indices) if dp is not None else indices, policy_logprobs,
                                     micro_batch_size, max_new_tokens, full_metrics, plan, dp, seen)
+        metrics = _merge(ranks.gather(step.metrics.on_host()))  # the step's one wait for the device
+        try:
+            raise_if_nonfinite(metrics)  # on every rank alike: the metrics are the global step's
+        except NonFiniteError:
+            optimizer.zero_grad(set_to_none=True)
+            raise
         if seen is not None:
             first_step_check(*seen)
-        parts = ranks.gather((step.metrics, step.loss))
-        metrics = _merge([m for m, _ in parts])
         result.tokens = result.tokens.merge(metrics)
-        result.losses.append(sum(loss for _, loss in parts))
+        result.losses.append(metrics.loss)
         if not step.backward:
             continue
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm else float("inf"))
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # sharded: global
-        if not torch.isfinite(grad_norm):
+        grad_norm = float(grad_norm)
+        if not math.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(f"non-finite gradient norm ({grad_norm.item()}) before optimizer step "
-                                 f"{result.actual + 1}")
+            raise NonFiniteError(f"non-finite gradient norm ({grad_norm}) before optimizer step {result.actual + 1}")
         optimizer.step()
         result.actual += 1
-        result.grad_norms.append(float(grad_norm))
+        result.grad_norms.append(grad_norm)
         if result.actual == 1:
             result.first_step = metrics.means()
     optimizer.zero_grad(set_to_none=True)

@@ -4,6 +4,7 @@ the ranks, and DDP sums the gradients (``grpolab.distributed``)."""
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 
 import pytest
@@ -59,6 +60,7 @@ def updates(name: str, ranks: Ranks, **overrides) -> dict:
 
 
 def _rank(rank: int, world: int, init_file: str, out_dir: str, name: str, overrides: dict) -> None:
+    faulthandler.enable(all_threads=True)  # an abort in a rank prints where each thread was
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

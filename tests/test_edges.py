@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import params_of, quick_config, same
+from host_reads import HostReads
 from rich.console import Console
 from torch.overrides import TorchFunctionMode
 
@@ -73,6 +74,25 @@ def test_every_index_of_an_update_lives_on_the_device_it_indexes(algo, warm_mode
     trainer.close()
     assert len(recorder.pairs) > 5  # pruning masks, minibatch indices, batch selection
     assert all(source == index for source, index in recorder.pairs), recorder.pairs
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gspo"])
+def test_a_learning_step_reads_the_device_per_optimizer_step_not_per_micro_batch(algo, warm_model_dir, tmp_path):
+    """Micro-batches of one row read as many values back from the device as micro-batches of 16 (GSPO: 4
+    epochs with frozen old and reference log-probs)."""
+    reads = []
+    for micro in (16, 1):
+        cfg = quick_config(warm_model_dir, tmp_path / str(micro), algo=algo, reference="frozen",
+                           **{"optim.micro_batch_size": micro, "algorithm.beta": 0.04})
+        trainer = Trainer(cfg, Console(quiet=True))
+        try:
+            rollout = trainer.collector.collect(1)
+            with HostReads() as mode:
+                trainer.learner.learn(rollout)
+        finally:
+            trainer.close()
+        reads.append(mode.count)
+    assert reads[0] == reads[1] > 0
 
 
 def test_step_indices_and_pruning_masks_are_made_on_the_data_device():

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpolab.algorithms import PRESETS, AlgorithmSpec
-from grpolab.losses import (NonFiniteError, PolicyLossInput, aggregate, policy_loss, sequence_ratio,
-                            step_denominators)
+from grpolab.losses import (NonFiniteError, PolicyLossInput, aggregate, policy_loss, raise_if_nonfinite,
+                            sequence_ratio, step_denominators)
 from reference import reference_loss
 
 WEIGHTS = ["none", "noclip", "clip", "gspo", "cispo"]
@@ -40,6 +40,7 @@ def impl_loss_and_grad(spec, logp, old, adv, mask, ref=None):
     denominators = step_denominators(spec, mask, MAX_NEW)
     loss, metrics = policy_loss(PolicyLossInput(leaf, old, adv, mask, ref), spec, denominators)
     loss.backward()
+    raise_if_nonfinite(metrics.on_host())
     return loss.detach(), leaf.grad, metrics
 
 

@@ -10,6 +10,7 @@ the demo's model (the harder case for the CPU weight reload, see ``vllm_worker``
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -229,7 +230,8 @@ def _vllm_python() -> str:
 
 
 def test_subprocess_engine(model_dir, model, tokenizer, prompts):
-    """Contract, log-probs, a verified sync and a clean exit, with vLLM in a child interpreter."""
+    """Contract, log-probs, a verified sync, with vLLM in a child interpreter; a server that stops answering
+    (stopped here, as if its engine hung) is killed within the close timeout, its processes with it."""
     from grpolab.rollout.vllm import VLLMSubprocessEngine
 
     before = _children()
@@ -254,6 +256,10 @@ def test_subprocess_engine(model_dir, model, tokenizer, prompts):
         with pytest.raises(RuntimeError, match="top_k=0 and top_p=1"):  # server errors come back
             engine.generate(prompts, 1, SamplingParams(max_new_tokens=4, top_k=3))
         assert _children() - before
+        os.kill(engine._proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        engine.close(timeout=5)
+        assert time.monotonic() - started < 10
     finally:
         engine.close()
     deadline = time.monotonic() + 10

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from host_reads import HostReads
 
 from grpolab.algorithms import PRESETS, AlgorithmSpec
 from grpolab.losses import NonFiniteError
@@ -192,3 +193,21 @@ def test_property_split_and_prune_equivalence(seed, groups, group_size, micro, n
         assert split is None and whole is None and (data.advantages == 0).all()
         return
     torch.testing.assert_close(split, whole, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name, overrides", [("grpo", {}), ("offpolicy_clip", {"steps_per_epoch": 2})])
+def test_the_update_waits_for_the_device_per_optimizer_step_not_per_micro_batch(name, overrides):
+    """The micro-batch loop keeps its metrics, loss and finiteness checks on the device: an optimizer step
+    in micro-batches of one row reads as many values as the same step in one micro-batch."""
+    spec = PRESETS[name].override(beta=0.03, **overrides)
+    reads, rows_per_step = {}, 12 // spec.steps_per_epoch
+    for micro in (rows_per_step, 1):
+        policy = ToyPolicy(12, 9, seed=4)
+        data = make_data(policy, 4, groups=3, group_size=4, spec=spec)
+        data.engine_logprobs = data.old_logprobs - 0.01
+        with HostReads() as mode:
+            result = run_update(spec, data, policy, optimizer_for(policy), [policy.weight], micro_batch_size=micro,
+                                max_new_tokens=9, generator=torch.Generator().manual_seed(0))
+        assert result.actual == spec.epochs * spec.steps_per_epoch
+        reads[micro] = mode.count
+    assert reads[1] == reads[rows_per_step] > 0

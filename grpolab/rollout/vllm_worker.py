@@ -237,22 +237,26 @@ class VLLMSubprocessEngine:
         folder = self._save_weights(model, self._dir, self._engine_kwargs.get("dtype")).parent
         self._call({"op": "sync", "folder": str(folder)})
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Ask the server to shut its engine down and exit (killed after ``timeout`` s); idempotent."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask the server to shut its engine down and exit; idempotent. Within ``timeout`` s in all: a
+        server that does not answer (its engine stuck in a request, say after its engine-core processes
+        took a terminal's Ctrl-C) is killed."""
+        deadline = time.monotonic() + timeout
         conn, self._conn = self._conn, None
         if conn is not None:
             try:
                 _send(conn, {"op": "close"})
-                _recv(conn)
+                # an interrupted request's reply may come first; the close's own is {"ok": True}
+                while conn.poll(max(deadline - time.monotonic(), 0)) and _recv(conn) != {"ok": True}:
+                    pass
             except (EOFError, OSError):
                 pass
             conn.close()
-        if self._proc.poll() is None:
-            try:
-                self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        try:
+            self._proc.wait(max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
