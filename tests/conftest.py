@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import string
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -159,6 +160,27 @@ def descendants(root: int | None = None) -> set[int]:
         frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - found
         found |= frontier
     return {pid for pid in found if b"resource_tracker" not in _cmdline(pid)}
+
+
+def group_members(pgid: int) -> set[int]:
+    """Live processes of process group ``pgid`` (orphans re-parented to init included), from /proc."""
+    members = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.add(int(entry))
+    return members
+
+
+def wait_until_gone(pgid: int, seconds: float = 15.0) -> set[int]:
+    """``group_members(pgid)`` once it is empty, or after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return group_members(pgid)
 
 
 def _cmdline(pid: int) -> bytes:

@@ -65,6 +65,7 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, name: str, overri
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.save(updates(name, Ranks.current(), **overrides), f"{out_dir}/{rank}.pt")
+        dist.barrier()  # neither rank tears its group down while the other still uses it
     finally:
         gc.collect()  # DDP's reducer goes before its process group, or its thread aborts the process
         dist.destroy_process_group()

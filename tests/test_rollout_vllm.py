@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_engine_contract
+from conftest import assert_engine_contract, group_members, wait_until_gone
 from conftest import descendants as _children
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -256,13 +258,54 @@ def test_subprocess_engine(model_dir, model, tokenizer, prompts):
         with pytest.raises(RuntimeError, match="top_k=0 and top_p=1"):  # server errors come back
             engine.generate(prompts, 1, SamplingParams(max_new_tokens=4, top_k=3))
         assert _children() - before
-        os.kill(engine._proc.pid, signal.SIGSTOP)
+        server = engine._proc.pid
+        assert len(group_members(server)) > 1, "the server leads its own group, its engine processes in it"
+        os.kill(server, signal.SIGSTOP)
         started = time.monotonic()
         engine.close(timeout=5)
         assert time.monotonic() - started < 10
+        assert wait_until_gone(server) == set(), "no engine process outlives a killed server"
     finally:
         engine.close()
     deadline = time.monotonic() + 10
     while _children() - before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _children() - before == set()
+
+
+_KILLED_TRAINER = """
+import os, sys
+sys.path.insert(0, sys.argv[3])
+from conftest import descendants
+from grpolab.rollout.vllm import VLLMSubprocessEngine
+engine = VLLMSubprocessEngine(sys.argv[1], python=sys.argv[2], dtype="float32", max_model_len=256,
+                              kv_cache_bytes=64 << 20)
+print("engine processes", *descendants(), flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_takes_the_engine_server_and_its_processes_with_it(model_dir):
+    """kill -9 of the trainer: its vLLM server notices within a second and ends its engine's processes too."""
+    proc = subprocess.run([sys.executable, "-c", _KILLED_TRAINER, str(model_dir), _vllm_python(),
+                           str(Path(__file__).parent)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    engine = {int(p) for p in next(ln for ln in proc.stdout.splitlines() if ln.startswith("engine processes")).split()[2:]}
+    assert len(engine) > 1, "the server and its engine-core process"
+    deadline = time.monotonic() + 15
+    while _alive(engine) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive(engine) == set()
+
+
+def _alive(pids: set[int]) -> set[int]:
+    """The processes of ``pids`` that still run (zombies, which only wait to be reaped, excepted)."""
+    running = set()
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                running.add(pid)
+        except OSError:
+            pass
+    return running

@@ -119,13 +119,16 @@ def _handle(engine, message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _exit_with_parent(interval: float = 1.0) -> None:
-    """Daemon thread: end this process if its parent (the trainer) dies, even before it connects."""
+    """Daemon thread: end this process and its engine's processes (its process group) if its parent (the
+    trainer) dies, even before it connects."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval)
-        os._exit(1)  # vLLM's engine-core processes follow their own parent (this one) out
+        if os.getpgrp() == os.getpid():  # started by VLLMSubprocessEngine, as its group's leader
+            os.killpg(0, signal.SIGKILL)  # vLLM's engine-core processes outlive their parent otherwise
+        os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
 
@@ -135,7 +138,7 @@ def serve(address: str) -> None:
     from grpolab.rollout.vllm import VLLMEngine
 
     _exit_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches us too: the trainer decides
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when the engine stops
     with Listener(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV))) as listener:
         conn = listener.accept()
     engine = None
@@ -187,7 +190,10 @@ class VLLMSubprocessEngine:
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, _AUTHKEY_ENV: authkey.hex(),
                "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-        self._proc = subprocess.Popen([python, "-m", "grpolab.rollout.vllm_worker", address], env=env)
+        # its own process group: a terminal's Ctrl-C reaches the trainer alone (which closes the engine), and
+        # killing the group ends the engine-core processes too
+        self._proc = subprocess.Popen([python, "-m", "grpolab.rollout.vllm_worker", address], env=env,
+                                      process_group=0)
         self._conn: Connection | None = None
         try:
             self._conn = self._connect(address, authkey, start_timeout)
@@ -255,7 +261,7 @@ class VLLMSubprocessEngine:
         try:
             self._proc.wait(max(deadline - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
-            self._proc.kill()
+            os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
 
