@@ -227,8 +227,9 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
 
     A step whose whole loss is zero (all advantages 0 and no KL penalty) is skipped: counted as
     attempted, not actual, parameters untouched (its metrics are still measured with ``full_metrics``).
-    Gradient norm is clipped to ``max_grad_norm`` (None = no clipping); a non-finite norm raises
-    NonFiniteError before the optimizer step. Index tensors live on the device of ``data``.
+    Gradient norm is clipped to ``max_grad_norm`` (None = no clipping); a non-finite loss, ratio or norm
+    raises NonFiniteError before the optimizer step. Index tensors live on the device of ``data``; the
+    micro-batches' metrics stay there until the step reads them back, once, with the losses' finiteness.
 
     Data parallel (``dp``): ``data`` holds this rank's whole groups, ``policy_logprobs`` runs the
     DDP-wrapped forward. The mini-batches are drawn over the global batch (the same shuffle on every
