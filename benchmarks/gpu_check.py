@@ -143,15 +143,17 @@ def environment() -> dict:
                 "transformers", "tokenizers", "safetensors", "accelerate", "peft", "numpy", "scipy", *CARRIED)}}
 
 
-def sync_margin(steps: list[dict], multiple: float | None) -> dict:
-    """The sync check's headroom: the largest step mean |engine - trainer| over the noise floor (the first
-    checked step's), and the multiple past which a run stops; ``headroom`` = multiple / that ratio."""
-    floor = steps[0].get("sync/noise_floor_mean")
+def sync_margin(steps: list[dict], multiple: float | None, min_floor: float = 0.0) -> dict:
+    """The sync check's headroom: the largest step mean |engine - trainer| over the floor the check uses
+    (the first checked step's, raised to ``min_floor``, the least the run's check allows), and the multiple
+    past which a run stops; ``headroom`` = multiple / that ratio."""
+    measured = steps[0].get("sync/noise_floor_mean")
     means = [s["sync/logprob_diff_mean"] for s in steps if s.get("sync/logprob_diff_mean") is not None]
-    if not floor or not means:
-        return {"largest_mean_over_floor": None, "limit_multiple": multiple, "headroom": None}
+    if not measured or not means:
+        return {"largest_mean_over_floor": None, "floor": None, "limit_multiple": multiple, "headroom": None}
+    floor = max(measured, min_floor)
     ratio = max(means) / floor
-    return {"largest_mean_over_floor": ratio, "limit_multiple": multiple,
+    return {"largest_mean_over_floor": ratio, "floor": floor, "limit_multiple": multiple,
             "headroom": None if multiple is None else multiple / ratio}
 
 
@@ -195,10 +197,11 @@ def rl_steps(device: str, quick: bool) -> dict:
                     "time/generate", "time/train", "time/step", "tokens_per_s")})
             peaks["steps"] = peak_memory_mb(trainer.device)
             precision, multiple = trainer.precision, trainer.cfg.rollout.sync_noise_multiple
+            min_floor = trainer.sync_monitor.min_floor
         finally:
             trainer.close()
     return {"precision": precision.name, "weights": str(precision.storage), "compute": str(precision.compute),
-            "noise_floor_mean": steps[0]["sync/noise_floor_mean"], "sync_margin": sync_margin(steps, multiple),
+            "noise_floor_mean": steps[0]["sync/noise_floor_mean"], "sync_margin": sync_margin(steps, multiple, min_floor),
             "steps": steps, "peak_memory_mb": peaks}
 
 

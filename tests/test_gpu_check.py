@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_check  # noqa: E402
 
 
-def test_sync_margin_is_the_largest_step_mean_over_the_first_steps_floor():
+def test_sync_margin_is_the_largest_step_mean_over_the_floor_the_check_uses():
     steps = [{"sync/noise_floor_mean": 2e-3, "sync/logprob_diff_mean": 2e-3},
              {"sync/noise_floor_mean": 2e-3, "sync/logprob_diff_mean": 3e-3},
              {"sync/noise_floor_mean": 2e-3, "sync/logprob_diff_mean": None}]
@@ -22,6 +22,9 @@ def test_sync_margin_is_the_largest_step_mean_over_the_first_steps_floor():
     assert margin["largest_mean_over_floor"] == pytest.approx(1.5)
     assert margin["headroom"] == pytest.approx(2.0) and margin["limit_multiple"] == 3.0
     assert gpu_check.sync_margin([{"sync/logprob_diff_mean": 1e-3}], 3.0)["headroom"] is None
+    # a measured floor below the least the check allows (bf16: 1e-3) is raised to it, as the check does
+    raised = gpu_check.sync_margin([{"sync/noise_floor_mean": 3e-5, "sync/logprob_diff_mean": 2.5e-4}], 3.0, 1e-3)
+    assert raised["floor"] == 1e-3 and raised["largest_mean_over_floor"] == pytest.approx(0.25)
 
 
 def test_a_section_past_the_budget_is_skipped_and_recorded(tmp_path):
