@@ -162,25 +162,36 @@ def descendants(root: int | None = None) -> set[int]:
     return {pid for pid in found if b"resource_tracker" not in _cmdline(pid)}
 
 
-def group_members(pgid: int) -> set[int]:
-    """Live processes of process group ``pgid`` (orphans re-parented to init included), from /proc."""
-    members = set()
+def live_processes() -> dict[int, list[str]]:
+    """Every running process (zombies, which only wait to be reaped, excepted): pid -> the fields of its
+    /proc stat after the name (state, ppid, pgrp, session, ...)."""
+    found = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.add(int(entry))
-    return members
+        if fields[0] != "Z":
+            found[int(entry)] = fields
+    return found
 
 
-def wait_until_gone(pgid: int, seconds: float = 15.0) -> set[int]:
-    """``group_members(pgid)`` once it is empty, or after ``seconds``."""
+def group_members(pgid: int) -> set[int]:
+    """Live processes of process group ``pgid`` (orphans re-parented to init included)."""
+    return {pid for pid, fields in live_processes().items() if int(fields[2]) == pgid}
+
+
+def session_members(sid: int) -> set[int]:
+    """Live processes of session ``sid`` (orphans re-parented to init included)."""
+    return {pid for pid, fields in live_processes().items() if int(fields[3]) == sid}
+
+
+def wait_until_gone(members: Callable[[], set[int]], seconds: float = 15.0) -> set[int]:
+    """``members()`` once it is empty, or after ``seconds``."""
     deadline = time.monotonic() + seconds
-    while group_members(pgid) and time.monotonic() < deadline:
+    while members() and time.monotonic() < deadline:
         time.sleep(0.2)
-    return group_members(pgid)
+    return members()
 
 
 def _cmdline(pid: int) -> bytes:

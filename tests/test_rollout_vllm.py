@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_engine_contract, group_members, wait_until_gone
+from conftest import assert_engine_contract, group_members, live_processes, wait_until_gone
 from conftest import descendants as _children
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -264,7 +264,7 @@ def test_subprocess_engine(model_dir, model, tokenizer, prompts):
         started = time.monotonic()
         engine.close(timeout=5)
         assert time.monotonic() - started < 10
-        assert wait_until_gone(server) == set(), "no engine process outlives a killed server"
+        assert wait_until_gone(lambda: group_members(server)) == set(), "no engine process outlives a killed server"
     finally:
         engine.close()
     deadline = time.monotonic() + 10
@@ -293,19 +293,4 @@ def test_a_killed_trainer_takes_the_engine_server_and_its_processes_with_it(mode
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     engine = {int(p) for p in next(ln for ln in proc.stdout.splitlines() if ln.startswith("engine processes")).split()[2:]}
     assert len(engine) > 1, "the server and its engine-core process"
-    deadline = time.monotonic() + 15
-    while _alive(engine) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _alive(engine) == set()
-
-
-def _alive(pids: set[int]) -> set[int]:
-    """The processes of ``pids`` that still run (zombies, which only wait to be reaped, excepted)."""
-    running = set()
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                running.add(pid)
-        except OSError:
-            pass
-    return running
+    assert wait_until_gone(lambda: engine & live_processes().keys()) == set()

@@ -13,10 +13,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import descendants, params_of, quick_config, same
+from conftest import descendants, params_of, quick_config, same, session_members, wait_until_gone
 
 from grpolab.cli import main
 from grpolab.rollout.sync_check import WeightSyncError
@@ -83,19 +82,6 @@ def test_multi_epoch_preset_and_vllm_under_another_interpreter_via_cli(warm_mode
     assert wait_gone(before) == set()
 
 
-def session_members(sid: int) -> set[int]:
-    """Live processes of session ``sid`` (orphans re-parented to init included)."""
-    members = set()
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            members.add(int(entry))
-    return members
-
-
 # the in-process Ctrl-C case is slow (a minute): the child-interpreter case covers the same signal with more processes
 @pytest.mark.parametrize("how", [pytest.param("ctrl-c", marks=pytest.mark.slow), "sigterm",
                                  "ctrl-c, vllm in a child interpreter"])
@@ -124,10 +110,7 @@ def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, how):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, output[-3000:]
     assert "interrupted" in output
-    deadline = time.monotonic() + 15
-    while session_members(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert session_members(proc.pid) == set(), "orphaned processes after the interrupt"
+    assert wait_until_gone(lambda: session_members(proc.pid)) == set(), "orphaned processes after the interrupt"
 
 
 def test_bench_step_times_both_engines(warm_model_dir, tmp_path):
