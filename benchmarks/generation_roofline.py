@@ -11,10 +11,12 @@ config names another. The prompts are the config's task prompts in the model's c
 Roofline: every linear layer of the model (the output layer included) timed as a float32 matmul at the
 rollout batch's row count (prompts x samples; the most rows a decoding step ever computes), summed into
 seconds per token; its inverse is the tokens/s of a generation that did nothing but those matmuls at the
-best row count, never computed a finished row and spent nothing on attention, caches or sampling.
-Printed for each engine: completion tokens per second (tokens up to and including each row's stop)
-and its share of the roofline. Engines: ``generate`` = transformers' ``model.generate`` with the same
-sampling (the hf engine before it had its own loop), ``hf`` = grpolab's hf engine, and ``vllm`` when
+best row count, never computed a finished row and spent nothing on attention, caches or sampling. Two
+are printed: through ``F.linear`` (the roofline issue 27 set its target against), and through the faster
+of ``F.linear`` and oneDNN on a weight laid out beforehand (as the hf engine now multiplies, see
+``grpolab.rollout.packed_linear``): the stricter one. Printed for each engine: completion tokens per
+second (tokens up to and including each row's stop) and its share of each roofline. Engines: ``generate`` = transformers' ``model.generate`` with the same
+sampling (the hf engine before it had its own loop), ``hf`` = grpolab's hf engine, ``hf-unpacked`` = the same with ``rollout.pack_weights = false``, and ``vllm`` when
 the interpreter has vLLM. Target (issue 27): hf >= 60% of the roofline on one thread and on two.
 """
 
@@ -39,23 +41,31 @@ from grpolab.config import load_config, parse_value
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2_arithmetic.toml"
 
 
-def linear_seconds_per_token(model: nn.Module, rows: int, repeats: int = 5, rounds: int = 3) -> tuple[float, float]:
-    """(seconds per token of every linear layer's matmul at ``rows`` rows, their GFLOP/s): each shape's
-    best round of ``repeats`` matmuls, so that the roofline is what this machine does at its best."""
+def linear_seconds_per_token(model: nn.Module, rows: int, repeats: int = 5, rounds: int = 3) -> dict[str, float]:
+    """Seconds per token of every linear layer's matmul at ``rows`` rows, each shape's best round of
+    ``repeats`` matmuls: ``"linear"`` through ``F.linear``, ``"best"`` through the faster of ``F.linear``
+    and (where oneDNN runs) a weight laid out beforehand as the hf engine lays it out."""
     shapes = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear))
-    seconds = flops = 0.0
+    seconds = {"linear": 0.0, "best": 0.0}
     for (out_features, in_features), count in shapes.items():
         x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
-        torch.nn.functional.linear(x, w)
-        best = float("inf")
-        for _ in range(rounds):
-            started = time.perf_counter()
-            for _ in range(repeats):
-                torch.nn.functional.linear(x, w)
-            best = min(best, (time.perf_counter() - started) / repeats)
-        seconds += count * best / rows
-        flops += count * 2 * in_features * out_features
-    return seconds, flops / seconds / 1e9
+        kernels = [lambda: torch.nn.functional.linear(x, w)]
+        if torch.backends.mkldnn.is_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+            kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        times = []
+        for kernel in kernels:
+            kernel()
+            best = float("inf")
+            for _ in range(rounds):
+                started = time.perf_counter()
+                for _ in range(repeats):
+                    kernel()
+                best = min(best, (time.perf_counter() - started) / repeats)
+            times.append(count * best / rows)
+        seconds["linear"] += times[0]
+        seconds["best"] += min(times)
+    return seconds
 
 
 def generate_baseline(model, tokenizer, prompts: list[list[int]], n: int, max_new: int, eos: list[int]) -> int:
@@ -80,7 +90,8 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--engines", default="generate,hf", help="comma-separated: generate, hf, vllm")
+    parser.add_argument("--engines", default="generate,hf,hf-unpacked",
+                        help="comma-separated: generate, hf, hf-unpacked, vllm")
     parser.add_argument("--json", help="also write the figures here (must not exist)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.max_new_tokens=64")
     args = parser.parse_args(argv)
@@ -96,17 +107,21 @@ def main(argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="grpolab-gen-") as root:
         for engine in args.engines.split(","):
             cfg = load_config(args.config, {**overrides, "output_dir": f"{root}/{engine}",
-                                            "rollout.engine": "vllm" if engine == "vllm" else "hf"})
+                                            "rollout.engine": "vllm" if engine == "vllm" else "hf",
+                                            "rollout.pack_weights": engine != "hf-unpacked"})
             trainer = Trainer(cfg, Console(quiet=True))
             try:
                 r = cfg.rollout
                 prompts = [trainer.prompt_ids[e.id] for e in trainer.prompts.take(r.prompts_per_step)]
                 if "roofline" not in results:
                     rows = r.prompts_per_step * r.group_size
-                    seconds, gflops = linear_seconds_per_token(trainer.model, rows)
-                    results["roofline"] = {"rows": rows, "tokens_per_s": 1 / seconds, "gflops": gflops,
-                                           "prompt_tokens": statistics.mean(map(len, prompts))}
-                    console.print(f"roofline: {1 / seconds:.1f} tokens/s ({gflops:.1f} GFLOP/s at {rows} rows)")
+                    flops = 2 * sum(m.weight.numel() for m in trainer.model.modules() if isinstance(m, nn.Linear))
+                    seconds = linear_seconds_per_token(trainer.model, rows)
+                    results["roofline"] = {"rows": rows, "prompt_tokens": statistics.mean(map(len, prompts))}
+                    for kind, s in seconds.items():
+                        results["roofline"][kind] = {"tokens_per_s": 1 / s, "gflops": flops / s / 1e9}
+                        console.print(f"roofline ({kind}): {1 / s:.1f} tokens/s ({flops / s / 1e9:.1f} GFLOP/s "
+                                      f"at {rows} rows)")
                 if engine == "generate":
                     eos = trainer.engine.eos_token_ids
                     def call(seed):  # noqa: E306
@@ -128,16 +143,18 @@ def main(argv: list[str]) -> dict:
                                               "tokens_per_s": sum(tokens) / sum(seconds)}
             finally:
                 trainer.close()
-    roof = results["roofline"]["tokens_per_s"]
-    table = Table(title=f"generation, {args.threads} thread(s): {results['roofline']['rows']} rows, "
-                        f"roofline {roof:.1f} tokens/s")
-    for column in ("engine", "tokens/call", "s/call", "tokens/s", "of roofline", "vs generate"):
+    roof = {kind: results["roofline"][kind]["tokens_per_s"] for kind in ("linear", "best")}
+    table = Table(title=f"generation, {args.threads} thread(s): {results['roofline']['rows']} rows, roofline "
+                        f"{roof['linear']:.1f} tokens/s (F.linear), {roof['best']:.1f} (best kernel)")
+    for column in ("engine", "tokens/call", "s/call", "tokens/s", "of roofline (F.linear)",
+                   "of roofline (best kernel)", "vs generate"):
         table.add_column(column, justify="right")
     base = results["engines"].get("generate", {}).get("tokens_per_s")
     for name, m in results["engines"].items():
-        m["share_of_roofline"] = m["tokens_per_s"] / roof
+        m["share_of_roofline"] = {kind: m["tokens_per_s"] / r for kind, r in roof.items()}
         table.add_row(name, f"{statistics.mean(m['tokens']):.0f}", f"{statistics.mean(m['seconds']):.1f}",
-                      f"{m['tokens_per_s']:.1f}", f"{100 * m['share_of_roofline']:.0f}%",
+                      f"{m['tokens_per_s']:.1f}", f"{100 * m['share_of_roofline']['linear']:.0f}%",
+                      f"{100 * m['share_of_roofline']['best']:.0f}%",
                       f"{m['tokens_per_s'] / base:.2f}x" if base else "-")
     console.print(table)
     if args.json:

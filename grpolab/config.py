@@ -64,6 +64,8 @@ class RolloutConfig(_Section):
     top_k: int = Field(0, ge=0, description="0 = disabled")
     stop_strings: list[str] = Field(default_factory=list)
     max_batch_size: int = Field(256, ge=1, description="sequences generated at once (hf engine)")
+    pack_weights: bool = Field(True, description="hf engine on a CPU, float32: multiply by weights laid out "
+                               "once per generation call (oneDNN), not re-packed at every decoding step")
     vllm: VLLMConfig = VLLMConfig()
     sync_check: bool = Field(True, description="compare engine and trainer log-probs of the sampled tokens "
                              "every step (one-update schedules read the update's own forward: no extra pass)")

@@ -47,3 +47,20 @@ def test_vs_trl_runs_both_at_the_same_settings(warm_model_dir, tmp_path, monkeyp
     out = capsys.readouterr().out
     assert "TRL s / grpolab s per step" in out and "2 prompts x 8, <= 24 new tokens" in out
     assert (tmp_path / "f.json").is_file()
+
+
+def test_generation_roofline_reports_every_engine_against_both_rooflines(warm_model_dir, tmp_path, capsys):
+    import generation_roofline
+
+    config = tmp_path / "empty.toml"
+    config.write_text("")
+    overrides = [f"{k.removeprefix('--')}={v}" for k, v in zip(_small(warm_model_dir)[::2], _small(warm_model_dir)[1::2])]
+    results = generation_roofline.main(["--config", str(config), "--repeats", "1", "--engines",
+                                        "generate,hf,hf-unpacked", "--json", str(tmp_path / "g.json"), *overrides])
+    roofline = results["roofline"]
+    assert roofline["rows"] == 16 and roofline["best"]["tokens_per_s"] >= roofline["linear"]["tokens_per_s"]
+    assert set(results["engines"]) == {"generate", "hf", "hf-unpacked"}
+    for engine in results["engines"].values():
+        assert engine["tokens"][0] > 0
+        assert engine["share_of_roofline"]["best"] <= engine["share_of_roofline"]["linear"]
+    assert "roofline (best): " in capsys.readouterr().out and (tmp_path / "g.json").is_file()

@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from grpolab.logprobs import backbone_and_head
 from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
 from grpolab.rollout.decode import decode, left_padded_positions
+from grpolab.rollout.packed_linear import packed_linears
 
 __all__ = ["HFEngine"]
 
@@ -54,19 +55,21 @@ class HFEngine:
     shared_prefill: prefill each distinct prompt of a batch once (see the module docstring).
     synced: the model's forwards are collectives over data-parallel ranks (FSDP): decoding goes on, with
         finished rows idle, until every rank's batch is done.
+    pack_weights: on a CPU in float32, generate with weights laid out once per call
+        (``grpolab.rollout.packed_linear``).
     """
 
     def __init__(self, model: nn.Module, tokenizer, max_batch_size: int = 64,
                  eos_token_ids: Sequence[int] | None = None,
                  compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 shared_prefill: bool = True, synced: bool = False):
+                 shared_prefill: bool = True, synced: bool = False, pack_weights: bool = True):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.compute_context = compute_context
-        self.shared_prefill, self.synced = shared_prefill, synced
+        self.shared_prefill, self.synced, self.pack_weights = shared_prefill, synced, pack_weights
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else collect_eos_ids(
             tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         if not self.eos_token_ids:
@@ -98,6 +101,8 @@ class HFEngine:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.no_grad())
                 stack.enter_context(self.compute_context())
+                if self.pack_weights:
+                    stack.enter_context(packed_linears(model, min(len(flat), self.max_batch_size)))
                 if params.seed is not None:
                     stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
                 for i in range(0, len(flat), self.max_batch_size):

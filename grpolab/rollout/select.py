@@ -36,7 +36,7 @@ def build_engine(cfg: RolloutConfig, model: nn.Module, tokenizer, model_dir: Pat
         device = next(model.parameters()).device
         return HFEngine(model, tokenizer, max_batch_size=cfg.max_batch_size,
                         compute_context=lambda: precision.autocast(device), shared_prefill=not sharded,
-                        synced=sharded)
+                        synced=sharded, pack_weights=cfg.pack_weights)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
     v = cfg.vllm
     kwargs = {"dtype": dtype_name(precision.compute), "seed": seed, "max_model_len": max_model_len,
