@@ -41,10 +41,16 @@ from grpolab.config import load_config, parse_value
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2_arithmetic.toml"
 
 
-def linear_seconds_per_token(model: nn.Module, rows: int, repeats: int = 5, rounds: int = 3) -> dict[str, float]:
+def linear_seconds_per_token(model: nn.Module, rows: int, repeats: int = 5, rounds: int = 9,
+                             warmup: float = 3.0) -> dict[str, float]:
     """Seconds per token of every linear layer's matmul at ``rows`` rows, each shape's best round of
     ``repeats`` matmuls: ``"linear"`` through ``F.linear``, ``"best"`` through the faster of ``F.linear``
-    and (where oneDNN runs) a weight laid out beforehand as the hf engine lays it out."""
+    and (where oneDNN runs) a weight laid out beforehand as the hf engine lays it out. It first keeps every
+    thread busy for ``warmup`` seconds: on 2 threads the first seconds of matmuls ran at half speed here."""
+    a = torch.randn(512, 512)
+    started = time.perf_counter()
+    while time.perf_counter() - started < warmup:
+        a @ a
     shapes = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear))
     seconds = {"linear": 0.0, "best": 0.0}
     for (out_features, in_features), count in shapes.items():
