@@ -40,7 +40,8 @@ def _large_linears(model: nn.Module) -> list[nn.Linear]:
 
 def packing_applies(model: nn.Module) -> bool:
     """Whether ``packed_linears`` would pack some of ``model``'s linear layers (see the module docstring)."""
-    if not torch.backends.mkldnn.is_available() or torch.is_autocast_enabled("cpu"):
+    if (not torch.backends.mkldnn.is_available() or torch.is_autocast_enabled("cpu")
+            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     weights = [m.weight for m in model.modules() if type(m) is nn.Linear]
     return bool(_large_linears(model)) and all(type(w) in (Tensor, nn.Parameter) and w.device.type == "cpu"
