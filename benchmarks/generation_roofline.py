@@ -15,9 +15,11 @@ best row count, never computed a finished row and spent nothing on attention, ca
 are printed: through ``F.linear`` (the roofline issue 27 set its target against), and through the faster
 of ``F.linear`` and oneDNN on a weight laid out beforehand (as the hf engine now multiplies, see
 ``grpolab.rollout.packed_linear``): the stricter one. Printed for each engine: completion tokens per
-second (tokens up to and including each row's stop) and its share of each roofline. Engines: ``generate`` = transformers' ``model.generate`` with the same
-sampling (the hf engine before it had its own loop), ``hf`` = grpolab's hf engine, ``hf-unpacked`` = the same with ``rollout.pack_weights = false``, and ``vllm`` when
-the interpreter has vLLM. Target (issue 27): hf >= 60% of the roofline on one thread and on two.
+second (tokens up to and including each row's stop) and its share of each roofline. Engines:
+``generate`` = transformers' ``model.generate`` with the same sampling (the hf engine before it had its
+own loop), ``hf`` = grpolab's hf engine, ``hf-unpacked`` = the same with ``rollout.pack_weights = false``,
+and ``vllm`` when the interpreter has vLLM. Target (issue 27): hf >= 60% of the roofline on one thread
+and on two.
 """
 
 from __future__ import annotations

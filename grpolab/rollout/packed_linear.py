@@ -5,8 +5,8 @@ the weight to a BLAS that re-lays it out (packs it) on every call, and at a few 
 its memory traffic cost as much as the arithmetic: on SmolLM2-135M's 49k x 576 output layer, 8 rows
 run at ~9 GFLOP/s through ``F.linear`` and ~22 through oneDNN's matmul on a weight laid out once
 beforehand (``torch.ops.mkldnn._reorder_linear_weight``, the op ``torch.compile``'s CPU weight-packing
-pass uses). ``packed_linears`` lays out each large float32 ``nn.Linear`` weight once when generation starts,
-routes those layers' forwards through ``torch.ops.mkldnn._linear_pointwise`` until it ends, and then
+pass uses). ``packed_linears`` lays out each large float32 ``nn.Linear`` weight once when generation
+starts, routes those layers' forwards through ``torch.ops.mkldnn._linear_pointwise`` until it ends, and then
 restores the modules as they were. The training forward never sees it.
 
 The product is the same matmul in another summation order: log-probs move by float32 rounding
@@ -56,7 +56,7 @@ def _packed_forward(packed: Tensor, bias: Tensor | None):
 
 @contextlib.contextmanager
 def packed_linears(model: nn.Module, rows: int) -> Iterator[bool]:
-    """Within it, ``model``'s large ``nn.Linear`` layers multiply by weights laid out once for about ``rows`` rows.
+    """Within it, ``model``'s large ``nn.Linear`` layers multiply by weights laid out once for ~``rows`` rows.
 
     Yields whether it packed (False, and nothing changed, where ``packing_applies`` is False). Weights must
     not change inside it (generation runs under ``torch.no_grad``).
@@ -65,7 +65,7 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[bool]:
         yield False
         return
     layers = _large_linears(model)
-    packed_by_weight: dict[int, Tensor] = {}  # tied weights (an output layer and its embedding) packed once
+    packed_by_weight: dict[int, Tensor] = {}  # a weight two layers share is packed once
     try:
         with torch.no_grad():
             for layer in layers:
