@@ -22,8 +22,10 @@ folder ``--out-dir`` names (``gpu_check.json``, ``gpu_check.log``).
 
 The target has torch and transformers but no pydantic, math-verify or torch-optimi: prepare their
 wheels here with ``python benchmarks/gpu_check.py --download-wheels .gpu_wheels`` (pure Python or
-manylinux, a few MB) and carry that folder; ``--wheels .gpu_wheels`` installs them into a private
-folder there (no network, no changes to the interpreter's site-packages).
+manylinux, a few MB; it also warm-starts the two demo models the sections use into ``.gpu_wheels/cache``,
+9 MB, a minute or two each on 2 cores, so the GPU machine's CPU does not train them) and carry that folder; ``--wheels .gpu_wheels``
+installs them into a private folder there (no network, no changes to the interpreter's site-packages)
+and points ``GRPOLAB_CACHE`` at the prepared warm starts.
 
     python benchmarks/gpu_check.py --wheels .gpu_wheels --out-dir OUT
 """
@@ -57,8 +59,32 @@ def download_wheels(folder: Path, python: str = "3.12") -> None:
                     "--platform", "manylinux2014_x86_64", "-d", str(folder), *pins], check=True)
 
 
+def warm_start_tasks() -> list:
+    """The tasks whose warm-started demo models the sections train: rl_steps's, then weights_changed's."""
+    from grpolab.tasks import ArithmeticTask, build_task
+
+    return [build_task(small_config("cpu", ROOT, quick=False).task), ArithmeticTask(n_train=200, n_val=20)]
+
+
+def prepare_warm_starts(folder: Path, settings=None) -> list[Path]:
+    """Warm-start the demo models the sections use into ``folder/cache`` (the ``GRPOLAB_CACHE`` a check
+    run with ``--wheels folder`` uses), so that the GPU machine's CPU never trains them. ``settings``:
+    the warm-start recipe (default: the demo's, as the sections use). Shows each warm start's progress."""
+    from rich.console import Console
+
+    from grpolab.progress import Reporter
+    from grpolab.tinymodel import warm_start_model
+
+    reporter = Reporter(Console())
+    return [warm_start_model(task, settings, cache_dir=folder / "cache" / "tiny", reporter=reporter)
+            for task in warm_start_tasks()]
+
+
 def use_wheels(folder: Path) -> None:
-    """Install the carried wheels into ``folder/site`` (offline) and put it on the path."""
+    """Install the carried wheels into ``folder/site`` (offline) and put it on the path; use the warm
+    starts prepared in ``folder/cache`` unless ``GRPOLAB_CACHE`` names another cache."""
+    if (folder / "cache").is_dir():
+        os.environ.setdefault("GRPOLAB_CACHE", str(folder / "cache"))
     site = folder / "site"
     if not site.is_dir():
         subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--target", str(site),
@@ -214,9 +240,7 @@ def weights_changed(device: str, quick: bool, steps: int = 10) -> dict:
     from grpolab.logprobs import token_logprobs
     from grpolab.models import load_policy, resolve_model_dir
     from grpolab.precision import resolve_precision
-    from grpolab.tasks import ArithmeticTask
-
-    task = ArithmeticTask(n_train=200, n_val=20)
+    task = warm_start_tasks()[1]
     # quick: the demo's tiny model (torch-optimi's CPU path is slow on a 150k-vocabulary embedding)
     model_dir = resolve_model_dir(None, task) if quick else resolve_model_dir("like:qwen3-0.6b", task,
                                                                              {"num_hidden_layers": 4})
@@ -279,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.download_wheels:
         download_wheels(args.download_wheels)
+        sys.path.insert(0, str(ROOT))
+        for path in prepare_warm_starts(args.download_wheels.resolve()):
+            print(f"[gpu_check] warm start ready: {path}", flush=True)
         return 0
     out, log = args.out_dir / "gpu_check.json", args.out_dir / "gpu_check.log"
     if out.exists() or log.exists():

@@ -49,3 +49,25 @@ def test_an_existing_report_is_never_overwritten(tmp_path, capsys):
     assert gpu_check.main(["--out-dir", str(tmp_path), "--device", "cpu", "--quick"]) == 2
     assert capsys.readouterr().out.startswith("error: ")
     assert (tmp_path / "gpu_check.json").read_text() == "earlier" and not (tmp_path / "gpu_check.log").exists()
+
+
+def test_prepared_warm_starts_are_the_ones_the_check_then_uses(tmp_path, monkeypatch):
+    """``--download-wheels DIR`` warm-starts the sections' demo models into DIR/cache; ``--wheels DIR``
+    points the cache there, and the sections' tasks find them without training (tiny recipe here)."""
+    import os
+
+    from grpolab.tinymodel import WarmStartSettings, warm_start_model
+
+    settings = WarmStartSettings(steps=2, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    prepared = gpu_check.prepare_warm_starts(tmp_path, settings)
+    assert prepared and all(p.parent == tmp_path / "cache" / "tiny" and (p / "warm_start.json").is_file()
+                            for p in prepared)
+    written = {p: (p / "warm_start.json").stat().st_mtime_ns for p in prepared}
+    (tmp_path / "site").mkdir()  # the wheels' install, already done
+    monkeypatch.delenv("GRPOLAB_CACHE", raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    gpu_check.use_wheels(tmp_path)
+    assert os.environ["GRPOLAB_CACHE"] == str(tmp_path / "cache")
+    assert [warm_start_model(task, settings) for task in gpu_check.warm_start_tasks()] == prepared
+    assert {p: (p / "warm_start.json").stat().st_mtime_ns for p in prepared} == written
