@@ -22,10 +22,10 @@ folder ``--out-dir`` names (``gpu_check.json``, ``gpu_check.log``).
 
 The target has torch and transformers but no pydantic, math-verify or torch-optimi: prepare their
 wheels here with ``python benchmarks/gpu_check.py --download-wheels .gpu_wheels`` (pure Python or
-manylinux, a few MB; it also warm-starts the two demo models the sections use into ``.gpu_wheels/cache``,
-9 MB, a minute or two each on 2 cores, so the GPU machine's CPU does not train them) and carry that folder; ``--wheels .gpu_wheels``
-installs them into a private folder there (no network, no changes to the interpreter's site-packages)
-and points ``GRPOLAB_CACHE`` at the prepared warm starts.
+manylinux, a few MB; it also warm-starts the two demo models the sections use into
+``.gpu_wheels/cache``, 9 MB, so that the GPU machine's CPU does not train them) and carry that folder;
+``--wheels .gpu_wheels`` installs them into a private folder there (no network, no changes to the
+interpreter's site-packages) and points ``GRPOLAB_CACHE`` at the prepared warm starts.
 
     python benchmarks/gpu_check.py --wheels .gpu_wheels --out-dir OUT
 """

@@ -43,8 +43,8 @@ def test_packed_layers_give_the_models_own_logits_and_are_restored_after(make_ti
     assert (inside - before).abs().max().item() < 1e-5
 
 
-def test_tied_weights_are_packed_once_and_an_error_inside_restores_every_layer(make_tiny_model, monkeypatch,
-                                                                            pack_every_layer):
+def test_a_shared_weight_is_packed_once_and_an_error_inside_restores_every_layer(make_tiny_model, monkeypatch,
+                                                                               pack_every_layer):
     model = make_tiny_model("llama")
     layers = model.model.layers
     layers[1].mlp.up_proj.weight = layers[0].mlp.up_proj.weight  # shared: one weight, one packed copy
