@@ -232,3 +232,56 @@ def test_shared_prefill_samples_what_a_full_prefill_does(make_tiny_model, tokeni
                 assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
     finally:
         hook.remove()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_prefix_all_prompts_share_is_prefilled_once(make_tiny_model, tokenizer, arch, n):
+    """Prompts opening with the same 10 tokens (a system prompt's stand-in): the backbone runs over those
+    once, then over each distinct prompt's rest, then a token per row; the tokens sampled are those of a
+    full prefill of every row, at the log-probs of the model's own unpadded forward. n = 1 (evaluation)
+    shares the prefix too."""
+    model = make_tiny_model(arch)
+    prompts = [tokenizer.encode(p) for p in ("Question: 12+34=", "Question: 7+8=", "Question: 5*6=<think>")]
+    widths: list[tuple[int, int]] = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    params = SamplingParams(max_new_tokens=8, seed=11)
+    try:
+        shared = _flat(HFEngine(model, tokenizer, shared_prefill=True).generate(prompts, n, params))
+        prefills = [w for w in widths if w[1] > 1]
+        full = _flat(HFEngine(model, tokenizer, shared_prefill=False).generate(prompts, n, params))
+    finally:
+        hook.remove()
+    rest = max(len(p) for p in prompts) - 10 - 1  # the longest prompt's rest, all but its last token
+    assert prefills == [(1, 10), (3, rest)]
+    assert [(c.completion_ids, c.finish_reason) for c in shared] == [(c.completion_ids, c.finish_reason) for c in full]
+    logits, tokens = _sampled_logits(model, shared, tokenizer.pad_token_id)
+    own = torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None]).squeeze(1)
+    assert torch.tensor([lp for c in shared for lp in c.logprobs]) == pytest.approx(own, abs=1e-5)
+
+
+def test_prompt_layout_puts_the_shared_prefix_left_and_the_rest_right():
+    from grpolab.rollout.decode import left_padded_positions
+    from grpolab.rollout.prefill import prompt_layout
+
+    ids, mask = prompt_layout([[5, 6, 7, 8], [5, 6, 9]], pad_id=0, prefix=2)
+    assert ids.tolist() == [[5, 6, 7, 8], [5, 6, 0, 9]]
+    assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 1]]
+    assert left_padded_positions(mask).tolist() == [[0, 1, 2, 3], [0, 1, 1, 2]]
+    ids, mask = prompt_layout([[5, 6, 7, 8], [5, 6, 9]], pad_id=0)
+    assert (ids.tolist(), mask.tolist()) == ([[5, 6, 7, 8], [0, 5, 6, 9]], [[1, 1, 1, 1], [0, 1, 1, 1]])
+
+
+def test_a_short_common_prefix_is_not_prefilled_apart(make_tiny_model, tokenizer):
+    """Two distinct prompts sharing 3 tokens save 3 positions (< MIN_SAVED_TOKENS): one prefill of both."""
+    model = make_tiny_model("llama")
+    widths: list[tuple[int, int]] = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        HFEngine(model, tokenizer).generate([tokenizer.encode("abc12"), tokenizer.encode("abc345")], 2,
+                                            SamplingParams(max_new_tokens=2, seed=0))
+    finally:
+        hook.remove()
+    assert [w for w in widths if w[1] > 1] == [(2, 5)]

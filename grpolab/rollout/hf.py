@@ -6,11 +6,9 @@ come from ``SamplingParams`` alone, and the log-prob of each sampled token is re
 ``softmax(logits / temperature)`` (see ``grpolab.rollout.base`` for the convention). Rows that have
 ended leave the decoding batch (see ``decode``).
 
-Shared prefill: the rows of a batch that repeat a prompt (its ``n`` samples) get its prefill once: the
-backbone runs over the distinct prompts (all but their last token), transformers' ``DynamicCache`` rows
-are repeated for each sample (``batch_select_indices``), and ``decode`` continues from that cache
-with the position ids it would have computed itself, so only the prompts' last tokens are prefilled
-per row.
+Shared prefill (``grpolab.rollout.prefill``): each distinct prompt of a batch is prefilled once for its
+``n`` samples, and the prefix all its prompts share (a system prompt, a template's header) once for all;
+only the prompts' last tokens are prefilled per row.
 
 Seeding: every batch seeds torch's RNG from ``params.seed`` and the global index of its first row
 (``params.prompt_offset * n`` plus its position in the call; a call's first batch at offset 0 takes the
@@ -25,13 +23,13 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor, nn
-from transformers import DynamicCache
+from torch import nn
 
 from grpolab.logprobs import backbone_and_head
 from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
-from grpolab.rollout.decode import decode, left_padded_positions
+from grpolab.rollout.decode import decode
 from grpolab.rollout.packed_linear import packed_linears
+from grpolab.rollout.prefill import prompt_layout, shared_prefill
 
 __all__ = ["HFEngine"]
 
@@ -52,7 +50,8 @@ class HFEngine:
         ``model.generation_config``.
     compute_context: a factory of the context generation runs in (the trainer's bf16 autocast
         when its weights are float32 masters), so that sampling and training forwards agree.
-    shared_prefill: prefill each distinct prompt of a batch once (see the module docstring).
+    shared_prefill: prefill each distinct prompt of a batch, and the prefix they share, once
+        (``grpolab.rollout.prefill``).
     synced: the model's forwards are collectives over data-parallel ranks (FSDP): decoding goes on, with
         finished rows idle, until every rank's batch is done.
     pack_weights: on a CPU in float32, generate with weights laid out once per call
@@ -113,34 +112,16 @@ class HFEngine:
             model.train(was_training)
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _prefill(self, prompts: list[list[int]], input_ids: Tensor, attention_mask: Tensor) -> DynamicCache | None:
-        """The cache of every row's left-padded prompt but its last column, each distinct prompt computed
-        once; None when no prompt repeats (``decode`` prefills every row)."""
-        distinct: dict[tuple[int, ...], int] = {}
-        row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-        if not self.shared_prefill or len(distinct) == len(prompts) or input_ids.shape[1] < 2:
-            return None
-        firsts = torch.tensor([row_of.index(u) for u in range(len(distinct))], device=input_ids.device)
-        ids, mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]
-        positions = left_padded_positions(mask)
-        cache = DynamicCache(config=self.model.config)
-        backbone_and_head(self.model)[0](input_ids=ids, attention_mask=mask, position_ids=positions,
-                                         past_key_values=cache, use_cache=True)
-        cache.batch_select_indices(torch.tensor(row_of, device=input_ids.device))
-        return cache
-
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, device) -> list[Completion]:
-        batch, plen = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((batch, plen), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, plen), dtype=torch.long)
-        for row, p in enumerate(prompts):  # left padding
-            input_ids[row, plen - len(p):] = torch.tensor(p, dtype=torch.long)
-            attention_mask[row, plen - len(p):] = 1
-
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        if self.shared_prefill:
+            input_ids, attention_mask, cache = shared_prefill(backbone_and_head(self.model)[0], self.model.config,
+                                                              prompts, self.pad_token_id, device)
+        else:
+            input_ids, attention_mask = (t.to(device) for t in prompt_layout(prompts, self.pad_token_id))
+            cache = None
         out = decode(self.model, input_ids, attention_mask, max_new_tokens=params.max_new_tokens,
                      temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                     eos_token_ids=self.eos_token_ids, cache=self._prefill(prompts, input_ids, attention_mask),
+                     eos_token_ids=self.eos_token_ids, cache=cache,
                      stop_strings=params.stop_strings, synced=self.synced,
                      decode_ids=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
         return [Completion(prompt_ids=prompt, completion_ids=ids, logprobs=logprobs,
