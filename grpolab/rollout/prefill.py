@@ -54,7 +54,6 @@ def shared_prefill(backbone: nn.Module, config, prompts: list[list[int]], pad_id
     model's config (the cache's layer types)."""
     distinct: dict[tuple[int, ...], int] = {}
     row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-    firsts = [row_of.index(u) for u in range(len(distinct))]
     prefix = min(len(os.path.commonprefix(list(distinct))), min(map(len, prompts)) - 1)
     if (len(distinct) - 1) * prefix < MIN_SAVED_TOKENS:
         prefix = 0
@@ -66,6 +65,7 @@ def shared_prefill(backbone: nn.Module, config, prompts: list[list[int]], pad_id
         backbone(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix],
                  position_ids=torch.arange(prefix, device=device)[None], past_key_values=cache, use_cache=True)
         cache.batch_select_indices(torch.zeros(len(distinct), dtype=torch.long, device=device))
+    firsts = [row_of.index(u) for u in range(len(distinct))]
     ids, mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]
     if ids.shape[1] > prefix:
         backbone(input_ids=ids[:, prefix:], attention_mask=mask, position_ids=left_padded_positions(mask)[:, prefix:],
