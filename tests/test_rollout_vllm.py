@@ -234,7 +234,7 @@ def _vllm_python() -> str:
 def test_subprocess_engine(model_dir, model, tokenizer, prompts):
     """Contract, log-probs, a verified sync, with vLLM in a child interpreter; a server that stops answering
     (stopped here, as if its engine hung) is killed within the close timeout, its processes with it."""
-    from grpolab.rollout.vllm import VLLMSubprocessEngine
+    from grpolab.rollout.vllm_server import VLLMSubprocessEngine
 
     before = _children()
     # sleep_level: a logged no-op on CPU (no sleep mode there); sleeps between rollouts on GPU
@@ -277,7 +277,7 @@ _KILLED_TRAINER = """
 import os, sys
 sys.path.insert(0, sys.argv[3])
 from conftest import descendants
-from grpolab.rollout.vllm import VLLMSubprocessEngine
+from grpolab.rollout.vllm_server import VLLMSubprocessEngine
 engine = VLLMSubprocessEngine(sys.argv[1], python=sys.argv[2], dtype="float32", max_model_len=256,
                               kv_cache_bytes=64 << 20)
 print("engine processes", *descendants(), flush=True)

@@ -43,7 +43,7 @@ def build_engine(cfg: RolloutConfig, model: nn.Module, tokenizer, model_dir: Pat
               "gpu_memory_utilization": v.gpu_memory_utilization, "sleep_level": v.sleep_level or None,
               "kv_cache_bytes": None if v.kv_cache_gib is None else int(v.kv_cache_gib * 2**30)}
     if v.python is not None:
-        from grpolab.rollout.vllm_worker import VLLMSubprocessEngine
+        from grpolab.rollout.vllm_server import VLLMSubprocessEngine
 
         if not Path(v.python).is_file():
             raise FileNotFoundError(f"rollout.vllm.python (--vllm-python): no such interpreter: {v.python}")

@@ -14,7 +14,8 @@ run here) uses vLLM's CUDA-IPC weight transfer. The prefix cache is reset after 
 mode (``sleep_level`` 1/2, CUDA/ROCm/XPU only; skipped with a logged note elsewhere) frees the
 accelerator between rollouts; level 2 discards the weights, so the engine pushes the latest ones
 again (last sync, else the checkpoint) whenever it wakes to generate (see ``VLLMEngine._wake``).
-The sync check is ``grpolab.rollout.sync_check``.
+The sync check is ``grpolab.rollout.sync_check``; the engine under another interpreter is
+``grpolab.rollout.vllm_server``.
 
 vLLM is imported lazily. Creating an engine
 spawns engine-core processes: scripts need an ``if __name__ == "__main__":`` guard.
@@ -30,16 +31,13 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from torch import nn
 
 from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids, let_an_interrupt_land
 
-if TYPE_CHECKING:
-    from grpolab.rollout.vllm_worker import VLLMSubprocessEngine
-
-__all__ = ["VLLM_MAX_TEMPERATURE", "VLLMEngine", "VLLMSubprocessEngine", "request_seed", "save_weights"]
+__all__ = ["VLLM_MAX_TEMPERATURE", "VLLMEngine", "request_seed", "save_weights"]
 
 logger = logging.getLogger(__name__)
 WeightSync = Literal["auto", "file", "cuda_ipc"]
@@ -50,14 +48,6 @@ VLLM_MAX_TEMPERATURE = 2.0
 (vllm/sampling_params.py, vLLM 0.32) raises ``VLLMValidationError`` (not a ValueError) "temperature
 must be in [0, 2], got ..."."""
 WORKER_EXTENSION = "grpolab.rollout.vllm_worker.WorkerExtension"
-
-
-def __getattr__(name: str):
-    if name == "VLLMSubprocessEngine":  # the engine under another interpreter lives with its server
-        from grpolab.rollout.vllm_worker import VLLMSubprocessEngine
-
-        return VLLMSubprocessEngine
-    raise AttributeError(name)
 
 
 # ---- helpers ---------------------------------------------------------------------------------
