@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from transformers import Cache, DynamicCache, TopKLogitsWarper, TopPLogitsWarper
+from transformers import Cache, TopKLogitsWarper, TopPLogitsWarper
+
+from grpolab.rollout.kv_cache import reserved_cache
 
 __all__ = ["Decoded", "decode", "left_padded_positions", "sample_step"]
 
@@ -115,7 +117,8 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
     """Sample up to ``max_new_tokens`` tokens for each left-padded row of ``input_ids`` [B, P].
 
     attention_mask: [B, P], 0 on the left padding.
-    cache: the rows' cache over all but the last prompt column (a shared prefill), or None to prefill here.
+    cache: the rows' cache over all but the last prompt column (a shared prefill), or None to prefill here
+        (into a ``grpolab.rollout.kv_cache.reserved_cache`` with room for the whole generation).
     eos_token_ids: ids that end a row (kept as its last token).
     stop_strings, decode_ids: strings that end a row once its generated text holds one; the token decoder.
     drop_fraction: ended rows leave the batch once they are more than this share of the rows computed
@@ -127,7 +130,7 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
     stops = _StopStrings(stop_strings, decode_ids) if stop_strings else None
     positions = left_padded_positions(attention_mask)
     if cache is None:
-        cache = DynamicCache(config=model.config)
+        cache = reserved_cache(model.config, input_ids.shape[1] + max_new_tokens)
         logits = _forward(model, input_ids, attention_mask, positions, cache)
     else:
         logits = _forward(model, input_ids[:, -1:], attention_mask, positions[:, -1:], cache)

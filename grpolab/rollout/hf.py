@@ -115,7 +115,7 @@ class HFEngine:
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, device) -> list[Completion]:
         if self.shared_prefill:
             input_ids, attention_mask, cache = shared_prefill(backbone_and_head(self.model)[0], self.model.config,
-                                                              prompts, self.pad_token_id, device)
+                                                              prompts, self.pad_token_id, device, params.max_new_tokens)
         else:
             input_ids, attention_mask = (t.to(device) for t in prompt_layout(prompts, self.pad_token_id))
             cache = None

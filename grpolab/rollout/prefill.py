@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from grpolab.rollout.decode import left_padded_positions
+from grpolab.rollout.kv_cache import reserved_cache
 
 __all__ = ["MIN_SAVED_TOKENS", "prompt_layout", "shared_prefill"]
 
@@ -44,14 +45,15 @@ def prompt_layout(prompts: list[list[int]], pad_id: int, prefix: int = 0) -> tup
     return input_ids, attention_mask
 
 
-def shared_prefill(backbone: nn.Module, config, prompts: list[list[int]], pad_id: int,
-                   device: torch.device) -> tuple[Tensor, Tensor, DynamicCache | None]:
+def shared_prefill(backbone: nn.Module, config, prompts: list[list[int]], pad_id: int, device: torch.device,
+                   max_new_tokens: int) -> tuple[Tensor, Tensor, DynamicCache | None]:
     """Input ids and attention mask [B, W] of ``prompts`` (``prompt_layout``, on ``device``) and the cache of
     all their columns but the last, each distinct prompt and the prefix they all share computed once; the
     cache is None when no prompt repeats and no prefix is worth sharing (``decode`` prefills every row).
 
     backbone: the decoder without its output layer (``grpolab.logprobs.backbone_and_head``); config: the
-    model's config (the cache's layer types)."""
+    model's config (the cache's layer types); max_new_tokens: the cache keeps room for them
+    (``grpolab.rollout.kv_cache``)."""
     distinct: dict[tuple[int, ...], int] = {}
     row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
     prefix = min(len(os.path.commonprefix(list(distinct))), min(map(len, prompts)) - 1)
@@ -60,7 +62,7 @@ def shared_prefill(backbone: nn.Module, config, prompts: list[list[int]], pad_id
     input_ids, attention_mask = (t.to(device) for t in prompt_layout(prompts, pad_id, prefix))
     if (len(distinct) == len(prompts) and not prefix) or input_ids.shape[1] < 2:
         return input_ids, attention_mask, None
-    cache = DynamicCache(config=config)
+    cache = reserved_cache(config, input_ids.shape[1] + max_new_tokens)
     if prefix:
         backbone(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix],
                  position_ids=torch.arange(prefix, device=device)[None], past_key_values=cache, use_cache=True)
