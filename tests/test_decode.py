@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpolab.rollout.decode import decode, sample_step
+from grpolab.rollout.decode import compaction, decode, sample_step
 
 
 def reference_step(logits: np.ndarray, u: float, temperature: float, top_k: int, top_p: float) -> tuple[int, float]:
@@ -95,3 +95,18 @@ def test_dropping_finished_rows_changes_no_rows_tokens(make_tiny_model, tokenize
         assert out.tokens == kept.tokens and out.stopped == kept.stopped
         for a, b in zip(out.logprobs, kept.logprobs):
             assert a == pytest.approx(b, abs=1e-5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=40))
+def test_compaction_keeps_the_live_rows_and_moves_only_those_past_the_kept_count(live):
+    """Every live row is kept once; a live row among the first k (k = live rows) keeps its place; each row
+    that moves comes from past k, into an ended row's place. No live row: row 0 alone, idle."""
+    keep = compaction(live)
+    k = sum(live)
+    if not k:
+        assert keep == [0]
+        return
+    assert sorted(keep) == [i for i, alive in enumerate(live) if alive]
+    for place, row in enumerate(keep):
+        assert row == place if live[place] else row >= k

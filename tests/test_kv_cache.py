@@ -14,11 +14,14 @@ from grpolab.rollout.kv_cache import ReservedLayer, reserved_cache
 def test_reserved_layer_holds_what_a_dynamic_layer_holds(capacity):
     """Prefill 6 positions of 4 rows, repeat rows, append single positions and drop rows in between: the
     keys and values (and the length) are those of DynamicLayer at every step; appends after the first
-    allocation that fits write in place."""
+    allocation that fits write in place, and so do row drops whose moved rows all come from past the
+    rows kept."""
     torch.manual_seed(0)
     ours, theirs = ReservedLayer(capacity), DynamicLayer()
-    steps = [("update", 6), ("select", [0, 0, 1, 2, 3, 3]), ("update", 1), ("update", 1), ("select", [5, 1, 2]),
-             ("update", 1), ("select", [2]), ("update", 2)]
+    steps = [("update", 6), ("select", [0, 0, 1, 2, 3, 3]), ("update", 1), ("update", 1), ("select", [0, 5, 2, 4]),
+             ("select", [3, 1, 2]), ("update", 1), ("select", [2]), ("update", 2)]
+    # the selections decode's compaction makes (every moved row from past the kept count) stay in place
+    in_place = {(0, 5, 2, 4): True, (3, 1, 2): True, (2,): True, (0, 0, 1, 2, 3, 3): False}
     rows = 4
     for op, arg in steps:
         if op == "update":
@@ -29,8 +32,9 @@ def test_reserved_layer_holds_what_a_dynamic_layer_holds(capacity):
                 assert ours._keys is before  # written in place
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         else:
-            index = torch.tensor(arg)
+            index, storage = torch.tensor(arg), ours._keys.untyped_storage().data_ptr()
             ours.batch_select_indices(index)
+            assert (ours._keys.untyped_storage().data_ptr() == storage) == in_place[tuple(arg)]
             theirs.batch_select_indices(index)
             rows = len(arg)
         assert ours.get_seq_length() == theirs.get_seq_length()

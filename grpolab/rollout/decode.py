@@ -30,7 +30,7 @@ from transformers import Cache, TopKLogitsWarper, TopPLogitsWarper
 
 from grpolab.rollout.kv_cache import reserved_cache
 
-__all__ = ["Decoded", "decode", "left_padded_positions", "sample_step"]
+__all__ = ["Decoded", "compaction", "decode", "left_padded_positions", "sample_step"]
 
 
 def sample_step(logits: Tensor, uniform: Tensor | None, temperature: float, top_k: int = 0,
@@ -122,8 +122,8 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
     eos_token_ids: ids that end a row (kept as its last token).
     stop_strings, decode_ids: strings that end a row once its generated text holds one; the token decoder.
     drop_fraction: ended rows leave the batch once they are more than this share of the rows computed
-        (0: at every step where a row ends; the cache rows are copied then, as transformers' cache
-        copies them at every step anyway).
+        (0: at every step where a row ends; a reserved cache then copies only the rows that move, see
+        ``compaction``).
     """
     device, batch = input_ids.device, input_ids.shape[0]
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
@@ -154,7 +154,7 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
         if step == max_new_tokens - 1 or not _any_live(any(live), synced, device):
             break
         if len(rows) > 1 and live.count(False) > drop_fraction * len(rows):
-            keep = [i for i, alive in enumerate(live) if alive] or [0]  # synced: an idle row keeps stepping
+            keep = compaction(live)
             index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)
             attention_mask, last_position, new = attention_mask[index], last_position[index], new[index]
@@ -163,6 +163,16 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
         last_position = last_position + 1
         logits = _forward(model, new[:, None], attention_mask, last_position[:, None], cache)
     return Decoded(tokens, logprobs, stopped)
+
+
+def compaction(live: list[bool]) -> list[int]:
+    """The rows to keep of a batch whose rows are ``live`` or ended, in the order that moves fewest of them:
+    with k live rows, each live row among the first k stays in place and the live rows past k fill the ended
+    rows' places (``grpolab.rollout.kv_cache`` then copies only those). No live row (synced): row 0 stays,
+    idle."""
+    k = max(sum(live), 1)
+    tail = [i for i in range(k, len(live)) if live[i]]
+    return [i if live[i] or not tail else tail.pop() for i in range(k)]
 
 
 def _any_live(here: bool, synced: bool, device: torch.device) -> bool:

@@ -50,13 +50,26 @@ class ReservedLayer(DynamicLayer):
         return self.length
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        if self.length:
-            for name in ("_keys", "_values"):
-                old = getattr(self, name)
-                buffer = old.new_empty((len(indices), *old.shape[1:]))
+        """Keep rows ``indices`` (in that order). Where every row that moves comes from past the kept count
+        (``decode``'s compaction: the live rows past it fill the ended rows' places), the moved rows are
+        copied within the buffers and the rest stay; otherwise the filled part is gathered anew."""
+        if not self.length:
+            return
+        kept = indices.tolist()
+        moves = [(to, source) for to, source in enumerate(kept) if to != source]
+        in_place = all(source >= len(kept) for _, source in moves)
+        for name in ("_keys", "_values"):
+            old = getattr(self, name)
+            if in_place:
+                if moves:
+                    to, source = (torch.tensor(side, device=old.device) for side in zip(*moves))
+                    old[to, :, : self.length] = old[source, :, : self.length]
+                buffer = old[: len(kept)]
+            else:
+                buffer = old.new_empty((len(kept), *old.shape[1:]))
                 buffer[..., : self.length, :] = old[indices, :, : self.length]
-                setattr(self, name, buffer)
-            self.keys, self.values = self._keys[..., : self.length, :], self._values[..., : self.length, :]
+            setattr(self, name, buffer)
+        self.keys, self.values = self._keys[..., : self.length, :], self._values[..., : self.length, :]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("ReservedLayer is for decoding forward only")
