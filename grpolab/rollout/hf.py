@@ -10,6 +10,10 @@ Shared prefill (``grpolab.rollout.prefill``): each distinct prompt of a batch is
 ``n`` samples, and the prefix all its prompts share (a system prompt, a template's header) once for all;
 only the prompts' last tokens are prefilled per row.
 
+On a CPU, grouped key/value heads attend as they are, even with the padding's mask
+(``grpolab.rollout.grouped_attention``), and large weights are laid out once per call
+(``grpolab.rollout.packed_linear``).
+
 Seeding: every batch seeds torch's RNG from ``params.seed`` and the global index of its first row
 (``params.prompt_offset * n`` plus its position in the call; a call's first batch at offset 0 takes the
 seed itself), inside ``torch.random.fork_rng``, so the caller's global RNG stream is left untouched.
@@ -28,6 +32,7 @@ from torch import nn
 from grpolab.logprobs import backbone_and_head
 from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
 from grpolab.rollout.decode import decode
+from grpolab.rollout.grouped_attention import grouped_kv_attention
 from grpolab.rollout.packed_linear import packed_linears
 from grpolab.rollout.prefill import prompt_layout, shared_prefill
 
@@ -100,6 +105,7 @@ class HFEngine:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.no_grad())
                 stack.enter_context(self.compute_context())
+                stack.enter_context(grouped_kv_attention(model))
                 if self.pack_weights:
                     stack.enter_context(packed_linears(model, min(len(flat), self.max_batch_size)))
                 if params.seed is not None:
