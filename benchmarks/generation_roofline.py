@@ -18,19 +18,34 @@ of ``F.linear`` and oneDNN on a weight laid out beforehand (as the hf engine now
 second (tokens up to and including each row's stop) and its share of each roofline. Engines:
 ``generate`` = transformers' ``model.generate`` with the same sampling (the hf engine before it had its
 own loop), ``hf`` = grpolab's hf engine, ``hf-unpacked`` = the same with ``rollout.pack_weights = false``,
-and ``vllm`` when the interpreter has vLLM. Target (issue 27): hf >= 60% of the roofline on one thread
+``hf-sdpa`` = the same attending through transformers' ``sdpa`` (grouped key/value heads copied under a
+padding mask, as before ``grpolab.rollout.grouped_attention``), and ``vllm`` when the interpreter has vLLM. Target (issue 27): hf >= 60% of the roofline on one thread
 and on two.
+
+Floor (hf engines): the matmuls alone of the forwards the engine actually ran, each forward's linear
+layers timed in order at its row count (as the engine multiplies them, prepacked where it prepacks)
+and summed. The rooflines time each shape on its own, its weight in the CPU's caches from the repeat
+before; a decoding step reads every weight from memory once, and its rows shrink as completions end,
+which the floor counts and the rooflines do not. An engine's share of its floor is what it loses outside
+the matmuls (attention, caches, sampling, Python); the floor's own share of the roofline is what the
+batch's tail and the weights' memory traffic cost any engine that computes only live rows.
+
+Prompts of different lengths (a padding mask in every step) are another workload than the default's
+equal-length chat prompts: ``--config configs/gsm8k_qwen3_0.6b.toml model.path=gguf:smollm2
+model.dtype=float32 reference=none`` runs SmolLM2 on GSM8K's r1_zero prompts (138-173 tokens).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +54,9 @@ from rich.table import Table
 from torch import nn
 
 from grpolab.config import load_config, parse_value
+from grpolab.logprobs import backbone_and_head
+from grpolab.rollout import hf as hf_engine
+from grpolab.rollout.packed_linear import packed_linears
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2_arithmetic.toml"
 
@@ -76,6 +94,43 @@ def linear_seconds_per_token(model: nn.Module, rows: int, repeats: int = 5, roun
     return seconds
 
 
+@contextlib.contextmanager
+def sdpa_attention():
+    """The hf engine attends through transformers' own ``sdpa`` within it (its grouped-heads switch off)."""
+    switch = hf_engine.grouped_kv_attention
+    hf_engine.grouped_kv_attention = lambda model: contextlib.nullcontext(False)
+    try:
+        yield
+    finally:
+        hf_engine.grouped_kv_attention = switch
+
+
+def record_forwards(model: nn.Module) -> tuple[list[int], Callable[[], None]]:
+    """A list that collects the token rows (batch x columns) of every forward of ``model``'s backbone, and
+    the function that stops collecting."""
+    rows: list[int] = []
+    def hook(module, args, kwargs):  # noqa: E306
+        rows.append(kwargs["input_ids"].numel())
+    handle = backbone_and_head(model)[0].register_forward_pre_hook(hook, with_kwargs=True)
+    return rows, handle.remove
+
+
+def streamed_seconds(model: nn.Module, rows: int, pack_rows: int | None, repeats: int = 3) -> float:
+    """Seconds of one pass through every linear layer of ``model`` in the order they are defined, at
+    ``rows`` rows, with the weights laid out as the hf engine lays them out for ``pack_rows`` (None: not
+    laid out) (best of ``repeats``): the matmuls of one forward, each weight read once."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    inputs = {m.in_features: torch.randn(rows, m.in_features) for m in layers}
+    best = float("inf")
+    with torch.no_grad(), packed_linears(model, pack_rows) if pack_rows else contextlib.nullcontext():
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for layer in layers:
+                layer(inputs[layer.in_features])
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
 def generate_baseline(model, tokenizer, prompts: list[list[int]], n: int, max_new: int, eos: list[int]) -> int:
     """transformers' ``model.generate`` (sampling at temperature 1, no truncation); completion tokens."""
     rows = [p for p in prompts for _ in range(n)]
@@ -93,13 +148,24 @@ def generate_baseline(model, tokenizer, prompts: list[list[int]], n: int, max_ne
     return total
 
 
+def floor(model: nn.Module, forwards: list[list[int]], tokens: list[int], pack_rows: int | None,
+          console: Console) -> dict:
+    """The matmul-only time of the recorded ``forwards`` (token rows per forward, per call) and its tokens/s;
+    ``pack_rows``: as ``streamed_seconds``'s."""
+    distinct = sorted({rows for call in forwards for rows in call})
+    console.print(f"timing the floor: the linear layers streamed at {len(distinct)} row counts ...")
+    seconds = {rows: streamed_seconds(model, rows, pack_rows) for rows in distinct}
+    total = sum(seconds[rows] for call in forwards for rows in call)
+    return {"seconds": total, "tokens_per_s": sum(tokens) / total, "forwards": [len(call) for call in forwards]}
+
+
 def main(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engines", default="generate,hf,hf-unpacked",
-                        help="comma-separated: generate, hf, hf-unpacked, vllm")
+                        help="comma-separated: generate, hf, hf-unpacked, hf-sdpa, vllm")
     parser.add_argument("--json", help="also write the figures here (must not exist)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.max_new_tokens=64")
     args = parser.parse_args(argv)
@@ -139,32 +205,46 @@ def main(argv: list[str]) -> dict:
                                                  r.max_new_tokens, eos)
                 else:
                     def call(seed):  # noqa: E306
-                        out = trainer.engine.generate(prompts, r.group_size, trainer.collector.sampling_params(seed, 0))
+                        with sdpa_attention() if engine == "hf-sdpa" else contextlib.nullcontext():
+                            out = trainer.engine.generate(prompts, r.group_size,
+                                                          trainer.collector.sampling_params(seed, 0))
                         return sum(len(c.completion_ids) for g in out for c in g)
                 call(0)  # warm-up
-                seconds, tokens = [], []
+                seconds, tokens, forwards = [], [], []
                 for seed in range(1, args.repeats + 1):
+                    rows, stop_recording = record_forwards(trainer.model)
                     started = time.perf_counter()
                     tokens.append(call(seed))
                     seconds.append(time.perf_counter() - started)
+                    stop_recording()
+                    forwards.append(rows)
                     console.print(f"{engine}: {tokens[-1]} tokens in {seconds[-1]:.1f} s")
                 results["engines"][engine] = {"tokens": tokens, "seconds": seconds,
                                               "tokens_per_s": sum(tokens) / sum(seconds)}
+                if engine.startswith("hf"):
+                    pack_rows = None if engine == "hf-unpacked" else min(r.prompts_per_step * r.group_size,
+                                                                         r.max_batch_size)
+                    results["engines"][engine]["floor"] = floor(trainer.model, forwards, tokens, pack_rows, console)
             finally:
                 trainer.close()
     roof = {kind: results["roofline"][kind]["tokens_per_s"] for kind in ("linear", "best")}
     table = Table(title=f"generation, {args.threads} thread(s): {results['roofline']['rows']} rows, roofline "
                         f"{roof['linear']:.1f} tokens/s (F.linear), {roof['best']:.1f} (best kernel)")
     for column in ("engine", "tokens/call", "s/call", "tokens/s", "of roofline (F.linear)",
-                   "of roofline (best kernel)", "vs generate"):
+                   "of roofline (best kernel)", "vs generate", "floor tokens/s (of roofline)", "of floor"):
         table.add_column(column, justify="right")
     base = results["engines"].get("generate", {}).get("tokens_per_s")
     for name, m in results["engines"].items():
         m["share_of_roofline"] = {kind: m["tokens_per_s"] / r for kind, r in roof.items()}
+        cells = ["-", "-"]
+        if "floor" in m:
+            f = m["floor"]
+            f["share_of_roofline"], m["share_of_floor"] = f["tokens_per_s"] / roof["linear"], m["tokens_per_s"] / f["tokens_per_s"]
+            cells = [f"{f['tokens_per_s']:.1f} ({100 * f['share_of_roofline']:.0f}%)", f"{100 * m['share_of_floor']:.0f}%"]
         table.add_row(name, f"{statistics.mean(m['tokens']):.0f}", f"{statistics.mean(m['seconds']):.1f}",
                       f"{m['tokens_per_s']:.1f}", f"{100 * m['share_of_roofline']['linear']:.0f}%",
                       f"{100 * m['share_of_roofline']['best']:.0f}%",
-                      f"{m['tokens_per_s'] / base:.2f}x" if base else "-")
+                      f"{m['tokens_per_s'] / base:.2f}x" if base else "-", *cells)
     console.print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

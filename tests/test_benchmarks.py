@@ -56,11 +56,17 @@ def test_generation_roofline_reports_every_engine_against_both_rooflines(warm_mo
     config.write_text("")
     overrides = [f"{k.removeprefix('--')}={v}" for k, v in zip(_small(warm_model_dir)[::2], _small(warm_model_dir)[1::2])]
     results = generation_roofline.main(["--config", str(config), "--repeats", "1", "--engines",
-                                        "generate,hf,hf-unpacked", "--json", str(tmp_path / "g.json"), *overrides])
+                                        "generate,hf,hf-unpacked,hf-sdpa", "--json", str(tmp_path / "g.json"),
+                                        *overrides])
     roofline = results["roofline"]
     assert roofline["rows"] == 16 and roofline["best"]["tokens_per_s"] >= roofline["linear"]["tokens_per_s"]
-    assert set(results["engines"]) == {"generate", "hf", "hf-unpacked"}
-    for engine in results["engines"].values():
+    assert set(results["engines"]) == {"generate", "hf", "hf-unpacked", "hf-sdpa"}
+    for name, engine in results["engines"].items():
         assert engine["tokens"][0] > 0
         assert engine["share_of_roofline"]["best"] <= engine["share_of_roofline"]["linear"]
+        # the floor: the matmuls of the forwards the engine ran (the prefill and one per decoding step)
+        assert ("floor" in engine) == name.startswith("hf")
+        if name.startswith("hf"):
+            assert 2 <= engine["floor"]["forwards"][0] <= 2 + 24  # two prefills (prefix, prompts), <= 24 tokens
+            assert 0 < engine["floor"]["seconds"] and engine["share_of_floor"] > 0
     assert "roofline (best): " in capsys.readouterr().out and (tmp_path / "g.json").is_file()
