@@ -23,8 +23,8 @@ padding mask, as before ``grpolab.rollout.grouped_attention``), and ``vllm`` whe
 and on two.
 
 Floor (hf engines): the matmuls alone of the forwards the engine actually ran, each forward's linear
-layers timed in order at its row count (as the engine multiplies them, prepacked where it prepacks)
-and summed. The rooflines time each shape on its own, its weight in the CPU's caches from the repeat
+layers timed in order at its row count (the output layer at the rows whose logits it computed), as the
+engine multiplies them (prepacked where it prepacks), and summed. The rooflines time each shape on its own, its weight in the CPU's caches from the repeat
 before; a decoding step reads every weight from memory once, and its rows shrink as completions end,
 which the floor counts and the rooflines do not. An engine's share of its floor is what it loses outside
 the matmuls (attention, caches, sampling, Python); the floor's own share of the roofline is what the
@@ -105,24 +105,23 @@ def sdpa_attention():
         hf_engine.grouped_kv_attention = switch
 
 
-def record_forwards(model: nn.Module) -> tuple[list[int], Callable[[], None]]:
-    """A list that collects the token rows (batch x columns) of every forward of ``model``'s backbone, and
-    the function that stops collecting."""
-    rows: list[int] = []
-    def hook(module, args, kwargs):  # noqa: E306
-        rows.append(kwargs["input_ids"].numel())
-    handle = backbone_and_head(model)[0].register_forward_pre_hook(hook, with_kwargs=True)
-    return rows, handle.remove
+def record_forwards(model: nn.Module) -> tuple[dict[str, list[int]], Callable[[], None]]:
+    """Lists that collect the token rows of every forward of ``model``'s backbone (batch x columns) and of
+    its output layer (the rows whose logits are computed), and the function that stops collecting."""
+    backbone, head = backbone_and_head(model)[0], model.get_output_embeddings()
+    rows: dict[str, list[int]] = {"backbone": [], "head": []}
+    handles = [backbone.register_forward_pre_hook(lambda m, args, kwargs: rows["backbone"].append(
+                   kwargs["input_ids"].numel()), with_kwargs=True),
+               head.register_forward_pre_hook(lambda m, args: rows["head"].append(args[0].numel() // args[0].shape[-1]))]
+    return rows, lambda: [h.remove() for h in handles]
 
 
-def streamed_seconds(model: nn.Module, rows: int, pack_rows: int | None, repeats: int = 3) -> float:
-    """Seconds of one pass through every linear layer of ``model`` in the order they are defined, at
-    ``rows`` rows, with the weights laid out as the hf engine lays them out for ``pack_rows`` (None: not
-    laid out) (best of ``repeats``): the matmuls of one forward, each weight read once."""
-    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+def streamed_seconds(layers: list[nn.Linear], rows: int, repeats: int = 3) -> float:
+    """Seconds of one pass through ``layers`` in order at ``rows`` rows (best of ``repeats``): the matmuls
+    of one forward, each weight read once."""
     inputs = {m.in_features: torch.randn(rows, m.in_features) for m in layers}
     best = float("inf")
-    with torch.no_grad(), packed_linears(model, pack_rows) if pack_rows else contextlib.nullcontext():
+    with torch.no_grad():
         for _ in range(repeats):
             started = time.perf_counter()
             for layer in layers:
@@ -148,15 +147,18 @@ def generate_baseline(model, tokenizer, prompts: list[list[int]], n: int, max_ne
     return total
 
 
-def floor(model: nn.Module, forwards: list[list[int]], tokens: list[int], pack_rows: int | None,
+def floor(model: nn.Module, forwards: list[dict[str, list[int]]], tokens: list[int], pack_rows: int | None,
           console: Console) -> dict:
-    """The matmul-only time of the recorded ``forwards`` (token rows per forward, per call) and its tokens/s;
-    ``pack_rows``: as ``streamed_seconds``'s."""
-    distinct = sorted({rows for call in forwards for rows in call})
-    console.print(f"timing the floor: the linear layers streamed at {len(distinct)} row counts ...")
-    seconds = {rows: streamed_seconds(model, rows, pack_rows) for rows in distinct}
-    total = sum(seconds[rows] for call in forwards for rows in call)
-    return {"seconds": total, "tokens_per_s": sum(tokens) / total, "forwards": [len(call) for call in forwards]}
+    """The matmul-only time of the recorded ``forwards`` (per call, ``record_forwards``'s rows) and its
+    tokens/s, with the weights laid out as the hf engine lays them out for ``pack_rows`` (None: not)."""
+    backbone, head = backbone_and_head(model)[0], model.get_output_embeddings()
+    parts = {"backbone": [m for m in backbone.modules() if isinstance(m, nn.Linear)], "head": [head]}
+    distinct = {part: sorted({rows for call in forwards for rows in call[part]}) for part in parts}
+    console.print(f"timing the floor: the linear layers streamed at {len(distinct['backbone'])} row counts ...")
+    with packed_linears(model, pack_rows) if pack_rows else contextlib.nullcontext():
+        seconds = {part: {rows: streamed_seconds(parts[part], rows) for rows in distinct[part]} for part in parts}
+    total = sum(seconds[part][rows] for call in forwards for part in parts for rows in call[part])
+    return {"seconds": total, "tokens_per_s": sum(tokens) / total, "forwards": [len(call["backbone"]) for call in forwards]}
 
 
 def main(argv: list[str]) -> dict:
