@@ -27,7 +27,7 @@ from pathlib import Path
 
 
 def run_demo(algo: str, engine: str, out: Path, env: dict[str, str], extra: list[str]) -> tuple[dict, float]:
-    cmd = [sys.executable, "-m", "grpolab.cli", "demo", "--algo", algo, "--engine", engine, "--output-dir", str(out),
+    cmd = [sys.executable, "-m", "grpolab.commands.cli", "demo", "--algo", algo, "--engine", engine, "--output-dir", str(out),
            *extra]
     started = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
@@ -39,7 +39,7 @@ def warm_started(seed: int, cache: Path) -> list[str]:
     if seed == 0:
         return []
     from grpolab.tasks import make_task
-    from grpolab.tinymodel import WarmStartSettings, warm_start_model
+    from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
 
     return ["--model", str(warm_start_model(make_task("arithmetic"), WarmStartSettings(seed=seed), cache))]
 

@@ -54,7 +54,7 @@ from rich.table import Table
 from torch import nn
 
 from grpolab.config import load_config, parse_value
-from grpolab.logprobs import backbone_and_head
+from grpolab.models.logprobs import backbone_and_head
 from grpolab.rollout import hf as hf_engine
 from grpolab.rollout.packed_linear import packed_linears
 
@@ -177,7 +177,7 @@ def main(argv: list[str]) -> dict:
     overrides = {"rollout.max_new_tokens": 64, "rollout.temperature": 1.0, "threads": args.threads}
     overrides |= {k: parse_value(v) for k, v in (o.split("=", 1) for o in args.overrides)}
     console = Console()
-    from grpolab.trainer import Trainer
+    from grpolab.run.trainer import Trainer
 
     results: dict = {"threads": args.threads, "engines": {}}
     with tempfile.TemporaryDirectory(prefix="grpolab-gen-") as root:
@@ -188,33 +188,33 @@ def main(argv: list[str]) -> dict:
             trainer = Trainer(cfg, Console(quiet=True))
             try:
                 r = cfg.rollout
-                prompts = [trainer.prompt_ids[e.id] for e in trainer.prompts.take(r.prompts_per_step)]
+                prompts = [trainer.parts.prompt_ids[e.id] for e in trainer.parts.prompts.take(r.prompts_per_step)]
                 if "roofline" not in results:
                     rows = r.prompts_per_step * r.group_size
-                    flops = 2 * sum(m.weight.numel() for m in trainer.model.modules() if isinstance(m, nn.Linear))
+                    flops = 2 * sum(m.weight.numel() for m in trainer.parts.model.modules() if isinstance(m, nn.Linear))
                     console.print(f"timing the model's linear layers at {rows} rows (8-13 s measured at 2 threads) ...")
-                    seconds = linear_seconds_per_token(trainer.model, rows)
+                    seconds = linear_seconds_per_token(trainer.parts.model, rows)
                     results["roofline"] = {"rows": rows, "prompt_tokens": statistics.mean(map(len, prompts))}
                     for kind, s in seconds.items():
                         results["roofline"][kind] = {"tokens_per_s": 1 / s, "gflops": flops / s / 1e9}
                         console.print(f"roofline ({kind}): {1 / s:.1f} tokens/s ({flops / s / 1e9:.1f} GFLOP/s "
                                       f"at {rows} rows)")
                 if engine == "generate":
-                    eos = trainer.engine.eos_token_ids
+                    eos = trainer.parts.engine.eos_token_ids
                     def call(seed):  # noqa: E306
                         torch.manual_seed(seed)
-                        return generate_baseline(trainer.model, trainer.tokenizer, prompts, r.group_size,
+                        return generate_baseline(trainer.parts.model, trainer.parts.tokenizer, prompts, r.group_size,
                                                  r.max_new_tokens, eos)
                 else:
                     def call(seed):  # noqa: E306
                         with sdpa_attention() if engine == "hf-sdpa" else contextlib.nullcontext():
-                            out = trainer.engine.generate(prompts, r.group_size,
-                                                          trainer.collector.sampling_params(seed, 0))
+                            out = trainer.parts.engine.generate(prompts, r.group_size,
+                                                          trainer.parts.collector.sampling_params(seed, 0))
                         return sum(len(c.completion_ids) for g in out for c in g)
                 call(0)  # warm-up
                 seconds, tokens, forwards = [], [], []
                 for seed in range(1, args.repeats + 1):
-                    rows, stop_recording = record_forwards(trainer.model)
+                    rows, stop_recording = record_forwards(trainer.parts.model)
                     started = time.perf_counter()
                     tokens.append(call(seed))
                     seconds.append(time.perf_counter() - started)
@@ -226,7 +226,7 @@ def main(argv: list[str]) -> dict:
                 if engine.startswith("hf"):
                     pack_rows = None if engine == "hf-unpacked" else min(r.prompts_per_step * r.group_size,
                                                                          r.max_batch_size)
-                    results["engines"][engine]["floor"] = floor(trainer.model, forwards, tokens, pack_rows, console)
+                    results["engines"][engine]["floor"] = floor(trainer.parts.model, forwards, tokens, pack_rows, console)
             finally:
                 trainer.close()
     roof = {kind: results["roofline"][kind]["tokens_per_s"] for kind in ("linear", "best")}

@@ -72,8 +72,8 @@ def prepare_warm_starts(folder: Path, settings=None) -> list[Path]:
     the warm-start recipe (default: the demo's, as the sections use). Shows each warm start's progress."""
     from rich.console import Console
 
-    from grpolab.progress import Reporter
-    from grpolab.tinymodel import warm_start_model
+    from grpolab.common.progress import Reporter
+    from grpolab.models.tinymodel import warm_start_model
 
     reporter = Reporter(Console())
     return [warm_start_model(task, settings, cache_dir=folder / "cache" / "tiny", reporter=reporter)
@@ -207,13 +207,13 @@ def small_config(device: str, out: Path, quick: bool):
 def rl_steps(device: str, quick: bool) -> dict:
     from rich.console import Console
 
-    from grpolab.probe import peak_memory_mb
-    from grpolab.trainer import Trainer
+    from grpolab.commands.probe import peak_memory_mb
+    from grpolab.run.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as scratch:
         trainer = Trainer(small_config(device, Path(scratch) / "run", quick), Console(quiet=True))
         try:
-            peaks = {"load": peak_memory_mb(trainer.device, reset=True)}
+            peaks = {"load": peak_memory_mb(trainer.parts.device, reset=True)}
             steps = []
             for step in range(1, (2 if quick else 5) + 1):
                 record = trainer.train_step(step)
@@ -221,9 +221,9 @@ def rl_steps(device: str, quick: bool) -> dict:
                     "reward_mean", "accuracy", "sync/logprob_diff_mean", "sync/logprob_diff_max",
                     "sync/noise_floor_mean", "first_update/ratio_mean", "grad_norm", "actual_updates",
                     "time/generate", "time/train", "time/step", "tokens_per_s")})
-            peaks["steps"] = peak_memory_mb(trainer.device)
-            precision, multiple = trainer.precision, trainer.cfg.rollout.sync_noise_multiple
-            min_floor = trainer.sync_monitor.min_floor
+            peaks["steps"] = peak_memory_mb(trainer.parts.device)
+            precision, multiple = trainer.parts.precision, trainer.cfg.rollout.sync_noise_multiple
+            min_floor = trainer.parts.sync_monitor.min_floor
         finally:
             trainer.close()
     return {"precision": precision.name, "weights": str(precision.storage), "compute": str(precision.compute),
@@ -237,9 +237,9 @@ def weights_changed(device: str, quick: bool, steps: int = 10) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from grpolab.logprobs import token_logprobs
-    from grpolab.models import load_policy, resolve_model_dir
-    from grpolab.precision import resolve_precision
+    from grpolab.models.logprobs import token_logprobs
+    from grpolab.models.loading import load_policy, resolve_model_dir
+    from grpolab.models.precision import resolve_precision
     task = warm_start_tasks()[1]
     # quick: the demo's tiny model (torch-optimi's CPU path is slow on a 150k-vocabulary embedding)
     model_dir = resolve_model_dir(None, task) if quick else resolve_model_dir("like:qwen3-0.6b", task,
@@ -273,7 +273,7 @@ def weights_changed(device: str, quick: bool, steps: int = 10) -> dict:
 
 def probe_olmo2_1b(device: str, quick: bool) -> dict:
     from grpolab.config import load_config
-    from grpolab.probe import run_probe
+    from grpolab.commands.probe import run_probe
 
     overrides = {"model": "like:olmo2-1b", "model.device": device, "model.dtype": "bfloat16"}
     if quick:

@@ -23,7 +23,7 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from grpolab.logprobs import token_logprobs
+    from grpolab.models.logprobs import token_logprobs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ rollout tokens/s at least 3x the hf engine's; a weight sync at most 5% of an RL 
 
 import sys
 
-from grpolab.cli import main
+from grpolab.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "rollout", *sys.argv[1:]]) or main(["bench", "step", *sys.argv[1:]]))

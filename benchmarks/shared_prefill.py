@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from grpolab.cli import parse_overrides
+from grpolab.commands.cli import parse_overrides
 from grpolab.config import load_config
-from grpolab.trainer import Trainer
+from grpolab.run.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from training_phase import GSM8K_LIKE  # noqa: E402
@@ -43,15 +43,15 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(load_config(None, {**overrides, "output_dir": f"{root}/run"}), Console(quiet=True))
         try:
             r = trainer.cfg.rollout
-            prompts = [trainer.prompt_ids[e.id] for e in trainer.prompts.take(r.prompts_per_step)]
-            params = trainer.collector.sampling_params(0, 0)
+            prompts = [trainer.parts.prompt_ids[e.id] for e in trainer.parts.prompts.take(r.prompts_per_step)]
+            params = trainer.parts.collector.sampling_params(0, 0)
             seconds: dict[bool, list[float]] = {True: [], False: []}
             outputs = {}
             for repeat in range(args.repeats + 1):
                 for shared in (True, False):
-                    trainer.engine.shared_prefill = shared
+                    trainer.parts.engine.shared_prefill = shared
                     started = time.perf_counter()
-                    outputs[shared] = trainer.engine.generate(prompts, r.group_size, params)
+                    outputs[shared] = trainer.parts.engine.generate(prompts, r.group_size, params)
                     if repeat:  # the first round warms up
                         seconds[shared].append(time.perf_counter() - started)
         finally:

@@ -19,13 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-from grpolab.rundir import read_metrics
-from grpolab.suite.manifest import SuiteManifest
-from grpolab.suite.runner import progress_of
+from grpolab.run.rundir import read_metrics
+from grpolab.studies.manifest import SuiteManifest
+from grpolab.studies.suite.runner import progress_of
 
 
 def suite(*args: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "grpolab.cli", "suite", *args], stdout=log.open("w"),
+    return subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", *args], stdout=log.open("w"),
                             stderr=subprocess.STDOUT)
 
 
@@ -73,7 +73,7 @@ def main() -> None:
               f"{x.final_checkpoint_sha256 == y.final_checkpoint_sha256}", flush=True)
     victim_run = b.runs[args.kill_run - 1]
     log = killed_root / "logs" / f"{victim_run.name}.log"
-    trainers = [line for line in log.read_text().splitlines() if line.startswith("# ") and "grpolab.cli train" in line]
+    trainers = [line for line in log.read_text().splitlines() if line.startswith("# ") and "grpolab.commands.cli train" in line]
     print(f"run {victim_run.name}: {len(trainers)} trainer command(s) in its log; the resume waited for "
           f"{[w['pid'] for w in victim_run.waits] or 'no process'}", flush=True)
 

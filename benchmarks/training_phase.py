@@ -9,7 +9,7 @@ pruning), timed for each way of computing it, after one warm-up:
   previous       the path before shared prompts: ``token_logprobs`` on right-padded rows, micro-batches
                  of ``optim.micro_batch_size`` rows, the output layer on every position
   rows           one sequence per row, the output layer on completion tokens only
-  shared         each prompt computed once for its group (``grpolab.shared_prefix``)
+  shared         each prompt computed once for its group (``grpolab.learning.shared_prefix``)
   shared+tokens  the same, micro-batches by a token budget (``--micro-batch-tokens``)
 For each: seconds (median), speed-up over ``previous``, and the largest differences from it: of the
 log-probs of completion tokens (absolute) and of the gradient (relative to its largest entry).
@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from grpolab.batching import collate
-from grpolab.cli import parse_overrides
+from grpolab.learning.batching import collate
+from grpolab.commands.cli import parse_overrides
 from grpolab.config import load_config
-from grpolab.logprobs import token_logprobs
+from grpolab.models.logprobs import token_logprobs
 from grpolab.rollout.base import Completion
-from grpolab.trainer import Trainer
-from grpolab.update import UpdateData, accumulate_gradients
+from grpolab.run.trainer import Trainer
+from grpolab.learning.update import UpdateData, accumulate_gradients
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K_LIKE = {"model.path": "like:qwen3-0.6b", "model.like_overrides": {"num_hidden_layers": 2},
@@ -49,19 +49,19 @@ GSM8K_LIKE = {"model.path": "like:qwen3-0.6b", "model.like_overrides": {"num_hid
 
 def rollout_batch(trainer: Trainer, gsm8k_like: bool):
     cfg = trainer.cfg.rollout
-    prompts = [trainer.prompt_ids[e.id] for e in trainer.prompts.take(cfg.prompts_per_step)]
+    prompts = [trainer.parts.prompt_ids[e.id] for e in trainer.parts.prompts.take(cfg.prompts_per_step)]
     if not gsm8k_like:
-        groups = trainer.engine.generate(prompts, cfg.group_size, trainer.collector.sampling_params(0, 0))
-        return collate([c for g in groups for c in g], trainer.tokenizer.pad_token_id)
+        groups = trainer.parts.engine.generate(prompts, cfg.group_size, trainer.parts.collector.sampling_params(0, 0))
+        return collate([c for g in groups for c in g], trainer.parts.tokenizer.pad_token_id)
     gen = torch.Generator().manual_seed(0)
-    vocab = trainer.model.get_output_embeddings().weight.shape[0]
+    vocab = trainer.parts.model.get_output_embeddings().weight.shape[0]
     rows = []
     for prompt in prompts:
         for _ in range(cfg.group_size):
             length = int(torch.randint(cfg.max_new_tokens // 4, cfg.max_new_tokens + 1, (1,), generator=gen))
             tokens = torch.randint(0, vocab, (length,), generator=gen).tolist()
             rows.append(Completion(prompt, tokens, [0.0] * length, "length", ""))
-    return collate(rows, trainer.tokenizer.pad_token_id)
+    return collate(rows, trainer.parts.tokenizer.pad_token_id)
 
 
 def previous_logprobs(trainer: Trainer, batch):
@@ -70,7 +70,7 @@ def previous_logprobs(trainer: Trainer, batch):
 
     def logprobs(indices):
         sub = batch.select(indices)
-        stats = token_logprobs(trainer.model, sub.input_ids, sub.attention_mask, temperature=cfg.rollout.temperature,
+        stats = token_logprobs(trainer.parts.model, sub.input_ids, sub.attention_mask, temperature=cfg.rollout.temperature,
                                chunk_size=cfg.model.logprob_chunk_size, with_entropy=True)
         pad = (0, batch.input_ids.shape[1] - sub.input_ids.shape[1])
         return F.pad(stats.logprobs, pad), F.pad(stats.entropy, pad)
@@ -79,16 +79,16 @@ def previous_logprobs(trainer: Trainer, batch):
 
 
 def variant(trainer: Trainer, batch, share: bool, tokens: int | None):
-    learner = trainer.learner
+    learner = trainer.parts.learner
     learner.share_prompts = share
     learner.cfg = trainer.cfg.model_copy(update={"optim": trainer.cfg.optim.model_copy(
         update={"micro_batch_tokens": tokens})})
     forward = learner.forward(batch)
-    return (lambda idx: forward.logprobs(trainer.learner.train_forward, idx, True)), forward.planner.plan
+    return (lambda idx: forward.logprobs(trainer.parts.learner.train_forward, idx, True)), forward.planner.plan
 
 
 def measure(trainer: Trainer, batch, advantages, logprobs, plan, repeats: int):
-    cfg, model = trainer.cfg, trainer.model
+    cfg, model = trainer.cfg, trainer.parts.model
     spec = trainer.spec.override(epochs=1, steps_per_epoch=1, prune_zero_advantage=False)
     data = UpdateData(advantages=advantages, response_mask=batch.response_mask, old_logprobs=None)
     rows = torch.arange(len(batch))
@@ -127,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             n, width = batch.input_ids.shape
             tokens = args.micro_batch_tokens or cfg.optim.micro_batch_size * width
             advantages = torch.tensor([1.0, -1.0]).repeat((n + 1) // 2)[:n]
-            trainer.model.train()
+            trainer.parts.model.train()
             console.print(f"{n} sequences of <= {width} tokens ({int(batch.attention_mask.sum())} real, "
                           f"{int(batch.prompt_lens.sum())} of them prompt), {args.threads} thread(s), "
-                          f"{sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M parameters")
+                          f"{sum(p.numel() for p in trainer.parts.model.parameters()) / 1e6:.1f}M parameters")
             ways = {"previous": previous_logprobs(trainer, batch), "rows": variant(trainer, batch, False, None),
                     "shared": variant(trainer, batch, True, None),
                     "shared+tokens": variant(trainer, batch, True, tokens)}

@@ -82,7 +82,7 @@ def summary(steps: list[float], generate: list[float], train: list[float], token
 
 def time_grpolab(cfg: RunConfig, steps: int):
     """(figures, model folder, task) of ``steps`` grpolab RL steps after one warm-up step."""
-    from grpolab.trainer import Trainer
+    from grpolab.run.trainer import Trainer
 
     trainer = Trainer(cfg, Console(quiet=True))
     try:
@@ -92,7 +92,7 @@ def time_grpolab(cfg: RunConfig, steps: int):
         trainer.close()
     figures = summary([r["time/step"] for r in records], [r["time/generate"] for r in records],
                       [r["time/train"] for r in records], [r["response_tokens"] for r in records])
-    return figures, trainer.model_dir, trainer.task
+    return figures, trainer.parts.model_dir, trainer.parts.task
 
 
 def trl_config(trl, cfg: RunConfig, out_dir: str, steps: int):
@@ -118,9 +118,9 @@ def time_trl(trl, cfg: RunConfig, model_dir: Path, task, steps: int, out_dir: st
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    from grpolab.models import load_policy
+    from grpolab.models.loading import load_policy
     from grpolab.rollout.base import collect_eos_ids
-    from grpolab.shaping import shape_rewards
+    from grpolab.tasks.shaping import shape_rewards
 
     model, tokenizer = load_policy(model_dir)  # the loader (float32, sdpa) grpolab trains with
     eos = set(collect_eos_ids(tokenizer, model.generation_config.eos_token_id))

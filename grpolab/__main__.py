@@ -2,6 +2,6 @@
 
 import sys
 
-from grpolab.cli import main
+from grpolab.commands.cli import main
 
 sys.exit(main())

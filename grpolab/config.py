@@ -15,9 +15,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from grpolab.algorithms import PRESETS, AlgorithmSpec, describe_validation_error
-from grpolab.precision import PrecisionName
+from grpolab.common.validation import describe_validation_error
+from grpolab.models.precision import PrecisionName
+from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec
 from grpolab.tasks.configs import TASK_KINDS, TINY_MODEL_TASKS, ArithmeticTaskConfig, TaskConfig
+
+VLLM_MAX_TEMPERATURE = 2.0
+"""Highest sampling temperature vLLM accepts: above it ``SamplingParams._verify_args``
+(vllm/sampling_params.py, vLLM 0.32) raises ``VLLMValidationError`` (not a ValueError) "temperature
+must be in [0, 2], got ..."."""
 
 
 class ConfigError(ValueError):
@@ -204,8 +210,6 @@ class RunConfig(_Section):
             raise ValueError(f"rollout.group_size 1 with the group-mean baseline of {spec.name}: every "
                              "advantage would be 0 and nothing would train; use group_size >= 2")
         if self.rollout.engine == "vllm":
-            from grpolab.rollout.vllm import VLLM_MAX_TEMPERATURE
-
             r = self.rollout
             if r.temperature > VLLM_MAX_TEMPERATURE:
                 raise ValueError(f"rollout.temperature {r.temperature:g}: the vLLM engine samples at "

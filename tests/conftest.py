@@ -27,7 +27,7 @@ from transformers import (
 
 from grpolab.config import RunConfig, load_config
 from grpolab.tasks import ArithmeticTask
-from grpolab.tinymodel import WarmStartSettings, warm_start_model
+from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
 
 GSM8K_DIR = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<eos>"]

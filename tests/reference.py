@@ -1,6 +1,6 @@
 """Independent float64 references, written straight from the formulas (GUIDE section 2) with loops.
 
-Deliberately naive: one sequence and one token at a time, no shared code with grpolab.losses.
+Deliberately naive: one sequence and one token at a time, no shared code with grpolab.objectives.losses.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpolab.advantages import advantage_metrics, group_advantages, informative_groups
+from grpolab.objectives.advantages import advantage_metrics, group_advantages, informative_groups
 from reference import reference_advantages
 
 COMBOS = [("mean", "std"), ("mean", "mean"), ("mean", "none"), ("none", "none"), ("none", "std")]

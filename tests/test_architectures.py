@@ -3,10 +3,10 @@
 Tiny random models (float32, sdpa as grpolab loads them) of the families below, with sliding windows of
 WINDOW tokens, longrope and dynamic rope changing past ORIGINAL positions, and logit transforms far from
 their identity so that a missed one is obvious. Sequences are longer than both, except where
-``grpolab.model_fidelity`` refuses them (then the refusal is checked, and shorter ones are):
+``grpolab.models.fidelity`` refuses them (then the refusal is checked, and shorter ones are):
 
 - ``forward_fidelity`` of each family is the one in STATUS (the table of the README);
-- the training log-probs (``unit_logprobs`` on ``layout_units``, as ``grpolab.learn.BatchForward`` lays
+- the training log-probs (``unit_logprobs`` on ``layout_units``, as ``grpolab.learning.learner.BatchForward`` lays
   them out: shared where the model allows it, and unshared) of two prompts x two right-padded
   completions equal ``log_softmax(model(row).logits / temperature)`` of each row alone, unpadded, within
   1e-5, and so do their gradients;
@@ -40,13 +40,13 @@ from transformers import (
     Starcoder2Config,
 )
 
-from grpolab.algorithms import PRESETS
-from grpolab.model_fidelity import attention_implementation, check_trainable, forward_fidelity
-from grpolab.models import load_policy
-from grpolab.packing import MicroBatchPlanner, prompt_keys
+from grpolab.objectives.algorithms import PRESETS
+from grpolab.models.fidelity import attention_implementation, check_trainable, forward_fidelity
+from grpolab.models.loading import load_policy
+from grpolab.learning.packing import MicroBatchPlanner, prompt_keys
 from grpolab.rollout import HFEngine, SamplingParams
-from grpolab.shared_prefix import layout_units, unit_logprobs
-from grpolab.update import UpdateData, run_update
+from grpolab.learning.shared_prefix import layout_units, unit_logprobs
+from grpolab.learning.update import UpdateData, run_update
 
 VOCAB, WINDOW, ORIGINAL, TEMPERATURE = 128, 8, 16, 0.7
 LONG = ((12, (20, 6)), (9, (15, 1)))  # (prompt length, completion lengths): up to 32 tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpolab.batching import TrainBatch, collate
+from grpolab.learning.batching import TrainBatch, collate
 from grpolab.rollout.base import Completion
 
 PAD = 0

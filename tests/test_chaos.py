@@ -19,18 +19,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import TASK, quick_config
-from grpolab.checkpoints import newest_verified
-from grpolab.run_lock import lock_holder
-from grpolab.run_state import STATE_FILE
-from grpolab.rundir import read_metrics
-from grpolab.trainer import train
+from grpolab.run.checkpoints import newest_verified
+from grpolab.run.lock import lock_holder
+from grpolab.run.state import STATE_FILE
+from grpolab.run.rundir import read_metrics
+from grpolab.run.trainer import train
 
 # a process of the run kills itself inside its Nth fsync of a checkpoint write (a file, checkpoint.json,
 # the folder, or the parent after the rename) when GRPOLAB_TEST_KILL_AT_FSYNC=N
 HOOK = """
 import os, signal
 if os.environ.get("GRPOLAB_TEST_KILL_AT_FSYNC"):
-    import grpolab.checkpoints as checkpoints
+    import grpolab.run.checkpoints as checkpoints
     _fsync, calls = checkpoints._fsync, [0]
     def fsync(path):
         calls[0] += 1
@@ -86,7 +86,7 @@ def kill_and_resume(model_dir: Path, run: Path, steps: int, kills: int, seed: in
         before = sessions_of(run)
         log = run.parent / f"attempt-{len(landed)}.log"
         with log.open("w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", *command], env=env, stdout=out,
+            proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", *command], env=env, stdout=out,
                                     stderr=subprocess.STDOUT)
         if how == "startup":  # importing, loading, verifying, rewinding
             time.sleep(rng.uniform(0.0, 2.0))

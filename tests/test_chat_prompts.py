@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 
 from grpolab.config import load_config
 from grpolab.tasks import build_task
-from grpolab.trainer import Trainer
+from grpolab.run.trainer import Trainer
 
 from conftest import build_char_tokenizer
 
@@ -90,13 +90,13 @@ def test_trainer_prompt_tokens_equal_apply_chat_template(tmp_path, style, kwargs
     trainer = Trainer(cfg)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        for example in trainer.task.train_examples() + trainer.val_examples:
+        for example in trainer.parts.task.train_examples() + trainer.parts.val_examples:
             messages = ([{"role": "system", "content": system}] if system else []) + \
                 [{"role": "user", "content": f"Question: {example.fields['problem']}"}]
             expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False, **kwargs)
-            assert trainer.prompt_ids[example.id] == list(expected)
-        text = tokenizer.decode(trainer.prompt_ids["train-1"])
+            assert trainer.parts.prompt_ids[example.id] == list(expected)
+        text = tokenizer.decode(trainer.parts.prompt_ids["train-1"])
         if style == "qwen3":
             assert text.endswith("<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if kwargs else ""))
         else:
@@ -104,8 +104,8 @@ def test_trainer_prompt_tokens_equal_apply_chat_template(tmp_path, style, kwargs
             assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
         record = trainer.train_step(1)  # one real step on those prompts
         assert record["reward/math_failed"] == 0 and "reward/math" in record
-        fingerprint = trainer.task.data_fingerprint()
-        assert "chat_template" in trainer.task.prompt_template() and len(fingerprint["prompt_template_sha256"]) == 64
+        fingerprint = trainer.parts.task.data_fingerprint()
+        assert "chat_template" in trainer.parts.task.prompt_template() and len(fingerprint["prompt_template_sha256"]) == 64
     finally:
         trainer.close()
 
@@ -132,7 +132,7 @@ def test_the_math_config_runs_on_the_math_like_fixture(tmp_path):
     trainer = Trainer(cfg)
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        text = tokenizer.decode(trainer.prompt_ids["train/algebra/2.json"])
+        text = tokenizer.decode(trainer.parts.prompt_ids["train/algebra/2.json"])
         assert text == ("<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}."
                         "<|im_end|>\n<|im_start|>user\nSolve $2x-3>5$ for $x$; give the interval.<|im_end|>\n"
                         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -140,8 +140,8 @@ def test_the_math_config_runs_on_the_math_like_fixture(tmp_path):
         assert -1.0 <= record["reward/overlong_penalty"] < 0  # random weights: most completions hit the limit
         assert record["reward_mean"] == pytest.approx(record["reward/correct"] + record["reward/overlong_penalty"])
         assert trainer.evaluate(1)["val/accuracy"] == 0.0
-        answers = {e.id: e.answer for e in trainer.val_examples}
-        assert trainer.task.grade("so \\boxed{\\frac{6}{4}}", trainer.val_examples[0], False).answer_reward == 1.0
+        answers = {e.id: e.answer for e in trainer.parts.val_examples}
+        assert trainer.parts.task.grade("so \\boxed{\\frac{6}{4}}", trainer.parts.val_examples[0], False).answer_reward == 1.0
         assert answers["test/algebra/2.json"] == "(-2,2)"
     finally:
         trainer.close()

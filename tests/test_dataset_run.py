@@ -7,9 +7,9 @@ import json
 import random
 from pathlib import Path
 
-from grpolab.cli import main
+from grpolab.commands.cli import main
 from grpolab.config import load_config
-from grpolab.run_state import PromptStream
+from grpolab.tasks.stream import PromptStream
 from grpolab.tasks import build_task
 
 CONFIG = """
@@ -133,7 +133,7 @@ def test_the_built_in_task_and_the_same_rows_as_a_dataset_task_train_identically
     r1_zero prompt and the numeric verifier: same prompts, same grades, so the same numbers."""
     from grpolab.config import validate_config
     from grpolab.tasks import ArithmeticTask
-    from grpolab.trainer import train
+    from grpolab.run.trainer import train
 
     from conftest import TASK, quick_config
 
@@ -161,7 +161,7 @@ def test_the_built_in_task_and_the_same_rows_as_a_dataset_task_train_identically
 
 
 def test_the_step_line_says_when_rewards_failed():
-    from grpolab.trainer import vital_signs
+    from grpolab.run.step import vital_signs
 
     record = {"step": 3, "reward_mean": 0.5, "accuracy": 0.5, "advantage_std": 1.0, "time/step": 1.0,
               "reward/correct_failed": 0, "reward/faulty_failed": 12}

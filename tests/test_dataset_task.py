@@ -221,7 +221,7 @@ def test_a_task_class_by_import_path(tmp_path):
 
 def test_suite_snapshot_freezes_the_data_files_and_the_prompt(tmp_path):
     from grpolab.config import load_config
-    from grpolab.suite.snapshot import snapshot_data
+    from grpolab.studies.suite.snapshot import snapshot_data
 
     cfg = load_config(None, {"model": "m", "task.name": "dataset", "task.train": str(MATH_DIR / "train.jsonl"),
                              "task.validation": str(MATH_DIR / "test.jsonl"), "task.question_field": "problem",

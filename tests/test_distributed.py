@@ -1,6 +1,6 @@
 """Data parallelism on CPU (gloo, 2 processes): the update of N ranks is the update one process makes on
 the global batch. Each rank holds whole groups; the denominators and the skip decision are agreed over
-the ranks, and DDP sums the gradients (``grpolab.distributed``)."""
+the ranks, and DDP sums the gradients (``grpolab.parallel.ranks``)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_update import ToyPolicy, make_data
 
-from grpolab.algorithms import PRESETS
-from grpolab.distributed import Ranks, no_sync, wrap_ddp
-from grpolab.update import DataParallelShare, UpdateData, run_update
+from grpolab.objectives.algorithms import PRESETS
+from grpolab.parallel.ranks import Ranks, no_sync, wrap_ddp
+from grpolab.learning.update import DataParallelShare, UpdateData, run_update
 
 GROUPS, G, T = 4, 4, 9
 # per rollout batch, the groups whose rewards are all equal: batch 2 has no signal anywhere (skipped on
@@ -102,7 +102,7 @@ def test_groups_are_whole_and_even():
 def test_torchrun_on_gpus_joins_nccl_on_the_local_device(monkeypatch):
     """The CUDA path, which cannot run here, through call-recording stand-ins of torch's functions: NCCL,
     each rank on its LOCAL_RANK device, the collectives' tensors moved there and back."""
-    import grpolab.distributed as D
+    import grpolab.parallel.ranks as D
 
     calls = []
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -140,7 +140,7 @@ def test_torchrun_on_gpus_joins_nccl_on_the_local_device(monkeypatch):
 
 def test_ddp_buffer_sync_keyword_matches_the_installed_torch(monkeypatch):
     """torch 2.13 names it forward_sync_buffers; torch 2.11 (the GPU image) only has broadcast_buffers."""
-    from grpolab.distributed import no_forward_buffer_sync
+    from grpolab.parallel.ranks import no_forward_buffer_sync
 
     new_keyword = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
     assert no_forward_buffer_sync() == ({"forward_sync_buffers": False} if new_keyword else {"broadcast_buffers": False})
@@ -159,7 +159,7 @@ def test_a_sharded_root_drops_its_gathered_weights_after_each_optimizer_step_bef
     """Before torch 2.13 the FSDP root keeps its whole weights from forward to backward; a forward with no
     backward after it (a frozen or padding forward) would leave them gathered into the next optimizer
     step, and the forward after that step would use them stale. ``drop_stale_weights`` reshards then."""
-    import grpolab.sharding as sharding
+    import grpolab.parallel.fsdp as sharding
 
     class Root(torch.nn.Linear):  # records FSDPModule.reshard calls
         reshards = 0

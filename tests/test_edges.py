@@ -10,10 +10,10 @@ from host_reads import HostReads
 from rich.console import Console
 from torch.overrides import TorchFunctionMode
 
-from grpolab.cli import main
+from grpolab.commands.cli import main
 from grpolab.config import ConfigError, load_config
-from grpolab.evaluation import grade_completions, greedy
-from grpolab.trainer import Trainer
+from grpolab.rollout.evaluation import grade_completions, greedy
+from grpolab.run.trainer import Trainer
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -68,9 +68,9 @@ class IndexDevices(TorchFunctionMode):
 @pytest.mark.parametrize("algo", ["grpo", "rft", "offpolicy_clip"])
 def test_every_index_of_an_update_lives_on_the_device_it_indexes(algo, warm_model_dir, tmp_path):
     trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo=algo), Console(quiet=True))
-    rollout = trainer.collector.collect(1)
+    rollout = trainer.parts.collector.collect(1)
     with IndexDevices() as recorder:
-        trainer.learner.learn(rollout)
+        trainer.parts.learner.learn(rollout)
     trainer.close()
     assert len(recorder.pairs) > 5  # pruning masks, minibatch indices, batch selection
     assert all(source == index for source, index in recorder.pairs), recorder.pairs
@@ -86,9 +86,9 @@ def test_a_learning_step_reads_the_device_per_optimizer_step_not_per_micro_batch
                            **{"optim.micro_batch_size": micro, "algorithm.beta": 0.04})
         trainer = Trainer(cfg, Console(quiet=True))
         try:
-            rollout = trainer.collector.collect(1)
+            rollout = trainer.parts.collector.collect(1)
             with HostReads() as mode:
-                trainer.learner.learn(rollout)
+                trainer.parts.learner.learn(rollout)
         finally:
             trainer.close()
         reads.append(mode.count)
@@ -98,8 +98,8 @@ def test_a_learning_step_reads_the_device_per_optimizer_step_not_per_micro_batch
 def test_step_indices_and_pruning_masks_are_made_on_the_data_device():
     """On a CPU machine every tensor is on the CPU, so the recorder above cannot see a mix-up; the
     "meta" device (shapes without data) shows where the index tensors are created."""
-    from grpolab.algorithms import PRESETS
-    from grpolab.update import UpdateData, minibatches, rows_with_gradient
+    from grpolab.objectives.algorithms import PRESETS
+    from grpolab.learning.update import UpdateData, minibatches, rows_with_gradient
 
     meta = torch.device("meta")
     for spec in (PRESETS["grpo"], PRESETS["offpolicy_clip"]):
@@ -115,9 +115,9 @@ def test_evaluation_with_stop_strings_grades_exactly_like_training(warm_model_di
                                                              "eval.n_examples": 8})
     trainer = Trainer(cfg, Console(quiet=True))
     metrics = trainer.evaluate(0)
-    prompts = [trainer.prompt_ids[e.id] for e in trainer.val_examples]
-    completions = trainer.engine.generate(prompts, 1, greedy(trainer.collector.sampling_params(0, 0)))
-    grades = [g[0] for g in grade_completions(trainer.task, trainer.val_examples, completions)]
+    prompts = [trainer.parts.prompt_ids[e.id] for e in trainer.parts.val_examples]
+    completions = trainer.parts.engine.generate(prompts, 1, greedy(trainer.parts.collector.sampling_params(0, 0)))
+    grades = [g[0] for g in grade_completions(trainer.parts.task, trainer.parts.val_examples, completions)]
     trainer.close()
     assert all(c[0].text.endswith("</think>") or c[0].truncated for c in completions)
     assert any(c[0].text.endswith("</think>") for c in completions)  # the stop string did cut
@@ -130,23 +130,23 @@ def test_kl_only_step_updates_the_parameters_and_logs_kl(warm_model_dir, tmp_pat
     trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", **{"algorithm.beta": 0.1,
                                                                          "rollout.max_new_tokens": 2}))
     with torch.no_grad():
-        for p in trainer.model.parameters():
+        for p in trainer.parts.model.parameters():
             p.add_(0.01 * torch.randn_like(p))  # a policy away from its reference
-    before = params_of(trainer.model)
+    before = params_of(trainer.parts.model)
     record = trainer.train_step(1)  # two tokens hold no answer: every advantage is 0, only KL remains
     trainer.close()
     assert record["reward_mean"] == 0.0 and record["actual_updates"] == 1
-    assert record["kl_ref"] > 0 and not same(before, params_of(trainer.model))
+    assert record["kl_ref"] > 0 and not same(before, params_of(trainer.parts.model))
 
 
 def test_metrics_cover_every_response_token_even_when_rows_are_pruned(warm_model_dir, tmp_path):
     trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo="rft", reference="frozen"))
-    rollout = trainer.collector.collect(1)
-    record = trainer.learner.learn(rollout)
+    rollout = trainer.parts.collector.collect(1)
+    record = trainer.parts.learner.learn(rollout)
     tokens = sum(len(c.completion_ids) for c in rollout.flat())
     assert record["metric_tokens"] == tokens and "kl_ref" in record and "entropy" in record
     lean = Trainer(quick_config(warm_model_dir, tmp_path / "lean", algo="rft", **{"optim.full_metrics": False}))
-    lean_record = lean.learner.learn(rollout)
+    lean_record = lean.parts.learner.learn(rollout)
     lean.close()
     trainer.close()
     wrong = sum(len(c.completion_ids) for c, g in zip(rollout.flat(), [g for gr in rollout.grades for g in gr])
@@ -157,7 +157,7 @@ def test_metrics_cover_every_response_token_even_when_rows_are_pruned(warm_model
 def test_an_engine_error_raised_by_the_same_ctrl_c_still_exits_as_interrupted(monkeypatch, capsys):
     import signal
 
-    import grpolab.cli as cli
+    import grpolab.commands.cli as cli
 
     def engine_died_of_the_interrupt(*args):
         with pytest.raises(KeyboardInterrupt):

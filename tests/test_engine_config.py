@@ -10,11 +10,11 @@ import pytest
 import torch
 from conftest import TASK, quick_config
 
-from grpolab.cli import main
+from grpolab.commands.cli import main
 from grpolab.config import ConfigError, load_config
-from grpolab.learn import BatchForward
+from grpolab.learning.learner import BatchForward
 from grpolab.rollout.sync_check import WeightSyncError
-from grpolab.trainer import Trainer
+from grpolab.run.trainer import Trainer
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -57,14 +57,14 @@ def test_hf_engine_checks_its_own_logprobs_by_default_from_the_update_forward(wa
     assert 0 < record["sync/logprob_diff_max"] < 1e-4  # generate's KV-cached log-probs vs a full forward
     assert record["first_update/ratio_mean"] == 1.0
     # an engine sampling from other weights is caught before the update moves the trainer's
-    stale = copy.deepcopy(trainer.model)
+    stale = copy.deepcopy(trainer.parts.model)
     with torch.no_grad():
         stale.get_output_embeddings().weight.mul_(1.05)
-    trainer.engine.sync_weights(stale)
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.parts.engine.sync_weights(stale)
+    before = {k: v.clone() for k, v in trainer.parts.model.state_dict().items()}
     with pytest.raises(WeightSyncError):
         trainer.train_step(2)
-    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+    assert all(torch.equal(v, before[k]) for k, v in trainer.parts.model.state_dict().items())
     trainer.close()
 
 

@@ -6,10 +6,10 @@ import json
 from statistics import mean
 
 from conftest import quick_config
-from grpolab.evaluation import prompt_sha256
-from grpolab.rundir import eval_record_steps, read_metrics
+from grpolab.rollout.evaluation import prompt_sha256
+from grpolab.run.rundir import eval_record_steps, read_metrics
 from grpolab.tasks import make_task
-from grpolab.trainer import train
+from grpolab.run.trainer import train
 
 from conftest import TASK
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from grpolab.gguf import gguf_file
-from grpolab.models import absolute_model_spec, check_model_spec
+from grpolab.models.gguf import gguf_file
+from grpolab.models.loading import absolute_model_spec, check_model_spec
 
 
 def test_refusals_name_the_problem(tmp_path):

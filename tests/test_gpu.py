@@ -10,7 +10,7 @@ from conftest import params_of, quick_config, same
 from rich.console import Console
 from test_edges import IndexDevices
 
-from grpolab.trainer import Trainer
+from grpolab.run.trainer import Trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -19,13 +19,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_update_on_cuda_never_mixes_devices(algo, warm_model_dir, tmp_path):
     trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo=algo, **{"model.device": "cuda"}),
                       Console(quiet=True))
-    rollout = trainer.collector.collect(1)
-    before = params_of(trainer.model)
+    rollout = trainer.parts.collector.collect(1)
+    before = params_of(trainer.parts.model)
     with IndexDevices() as recorder:
-        result = trainer.learner.learn(rollout)
+        result = trainer.parts.learner.learn(rollout)
     trainer.close()
     assert recorder.pairs and all(source == index for source, index in recorder.pairs), recorder.pairs
-    assert result["actual_updates"] == 0 or not same(before, params_of(trainer.model))
+    assert result["actual_updates"] == 0 or not same(before, params_of(trainer.parts.model))
 
 
 @pytest.mark.parametrize("precision", ["fp32_master", "bf16_compensated"])
@@ -33,11 +33,11 @@ def test_bf16_rl_steps_on_cuda_with_the_sync_check(precision, warm_model_dir, tm
     cfg = quick_config(warm_model_dir, tmp_path / "run", **{"model.device": "cuda", "model.dtype": "bfloat16",
                                                              "optim.precision": precision, "rollout.sync_check": True})
     trainer = Trainer(cfg, Console(quiet=True))
-    before = params_of(trainer.model)
+    before = params_of(trainer.parts.model)
     records = [trainer.train_step(step) for step in (1, 2)]
     trainer.close()
     assert all(math.isfinite(v) for r in records for v in r.values() if isinstance(v, float))
-    assert records[0]["first_update/ratio_mean"] == pytest.approx(1.0, abs=1e-2) and not same(before, params_of(trainer.model))
+    assert records[0]["first_update/ratio_mean"] == pytest.approx(1.0, abs=1e-2) and not same(before, params_of(trainer.parts.model))
     assert records[0]["sync/noise_floor_mean"] < 0.05
 
 
@@ -46,9 +46,9 @@ def test_shared_prompts_on_cuda_match_the_previous_path(make_tiny_model, autocas
     """The shared-prompt forward on CUDA: float32 within 1e-5 of token_logprobs, bf16 autocast within its noise."""
     from test_shared_prefix import _batch
 
-    from grpolab.logprobs import token_logprobs
-    from grpolab.packing import MicroBatchPlanner, prompt_keys
-    from grpolab.shared_prefix import layout_units, unit_logprobs
+    from grpolab.models.logprobs import token_logprobs
+    from grpolab.learning.packing import MicroBatchPlanner, prompt_keys
+    from grpolab.learning.shared_prefix import layout_units, unit_logprobs
 
     model = make_tiny_model("qwen3").cuda()
     ids, mask, response, plens, slens = (t.cuda() if torch.is_tensor(t) else t for t in _batch(model.config.vocab_size))

@@ -56,7 +56,7 @@ def test_prepared_warm_starts_are_the_ones_the_check_then_uses(tmp_path, monkeyp
     points the cache there, and the sections' tasks find them without training (tiny recipe here)."""
     import os
 
-    from grpolab.tinymodel import WarmStartSettings, warm_start_model
+    from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
 
     settings = WarmStartSettings(steps=2, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
     prepared = gpu_check.prepare_warm_starts(tmp_path, settings)

@@ -8,11 +8,11 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from conftest import ARCHS, GSM8K_DIR
-from grpolab.cli import main
+from grpolab.commands.cli import main
 from grpolab.config import load_config
-from grpolab.probe import run_probe
-from grpolab.rundir import read_metrics
-from grpolab.trainer import Trainer, train
+from grpolab.commands.probe import run_probe
+from grpolab.run.rundir import read_metrics
+from grpolab.run.trainer import Trainer, train
 
 DATA = {"task": "gsm8k", "task.train_path": str(GSM8K_DIR / "train.jsonl"),
         "task.test_path": str(GSM8K_DIR / "test.jsonl")}

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from grpolab.like import LIKE_CONFIGS, MARKER, is_like_dir, like_model_dir
-from grpolab.models import load_policy, resolve_model_dir
+from grpolab.models.like import LIKE_CONFIGS, MARKER, is_like_dir, like_model_dir
+from grpolab.models.loading import load_policy, resolve_model_dir
 from grpolab.tasks import ArithmeticTask, GSM8KTask
 
 from conftest import GSM8K_DIR

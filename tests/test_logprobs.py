@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpolab.logprobs import TokenStats, enable_gradient_checkpointing, token_logprobs
+from grpolab.models.logprobs import TokenStats, enable_gradient_checkpointing, token_logprobs
 
 ARCHS = ("llama", "qwen2", "qwen3", "olmo2")
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpolab.algorithms import PRESETS, AlgorithmSpec
-from grpolab.losses import (NonFiniteError, PolicyLossInput, aggregate, policy_loss, raise_if_nonfinite,
+from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec
+from grpolab.objectives.losses import (NonFiniteError, PolicyLossInput, aggregate, policy_loss, raise_if_nonfinite,
                             sequence_ratio, step_denominators)
 from reference import reference_loss
 

@@ -13,15 +13,15 @@ import torch
 from conftest import build_char_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpolab.batching import collate
-from grpolab.logprobs import token_logprobs
+from grpolab.learning.batching import collate
+from grpolab.models.logprobs import token_logprobs
 from grpolab.rollout.base import Completion, SamplingParams
 from grpolab.rollout.hf import HFEngine
 from grpolab.rollout.sync_check import verify_weight_sync
 from grpolab.tasks.calculator import CalculatorTask
-from grpolab.tinymodel import WarmStartSettings, warm_start_model
+from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
 from grpolab.tools import Toolset
-from grpolab.tools.multiturn import MultiTurnEngine, tool_metrics
+from grpolab.rollout.multiturn import MultiTurnEngine, tool_metrics
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 
@@ -208,7 +208,7 @@ def test_vllm_engine_multi_turn_spans_and_logprobs(tool_model):
 
 def test_a_tool_task_run_logs_tool_use_and_masked_tokens(tool_model, tmp_path):
     from grpolab.config import load_config
-    from grpolab.trainer import train
+    from grpolab.run.trainer import train
 
     _, model_dir = tool_model
     cfg = load_config(None, {"model.path": str(model_dir), "output_dir": str(tmp_path / "run"), "steps": 2,
@@ -228,10 +228,10 @@ def test_a_tool_task_run_logs_tool_use_and_masked_tokens(tool_model, tmp_path):
     called = [r for r in records if r.get("tool_calls")]
     assert called and all(r["completion"].count("<tool_response>") == sum(c["observation"] != "" for c in r["tool_calls"])
                           for r in called)
-    from grpolab.report import write_report
+    from grpolab.studies.report import write_report
     from rich.console import Console
 
-    from grpolab.progress import Reporter
+    from grpolab.common.progress import Reporter
 
     write_report(tmp_path / "run", Reporter(Console()))
     report = (tmp_path / "run" / "report" / "report.md").read_text()
@@ -242,7 +242,7 @@ def test_a_tool_task_run_logs_tool_use_and_masked_tokens(tool_model, tmp_path):
 def test_rl_on_the_tool_task_learns(tmp_path, monkeypatch):
     """The built-in tool task from its warm start: greedy validation accuracy rises with RL."""
     from grpolab.config import load_config
-    from grpolab.trainer import train
+    from grpolab.run.trainer import train
 
     monkeypatch.setenv("GRPOLAB_CACHE", str(tmp_path / "cache"))
     torch.set_num_threads(2)

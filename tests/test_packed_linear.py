@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from grpolab.batching import collate
-from grpolab.logprobs import token_logprobs
+from grpolab.learning.batching import collate
+from grpolab.models.logprobs import token_logprobs
 from grpolab.rollout import HFEngine, SamplingParams, packed_linear
 from grpolab.rollout.packed_linear import packed_linears, packing_applies
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpolab.algorithms import PRESETS
-from grpolab.batching import collate
-from grpolab.logprobs import token_logprobs
-from grpolab.losses import step_denominators
+from grpolab.objectives.algorithms import PRESETS
+from grpolab.learning.batching import collate
+from grpolab.models.logprobs import token_logprobs
+from grpolab.objectives.losses import step_denominators
 from grpolab.rollout.base import Completion
 from grpolab.rollout.sync_check import logprob_diff
-from grpolab.update import UpdateData, accumulate_gradients
+from grpolab.learning.update import UpdateData, accumulate_gradients
 
 
 def _trajectories(vocab: int) -> list[Completion]:

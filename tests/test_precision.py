@@ -12,10 +12,10 @@ from conftest import quick_config
 from rich.console import Console
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from grpolab.logprobs import token_logprobs
-from grpolab.precision import BYTES_PER_PARAMETER, memory_table, resolve_precision
-from grpolab.rundir import read_metrics
-from grpolab.trainer import Trainer
+from grpolab.models.logprobs import token_logprobs
+from grpolab.models.precision import BYTES_PER_PARAMETER, memory_table, resolve_precision
+from grpolab.run.rundir import read_metrics
+from grpolab.run.trainer import Trainer
 
 CPU = torch.device("cpu")
 

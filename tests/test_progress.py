@@ -17,16 +17,16 @@ import torch
 from rich.console import Console
 
 from grpolab.config import load_config
-from grpolab.demo import print_demo_plan
-from grpolab.evaluation import evaluate
-from grpolab.models import load_policy
-from grpolab.progress import Reporter, format_seconds
+from grpolab.commands.demo import print_demo_plan
+from grpolab.rollout.evaluation import evaluate
+from grpolab.models.loading import load_policy
+from grpolab.common.progress import Reporter, format_seconds
 from grpolab.rollout.base import SamplingParams
 from grpolab.rollout.hf import HFEngine
 from grpolab.tasks import ArithmeticTask
-from grpolab.threads import busy_cores, choose_threads
-from grpolab.tinymodel import WarmStartSettings, warm_start_model
-from grpolab.trainer import train
+from grpolab.common.threads import busy_cores, choose_threads
+from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
+from grpolab.run.trainer import train
 
 from conftest import quick_config
 
@@ -148,7 +148,7 @@ def test_demo_plan_says_what_runs_and_how_long(monkeypatch, tmp_path):
 
 
 def test_the_demo_refuses_a_used_output_dir_in_one_line_before_its_plan(tmp_path, capsys):
-    from grpolab.cli import main
+    from grpolab.commands.cli import main
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("keep")
@@ -159,7 +159,7 @@ def test_the_demo_refuses_a_used_output_dir_in_one_line_before_its_plan(tmp_path
 
 
 def test_threads_stay_within_the_free_cores(monkeypatch):
-    monkeypatch.setattr("grpolab.threads.usable_cores", lambda: 4)
+    monkeypatch.setattr("grpolab.common.threads.usable_cores", lambda: 4)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert choose_threads(None, busy=0.2).threads == 4
     assert choose_threads(None, busy=2.6).threads == 1
@@ -182,6 +182,6 @@ def test_python_version_agrees_in_metadata_readme_and_code():
 @pytest.mark.slow
 def test_demo_output_piped_to_a_file_tells_the_story(tmp_path):
     """The README's demo with its output going to a file (2 steps, the cached warm start)."""
-    out = subprocess.run([sys.executable, "-m", "grpolab.cli", "demo", "--steps", "2", "--output-dir",
+    out = subprocess.run([sys.executable, "-m", "grpolab.commands.cli", "demo", "--steps", "2", "--output-dir",
                           str(tmp_path / "run")], capture_output=True, text=True, check=True).stdout
     assert "Estimated on this machine" in out and "step 2/2" in out and "final checkpoint" in out

@@ -8,8 +8,8 @@ from tokenizers import AddedToken, processors
 from transformers import PreTrainedTokenizerFast
 
 from grpolab.config import load_config
-from grpolab.prompt_tokens import leading_special_ids, tokenize_prompts
-from grpolab.trainer import Trainer
+from grpolab.models.prompt_tokens import leading_special_ids, tokenize_prompts
+from grpolab.run.trainer import Trainer
 
 from conftest import build_char_tokenizer
 from test_chat_prompts import chat_model_dir, data
@@ -49,8 +49,8 @@ def test_trainer_prompts_start_with_one_bos_for_a_bos_adding_tokenizer(tmp_path,
                              "rollout.prompts_per_step": 2, "rollout.group_size": 2, "rollout.max_new_tokens": 4})
     trainer = Trainer(cfg)
     try:
-        bos = trainer.tokenizer.convert_tokens_to_ids("<|begin_of_text|>")
-        for ids in trainer.prompt_ids.values():
+        bos = trainer.parts.tokenizer.convert_tokens_to_ids("<|begin_of_text|>")
+        for ids in trainer.parts.prompt_ids.values():
             assert ids[0] == bos and ids.count(bos) == 1
         trainer.train_step(1)
     finally:

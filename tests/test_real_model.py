@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpolab.cli import main
+from grpolab.commands.cli import main
 from grpolab.config import load_config
-from grpolab.gguf import SOURCE_FILE, file_sha256, gguf_model_dir, packaged_gguf
-from grpolab.rundir import read_metrics
-from grpolab.trainer import Trainer
+from grpolab.models.gguf import SOURCE_FILE, file_sha256, gguf_model_dir, packaged_gguf
+from grpolab.run.rundir import read_metrics
+from grpolab.run.trainer import Trainer
 
 pytest.importorskip("gguf")
 try:
@@ -74,15 +74,15 @@ def test_rl_steps_on_the_real_model_with_the_sync_check(engine, smollm2_dir, tmp
         pytest.importorskip("vllm")
     trainer = Trainer(load_config(None, {**SMALL, "engine": engine, "output_dir": str(tmp_path / "run")}))
     try:
-        start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        start = {k: v.clone() for k, v in trainer.parts.model.state_dict().items()}
         records = [trainer.train_step(step) for step in (1, 2)]
         for record in records:  # checked on every step, skipped (all-equal rewards) or not
             assert record["sync/logprob_diff_max"] < 1e-3 and record["sync/logprob_diff_mean"] < 1e-4
             assert record["first_update/ratio_mean"] == pytest.approx(1.0, abs=1e-6) if record["actual_updates"] \
                 else "first_update/ratio_mean" not in record
         assert any(r["actual_updates"] for r in records)
-        assert any(not torch.equal(v, start[k]) for k, v in trainer.model.state_dict().items())
-        prompt = trainer.tokenizer.decode(trainer.prompt_ids["train-0"])
+        assert any(not torch.equal(v, start[k]) for k, v in trainer.parts.model.state_dict().items())
+        prompt = trainer.parts.tokenizer.decode(trainer.parts.prompt_ids["train-0"])
         # the chat template's own system prompt, the user message, and no second BOS
         assert prompt.startswith("<|im_start|>system\n") and prompt.count("<|im_start|>") == 3
         assert prompt.endswith("The answer is <number>.<|im_end|>\n<|im_start|>assistant\n")

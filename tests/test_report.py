@@ -14,12 +14,12 @@ import pytest
 from matplotlib import image
 
 from conftest import TASK, quick_config
-from grpolab.cli import main
-from grpolab.report.markdown import num
-from grpolab.rundir import read_metrics
-from grpolab.suite.manifest import RunRecord, SuiteManifest
+from grpolab.commands.cli import main
+from grpolab.studies.report.markdown import num
+from grpolab.run.rundir import read_metrics
+from grpolab.studies.manifest import RunRecord, SuiteManifest
 from grpolab.tasks import make_task
-from grpolab.trainer import train
+from grpolab.run.trainer import train
 
 # name -> (algorithm, seed, overrides, factors)
 RUNS = {

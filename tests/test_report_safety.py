@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from test_report import md_table
-from grpolab.cli import main
-from grpolab.report.runs import find_runs
-from grpolab.suite.manifest import RunRecord, SuiteManifest
+from grpolab.commands.cli import main
+from grpolab.studies.report.runs import find_runs
+from grpolab.studies.manifest import RunRecord, SuiteManifest
 
 MARKER = ".grpolab-report"
 

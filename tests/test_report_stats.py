@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
-from grpolab.stats import (
+from grpolab.objectives.stats import (
     contrast_bootstrap,
     holm,
     interaction,

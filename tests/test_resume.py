@@ -16,10 +16,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoModelForCausalLM
 
 from conftest import TASK, quick_config
-from grpolab.cli import main, parse_overrides
+from grpolab.commands.cli import main, parse_overrides
 from grpolab.config import ConfigError, load_config, load_run_config
-from grpolab.rundir import read_metrics
-from grpolab.trainer import Trainer, train
+from grpolab.run.rundir import read_metrics
+from grpolab.run.trainer import Trainer, train
 
 OVERRIDES = {"steps": 4, "checkpoint.every": 2, "eval.every": 2, "reference": "frozen"}
 
@@ -91,7 +91,7 @@ def test_sigkill_mid_run_then_train_resume_matches_the_uninterrupted_run(warm_mo
             "rollout.max_new_tokens": 40, "optim.micro_batch_size": 16, "optim.lr": 1e-3}
     args = [f"--{k}={v}" for k, v in flat.items()]
     assert load_config(None, parse_overrides(args)) == cfg  # the same run as in-process, on the command line
-    proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", "train", *args], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "train", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:

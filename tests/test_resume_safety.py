@@ -16,11 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import quick_config
-from grpolab.checkpoints import MANIFEST, problem, prune, save_checkpoint
-from grpolab.cli import main
+from grpolab.run.checkpoints import MANIFEST, problem, prune, save_checkpoint
+from grpolab.commands.cli import main
 from grpolab.config import load_run_config
-from grpolab.rundir import read_metrics, rewind_metrics
-from grpolab.trainer import Trainer, train
+from grpolab.run.rundir import read_metrics, rewind_metrics
+from grpolab.run.trainer import Trainer, train
 
 OVERRIDES = {"steps": 4, "checkpoint.every": 1, "eval.every": 2}
 
@@ -87,7 +87,7 @@ def error_lines(capsys) -> list[str]:
 
 def test_a_second_trainer_on_a_locked_run_is_refused_naming_the_holder(copy_of, capsys):
     run = copy_of()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from grpolab.run_lock import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from grpolab.run.lock import RunLock; "
                                f"RunLock({str(run)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:

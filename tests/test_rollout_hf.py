@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import assert_engine_contract
-from grpolab.batching import collate
-from grpolab.logprobs import token_logprobs
+from grpolab.learning.batching import collate
+from grpolab.models.logprobs import token_logprobs
 from grpolab.rollout import Completion, HFEngine, RolloutEngine, SamplingParams
 
 PROMPTS = ["12+34=", "7+8=<think>", "a"]

@@ -22,8 +22,8 @@ from conftest import assert_engine_contract, group_members, live_processes, wait
 from conftest import descendants as _children
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from grpolab.batching import collate
-from grpolab.logprobs import token_logprobs
+from grpolab.learning.batching import collate
+from grpolab.models.logprobs import token_logprobs
 from grpolab.rollout import Completion, HFEngine, RolloutEngine, SamplingParams
 from grpolab.rollout.sync_check import (
     SyncCheck,

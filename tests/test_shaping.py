@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from grpolab.shaping import overlong_penalty, shape_rewards, truncation_penalty
+from grpolab.tasks.shaping import overlong_penalty, shape_rewards, truncation_penalty
 from grpolab.tasks.base import Grade
 
 

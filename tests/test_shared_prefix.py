@@ -16,11 +16,11 @@ from conftest import quick_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpolab.logprobs import token_logprobs
-from grpolab.model_fidelity import forward_fidelity
-from grpolab.packing import MicroBatchPlanner, prompt_keys
-from grpolab.shared_prefix import layout_units, unit_logprobs
-from grpolab.trainer import Trainer
+from grpolab.models.logprobs import token_logprobs
+from grpolab.models.fidelity import forward_fidelity
+from grpolab.learning.packing import MicroBatchPlanner, prompt_keys
+from grpolab.learning.shared_prefix import layout_units, unit_logprobs
+from grpolab.run.trainer import Trainer
 
 GROUPS = ((5, [3, 7, 1, 4]), (9, [2, 6, 0]), (4, [5]), (5, [6, 2]))  # (prompt length, completion lengths)
 
@@ -143,7 +143,7 @@ def test_rl_steps_end_in_the_same_parameters(warm_model_dir, tmp_path, overrides
         trainer = Trainer(quick_config(warm_model_dir, tmp_path / str(i), **common, **extra))
         try:
             records = [trainer.train_step(step) for step in range(2)]
-            results.append((records, [p.detach().clone() for p in trainer.model.parameters()]))
+            results.append((records, [p.detach().clone() for p in trainer.parts.model.parameters()]))
         finally:
             trainer.close()
     (records_a, params_a), (records_b, params_b) = results
@@ -165,7 +165,7 @@ def test_a_model_that_cannot_share_says_so_once_and_trains_row_by_row(warm_model
     cfg = quick_config(warm_model_dir, tmp_path / "run", **{"model.gradient_checkpointing": True, "steps": 1})
     trainer = Trainer(cfg, console)
     try:
-        assert not trainer.learner.share_prompts
+        assert not trainer.parts.learner.share_prompts
         record = trainer.train_step(0)
     finally:
         trainer.close()

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from conftest import TASK, descendants
-from grpolab.cli import main
+from grpolab.commands.cli import main
 from grpolab.config import load_config
-from grpolab.rundir import read_metrics
-from grpolab.suite.manifest import MANIFEST, SuiteManifest
-from grpolab.suite.runner import completion_problems, last_error
+from grpolab.run.rundir import read_metrics
+from grpolab.studies.manifest import MANIFEST, SuiteManifest
+from grpolab.studies.suite.runner import completion_problems, last_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,7 @@ def test_dry_run_prints_configs_commands_and_footprint_and_writes_nothing(warm_m
     root = tmp_path / "out"
     assert main(["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "grpolab.cli train --config" in out and out.count('"name": "dr_grpo"') == 1
+    assert "grpolab.commands.cli train --config" in out and out.count('"name": "dr_grpo"') == 1
     assert str(root / "runs" / "a" / "checkpoints" / "step_000003") in out  # b starts from a's final checkpoint
     assert "expected checkpoint footprint: about" in out
     assert not root.exists()
@@ -137,7 +137,7 @@ def test_the_shipped_suites_resolve(name, tmp_path, capsys):
     assert main(["suite", "run", str(ROOT / "suites" / f"{name}.toml"), "--output-root", str(tmp_path / "o"),
                  "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert out.count("grpolab.cli train --config") == {"demo_all": 15, "reference_eight": 8, "tools_minimind": 4}[name]
+    assert out.count("grpolab.commands.cli train --config") == {"demo_all": 15, "reference_eight": 8, "tools_minimind": 4}[name]
 
 
 def test_the_reason_of_a_failure_is_its_error_line_or_the_end_of_its_traceback(tmp_path):
@@ -176,7 +176,7 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
     shutil.copytree(ROOT / "grpolab", package / "grpolab", ignore=shutil.ignore_patterns("__pycache__"))
     root = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(package)}
-    proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", "suite", "run", str(suite_file(tmp_path, warm_model_dir)),
+    proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", "run", str(suite_file(tmp_path, warm_model_dir)),
                              "--output-root", str(root)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while not (root / MANIFEST).exists() and time.monotonic() < deadline:
@@ -207,7 +207,7 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
 def test_a_suite_killed_outright_resumes_with_identical_numbers(finished, warm_model_dir, tmp_path):
     """A power cut: the runner and its run die with SIGKILL; the manifest still says 'running'."""
     root = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", "suite", "run", str(suite_file(tmp_path, warm_model_dir)),
+    proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", "run", str(suite_file(tmp_path, warm_model_dir)),
                              "--output-root", str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     metrics, deadline = root / "runs" / "a" / "metrics.jsonl", time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -227,7 +227,7 @@ def test_a_suite_killed_outright_resumes_with_identical_numbers(finished, warm_m
 
 INJECT = {
     "loss": """
-import grpolab.losses as losses
+import grpolab.objectives.losses as losses
 _aggregate, calls = losses.aggregate, [0]
 def aggregate(*args, **kwargs):
     calls[0] += 1

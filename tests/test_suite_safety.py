@@ -16,17 +16,17 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from grpolab.checkpoints import weights_sha256
-from grpolab.cli import main
+from grpolab.run.checkpoints import weights_sha256
+from grpolab.commands.cli import main
 from grpolab.config import load_config
-from grpolab.rundir import read_metrics
-from grpolab.suite.manifest import MANIFEST, RunRecord, SuiteManifest
-from grpolab.suite.runner import SuiteRunner, completion_problems, prepare_suite, progress_of
+from grpolab.run.rundir import read_metrics
+from grpolab.studies.manifest import MANIFEST, RunRecord, SuiteManifest
+from grpolab.studies.suite.runner import SuiteRunner, completion_problems, prepare_suite, progress_of
 from test_suite import ROOT, suite_file, untimed, write_checkpoint
 
 SLOW_FINAL_CHECKPOINT = """
 import time
-import grpolab.checkpoints as checkpoints
+import grpolab.run.checkpoints as checkpoints
 _save = checkpoints.save_checkpoint
 def save_checkpoint(model, tokenizer, run_dir, step, *args, **kwargs):
     if step == 3 and str(run_dir).endswith("a"):
@@ -80,12 +80,12 @@ def mark_running(root: Path, name: str, pid: int | None = None) -> None:
     manifest = SuiteManifest.load(root)
     record = next(r for r in manifest.runs if r.name == name)
     record.state, record.pid, record.started = "running", pid, "2026-01-01T00:00:00+0000"
-    record.command = [sys.executable, "-m", "grpolab.cli", "train", "--config", record.config_file]
+    record.command = [sys.executable, "-m", "grpolab.commands.cli", "train", "--config", record.config_file]
     manifest.save(root)
 
 
 def trainers_of(root: Path, name: str) -> set[int]:
-    """Live ``grpolab.cli train`` processes of run ``name`` of the suite in ``root``, from /proc."""
+    """Live ``grpolab.commands.cli train`` processes of run ``name`` of the suite in ``root``, from /proc."""
     marks = {str(root / "configs" / f"{name}.json"), str(root / "runs" / name)}
     found = set()
     for entry in filter(str.isdigit, os.listdir("/proc")):
@@ -93,14 +93,14 @@ def trainers_of(root: Path, name: str) -> set[int]:
             args = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "grpolab.cli" in args and "train" in args and marks & set(args):
+        if "grpolab.commands.cli" in args and "train" in args and marks & set(args):
             found.add(int(entry))
     return found
 
 
 def lock_holder_process(run_dir: Path, seconds: float) -> subprocess.Popen:
     """A process holding ``run_dir``'s lock for ``seconds`` (a trainer left behind), in its own session."""
-    code = (f"import time; from pathlib import Path; from grpolab.run_lock import RunLock; "
+    code = (f"import time; from pathlib import Path; from grpolab.run.lock import RunLock; "
             f"RunLock(Path({str(run_dir)!r})).acquire(); print('held', flush=True); time.sleep({seconds})")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
     assert proc.stdout.readline().strip() == b"held"
@@ -117,7 +117,7 @@ def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_tr
     root = tmp_path / "out"
     command = ["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(hook)])}  # this checkout's package, first
-    proc = subprocess.Popen([sys.executable, "-m", "grpolab.cli", *command], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", *command], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     metrics, deadline = root / "runs" / "a" / "metrics.jsonl", time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -153,7 +153,7 @@ def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_tr
     assert (a.state, b.state) == ("completed", "completed")
     assert a.waits[0]["pid"] == orphan and a.waits[0]["until"] and a.command[-2:] == ["--config", a.config_file]
     log = (root / "logs" / "a.log").read_text().splitlines()
-    assert len([line for line in log if line.startswith("# ") and "grpolab.cli train" in line]) == 1
+    assert len([line for line in log if line.startswith("# ") and "grpolab.commands.cli train" in line]) == 1
     for name in ("a", "b"):
         records = read_metrics(root / "runs" / name / "metrics.jsonl")
         for key in ("reward_mean", "val/accuracy"):

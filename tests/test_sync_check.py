@@ -11,7 +11,7 @@ from rich.console import Console
 
 from grpolab.rollout.hf import HFEngine
 from grpolab.rollout.sync_check import SyncMonitor, WeightSyncError, verify_weight_sync
-from grpolab.trainer import Trainer
+from grpolab.run.trainer import Trainer
 
 
 def _pair(n=4, t=6, noise=1e-3, seed=0):
@@ -79,13 +79,13 @@ def test_a_broken_sync_in_bf16_is_caught_by_the_calibrated_limit(warm_model_dir,
     cfg = quick_config(warm_model_dir, tmp_path / "run", **{"model.dtype": "bfloat16", "rollout.sync_check": True,
                                                              "optim.lr": 1e-5, "rollout.prompts_per_step": 16})
     trainer = Trainer(cfg, Console(quiet=True))
-    trainer.collector.engine = CopyEngine(trainer.model, trainer.tokenizer)
+    trainer.parts.collector.engine = CopyEngine(trainer.parts.model, trainer.parts.tokenizer)
     limit = cfg.rollout.sync_limits("bfloat16")[1]
     for step in range(1, 4):  # in sync: the calibrated limit holds
         record = trainer.train_step(step)
-        assert record["sync/logprob_diff_mean"] < trainer.sync_monitor.calibrated_limit()
-    assert 0 < trainer.sync_monitor.noise_floor < limit / 10  # the absolute bf16 limit is far above the floor
-    trainer.engine.skip = True  # from now on the engine keeps the step-3 weights
+        assert record["sync/logprob_diff_mean"] < trainer.parts.sync_monitor.calibrated_limit()
+    assert 0 < trainer.parts.sync_monitor.noise_floor < limit / 10  # the absolute bf16 limit is far above the floor
+    trainer.parts.engine.skip = True  # from now on the engine keeps the step-3 weights
     with pytest.raises(WeightSyncError):
         for step in range(4, 16):
             record = trainer.train_step(step)

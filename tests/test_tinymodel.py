@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.tasks import ArithmeticTask, grade_r1_zero
-from grpolab.tinymodel import (
+from grpolab.models.tinymodel import (
     TAGS,
     WarmStartSettings,
     build_model,

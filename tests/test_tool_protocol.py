@@ -169,7 +169,7 @@ def test_a_tools_field_without_tools_is_refused(tmp_path):
 
 def test_the_gsm8k_calculator_config_runs_a_step(long_context_model_dirs, tmp_path):
     """configs/gsm8k_calculator_qwen3_0.6b.toml on real GSM8K rows (a tiny random model: the wiring, not the skill)."""
-    from grpolab.trainer import train
+    from grpolab.run.trainer import train
 
     cfg = load_config("configs/gsm8k_calculator_qwen3_0.6b.toml", {
         "model": str(long_context_model_dirs["qwen3"]), "output_dir": str(tmp_path / "run"), "steps": 1,
@@ -185,7 +185,7 @@ def test_the_gsm8k_calculator_config_runs_a_step(long_context_model_dirs, tmp_pa
 
 
 def test_the_warm_start_trains_on_the_policy_text_only():
-    from grpolab.tinymodel import _encode, _segments, _tags, build_tokenizer
+    from grpolab.models.tinymodel import _encode, _segments, _tags, build_tokenizer
 
     task = CalculatorTask(n_train=60, n_val=5, tool_demos=1.0)
     pairs = [(task.prompt(e), e.solution) for e in task.train_examples()]

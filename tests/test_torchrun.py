@@ -18,9 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpolab.cli import main
-from grpolab.rundir import read_metrics
-from grpolab.run_state import STATE_FILE, PromptStream
+from grpolab.commands.cli import main
+from grpolab.run.rundir import read_metrics
+from grpolab.run.state import STATE_FILE
+from grpolab.tasks.stream import PromptStream
 
 TESTS = Path(__file__).resolve().parent
 TASK = {"n_train": 60, "n_val": 16, "digits": 1}

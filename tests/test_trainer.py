@@ -9,12 +9,12 @@ import pytest
 from conftest import params_of, quick_config, same
 from transformers import AutoModelForCausalLM
 
-from grpolab.algorithms import PRESETS
-from grpolab.cli import main
+from grpolab.objectives.algorithms import PRESETS
+from grpolab.commands.cli import main
 from grpolab.config import load_config
-from grpolab.evaluation import pass_at_k
-from grpolab.rundir import RunDirError, read_metrics
-from grpolab.trainer import Trainer, train
+from grpolab.rollout.evaluation import pass_at_k
+from grpolab.run.rundir import RunDirError, read_metrics
+from grpolab.run.trainer import Trainer, train
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -22,9 +22,9 @@ def test_every_preset_runs_real_rl_steps(name, warm_model_dir, tmp_path):
     trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo=name))
     actual = 0
     for step in (1, 2):
-        before = params_of(trainer.model)
+        before = params_of(trainer.parts.model)
         record = trainer.train_step(step)
-        after = params_of(trainer.model)
+        after = params_of(trainer.parts.model)
         numbers = [v for v in record.values() if isinstance(v, float)]
         assert all(math.isfinite(v) for v in numbers), record
         if record["actual_updates"]:
@@ -41,15 +41,15 @@ def test_every_preset_runs_real_rl_steps(name, warm_model_dir, tmp_path):
 
 def test_all_zero_rewards_skip_the_update(warm_model_dir, tmp_path):
     trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", **{"rollout.max_new_tokens": 2}))
-    before = params_of(trainer.model)
+    before = params_of(trainer.parts.model)
     record = trainer.train_step(1)  # two tokens cannot hold an answer: every reward is 0
     assert record["reward_mean"] == 0.0 and record["actual_updates"] == 0 and record["attempted_updates"] == 1
-    assert same(before, params_of(trainer.model))
+    assert same(before, params_of(trainer.parts.model))
 
 
 def test_dynamic_sampling_keeps_the_batch_size(warm_model_dir, tmp_path):
     trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo="dapo"))
-    batch = trainer.collector.collect(1)
+    batch = trainer.parts.collector.collect(1)
     assert len(batch.examples) == 4 and all(len(g) == 8 for g in batch.completions)
     rewards = batch.rewards()
     informative = (rewards != rewards[:, :1]).any(1)

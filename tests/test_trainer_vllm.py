@@ -17,10 +17,10 @@ import time
 import pytest
 from conftest import descendants, params_of, quick_config, same, session_members, wait_until_gone
 
-from grpolab.cli import main
+from grpolab.commands.cli import main
 from grpolab.rollout.sync_check import WeightSyncError
-from grpolab.rundir import read_metrics
-from grpolab.trainer import Trainer
+from grpolab.run.rundir import read_metrics
+from grpolab.run.trainer import Trainer
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -40,22 +40,22 @@ def test_rl_steps_sync_checked_every_step_and_a_skipped_sync_is_caught(warm_mode
     try:
         assert descendants() - before, "the vLLM engine-core process runs"
         for step in (1, 2, 3):
-            start = params_of(trainer.model)
+            start = params_of(trainer.parts.model)
             record = trainer.train_step(step)
             assert record["sync/logprob_diff_max"] < TOL and record["sync/logprob_diff_mean"] < TOL / 10
             assert record["first_update/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
             if record["actual_updates"]:
-                assert not same(start, params_of(trainer.model))
+                assert not same(start, params_of(trainer.parts.model))
         assert record["time/sync"] > 0
         # skip one sync: the update moves the trainer, the engine keeps the old weights
-        trainer.engine.sync_weights, sync = (lambda model: None), trainer.engine.sync_weights
+        trainer.parts.engine.sync_weights, sync = (lambda model: None), trainer.parts.engine.sync_weights
         step = 4
         while trainer.train_step(step)["actual_updates"] == 0:  # no signal in the batch: nothing moved yet
             step += 1
             assert step < 10, "no step with an update"
         with pytest.raises(WeightSyncError, match="not sampling from the trainer's current weights"):
             trainer.train_step(step + 1)
-        sync(trainer.model)  # a real sync repairs it
+        sync(trainer.parts.model)  # a real sync repairs it
         assert trainer.train_step(step + 2)["sync/logprob_diff_max"] < TOL
     finally:
         trainer.close()
@@ -90,7 +90,7 @@ def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, how):
     (``kill PID``) reaches the trainer alone. Either way: exit code 130 and no process left."""
     out = tmp_path / "run"
     engine = ["--vllm-python", sys.executable] if "child" in how else ["--engine", "vllm"]
-    command = [sys.executable, "-m", "grpolab.cli", "train", "--model", str(warm_model_dir), "--output-dir", str(out),
+    command = [sys.executable, "-m", "grpolab.commands.cli", "train", "--model", str(warm_model_dir), "--output-dir", str(out),
                *engine, "--steps", "1000", "--task.digits", "1", "--task.n_train", "60", "--task.n_val", "16",
                "--rollout.prompts_per_step", "4", "--threads", "1"]
     proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

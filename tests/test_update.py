@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from host_reads import HostReads
 
-from grpolab.algorithms import PRESETS, AlgorithmSpec
-from grpolab.losses import NonFiniteError
-from grpolab.update import UpdateData, accumulate_gradients, run_update
+from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec
+from grpolab.objectives.losses import NonFiniteError
+from grpolab.learning.update import UpdateData, accumulate_gradients, run_update
 
 V, D = 11, 5
 
@@ -35,7 +35,7 @@ class ToyPolicy:
 
 
 def make_data(policy: ToyPolicy, seed: int, groups: int, group_size: int, spec: AlgorithmSpec, zero_groups=(0,)):
-    from grpolab.advantages import group_advantages
+    from grpolab.objectives.advantages import group_advantages
 
     n, t = policy.tokens.shape
     g = torch.Generator().manual_seed(seed)

@@ -23,10 +23,10 @@ from conftest import params_of, quick_config, same
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpolab.bench import time_rollout
+from grpolab.commands.bench import time_rollout
 from grpolab.rollout import HFEngine, SamplingParams
 from grpolab.rollout.vllm import _SEED_STRIDE, VLLM_MAX_TEMPERATURE, VLLMEngine, request_seed
-from grpolab.trainer import Trainer
+from grpolab.run.trainer import Trainer
 
 vllm = pytest.importorskip("vllm")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -170,15 +170,15 @@ def assert_same(out, expected) -> None:
 
 
 def spy_generate(trainer: Trainer) -> list[SamplingParams]:
-    """Wrap trainer.engine.generate: each call must run on the trainer's current weights and give
+    """Wrap trainer.parts.engine.generate: each call must run on the trainer's current weights and give
     exactly HFEngine's completions and log-probs on that model. Returns the calls' params."""
-    engine, generate, seen = trainer.engine, trainer.engine.generate, []
+    engine, generate, seen = trainer.parts.engine, trainer.parts.engine.generate, []
 
     def checked(prompts, n, params):
-        weights = params_of(trainer.model)
+        weights = params_of(trainer.parts.model)
         out = generate(prompts, n, params)
         assert same(engine.llm.generated_with[-1], weights), "generated on other weights than the trainer's"
-        assert_same(out, hf_reference(trainer.model, trainer.tokenizer, engine.eos_token_ids, prompts, n, params))
+        assert_same(out, hf_reference(trainer.parts.model, trainer.parts.tokenizer, engine.eos_token_ids, prompts, n, params))
         seen.append(params)
         return out
 
@@ -226,8 +226,8 @@ def test_weights_restored_before_every_generation(warm_model_dir, tmp_path, fake
         "rollout.group_size": 2, "rollout.max_new_tokens": 24, "task.n_val": 6})
     trainer = Trainer(cfg)
     try:
-        fake, model_dir = fake_vllm[-1], str(trainer.engine.model_dir)
-        assert fake.enable_sleep_mode and trainer.engine.sleep_level == level
+        fake, model_dir = fake_vllm[-1], str(trainer.parts.engine.model_dir)
+        assert fake.enable_sleep_mode and trainer.parts.engine.sleep_level == level
         fake_cuda(fake_vllm)
         seen = spy_generate(trainer)
         trainer.evaluate(0)  # (a) greedy, then sampled pass@k: a wake with no sync before it
@@ -235,9 +235,9 @@ def test_weights_restored_before_every_generation(warm_model_dir, tmp_path, fake
         rounds = [trainer.train_step(step)["rollout_rounds"] for step in (1, 2)]  # (b)
         assert max(rounds) > 1, "dynamic sampling resampled within a step"
         trainer.evaluate(2)
-        assert len(seen) == 4 + sum(rounds) and fake.calls.count(("generate", len(trainer.val_examples))) == 4
+        assert len(seen) == 4 + sum(rounds) and fake.calls.count(("generate", len(trainer.parts.val_examples))) == 4
         restores = check_wakes(fake.calls, level, model_dir)
-        sync_dir = str(trainer.engine._sync_dir)
+        sync_dir = str(trainer.parts.engine._sync_dir)
         if level == 2:
             # all but 3 generations woke from a level-2 sleep with no sync before them; the first
             # (the engine starts awake) and the first after each of the 2 syncs wake the KV cache only.
@@ -264,11 +264,11 @@ def test_bench_rollout_timing(warm_model_dir, tmp_path, fake_vllm, fake_cuda, le
         result = time_rollout(trainer, repeats=2)
         assert result["tokens"] > 0 and len(seen) == 3
         fake = fake_vllm[-1]
-        restores = check_wakes(fake.calls, level, str(trainer.engine.model_dir))
-        assert restores == ([str(trainer.engine.model_dir)] * 2 if level == 2 else [])
-        prompts = [trainer.prompt_ids[e.id] for e in trainer.prompts.take(2)]
-        trainer.engine.generate(prompts, 2, trainer.collector.sampling_params(9, 0))  # after the syncs: synced weights
-        check_wakes(fake.calls, level, str(trainer.engine.model_dir))
+        restores = check_wakes(fake.calls, level, str(trainer.parts.engine.model_dir))
+        assert restores == ([str(trainer.parts.engine.model_dir)] * 2 if level == 2 else [])
+        prompts = [trainer.parts.prompt_ids[e.id] for e in trainer.parts.prompts.take(2)]
+        trainer.parts.engine.generate(prompts, 2, trainer.parts.collector.sampling_params(9, 0))  # after the syncs: synced weights
+        check_wakes(fake.calls, level, str(trainer.parts.engine.model_dir))
     finally:
         trainer.close()
 

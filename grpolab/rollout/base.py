@@ -10,7 +10,7 @@ Token conventions:
   prompt and the previous completion tokens, under ``softmax(logits / temperature)`` at the
   *sampling temperature* (temperature 1 for greedy, ``temperature == 0``). top-k / top-p
   truncation is *not* applied to these log-probs, so they are directly comparable with
-  ``grpolab.logprobs.token_logprobs(..., temperature=params.temperature)``.
+  ``grpolab.models.logprobs.token_logprobs(..., temperature=params.temperature)``.
 * A multi-turn (tool-using) completion also holds the tool observations inserted between the
   policy's turns: ``policy_mask[i]`` is 1 on tokens the policy sampled and 0 on observation
   tokens, whose ``logprobs`` entries are 0 (nothing sampled them). Single-turn completions have no

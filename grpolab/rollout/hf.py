@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from grpolab.logprobs import backbone_and_head
+from grpolab.models.logprobs import backbone_and_head
 from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
 from grpolab.rollout.decode import decode
 from grpolab.rollout.grouped_attention import grouped_kv_attention

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from grpolab.distributed import Ranks
+from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
 
 

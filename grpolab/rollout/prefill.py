@@ -51,7 +51,7 @@ def shared_prefill(backbone: nn.Module, config, prompts: list[list[int]], pad_id
     all their columns but the last, each distinct prompt and the prefix they all share computed once; the
     cache is None when no prompt repeats and no prefix is worth sharing (``decode`` prefills every row).
 
-    backbone: the decoder without its output layer (``grpolab.logprobs.backbone_and_head``); config: the
+    backbone: the decoder without its output layer (``grpolab.models.logprobs.backbone_and_head``); config: the
     model's config (the cache's layer types); max_new_tokens: the cache keeps room for them
     (``grpolab.rollout.kv_cache``)."""
     distinct: dict[tuple[int, ...], int] = {}

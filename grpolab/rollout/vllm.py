@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from grpolab.config import VLLM_MAX_TEMPERATURE
 from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids, let_an_interrupt_land
 
 __all__ = ["VLLM_MAX_TEMPERATURE", "VLLMEngine", "request_seed", "save_weights"]
@@ -43,10 +44,6 @@ logger = logging.getLogger(__name__)
 WeightSync = Literal["auto", "file", "cuda_ipc"]
 _SEED_STRIDE = 1_000_003
 _SEED_LIMIT = 2**63  # every seed vLLM uses stays an int64 (it seeds a torch.Generator per request)
-VLLM_MAX_TEMPERATURE = 2.0
-"""Highest sampling temperature vLLM accepts: above it ``SamplingParams._verify_args``
-(vllm/sampling_params.py, vLLM 0.32) raises ``VLLMValidationError`` (not a ValueError) "temperature
-must be in [0, 2], got ..."."""
 WORKER_EXTENSION = "grpolab.rollout.vllm_worker.WorkerExtension"
 
 

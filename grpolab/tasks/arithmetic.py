@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
-from grpolab.tasks.base import Example, Grade
+from pydantic import Field
+
+from grpolab.tasks.base import Example, Grade, TaskSettings
 from grpolab.tasks.r1_zero import grade_r1_zero, r1_zero_prompt
 
 
@@ -101,3 +104,19 @@ class ArithmeticTask:
     def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
         """r1_zero grading against the exact sum."""
         return grade_r1_zero(completion, example.answer, truncated, symbolic=False)  # '57+38' must not count
+
+
+class ArithmeticTaskConfig(TaskSettings):
+    """The built-in task: multi-digit addition with a worked chain of thought."""
+
+    name: Literal["arithmetic"] = "arithmetic"
+    n_train: int = Field(4000, ge=1)
+    n_val: int = Field(500, ge=1)
+    seed: int = Field(0, description="data seed, separate from the run seed so runs share their data")
+    digits: int = Field(2, ge=1, description="digits per operand")
+    operands: int = Field(2, ge=2, description="numbers per problem")
+
+    FILES: ClassVar[tuple[str, ...]] = ()  # fields naming data files (the suite snapshot copies them)
+
+    def build(self) -> ArithmeticTask:
+        return ArithmeticTask(**self.model_dump(exclude={"name"}))

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
+from pydantic import BaseModel, ConfigDict
+
 
 @dataclass(frozen=True)
 class Example:
@@ -102,3 +104,10 @@ class Task(Protocol):
 #   grade_batch(items) -> [Grade]   grade many (completion, example, truncated) at once, e.g. in parallel
 #   toolset: grpolab.tools.Toolset  tools the model may call: rollouts become multi-turn
 #   warm_start_overrides: dict      WarmStartSettings fields for the demo's tiny model
+
+
+class TaskSettings(BaseModel):
+    """A ``[task]`` table's settings: unknown keys are refused; each task module declares its own
+    (``name`` its tag, ``FILES`` the fields naming data files, ``build()`` the task)."""
+
+    model_config = ConfigDict(extra="forbid")

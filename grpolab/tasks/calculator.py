@@ -19,11 +19,14 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
-from grpolab.tasks.base import Example, Grade
+from pydantic import Field, field_validator
+
+from grpolab.tasks.base import Example, Grade, TaskSettings
 from grpolab.tasks.r1_zero import grade_r1_zero, r1_zero_prompt
 from grpolab.tools.calculator import calculate
-from grpolab.tools.protocol import Toolset
+from grpolab.tools.protocol import ToolsConfig, Toolset
 
 
 def tool_note(toolset: Toolset) -> str:
@@ -102,3 +105,28 @@ class CalculatorTask:
     def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
         """r1_zero grading of the whole trajectory against the exact value (observations hold no answer tags)."""
         return grade_r1_zero(completion, example.answer, truncated, symbolic=False)
+
+
+class CalculatorTaskConfig(TaskSettings):
+    """The built-in tool task: a*b+c with two-digit numbers, the calculator at hand."""
+
+    name: Literal["calculator"] = "calculator"
+    n_train: int = Field(4000, ge=1)
+    n_val: int = Field(500, ge=1)
+    seed: int = 0
+    digits: int = Field(2, ge=1, le=4)
+    tool_demos: float = Field(0.8, ge=0, le=1, description="share of the warm start's demonstrations that "
+                              "call the calculator (the others answer directly)")
+    tools: ToolsConfig = Field(default_factory=lambda: ToolsConfig(enabled=["calculator"], max_turns=3))
+
+    FILES: ClassVar[tuple[str, ...]] = ()
+
+    @field_validator("tools")
+    @classmethod
+    def _has_calculator(cls, value: ToolsConfig) -> ToolsConfig:
+        if "calculator" not in value.enabled:
+            raise ValueError("the calculator task needs tools.enabled to include 'calculator'")
+        return value
+
+    def build(self) -> CalculatorTask:
+        return CalculatorTask(**self.model_dump(exclude={"name", "tools"}), toolset=self.tools.build())

@@ -20,11 +20,13 @@ import operator
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal
 
-from grpolab.tasks.base import Example, Grade
-from grpolab.tasks.prompts import PromptBuilder
+from pydantic import Field
+
+from grpolab.tasks.base import Example, Grade, TaskSettings
 from grpolab.tasks.datasets import text_sha256
+from grpolab.tasks.prompts import PromptBuilder
 
 OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 INSTRUCTION = "What is {question}? End your reply with: The answer is <number>."
@@ -117,3 +119,21 @@ class ChatArithmeticTask:
         if truncated or answer is None:
             return Grade(format_reward=0.0, answer_reward=0.0, extracted=answer)
         return Grade(format_reward=1.0, answer_reward=float(answer == example.answer), extracted=answer)
+
+
+class ChatArithmeticTaskConfig(TaskSettings):
+    """The built-in task for real instruct models: small arithmetic in the model's chat template."""
+
+    name: Literal["chat_arithmetic"] = "chat_arithmetic"
+    operations: str = Field("*", description="any of + - * (a - b only with a >= b)")
+    low: int = Field(2, ge=0, description="smallest operand")
+    high: int = Field(9, ge=0, description="largest operand")
+    n_val: int = Field(32, ge=1)
+    n_train: int | None = Field(None, ge=1, description="None = every problem not in validation")
+    seed: int = Field(0, description="data seed: which problems validate")
+    system: str | None = Field(None, description="a system message (None: the template's default, if any)")
+
+    FILES: ClassVar[tuple[str, ...]] = ()
+
+    def build(self) -> ChatArithmeticTask:
+        return ChatArithmeticTask(**self.model_dump(exclude={"name"}))

@@ -20,9 +20,11 @@ import random
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Literal
 
-from grpolab.tasks.base import Example, Grade
+from pydantic import Field, field_validator, model_validator
+
+from grpolab.tasks.base import Example, Grade, TaskSettings
 from grpolab.tasks.datasets import (
     DataError,
     canonical_json,
@@ -32,13 +34,11 @@ from grpolab.tasks.datasets import (
     source_records,
     text_sha256,
 )
-from grpolab.tasks.extract import extract_answer, last_boxed
-from grpolab.tasks.prompts import PromptBuilder
-from grpolab.tasks.rewards import RewardSet, Sample, reward_term
-from grpolab.tasks.sandbox import MAX_WORKERS
-
-if TYPE_CHECKING:
-    from grpolab.tasks.configs import DatasetTaskConfig
+from grpolab.tasks.extract import AnswerFormat, extract_answer, last_boxed
+from grpolab.tasks.prompts import PromptBuilder, PromptFormat, template_fields
+from grpolab.tasks.rewards import VERIFIERS, RewardSet, Sample, reward_term
+from grpolab.tasks.sandbox import IMPORT_PATH, MAX_WORKERS
+from grpolab.tools.protocol import ToolsConfig
 
 
 def _jsonable(record: dict[str, Any]) -> dict[str, Any]:
@@ -74,7 +74,7 @@ class DatasetTask:
 
     name = "dataset"
 
-    def __init__(self, cfg: "DatasetTaskConfig"):
+    def __init__(self, cfg: DatasetTaskConfig):
         self.cfg = cfg
         p = cfg.prompt
         self.toolset = cfg.tools.build()
@@ -178,3 +178,87 @@ class DatasetTask:
             "prompt_template_sha256": text_sha256(self.prompt_template()), "answer_format": self.answer_format,
             "rewards": rewards, "rewards_sha256": text_sha256(canonical_json(rewards)),
         }
+
+
+class PromptConfig(TaskSettings):
+    """How prompts are made and where the completion states its answer (``grpolab.tasks.prompts``)."""
+
+    format: PromptFormat = Field("r1_zero", description="r1_zero; chat = the tokenizer's "
+                                                           "chat template; template = your format string")
+    template: str | None = Field(None, description="template: the whole prompt; chat: the user message (default "
+                                 "'{question}'); fields as {name}: question and the data row's fields")
+    system: str | None = Field(None, description="chat: a system message")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="chat: passed to the chat "
+                                                 "template, e.g. {enable_thinking = false}")
+    answer: AnswerFormat | None = Field(
+        None, description="where the completion states its answer: r1_zero ('</think> <answer> X </answer>'), "
+        "answer_tags (the last <answer>X</answer>), boxed (the last \\boxed{X}), last_number; None = r1_zero for "
+        "the r1_zero format, else required")
+
+    @model_validator(mode="after")
+    def _answer_format(self) -> "PromptConfig":
+        if self.answer is None:
+            if self.format != "r1_zero":
+                raise ValueError(f"prompt.answer is required with prompt.format {self.format!r}: answer_tags, "
+                                 "boxed or last_number")
+            self.answer = "r1_zero"
+        PromptBuilder(self.format, self.template, self.system, self.chat_template_kwargs)  # refuses bad combinations
+        return self
+
+
+class RewardConfig(TaskSettings):
+    """One weighted reward function (``grpolab.tasks.rewards``)."""
+
+    function: str = Field(description="a verifier (numeric, math, exact, regex) or 'package.module:function'")
+    name: str | None = Field(None, description="label in the metrics (reward/<name>); default: the function's name")
+    weight: float = 1.0
+    timeout_s: float | None = Field(None, gt=0, description="time bound per call (math: 2 s, regex: 1 s, "
+                                    "user functions: 10 s)")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the verifier or function")
+
+    @field_validator("function")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in VERIFIERS and not IMPORT_PATH.fullmatch(value):
+            raise ValueError(f"unknown reward function {value!r}; use a verifier ({', '.join(VERIFIERS)}) or "
+                             "'package.module:function'")
+        return value
+
+
+class DatasetTaskConfig(TaskSettings):
+    """Your own data (JSONL, Parquet or the hub), prompt format and reward functions."""
+
+    name: Literal["dataset"] = "dataset"
+    train: str = Field(description="a .jsonl or .parquet file, or hub:NAME[:CONFIG]:SPLIT")
+    validation: str | None = Field(None, description="as train; None = a seeded split of train (validation_size)")
+    validation_size: float | None = Field(None, gt=0, description="without validation: a count (>= 1) or a "
+                                          "fraction (< 1) of the train rows, drawn with split_seed")
+    split_seed: int = 0
+    n_train: int | None = Field(None, ge=1, description="the first N train rows (after the split; None = all)")
+    n_val: int | None = Field(None, ge=1, description="the first M validation rows (None = all)")
+    question_field: str = "question"
+    answer_field: str = "answer"
+    id_field: str | None = Field(None, description="a field of unique ids; None = '<split>-<row>'")
+    gold: Literal["text", "boxed", "gsm8k"] = Field("text", description="how the answer field holds the gold "
+                                                    "answer: as text, in its last \\boxed{} (MATH solutions), or "
+                                                    "after '####' (GSM8K)")
+    prompt: PromptConfig = PromptConfig()
+    rewards: list[RewardConfig] = Field(default_factory=lambda: [RewardConfig(function="math")], min_length=1,
+                                        description="weighted; the first is the task's correctness (accuracy)")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="tools the model may call; the prompt "
+                               "says how (chat: the template's tools argument; template: {tools})")
+
+    FILES: ClassVar[tuple[str, ...]] = ("train", "validation")
+
+    @model_validator(mode="after")
+    def _split(self) -> "DatasetTaskConfig":
+        if (self.validation is None) == (self.validation_size is None):
+            raise ValueError("give either task.validation (a source) or task.validation_size (a split of train)")
+        if self.validation_size is not None and self.validation_size >= 1 and self.validation_size % 1:
+            raise ValueError(f"task.validation_size {self.validation_size}: a count must be whole, a fraction < 1")
+        if not self.tools.enabled and "tools" in template_fields(self.prompt.template or ""):
+            raise ValueError("task.prompt.template names {tools} but task.tools.enabled is empty")
+        return self
+
+    def build(self) -> DatasetTask:
+        return DatasetTask(self)

@@ -16,13 +16,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
 
 from grpolab.tasks.answers import plain_number
-from grpolab.tasks.base import Example, Grade
+from grpolab.tasks.base import Example, Grade, TaskSettings
 from grpolab.tasks.datasets import DataError, first_n, load_source, rows_sha256, text_sha256
 from grpolab.tasks.r1_zero import R1_ZERO_TEMPLATE, grade_r1_zero, r1_zero_prompt
-from grpolab.tools.protocol import Toolset
+from grpolab.tools.protocol import ToolsConfig, Toolset
 
 FINAL_ANSWER_MARK = "####"
 _CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")
@@ -115,3 +117,22 @@ class GSM8KTask:
             "prompt_template_sha256": text_sha256(R1_ZERO_TEMPLATE if self.toolset is None else
                                                   r1_zero_prompt("{question}", self.toolset.instruction())),
         }
+
+
+class GSM8KTaskConfig(TaskSettings):
+    """GSM8K from local copies of the official files (the first n rows, as the reference runs)."""
+
+    name: Literal["gsm8k"] = "gsm8k"
+    train_path: str
+    test_path: str
+    n_train: int | None = Field(6400, ge=1, description="first N train rows (None = all)")
+    n_val: int | None = Field(1024, ge=1, description="first M test rows as validation (None = all)")
+    question_field: str = "question"
+    answer_field: str = "answer"
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="e.g. {enabled = [\"calculator\"]}: "
+                               "the prompt says how to call them, rollouts run them")
+
+    FILES: ClassVar[tuple[str, ...]] = ("train_path", "test_path")
+
+    def build(self) -> GSM8KTask:
+        return GSM8KTask(**self.model_dump(exclude={"name", "tools"}), toolset=self.tools.build())

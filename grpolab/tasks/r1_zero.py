@@ -6,7 +6,6 @@ The model continues the prompt after ``<think>``; a well-formed completion looks
 
 from __future__ import annotations
 
-
 from grpolab.tasks.base import Grade
 
 R1_ZERO_TEMPLATE = (

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from grpolab.tools.calculator import CALCULATOR_DESCRIPTION, CALCULATOR_SCHEMA, CalculatorError, calculate
 
 MAX_CALL_CHARS = 2000  # longer call texts are refused before JSON parsing
@@ -181,3 +183,28 @@ def schema_error(schema: Mapping[str, Any], arguments: dict[str, Any]) -> str | 
         return None
     where = "/".join(map(str, error.absolute_path))
     return (f"{where}: " if where else "") + (error.message if len(error.message) <= 120 else error.message[:120] + "...")
+
+
+class ToolsConfig(BaseModel):
+    """Tools the model may call in multi-turn rollouts (``grpolab.tools``); none = single-turn."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: list[str] = Field(default_factory=list, description="tool names (calculator); [] = no tools")
+    max_turns: int = Field(4, ge=2, description="generation turns per trajectory; a call in the last is not run")
+    call_tags: tuple[str, str] = Field(("<tool_call>", "</tool_call>"), description="around a JSON call "
+                                       '{"name": ..., "arguments": {...}}; best single tokens of the vocabulary')
+    response_tags: tuple[str, str] = Field(("<tool_response>", "</tool_response>"),
+                                           description="around the tool's output in the observation")
+
+    @field_validator("enabled")
+    @classmethod
+    def _known_tools(cls, value: list[str]) -> list[str]:
+        unknown = [v for v in value if v not in TOOLS]
+        if unknown:
+            raise ValueError(f"unknown tools {', '.join(unknown)}; available: {', '.join(TOOLS)}")
+        return value
+
+    def build(self):
+        """The ``Toolset``, or None without tools."""
+        return Toolset(self.enabled, self.max_turns, self.call_tags, self.response_tags) if self.enabled else None

@@ -1,0 +1,254 @@
+"""The `grpolab` command: thin argument parsing that hands off to one module per sub-command.
+
+``grpolab train --config run.toml --optim.lr 3e-4 --algo dapo`` sets any config field by its dotted
+name; ``grpolab demo`` is ``train`` with the built-in defaults (tiny model, arithmetic task).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from grpolab.objectives.algorithms import PRESETS
+from grpolab.run.stop import RunStopped, StopRequest
+
+
+def print_algorithms(console: Console) -> None:
+    """Every preset: its settings on one line, its formula on the next."""
+    console.print("[bold]grpolab algorithms[/bold]  (any field can be overridden; docs/algorithms.md has the details)\n")
+    for spec in PRESETS.values():
+        weight = spec.weight if spec.weight in ("none", "noclip") else f"{spec.weight}({spec.eps_low:g}, {spec.eps_high:g})"
+        schedule = f"{spec.epochs}x{spec.steps_per_epoch} (epochs x steps)"
+        extra = ", dynamic sampling" if spec.dynamic_sampling else ""
+        console.print(f"[bold cyan]{spec.name:<17}[/] advantage={spec.baseline}/{spec.normalizer} weight={weight} "
+                      f"aggregation={spec.aggregation} schedule={schedule}{extra}", highlight=False, soft_wrap=True)
+        console.print(f"{'':<18}loss = {spec.formula()}", highlight=False, soft_wrap=True)
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``--a.b value`` / ``--a.b=value`` pairs -> {"a.b": parsed value}; dashes in names become underscores."""
+    from grpolab.config import ConfigError, parse_value
+
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --optim.lr 3e-4")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{name} needs a value")
+            i += 1
+            value = args[i]
+        overrides[name.replace("-", "_")] = parse_value(value)
+        i += 1
+    return overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpolab", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("algorithms", help="list every algorithm preset with its settings and formula")
+    train = sub.add_parser("train", help="train with a TOML config; --dotted.name value overrides any field")
+    train.add_argument("--config", help="TOML file (fields by section, e.g. [optim] lr = 1e-4)")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint "
+                       "(exactly: weights, optimizer, RNGs, data position); --steps N may extend it")
+    sub.add_parser("demo", help="train the built-in tiny model on the built-in task (CPU, minutes)")
+    probe = sub.add_parser("probe", help="capacity check: two real updates at the config's worst-case shapes")
+    probe.add_argument("--config", help="TOML file, as for train")
+    probe.add_argument("--report", default="probe_report.json", help="where to write the JSON report (must not exist)")
+    bench = sub.add_parser("bench", help="time every available rollout engine side by side: generation "
+                           "(rollout) or whole RL steps with the phase split (step)")
+    bench.add_argument("kind", choices=["rollout", "step"])
+    bench.add_argument("--config", help="TOML file, as for train (default: the demo's settings)")
+    bench.add_argument("--engines", help="comma-separated, e.g. hf,vllm (default: every available engine)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed generations / steps after one warm-up")
+    bench.add_argument("--json", help="also write the figures to this JSON file (must not exist)")
+    suite = sub.add_parser("suite", help="a queue of runs, one process each, resumable: run SUITE.toml "
+                           "--output-root DIR | resume DIR | status DIR")
+    suite.add_argument("action", choices=["run", "resume", "status"])
+    suite.add_argument("target", help="run: the suite TOML file; resume / status: the suite directory")
+    suite.add_argument("--output-root", help="run: a new or empty directory for the suite")
+    suite.add_argument("--dry-run", action="store_true", help="run: print every resolved config, command and the "
+                       "expected checkpoint footprint; write nothing")
+    report = sub.add_parser("report", help="report.md, report.json and figures in DIR/report/ for a suite or run "
+                            "directory: run table, paired bootstrap CIs and McNemar tests, 2x2, seeds, pass@k, curves")
+    report.add_argument("directory", help="a suite directory, a run directory or a folder of run directories")
+    compare = sub.add_parser("compare", help="paired accuracy difference of two runs' last evaluations, with "
+                             "its bootstrap CI and McNemar p-value")
+    compare.add_argument("run_a")
+    compare.add_argument("run_b")
+    report.add_argument("--baseline", help="the run every other run is compared with (default: the first)")
+    for p in (report, compare):
+        p.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (at least 10,000)")
+        p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    return parser
+
+
+def report_command(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    from grpolab.common.progress import Reporter
+    from grpolab.studies.report import compare_runs, write_report
+
+    if args.resamples < 10_000:
+        raise ValueError(f"--resamples {args.resamples}: use at least 10,000 for stable 95% intervals")
+    if args.command == "report":
+        path = write_report(Path(args.directory), Reporter(console), args.baseline, args.resamples, args.seed)
+        console.print(f"report: {path} (figures and report.json beside it)", highlight=False, soft_wrap=True)
+        return 0
+    c = compare_runs(Path(args.run_a), Path(args.run_b), args.resamples, args.seed)
+    if "difference" not in c:
+        raise ValueError(f"{args.run_a} vs {args.run_b}: {c.get('note')}")
+    console.print(f"{c['run']} (step {c['step']}) vs {Path(args.run_b).name} (step {c['baseline_step']}), "
+                  f"{c['items']} paired items: accuracy {c['accuracy']:.3f} vs {c['baseline_accuracy']:.3f}, "
+                  f"difference {c['difference']:+.3f}, 95% CI [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] "
+                  f"(paired bootstrap, {args.resamples:,} resamples); McNemar exact p = {c['p_value']:.3g} "
+                  f"({c['only_run_right']} items right only in A, {c['only_baseline_right']} only in B)",
+                  highlight=False, soft_wrap=True)
+    if c["unpaired_items"] or c["differing_prompts"]:
+        console.print(f"left out: {c['unpaired_items']} items evaluated by one run only, {c['differing_prompts']} "
+                      "with different prompts", highlight=False, soft_wrap=True)
+    return 0
+
+
+def suite_command(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    from grpolab.studies.suite.runner import SuiteRunner, prepare_suite, status_table
+
+    if args.action == "status":
+        console.print(status_table(Path(args.target)))
+        return 0
+    if args.action == "run":
+        if not args.output_root:
+            raise ValueError("suite run needs --output-root DIR (a new or empty directory)")
+        if prepare_suite(args.target, Path(args.output_root), console, args.dry_run) is None:
+            return 0
+        return SuiteRunner(Path(args.output_root).resolve(), console).execute()
+    return SuiteRunner(Path(args.target).resolve(), console).execute()
+
+
+def bench_command(args: argparse.Namespace, cfg, console: Console) -> None:
+    import json
+    from pathlib import Path
+
+    from grpolab.commands.bench import available_engines, run_bench
+
+    engines = args.engines.split(",") if args.engines else available_engines(cfg)
+    unknown = sorted(set(engines) - {"hf", "vllm"})
+    if unknown or args.repeats < 1:
+        raise ValueError(f"unknown engine(s) {', '.join(unknown)}; choose from hf, vllm" if unknown
+                         else "--repeats must be >= 1")
+    if args.json and Path(args.json).exists():
+        raise FileExistsError(f"--json {args.json} already exists; not overwritten")
+    results = run_bench(args.kind, cfg, engines, args.repeats, console)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"kind": args.kind, "config": cfg.model_dump(mode="json"),
+                                               "results": results}, indent=2))
+
+
+def run_command(args: argparse.Namespace, extra: list[str], console: Console) -> int:
+    from pathlib import Path
+
+    if args.command in ("suite", "report", "compare"):  # no model here: a report loads neither torch nor transformers
+        if extra:
+            raise ValueError(f"unexpected arguments {' '.join(extra)}")
+        return suite_command(args, console) if args.command == "suite" else report_command(args, console)
+    from grpolab.config import ConfigError, load_config, load_run_config
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    resume = getattr(args, "resume", None)
+    if resume and args.config:
+        raise ConfigError("--resume takes the run's own config; drop --config")
+    cfg = load_run_config(resume, parse_overrides(extra)) if resume else load_config(getattr(args, "config", None),
+                                                                                      parse_overrides(extra))
+    if args.command == "probe":
+        from grpolab.commands.probe import run_probe
+
+        report = run_probe(cfg, Path(args.report))
+        console.print(f"probe: peak memory {report['peak_memory_mb']:.0f} MB ({report['peak_memory_kind']}), "
+                      f"{report['batch']['sequences']} x {report['batch']['sequence_length']} tokens; "
+                      f"report in {args.report}")
+        return 0
+    if args.command == "bench":
+        bench_command(args, cfg, console)
+        return 0
+    from grpolab.run.trainer import train
+
+    if args.command == "demo" and os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 says it
+        from grpolab.commands.demo import print_demo_plan
+        from grpolab.common.progress import Reporter
+
+        print_demo_plan(cfg, Reporter(console))
+    train(cfg, console, resume=bool(resume), stop=_Interrupts.stop)
+    return 0
+
+
+class _Interrupts:
+    """SIGINT / SIGTERM are remembered. While the training loop runs, the first one asks it to stop after
+    the current step with a resumable checkpoint; otherwise (or the second time) they raise
+    KeyboardInterrupt. vLLM's engine processes share the terminal's process group, die of the same
+    Ctrl-C, and the library may catch the trainer's own KeyboardInterrupt while it raises an engine
+    error instead; the run is still an interrupted one."""
+
+    received = False
+    stop = StopRequest()
+
+    @classmethod
+    def handler(cls, signum: int, frame: Any) -> None:
+        cls.received = True
+        if cls.stop.armed and not cls.stop.requested:
+            cls.stop.requested = True
+            return
+        raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    console = Console()
+    if args.command == "algorithms":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        print_algorithms(console)
+        return 0
+    _Interrupts.received, _Interrupts.stop = False, StopRequest()
+    previous = {sig: signal.signal(sig, _Interrupts.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return run_command(args, extra, console)
+    except RunStopped as stopped:
+        console.print(f"[red]interrupted:[/red] {stopped}", highlight=False, soft_wrap=True)
+        return 130
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/red]")
+        return 130
+    except Exception as err:
+        if _Interrupts.received:  # an engine process died of the same Ctrl-C
+            console.print("[red]interrupted[/red]")
+            return 130
+        from grpolab.objectives.losses import NonFiniteError  # here, so that report and compare never load torch
+        from grpolab.rollout.sync_check import WeightSyncError
+
+        if not isinstance(err, (FileNotFoundError, FileExistsError, ValueError, NonFiniteError, WeightSyncError,
+                                NotADirectoryError)):
+            raise
+        for line in str(err).splitlines():
+            console.print(f"[red]error:[/red] {line}", highlight=False, soft_wrap=True)
+        return 2
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

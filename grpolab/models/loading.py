@@ -1,0 +1,127 @@
+"""Loading the policy (and a frozen reference) exactly as a user's local Hugging Face model."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from grpolab.models.gguf import GGUF_PREFIX, absolute_spec, gguf_file, gguf_model_dir, gguf_source
+from grpolab.models.like import LIKE_PREFIX, is_like_dir, like_model_dir
+from grpolab.models.fidelity import attention_implementation
+from grpolab.common.progress import Reporter
+from grpolab.tasks.base import Task
+from grpolab.models.tinymodel import warm_start_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("model.device is 'cuda' but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: BF16 weights on GPU, FP32 on CPU (log-prob math is FP32 either way)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+def resolve_model_dir(path: str | None, task: Task, like_overrides: dict[str, int] | None = None,
+                      reporter: Reporter | None = None) -> Path:
+    """The model directory to train: ``path`` (must exist), the cached folder of a ``like:NAME`` model
+    (random weights at a reference model's shapes; ``like_overrides`` may shrink it), the cached
+    conversion of a ``gguf:FILE`` model (``grpolab.models.gguf``), or the demo's cached warm-started tiny model
+    (its warm start, or a conversion, shown on ``reporter``)."""
+    is_like = path is not None and path.startswith(LIKE_PREFIX)
+    if like_overrides and not is_like:
+        raise ValueError("model.like_overrides applies only to like: models")
+    if is_like:
+        return like_model_dir(path[len(LIKE_PREFIX):], task, like_overrides)
+    if path is None:
+        return warm_start_model(task, reporter=reporter)
+    if path.startswith(GGUF_PREFIX):
+        return gguf_model_dir(path[len(GGUF_PREFIX):], reporter)
+    return check_model_path(path)
+
+
+def check_model_spec(path: str | None) -> None:
+    """Refuse, before anything is converted or written, a ``model.path`` that cannot load: a missing
+    directory, a missing GGUF file or short name (``like:`` names are checked when built)."""
+    if not path or path.startswith(LIKE_PREFIX):
+        return
+    if path.startswith(GGUF_PREFIX):
+        gguf_file(path[len(GGUF_PREFIX):])
+    else:
+        check_model_path(path)
+
+
+def absolute_model_spec(path: str) -> str:
+    """``model.path`` naming the same model from any working directory (a suite's runs start elsewhere)."""
+    if path.startswith(LIKE_PREFIX):
+        return path
+    if path.startswith(GGUF_PREFIX):
+        return GGUF_PREFIX + absolute_spec(path[len(GGUF_PREFIX):])
+    return str(Path(path).resolve())
+
+
+def check_model_path(path: str) -> Path:
+    """A local model directory ``path`` as a Path; raises FileNotFoundError when it is not one."""
+    model_dir = Path(path).expanduser()
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory not found: {model_dir}")
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"not a Hugging Face model directory (no config.json): {model_dir}")
+    return model_dir
+
+
+def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
+                attn_implementation: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Model and tokenizer through the Auto classes; the tokenizer gets a pad token if it has none.
+
+    The attention kernel is ``attn_implementation`` unless the model needs another to compute as designed
+    (``grpolab.models.fidelity.attention_implementation``). A ``like:`` folder has no weights: its model is
+    built with ``from_config`` from seed 0 (the same weights every time), in a forked RNG so that the
+    caller's global torch RNG state is untouched.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    config = AutoConfig.from_pretrained(model_dir)
+    attn_implementation = attention_implementation(config, attn_implementation)
+    if is_like_dir(model_dir):
+        with torch.random.fork_rng(devices=[]):  # initialisation runs on the CPU
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
+    return model.to(device), tokenizer
+
+
+def model_record(model: PreTrainedModel, model_dir: Path) -> dict[str, Any]:
+    """What identifies the starting model: its directory, a SHA-256 of its config, its revision if known,
+    and for a converted GGUF file that file and its SHA-256."""
+    config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    revision = getattr(model.config, "_commit_hash", None)
+    if revision is None and model_dir.parent.name == "snapshots":  # a Hugging Face cache snapshot
+        revision = model_dir.name
+    return {"dir": str(model_dir), "config_sha256": hashlib.sha256(config.encode()).hexdigest(),
+            "revision": revision, "architecture": type(model).__name__,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "gguf_source": gguf_source(model_dir)}
+
+
+def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A frozen reference policy: a deep copy in eval mode with gradients off."""
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference

@@ -1,0 +1,130 @@
+"""Algorithms as small declarative specs.
+
+An algorithm is an :class:`AlgorithmSpec`: how advantages are formed (baseline, normalizer), how each
+token is weighted (weight, eps_low, eps_high), how the per-token losses are reduced (aggregation), the
+KL penalty, and the update schedule (epochs x optimizer steps per epoch over one rollout batch).
+The trainer reads the fields; it never looks at the name. Adding an algorithm = one preset + its tests.
+"""
+
+from __future__ import annotations
+
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Baseline = Literal["mean", "none"]
+Normalizer = Literal["std", "mean", "none"]
+Weight = Literal["none", "noclip", "clip", "gspo", "cispo"]
+Aggregation = Literal["sequence", "token", "constant"]
+
+# One-line formula of each per-token weighting (w = exp(logp - logp_old), s = sequence ratio).
+WEIGHT_FORMULAS: dict[str, str] = {
+    "none": "-A * logp  (REINFORCE)",
+    "noclip": "-A * w",
+    "clip": "-min(w*A, clip(w, 1-eps_low, 1+eps_high)*A)",
+    "gspo": "-min(s*A, clip(s, 1-eps_low, 1+eps_high)*A), s = exp(mean_t(logp - logp_old))",
+    "cispo": "-sg(min(w, 1+eps_high)) * A * logp",
+}
+AGGREGATION_FORMULAS: dict[str, str] = {
+    "sequence": "mean_i( sum_t l*m / sum_t m )",
+    "token": "sum l*m / sum m",
+    "constant": "sum l*m / Z",
+}
+
+
+class UnknownAlgorithmError(ValueError):
+    """The requested preset name does not exist."""
+
+
+class AlgorithmSpec(BaseModel):
+    """Every setting that decides what an update computes. Frozen; derive variants with ``override``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    reference: str = ""
+    # advantages
+    baseline: Baseline = "mean"
+    normalizer: Normalizer = "std"
+    adv_eps: float = Field(1e-6, ge=0)
+    # per-token weighting
+    weight: Weight = "clip"
+    eps_low: float = Field(0.2, ge=0, lt=1)
+    eps_high: float = Field(0.2, gt=0)
+    # reduction over the response mask
+    aggregation: Aggregation = "sequence"
+    loss_denominator: float | None = Field(
+        None, gt=0, description="Z for aggregation=constant; default = sequences per step x max new tokens"
+    )
+    # truncated importance sampling for the rollout engine / trainer mismatch: each token's loss times
+    # sg(min(pi_old / pi_engine, cap)), per token or with one product ratio per sequence; off by default
+    engine_correction: Literal["none", "token", "sequence"] = "none"
+    engine_correction_cap: float = Field(2.0, gt=0)
+    # KL penalty to a reference policy (k3), reduced as a per-token mean over each optimizer step
+    beta: float = Field(0.0, ge=0)
+    # schedule over one rollout batch
+    epochs: int = Field(1, ge=1)
+    steps_per_epoch: int = Field(1, ge=1)
+    shuffle_minibatches: bool = True
+    # rollout-side behaviour
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = Field(3, ge=0)
+    prune_zero_advantage: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "AlgorithmSpec":
+        if self.normalizer == "mean" and self.baseline != "mean":
+            raise ValueError("normalizer 'mean' (MaxRL) needs baseline 'mean'")
+        return self
+
+    @property
+    def is_single_update(self) -> bool:
+        """One optimizer step per rollout batch: the update's ratio is exactly 1."""
+        return self.epochs * self.steps_per_epoch == 1
+
+    def formula(self) -> str:
+        return f"{WEIGHT_FORMULAS[self.weight]}; reduced {AGGREGATION_FORMULAS[self.aggregation]}"
+
+    def override(self, **changes: Any) -> "AlgorithmSpec":
+        """A validated copy with some fields changed (unknown fields and bad values raise)."""
+        return AlgorithmSpec.model_validate({**self.model_dump(), **changes})
+
+
+_OFFPOLICY = dict(epochs=1, steps_per_epoch=32)
+
+PRESETS: dict[str, AlgorithmSpec] = {
+    spec.name: spec
+    for spec in [
+        AlgorithmSpec(name="grpo", reference="DeepSeekMath (Shao et al., 2024)"),
+        AlgorithmSpec(name="grpo_constant", aggregation="constant",
+                      reference="GRPO advantages with Dr. GRPO's constant denominator"),
+        AlgorithmSpec(name="dr_grpo", normalizer="none", aggregation="constant",
+                      reference="Understanding R1-Zero-Like Training (Liu et al., 2025)"),
+        AlgorithmSpec(name="rft", baseline="none", normalizer="none", weight="none",
+                      aggregation="constant", reference="Rejection-sampling fine-tuning (RAFT / STaR style)"),
+        AlgorithmSpec(name="maxrl", normalizer="mean", aggregation="constant",
+                      reference="MaxRL (Tajwar et al., 2026, arXiv 2602.02710)"),
+        AlgorithmSpec(name="gspo", weight="gspo", eps_low=3e-4, eps_high=3e-4, epochs=4,
+                      reference="Group Sequence Policy Optimization (Zheng et al., 2025)"),
+        AlgorithmSpec(name="cispo", weight="cispo", eps_high=5.0, aggregation="token", epochs=4,
+                      reference="MiniMax-M1 (MiniMax, 2025)"),
+        AlgorithmSpec(name="dapo", eps_low=0.2, eps_high=0.28, aggregation="token", dynamic_sampling=True,
+                      reference="DAPO (Yu et al., 2025)"),
+        AlgorithmSpec(name="offpolicy_naive", weight="none", **_OFFPOLICY,
+                      reference="REINFORCE on stale samples (baseline for the off-policy family)"),
+        AlgorithmSpec(name="offpolicy_noclip", weight="noclip", **_OFFPOLICY,
+                      reference="Unclipped importance sampling"),
+        AlgorithmSpec(name="offpolicy_clip", weight="clip", **_OFFPOLICY,
+                      reference="PPO clip (Schulman et al., 2017) over many steps"),
+        AlgorithmSpec(name="offpolicy_gspo", weight="gspo", eps_low=3e-4, eps_high=3e-4, **_OFFPOLICY,
+                      reference="GSPO over many steps"),
+    ]
+}
+
+
+def get_algorithm(name: str, **overrides: Any) -> AlgorithmSpec:
+    """The preset called ``name`` with ``overrides`` applied and validated."""
+    if name not in PRESETS:
+        raise UnknownAlgorithmError(f"unknown algorithm {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name].override(**overrides) if overrides else PRESETS[name]

@@ -1,0 +1,260 @@
+"""Per-token policy-gradient surrogates and their exact reduction (pure tensor functions).
+
+Shapes: N sequences, T token positions. Position t of every [N, T] tensor refers to the same token;
+``response_mask`` is 1 only on tokens the policy generated (EOS included) and 0 on prompt, padding,
+tool observations and anything after EOS. Values at masked positions never reach the loss or gradient.
+
+Reductions are exact under micro-batching: the denominators (:class:`Denominators`) are computed once
+for the whole optimizer step, and each micro-batch contributes ``sum(...) / denominator``, so summing
+micro-batch gradients gives the whole-batch gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from grpolab.objectives.algorithms import AlgorithmSpec
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss, ratio or gradient norm is NaN or infinite; raised before any optimizer step."""
+
+
+@dataclass
+class PolicyLossInput:
+    """The data contract of one (micro-)batch of an update.
+
+    logprobs:        [N, T] current policy, requires grad
+    old_logprobs:    [N, T] frozen before the first update on this rollout batch
+    advantages:      [N]    one per sequence
+    response_mask:   [N, T] 1 on policy-generated tokens, else 0
+    ref_logprobs:    [N, T] reference policy, optional (KL penalty / metric)
+    engine_logprobs: [N, T] rollout engine's log-probs of the sampled tokens, optional
+    """
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    response_mask: Tensor
+    ref_logprobs: Tensor | None = None
+    engine_logprobs: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Denominators:
+    """Divisors of one optimizer step: of the policy objective and of the KL term (its token count)."""
+
+    policy: float
+    kl: float
+
+
+def step_denominators(spec: AlgorithmSpec, response_mask: Tensor, max_new_tokens: int,
+                      reduce: Callable[[Tensor], Tensor] | None = None) -> Denominators:
+    """Denominators for an optimizer step over the sequences of ``response_mask`` [n, T].
+
+    Count every sequence of the step, including those later pruned for zero advantage.
+    sequence -> n; token -> total response tokens; constant -> Z (spec.loss_denominator, else
+    n x max_new_tokens: independent of response lengths). Under data parallelism ``reduce`` sums the
+    counts over the ranks (``grpolab.parallel.ranks``), so each rank divides by the global step's.
+    """
+    counts = torch.tensor([float(response_mask.shape[0]), float(response_mask.sum().item())], dtype=torch.float64)
+    if reduce is not None:
+        counts = reduce(counts)
+    n_seqs, n_tokens = int(counts[0]), max(float(counts[1]), 1.0)
+    if spec.aggregation == "sequence":
+        policy = float(n_seqs)
+    elif spec.aggregation == "token":
+        policy = n_tokens
+    else:
+        policy = spec.loss_denominator or float(n_seqs * max_new_tokens)
+    return Denominators(policy=policy, kl=n_tokens)
+
+
+Number = float | Tensor  # a Python float, or a 0-dim float64 tensor still on the device
+
+
+@dataclass
+class TokenMetrics:
+    """Token-summed diagnostics of one or more micro-batches, kept on the device: ``add`` and ``merge``
+    never wait for it; ``on_host`` reads them all in one transfer (once per optimizer step), then ``means``.
+
+    loss: the summed objective of the micro-batches (not a token mean); nonfinite: how many of them had a
+    non-finite loss or ratio (the update raises ``NonFiniteError`` before its optimizer step).
+    """
+
+    tokens: Number = 0.0
+    sums: dict[str, Number] = field(default_factory=dict)
+    ratio_min: Number = float("inf")
+    ratio_max: Number = float("-inf")
+    loss: Number = 0.0
+    nonfinite: Number = 0.0
+
+    def add(self, name: str, per_token: Tensor, mask: Tensor) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + (per_token.detach().double() * mask).sum()
+
+    def merge(self, other: "TokenMetrics") -> "TokenMetrics":
+        sums = dict(self.sums)
+        for k, v in other.sums.items():
+            sums[k] = sums.get(k, 0.0) + v
+        return TokenMetrics(self.tokens + other.tokens, sums, _extreme(min, self.ratio_min, other.ratio_min),
+                            _extreme(max, self.ratio_max, other.ratio_max), self.loss + other.loss,
+                            self.nonfinite + other.nonfinite)
+
+    def on_host(self) -> "TokenMetrics":
+        """The same metrics as Python floats, read from the device in one transfer."""
+        values = [self.tokens, self.ratio_min, self.ratio_max, self.loss, self.nonfinite, *self.sums.values()]
+        on_device = [v for v in values if isinstance(v, Tensor)]
+        if on_device:
+            device = on_device[0].device
+            values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values]).tolist()
+        tokens, ratio_min, ratio_max, loss, nonfinite, *sums = values
+        return TokenMetrics(tokens, dict(zip(self.sums, sums)), ratio_min, ratio_max, loss, nonfinite)
+
+    def means(self) -> dict[str, float]:
+        """Per-token means of the sums (read from the device first, if they are still there)."""
+        self = self.on_host()
+        out = {name: total / max(self.tokens, 1.0) for name, total in self.sums.items()}
+        if "clip_low_frac" in out:
+            out["clip_frac"] = out["clip_low_frac"] + out["clip_high_frac"]
+        if self.tokens:
+            out["ratio_min"], out["ratio_max"] = self.ratio_min, self.ratio_max
+        out["metric_tokens"] = self.tokens  # response tokens the metrics cover
+        return out
+
+
+def _extreme(pick: Callable, a: Number, b: Number) -> Number:
+    """min or max of two numbers, on the device when either is a tensor (without waiting for it)."""
+    if not isinstance(a, Tensor) and not isinstance(b, Tensor):
+        return pick(a, b)
+    tensor_pick = torch.minimum if pick is min else torch.maximum
+    device = (a if isinstance(a, Tensor) else b).device
+    return tensor_pick(*(torch.as_tensor(x, dtype=torch.float64, device=device) for x in (a, b)))
+
+
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    """x where mask is set, else 0 (so garbage at masked positions cannot make NaN/inf)."""
+    return torch.where(mask.bool(), x, torch.zeros_like(x))
+
+
+def token_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """w = exp(logp - logp_old) per token [N, T]; exactly 1 at masked positions."""
+    return torch.exp(_masked(logprobs - old_logprobs, mask))
+
+
+def sequence_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's s = exp(mean over response tokens of (logp - logp_old)), [N]."""
+    log_ratio = _masked(logprobs - old_logprobs, mask).sum(1) / mask.sum(1).clamp(min=1)
+    return torch.exp(log_ratio)
+
+
+def per_token_surrogate(inp: PolicyLossInput, spec: AlgorithmSpec) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-token loss [N, T] (to be minimised) and the ratio, low-clip and high-clip indicators [N, T].
+
+    The clip indicators mark tokens whose gradient the clip (or CISPO's truncation) changed.
+    """
+    mask = inp.response_mask
+    adv = inp.advantages[:, None].to(inp.logprobs.dtype)
+    logp = _masked(inp.logprobs, mask)
+    no_clip = torch.zeros_like(logp, dtype=torch.bool)
+
+    if spec.weight == "gspo":
+        ratio = sequence_ratio(inp.logprobs, inp.old_logprobs, mask)[:, None].expand_as(logp)
+    else:
+        ratio = token_ratio(inp.logprobs, inp.old_logprobs, mask)
+
+    if spec.weight == "none":
+        return -adv * logp, ratio, no_clip, no_clip
+    if spec.weight == "noclip":
+        return -adv * ratio, ratio, no_clip, no_clip
+    if spec.weight in ("clip", "gspo"):
+        clipped = ratio.clamp(1 - spec.eps_low, 1 + spec.eps_high)
+        loss = -torch.minimum(ratio * adv, clipped * adv)
+        low = (adv < 0) & (ratio < 1 - spec.eps_low)
+        high = (adv > 0) & (ratio > 1 + spec.eps_high)
+        return loss, ratio, low, high
+    if spec.weight == "cispo":
+        truncated_weight = ratio.clamp(max=1 + spec.eps_high).detach()
+        return -truncated_weight * adv * logp, ratio, no_clip, ratio > 1 + spec.eps_high
+    raise ValueError(f"unknown weight {spec.weight!r}")
+
+
+def engine_correction_weight(old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, level: str,
+                             cap: float) -> Tensor:
+    """Truncated importance weight [N, T] of the trainer's sampling policy over the engine's (detached).
+
+    token:    min(exp(logp_old - logp_engine), cap) per token
+    sequence: min(exp(sum_t (logp_old - logp_engine)), cap), the same for every token of a sequence
+    """
+    log_ratio = _masked(old_logprobs - engine_logprobs, mask).detach()
+    if level == "sequence":
+        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(log_ratio)
+    return torch.exp(log_ratio).clamp(max=cap)
+
+
+def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, denominator: float) -> Tensor:
+    """Reduce [N, T] to a scalar: this micro-batch's share of the optimizer step's objective.
+
+    sequence: sum_i(sum_t l*m / sum_t m) / denominator (= sequences in the step)
+    token / constant: sum(l*m) / denominator (= tokens in the step, or Z)
+    """
+    per_token = _masked(per_token, mask)
+    if aggregation == "sequence":
+        return (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / denominator
+    return per_token.sum() / denominator
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """k3 estimator of KL(policy || ref) per token [N, T]: exp(ref - logp) - (ref - logp) - 1."""
+    delta = _masked(ref_logprobs - logprobs, mask)
+    return torch.exp(delta) - delta - 1
+
+
+def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denominators) -> tuple[Tensor, TokenMetrics]:
+    """Scalar loss of one micro-batch (its share of the step) and its token metrics.
+
+    loss = aggregate(surrogate) + beta * sum(k3 * m) / (tokens in the step)
+    Nothing here waits for the device: a non-finite loss or ratio is counted in ``metrics.nonfinite``
+    (``raise_if_nonfinite`` reads it once the step's metrics are on the host).
+    """
+    mask = inp.response_mask.to(inp.logprobs.dtype)
+    surrogate, ratio, clip_low, clip_high = per_token_surrogate(inp, spec)
+    metrics = TokenMetrics(tokens=mask.sum().double())
+    if spec.engine_correction != "none" and inp.engine_logprobs is not None:
+        weight = engine_correction_weight(inp.old_logprobs, inp.engine_logprobs, mask, spec.engine_correction,
+                                          spec.engine_correction_cap)
+        surrogate = surrogate * weight
+        metrics.add("engine_is_weight_mean", weight, mask)
+        metrics.add("engine_is_capped_frac", (weight >= spec.engine_correction_cap).to(mask.dtype), mask)
+    loss = aggregate(surrogate, mask, spec.aggregation, denominators.policy)
+
+    if inp.ref_logprobs is not None:
+        kl = kl_k3(inp.logprobs, inp.ref_logprobs, mask)
+        metrics.add("kl_ref", kl, mask)
+        if spec.beta > 0:
+            loss = loss + spec.beta * _masked(kl, mask).sum() / denominators.kl
+
+    on_mask = mask.bool()
+    finite = torch.isfinite(loss.detach()) & (torch.isfinite(ratio.detach()) | ~on_mask).all()
+    metrics.loss, metrics.nonfinite = loss.detach().double(), (~finite).double()
+
+    token_w = token_ratio(inp.logprobs.detach(), inp.old_logprobs, mask)
+    metrics.add("ratio_mean", ratio, mask)
+    metrics.add("clip_low_frac", clip_low.to(mask.dtype), mask)
+    metrics.add("clip_high_frac", clip_high.to(mask.dtype), mask)
+    metrics.add("approx_kl_old_new", (token_w - 1) - torch.log(token_w), mask)
+    if inp.engine_logprobs is not None:  # trainer vs rollout-engine log-prob mismatch
+        metrics.add("engine_logprob_absdiff", (_masked(inp.logprobs.detach() - inp.engine_logprobs, mask)).abs(), mask)
+    masked_ratio = ratio.detach().double()
+    metrics.ratio_min = masked_ratio.masked_fill(~on_mask, float("inf")).amin()
+    metrics.ratio_max = masked_ratio.masked_fill(~on_mask, float("-inf")).amax()
+    return loss, metrics
+
+
+def raise_if_nonfinite(metrics: TokenMetrics) -> None:
+    """NonFiniteError when a micro-batch's loss or ratio was NaN or infinite (``metrics`` on the host)."""
+    if metrics.nonfinite:
+        raise NonFiniteError(f"non-finite loss ({metrics.loss}) or ratio in the policy update")

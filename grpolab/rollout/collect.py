@@ -1,0 +1,98 @@
+"""Collecting rollouts: G completions per prompt from the rollout engine, graded by the task (steps 1-2
+of the loop), with length shaping when configured and DAPO's dynamic sampling when the algorithm asks
+for it (it keeps groups whose RL rewards, shaping included, are not all equal)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from grpolab.objectives.advantages import informative_groups
+from grpolab.objectives.algorithms import AlgorithmSpec
+from grpolab.config import RewardShapingConfig, RolloutConfig
+from grpolab.parallel.ranks import Ranks
+from grpolab.rollout.evaluation import grade_completions
+from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
+from grpolab.tasks.stream import PromptStream
+from grpolab.tasks.shaping import shape_rewards
+from grpolab.tasks.base import Example, Grade, Task
+
+
+@dataclass
+class RolloutBatch:
+    """B groups of G completions with their grades; ``rounds`` > 1 when dynamic sampling resampled."""
+
+    examples: list[Example]
+    completions: list[list[Completion]]
+    grades: list[list[Grade]]
+    rounds: int = 1
+    seconds: dict[str, float] | None = None  # {"generate": s, "reward": s}
+
+    def rewards(self) -> torch.Tensor:
+        """[B, G] float32."""
+        return torch.tensor([[g.reward for g in group] for group in self.grades], dtype=torch.float32)
+
+    def flat(self) -> list[Completion]:
+        return [c for group in self.completions for c in group]
+
+
+class RolloutCollector:
+    """Draws prompts from ``prompts`` (token ids in ``prompt_ids``), samples with ``engine`` and grades.
+    Every generation is seeded from (seed, step, round), so a collector holds no sampling state."""
+
+    def __init__(self, engine: RolloutEngine, task: Task, prompts: PromptStream, prompt_ids: dict[str, list[int]],
+                 rollout: RolloutConfig, spec: AlgorithmSpec, seed: int, shaping: RewardShapingConfig | None = None,
+                 ranks: Ranks = Ranks()):
+        self.engine, self.task, self.prompts, self.prompt_ids = engine, task, prompts, prompt_ids
+        self.rollout, self.spec, self.seed = rollout, spec, seed
+        self.shaping = shaping or RewardShapingConfig()
+        self.ranks = ranks
+        # ranks take whole generation batches of a round (up to their equal share of a step's prompts): with
+        # rollout.max_batch_size dividing a rank's rows, every batch is one the single process generates
+        self.rank_chunk = max(1, min(rollout.max_batch_size // rollout.group_size, rollout.prompts_per_step // ranks.world))
+
+    def grade(self, examples: list[Example], completions: list[list[Completion]]) -> list[list[Grade]]:
+        """The task's grades, with the configured length shaping added to the RL reward."""
+        s = self.shaping
+        return [shape_rewards(grades, [len(c.completion_ids) for c in group], [c.truncated for c in group],
+                              self.rollout.max_new_tokens, s.truncation_penalty, s.overlong_buffer, s.overlong_factor)
+                for grades, group in zip(grade_completions(self.task, examples, completions), completions)]
+
+    def sampling_params(self, step: int, round_: int) -> SamplingParams:
+        r = self.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, stop_strings=tuple(r.stop_strings),
+                              seed=self.seed * 1_000_003 + step * 1_009 + round_)
+
+    def collect(self, step: int) -> RolloutBatch:
+        """G completions for each of B prompts, graded. With dynamic sampling, groups whose rewards are
+        all equal are dropped and more prompts sampled, up to ``max_resample_rounds`` extra rounds; a
+        batch still short is topped up with dropped groups so its size never changes."""
+        want, group = self.rollout.prompts_per_step, self.rollout.group_size
+        kept, dropped, rounds = RolloutBatch([], [], []), RolloutBatch([], [], []), 0
+        seconds = {"generate": 0.0, "reward": 0.0}
+        while len(kept.examples) < want and rounds <= self.spec.max_resample_rounds:
+            examples = self.prompts.take(want - len(kept.examples))
+            mine = self.ranks.share_chunks(len(examples), self.rank_chunk)  # this rank's prompts of the round
+            t0 = time.perf_counter()
+            completions = self.engine.generate([self.prompt_ids[e.id] for e in examples[mine.start:mine.stop]], group,
+                                               replace(self.sampling_params(step, rounds), prompt_offset=mine.start))
+            t1 = time.perf_counter()
+            grades = self.grade(examples[mine.start:mine.stop], completions)
+            seconds["generate"] += t1 - t0
+            seconds["reward"] += time.perf_counter() - t1
+            if self.ranks.parallel:  # every rank gets the round's groups, in prompt order
+                completions, grades = map(list, zip(*self.ranks.concat(list(zip(completions, grades)))))
+            rounds += 1
+            batch = RolloutBatch(examples, completions, grades)
+            keep = informative_groups(batch.rewards()) if self.spec.dynamic_sampling else torch.ones(len(examples), dtype=torch.bool)
+            for i, k in enumerate(keep.tolist()):
+                target = kept if k else dropped
+                target.examples.append(examples[i])
+                target.completions.append(completions[i])
+                target.grades.append(grades[i])
+        short = want - len(kept.examples)
+        return RolloutBatch(kept.examples + dropped.examples[:short], kept.completions + dropped.completions[:short],
+                            kept.grades + dropped.grades[:short], rounds, seconds)

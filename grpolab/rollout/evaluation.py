@@ -1,0 +1,126 @@
+"""Validation: greedy accuracy, format rate, length, sampled pass@k (unbiased estimator), and one
+record per item so that two runs on the same frozen items can be compared item by item."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import replace
+from statistics import mean
+from typing import Any
+
+from grpolab.parallel.ranks import Ranks
+from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
+from grpolab.objectives.stats import pass_at_k
+from grpolab.tasks.base import Example, Grade, Task
+from grpolab.rollout.multiturn import tool_metrics
+
+
+logger = logging.getLogger(__name__)
+_reported: set[str] = set()
+
+
+def _safe_grade(task: Task, completion: str, example: Example, truncated: bool) -> Grade:
+    """``task.grade``, or a zero grade counted as failed (``reward/grade_failed``) when it raises: a task
+    class of the user's must not end the run. The first traceback per task is logged."""
+    try:
+        return task.grade(completion, example, truncated)
+    except Exception:
+        if task.name not in _reported:
+            _reported.add(task.name)
+            logger.warning("task %r: grade raised on item %s (it scores 0; later failures are only counted in "
+                           "reward/grade_failed):\n%s", task.name, example.id, traceback.format_exc())
+        return Grade(0.0, 0.0, failed=("grade",))
+
+
+def grade_completions(task: Task, examples: list[Example], completions: list[list[Completion]]) -> list[list[Grade]]:
+    """Grades [prompt][sample] of the completions of each example (with the task's ``grade_batch`` when it
+    has one)."""
+    items = [(c.text, ex, c.truncated) for ex, group in zip(examples, completions) for c in group]
+    flat = None
+    if getattr(task, "grade_batch", None) is not None:
+        try:
+            flat = task.grade_batch(items)
+        except Exception:
+            flat = None  # graded one by one below, each failure counted
+    if flat is None or len(flat) != len(items):
+        flat = [_safe_grade(task, *item) for item in items]
+    out, start = [], 0
+    for group in completions:
+        out.append(flat[start:start + len(group)])
+        start += len(group)
+    return out
+
+
+def prompt_sha256(prompt: str) -> str:
+    """The first 16 hex digits of the prompt text's SHA-256: equal items have equal hashes."""
+    return hashlib.sha256(prompt.encode()).hexdigest()[:16]
+
+
+def item_record(task: Task, example: Example, completion: Completion, grade: Grade) -> dict[str, Any]:
+    """What one greedy evaluation of one item produced (a line of ``eval/step_NNNNNN.jsonl``)."""
+    return {"id": example.id, "prompt_sha256": prompt_sha256(task.prompt(example)), "completion": completion.text,
+            "extracted": grade.extracted, "gold": example.answer, "format_ok": grade.format_reward > 0,
+            "correct": grade.answer_reward > 0, "length": len(completion.completion_ids),
+            "truncated": completion.truncated, **({"rewards": dict(grade.components)} if grade.components else {}),
+            **({"turns": completion.turns, "tool_calls": completion.tool_calls} if completion.turns > 1 or completion.tool_calls
+               else {})}
+
+
+def greedy(sampling: SamplingParams) -> SamplingParams:
+    """The rollout's settings (token limit, stop strings) for greedy decoding."""
+    return replace(sampling, temperature=0.0, top_p=1.0, top_k=0, seed=None)
+
+
+def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_ids: list[list[int]],
+             sampling: SamplingParams, pass_k: list[int], pass_n: int, seed: int, chunk: int | None = None,
+             on_items: Callable[[int], None] | None = None,
+             ranks: Ranks = Ranks()) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Greedy metrics over ``examples`` and, when ``pass_k`` is set, pass@k from ``pass_n`` samples.
+
+    ``sampling`` is the training rollout's: every generation here keeps its token limit and stop
+    strings, so completions are cut and graded exactly as in training; the pass@k samples also use
+    its temperature / top-p / top-k, with ``seed``. Greedy completions are generated ``chunk``
+    prompts at a time (None: all at once; the hf engine's own batch size leaves its batches, and so
+    its results, unchanged), and ``on_items(k)`` is called as k more items finish. Data parallel
+    (``ranks``): each rank generates and grades its ``share_chunks`` and the results are gathered, so
+    every rank returns the metrics and records of all items.
+
+    Returns (metrics, one ``item_record`` per example, with ``pass_n`` / ``pass_correct``: the sampled
+    count and how many were correct, when ``pass_k`` is set).
+    """
+    step = chunk or max(1, len(prompt_ids))
+    share = ranks.share_chunks(len(prompt_ids), step)
+    completions = []
+    for i in range(ranks.max(len(range(share.start, share.stop, step)))):  # the same calls on every rank
+        start = share.start + i * step
+        part = prompt_ids[start:min(start + step, share.stop)]
+        completions += engine.generate(part, 1, greedy(sampling))
+        if on_items is not None and part:
+            on_items(len(part))
+    grades = [g[0] for g in grade_completions(task, examples[share.start:share.stop], completions)]
+    correct = [None] * len(completions)
+    if pass_k:
+        sampled = engine.generate(prompt_ids[share.start:share.stop], pass_n,
+                                  replace(sampling, seed=seed, prompt_offset=share.start))
+        correct = [sum(g.answer_reward > 0 for g in group)
+                   for group in grade_completions(task, examples[share.start:share.stop], sampled)]
+    if ranks.parallel:
+        completions, grades, correct = map(list, zip(*ranks.concat(list(zip(completions, grades, correct)))))
+    records = [item_record(task, ex, c[0], g) for ex, c, g in zip(examples, completions, grades)]
+    out = {
+        "val/accuracy": mean(g.answer_reward for g in grades),
+        "val/format_rate": mean(g.format_reward for g in grades),
+        "val/completion_len_mean": mean(len(c[0].completion_ids) for c in completions),
+        "val/truncation_rate": mean(c[0].truncated for c in completions),
+    }
+    if getattr(task, "toolset", None) is not None:
+        out.update(tool_metrics([c[0] for c in completions], [g.answer_reward > 0 for g in grades], prefix="val/tool/"))
+    if pass_k:
+        for k in pass_k:
+            out[f"val/pass@{k}"] = mean(pass_at_k(pass_n, c, k) for c in correct)
+        for record, c in zip(records, correct):
+            record.update(pass_n=pass_n, pass_correct=c)
+    return out, records

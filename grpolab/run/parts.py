@@ -1,0 +1,260 @@
+"""A run's parts, assembled in one place: task, policy and reference, optimizer, engine with its
+wrappers, rollout collector, learner, run state.
+
+``build_parts`` is the only code that puts a run together. The trainer (``grpolab.run.trainer``) adds
+the run directory, the loop and the checkpoints around the parts; ``grpolab probe`` and ``grpolab bench``
+build the same parts with ``assemble`` and no run directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from rich.console import Console
+from torch import nn
+
+from grpolab.common.progress import Reporter
+from grpolab.common.threads import ThreadChoice, choose_threads
+from grpolab.config import RunConfig
+from grpolab.learning.learner import SHARDED_FORWARD, PolicyLearner
+from grpolab.learning.shared_prefix import unit_logprobs
+from grpolab.models.fidelity import check_trainable
+from grpolab.models.like import is_like_dir
+from grpolab.models.loading import check_model_spec, frozen_copy, load_policy, resolve_device, resolve_dtype, resolve_model_dir
+from grpolab.models.logprobs import enable_gradient_checkpointing
+from grpolab.models.precision import TrainingPrecision, resolve_precision
+from grpolab.models.prompt_tokens import tokenize_prompts
+from grpolab.parallel.fsdp import FullWeights, shard_fsdp
+from grpolab.parallel.ranks import Ranks, init_from_env
+from grpolab.rollout.base import RolloutEngine
+from grpolab.rollout.collect import RolloutCollector
+from grpolab.rollout.engines import build_engine, dtype_name
+from grpolab.rollout.lockstep import LockstepEngine
+from grpolab.rollout.multiturn import MultiTurnEngine
+from grpolab.rollout.sync_check import MIN_NOISE_FLOOR, SyncMonitor
+from grpolab.run.state import RunState
+from grpolab.tasks import build_task
+from grpolab.tasks.base import Example, Task
+from grpolab.tasks.stream import PromptStream
+from grpolab.tools.protocol import Toolset
+
+FSDP_TOOLS = ("dist.strategy 'fsdp' with rollout.engine 'hf' cannot use tools (every rank must take the same number "
+              "of generation steps on the sharded model); use rollout.engine 'vllm' or dist.strategy 'ddp'")
+
+
+@dataclass
+class Setting:
+    """Where a run's parts live: its ranks, this rank's device and CPU threads, and where it reports."""
+
+    ranks: Ranks
+    device: torch.device
+    threads: ThreadChoice
+    reporter: Reporter
+
+
+@dataclass
+class Models:
+    """The policy, its tokenizer, the frozen reference (None without one) and the precision they follow."""
+
+    model_dir: Path
+    precision: TrainingPrecision
+    model: nn.Module
+    tokenizer: Any
+    reference: nn.Module | None
+
+
+@dataclass
+class RunParts:
+    """Everything one run is made of. The trainer never asks which algorithm, task or engine these are."""
+
+    cfg: RunConfig
+    setting: Setting
+    task: Task
+    val_examples: list[Example]
+    models: Models
+    optimizer: torch.optim.Optimizer
+    prompts: PromptStream
+    prompt_ids: dict[str, list[int]]
+    sync_monitor: SyncMonitor
+    state: RunState
+    collector: RolloutCollector
+    learner: PolicyLearner
+    closed: bool = False
+
+    # the parts most code reads, by name
+    spec = property(lambda self: self.cfg.algorithm)
+    ranks = property(lambda self: self.setting.ranks)
+    device = property(lambda self: self.setting.device)
+    model = property(lambda self: self.models.model)
+    tokenizer = property(lambda self: self.models.tokenizer)
+    reference = property(lambda self: self.models.reference)
+    precision = property(lambda self: self.models.precision)
+    model_dir = property(lambda self: self.models.model_dir)
+
+    @property
+    def engine(self) -> RolloutEngine:
+        return self.collector.engine
+
+    @property
+    def sharded(self) -> bool:
+        return is_sharded_run(self.cfg, self.ranks)
+
+    @property
+    def toolset(self) -> Toolset | None:
+        return getattr(self.task, "toolset", None)
+
+    def sync_source(self):
+        """What the engine's weight sync reads: the model, or under FSDP with an engine of its own (vLLM) the
+        whole weights, gathered on every rank (every rank calls this)."""
+        return FullWeights(self.model) if self.sharded and self.cfg.rollout.engine != "hf" else self.model
+
+    def close(self) -> None:
+        """Close the engine (its processes, its memory); the other parts stay readable. Safe to call twice."""
+        if not self.closed:
+            self.closed = True
+            self.engine.close()
+
+
+def is_sharded_run(cfg: RunConfig, ranks: Ranks) -> bool:
+    return ranks.parallel and cfg.dist.strategy == "fsdp"
+
+
+def set_up(cfg: RunConfig, reporter_for: Callable[[Ranks], Reporter]) -> Setting:
+    """Join the ranks torchrun describes (if any), seed torch, choose the CPU threads. Prints nothing."""
+    ranks, device = init_from_env(resolve_device(cfg.model.device), cfg.dist.timeout_minutes)
+    if cfg.rollout.prompts_per_step % ranks.world:
+        raise ValueError(f"rollout.prompts_per_step {cfg.rollout.prompts_per_step} cannot be split into whole "
+                         f"prompt groups over {ranks.world} ranks")
+    torch.manual_seed(cfg.seed)
+    threads = choose_threads(cfg.threads)
+    torch.set_num_threads(threads.threads)
+    return Setting(ranks, device, threads, reporter_for(ranks))
+
+
+def load_task(cfg: RunConfig, reporter: Reporter) -> tuple[Task, list[Example]]:
+    """The task and the validation examples the run evaluates on."""
+    with reporter.phase(f"load task {cfg.task.name}", done_note=None):
+        task = build_task(cfg.task)
+        examples, wanted = task.validation_examples(), cfg.eval.n_examples
+        if wanted is not None and wanted > len(examples):
+            raise ValueError(f"eval.n_examples {wanted} > the {len(examples)} validation examples of task "
+                             f"{task.name!r}")
+    return task, examples[:wanted]
+
+
+def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path | None = None) -> Models:
+    """The policy (from ``weights_dir``, a checkpoint to resume, else the model's start) with its
+    tokenizer, and the frozen reference (the start policy) when the objective needs one; under FSDP
+    both sharded before the optimizer is made."""
+    ranks, reporter, device = setting.ranks, setting.reporter, setting.device
+    if is_sharded_run(cfg, ranks) and cfg.rollout.engine == "hf" and getattr(task, "toolset", None) is not None:
+        raise ValueError(FSDP_TOOLS)
+    check_model_spec(cfg.model.path)
+    reporter.line(setting.threads.note)
+    if ranks.parallel:
+        reporter.line(f"data parallel: {ranks.world} ranks ({cfg.dist.strategy}), "
+                      f"{cfg.rollout.prompts_per_step // ranks.world} prompt groups each per step")
+    # rank 0 first: a warm start of the demo's model is cached, and the other ranks then find it
+    model_dir = ranks.run_on_main(lambda: resolve_model_dir(cfg.model.path, task, cfg.model.like_overrides, reporter))
+    if not ranks.is_main:
+        model_dir = resolve_model_dir(cfg.model.path, task, cfg.model.like_overrides)
+    if is_like_dir(model_dir):
+        reporter.line(f"{cfg.model.path}: random weights at the real shapes (for memory and speed): "
+                      "completions rarely stop and run to max_new_tokens")
+    precision = resolve_precision(cfg.optim.precision, resolve_dtype(cfg.model.dtype, device))
+    weights_dir = weights_dir or model_dir
+    with reporter.phase(f"load model {weights_dir}") as phase:
+        model, tokenizer = load_policy(weights_dir, precision.storage, device)
+        phase.info = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}"
+    bind_tokenizer = getattr(task, "bind_tokenizer", None)
+    if bind_tokenizer is not None:  # chat-template prompts render with the model's own tokenizer
+        bind_tokenizer(tokenizer)
+    if cfg.model.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    model.eval()
+    reference = None
+    if cfg.needs_reference():  # the start policy, frozen, so kept in the compute dtype (no master copy needed)
+        start = load_policy(model_dir, precision.storage, device)[0] if weights_dir != model_dir else model
+        reference = frozen_copy(start).to(precision.compute)
+    if is_sharded_run(cfg, ranks):  # before the optimizer: it must hold the shards
+        for m in filter(None, (model, reference)):
+            shard_fsdp(m, {SHARDED_FORWARD: unit_logprobs})
+    return Models(model_dir, precision, model, tokenizer, reference)
+
+
+def prompt_token_ids(cfg: RunConfig, task: Task, tokenizer, model: nn.Module,
+                     examples: list[Example]) -> dict[str, list[int]]:
+    """Prompt token ids by example id, with the tokenizer's BOS once (``grpolab.models.prompt_tokens``). Refuses
+    (listing example ids) prompts longer than rollout.max_prompt_tokens or leaving no room for
+    max_new_tokens in the model's context."""
+    ids = tokenize_prompts(tokenizer, [task.prompt(e) for e in examples])
+    limit = cfg.rollout.max_prompt_tokens or float("inf")
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context:
+        limit = min(limit, context - cfg.rollout.max_new_tokens)
+    too_long = [e.id for e, p in zip(examples, ids) if len(p) > limit]
+    if too_long:
+        raise ValueError(f"{len(too_long)} prompts are longer than {limit} tokens (rollout.max_prompt_tokens, "
+                         f"or the model's context minus rollout.max_new_tokens); never truncated. Example ids: "
+                         f"{', '.join(too_long[:20])}{' ...' if len(too_long) > 20 else ''}")
+    return {e.id: p for e, p in zip(examples, ids)}
+
+
+def rollout_engine(cfg: RunConfig, setting: Setting, task: Task, models: Models, weights_dir: Path,
+                   max_model_len: int) -> RolloutEngine:
+    """The engine the config names, with the wrappers the run needs: lock-step decoding over FSDP
+    ranks, multi-turn tool use (observations masked out of the loss)."""
+    sharded = is_sharded_run(cfg, setting.ranks)
+    with setting.reporter.phase(f"start {cfg.rollout.engine} engine", done_note=cfg.rollout.engine != "hf" or None):
+        engine = build_engine(cfg.rollout, models.model, models.tokenizer, weights_dir, seed=cfg.seed,
+                              max_model_len=max_model_len, precision=models.precision, sharded=sharded)
+        if sharded and cfg.rollout.engine == "hf":  # it generates with the sharded model
+            engine = LockstepEngine(engine, setting.ranks, filler=[models.tokenizer.pad_token_id])
+    toolset = getattr(task, "toolset", None)
+    if toolset is not None:
+        engine = MultiTurnEngine(engine, toolset, models.tokenizer)
+    return engine
+
+
+def build_parts(cfg: RunConfig, setting: Setting, task: Task, val_examples: list[Example],
+                weights_dir: Path | None = None) -> RunParts:
+    """Every part of a run after its task: models, optimizer, prompts, sync check, state, engine,
+    collector, learner. ``weights_dir``: the checkpoint a resumed run continues from (its state is
+    loaded by the caller, ``RunState.load``)."""
+    models = load_models(cfg, setting, task, weights_dir)
+    optimizer = models.precision.optimizer(models.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                           weight_decay=cfg.optim.weight_decay)
+    prompts = PromptStream(task.train_examples(), cfg.seed)
+    prompt_ids = prompt_token_ids(cfg, task, models.tokenizer, models.model, task.train_examples() + val_examples)
+    max_model_len = max(map(len, prompt_ids.values())) + cfg.rollout.max_new_tokens
+    # a model whose own forward the training forward cannot reproduce at these lengths: one line, now
+    check_trainable(models.model, max_model_len)
+    minibatch_gen = torch.Generator().manual_seed(cfg.seed)
+    compute = dtype_name(models.precision.compute)
+    sync_monitor = SyncMonitor(*cfg.rollout.sync_limits(compute), noise_multiple=cfg.rollout.sync_noise_multiple,
+                               min_floor=MIN_NOISE_FLOOR[compute])
+    ranks = setting.ranks
+    state = RunState(optimizer, prompts, minibatch_gen, sync_monitor, ranks, models.model)
+    engine = rollout_engine(cfg, setting, task, models, weights_dir or models.model_dir, max_model_len)
+    collector = RolloutCollector(engine, task, prompts, prompt_ids, cfg.rollout, cfg.algorithm, cfg.seed, cfg.reward,
+                                 ranks)
+    try:
+        learner = PolicyLearner(cfg, models.model, models.reference, optimizer, models.precision, setting.device,
+                                models.tokenizer.pad_token_id, minibatch_gen, sync_monitor, state.updates, ranks)
+    except BaseException:
+        engine.close()
+        raise
+    if learner.sharing_note:
+        setting.reporter.line(learner.sharing_note)
+    return RunParts(cfg, setting, task, val_examples, models, optimizer, prompts, prompt_ids, sync_monitor, state,
+                    collector, learner)
+
+
+def assemble(cfg: RunConfig, reporter_for: Callable[[Ranks], Reporter] | None = None) -> RunParts:
+    """A run's parts with no run directory (``grpolab probe``, ``grpolab bench``); close them when done."""
+    setting = set_up(cfg, reporter_for or (lambda ranks: Reporter(Console(quiet=not ranks.is_main))))
+    task, val_examples = load_task(cfg, setting.reporter)
+    return build_parts(cfg, setting, task, val_examples)

@@ -1,0 +1,161 @@
+"""The run directory: refuse to overwrite, metrics as JSON lines, per-item evaluation records, rewinding
+them for a resume (checkpoints: ``grpolab.run.checkpoints``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
+
+
+class RunDirError(FileExistsError):
+    """The output directory already holds something; nothing was written."""
+
+
+def resolve_run_dir(output_dir: str | None, label: str, root: str = "runs") -> Path:
+    """Where a new run goes (not created yet): ``output_dir``, which may exist only if empty, or
+    runs/<time>-<label>. Raises RunDirError for a directory that already holds something."""
+    run_dir = Path(output_dir) if output_dir else Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}"
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise RunDirError(f"output directory already exists and is not empty: {run_dir} (choose another --output-dir)")
+    return run_dir
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: non-finite floats become null (json would write NaN, which is not JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` atomically (temp file in the same folder, then rename)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "w") as f:
+        json.dump({k: _clean(v) for k, v in data.items()}, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def summary_writer():
+    """TensorBoard's ``SummaryWriter`` class; a ValueError naming the install when it is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise ValueError(f"log.tensorboard needs the tensorboard package ({err}); "
+                         "pip install 'grpolab[tensorboard]'") from None
+    return SummaryWriter
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``metrics.jsonl``; with ``tensorboard_dir`` also writes each
+    record's numbers as TensorBoard scalars at its step (events from ``first_step`` on are purged first,
+    so a resumed run does not show the redone steps twice)."""
+
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, first_step: int = 0):
+        self.path = path
+        self.tensorboard = None
+        if tensorboard_dir is not None:
+            self.tensorboard = summary_writer()(str(tensorboard_dir), purge_step=first_step or None)
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(key, value, record["step"])
+            self.tensorboard.flush()
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+@dataclass(frozen=True)
+class JsonLines:
+    """The records of a JSON-lines file and how many of its lines could not be read (a line torn by a
+    kill, or one being written)."""
+
+    records: list[dict[str, Any]]
+    skipped: int
+
+
+def read_json_lines(path: Path) -> JsonLines:
+    """Every readable JSON object line of ``path`` (none when it does not exist), counting the others."""
+    records, skipped = [], 0
+    for line in path.read_text(errors="replace").splitlines() if Path(path).is_file() else []:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            skipped += 1
+    return JsonLines(records, skipped)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The readable records of a metrics file (``read_json_lines`` says how many were skipped)."""
+    return read_json_lines(path).records
+
+
+EVAL_DIR = "eval"
+
+
+def eval_records_path(run_dir: Path, step: int) -> Path:
+    return run_dir / EVAL_DIR / f"step_{step:06d}.jsonl"
+
+
+def write_eval_records(run_dir: Path, step: int, records: list[dict[str, Any]]) -> Path:
+    """One JSON line per evaluated item in eval/step_NNNNNN.jsonl, written atomically."""
+    path = eval_records_path(run_dir, step)
+    path.parent.mkdir(exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n" for r in records))
+    os.replace(tmp, path)
+    return path
+
+
+def eval_record_steps(run_dir: Path) -> list[int]:
+    """The steps that have evaluation records, in order."""
+    return sorted(int(p.stem.removeprefix("step_")) for p in (run_dir / EVAL_DIR).glob("step_*.jsonl"))
+
+
+def rewind_metrics(path: Path, step: int, session: int) -> list[dict[str, Any]]:
+    """Keep the records of steps <= ``step`` in ``path`` (rewritten atomically) and return them. Records of
+    later steps (written before an interruption, redone on resume) and unreadable lines are appended to
+    ``metrics.discarded.jsonl`` beside it, and the later steps' evaluation records move to
+    eval/discarded/session_NNN/ (``session``: the session that discards them), so nothing is lost or
+    overwritten however often a step is redone."""
+    kept, dropped = [], []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not line.strip():
+            continue
+        (kept if isinstance(record, dict) and record.get("step", 0) <= step else dropped).append(line)
+    if dropped:
+        with (path.parent / "metrics.discarded.jsonl").open("a") as f:
+            f.write("".join(line + "\n" for line in dropped))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    later = [eval_records_path(path.parent, s) for s in eval_record_steps(path.parent) if s > step]
+    if later:
+        aside = path.parent / EVAL_DIR / "discarded" / f"session_{session:03d}"
+        aside.mkdir(parents=True, exist_ok=True)
+        for record_file in later:
+            os.replace(record_file, aside / record_file.name)
+    return [json.loads(line) for line in kept]

@@ -1,0 +1,79 @@
+"""A run's training state besides the weights: optimizer, every RNG, data position, counters.
+
+Saved as ``trainer_state.pt`` inside each checkpoint folder (written with it, atomically), so that
+``grpolab train --resume RUN_DIR`` continues from the newest complete checkpoint and, on CPU, gives
+exactly the metrics of an uninterrupted run. Engines hold no sampling state of their own: every
+generation is seeded from (run seed, step, round).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from grpolab.parallel.fsdp import full_optimizer_state, is_sharded, load_optimizer_state
+from grpolab.parallel.ranks import Ranks
+from grpolab.rollout.sync_check import SyncMonitor
+from grpolab.tasks.stream import PromptStream
+
+STATE_FILE = "trainer_state.pt"
+
+
+def rng_state() -> dict[str, Any]:
+    """The global RNGs: python, numpy, torch (CPU and every CUDA device)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RunState:
+    """The mutable parts of a run the weights do not hold, as one ``state_dict``: the step reached,
+    update counters, the optimizer, the prompt order, the mini-batch shuffle generator, the global
+    RNGs (of every data-parallel rank) and the sync check's calibrated noise floor. Under data
+    parallelism every other part is the same on every rank (the ranks step alike)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, prompts: PromptStream, minibatch_gen: torch.Generator,
+                 sync_monitor: SyncMonitor, ranks: Ranks = Ranks(), model: torch.nn.Module | None = None):
+        self.step = 0
+        self.updates = {"attempted": 0, "actual": 0}
+        self.optimizer, self.prompts, self.minibatch_gen, self.sync_monitor = optimizer, prompts, minibatch_gen, sync_monitor
+        self.ranks, self.model = ranks, model  # the model whose parameters the optimizer holds
+
+    def state_dict(self) -> dict[str, Any]:
+        """Called on every rank (it gathers their RNGs)."""
+        rngs = self.ranks.gather(rng_state())
+        sharded = self.model is not None and is_sharded(self.model)
+        optimizer = full_optimizer_state(self.model, self.optimizer) if sharded else self.optimizer.state_dict()
+        return {"step": self.step, "updates": dict(self.updates), "optimizer": optimizer,
+                "prompts": self.prompts.state_dict(), "minibatch_gen": self.minibatch_gen.get_state(),
+                "rng": rngs[0], "rng_by_rank": rngs, "sync_noise_floor": self.sync_monitor.noise_floor}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Each rank takes its own RNGs; a run resumed with another number of ranks takes rank 0's."""
+        self.step = state["step"]
+        self.updates.update(state["updates"])  # in place: the learner counts into this dict
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        self.prompts.load_state_dict(state["prompts"])
+        self.minibatch_gen.set_state(state["minibatch_gen"])
+        by_rank = state.get("rng_by_rank") or [state["rng"]]
+        set_rng_state(by_rank[self.ranks.rank] if len(by_rank) == self.ranks.world else state["rng"])
+        self.sync_monitor.noise_floor = state["sync_noise_floor"]
+
+    @staticmethod
+    def save(state: dict[str, Any], folder: Path) -> None:
+        torch.save(state, folder / STATE_FILE)
+
+    def load(self, folder: Path) -> None:
+        # our own file, written by save(): it holds python and numpy RNG states, hence weights_only=False
+        self.load_state_dict(torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False))

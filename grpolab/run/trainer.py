@@ -1,0 +1,289 @@
+"""The run around the loop: its directory, journal and lock, evaluation, checkpoints, and the loop itself.
+
+A run's parts (task, models, optimizer, engine, collector, learner) are assembled by
+``grpolab.run.parts``; one step over them is ``grpolab.run.step``. The trainer reads an
+``AlgorithmSpec``'s fields through those parts; it never looks at an algorithm's name.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from pathlib import Path
+from statistics import mean
+from typing import Any, Callable
+
+import torch
+import transformers
+from rich.console import Console
+from rich.table import Table
+
+import grpolab
+from grpolab.common.progress import Reporter, format_seconds
+from grpolab.config import RunConfig
+from grpolab.models.loading import model_record
+from grpolab.parallel.fsdp import full_state_dict
+from grpolab.parallel.ranks import end_process_group
+from grpolab.rollout.engines import dtype_name
+from grpolab.rollout.evaluation import evaluate
+from grpolab.run.checkpoints import prune, remove_temp_folders, save_checkpoint, set_aside
+from grpolab.run.journal import RunJournal
+from grpolab.run.lock import LOCK_FILE, RunLock
+from grpolab.run.parts import RunParts, build_parts, load_task, set_up
+from grpolab.run.resume import ResumePlan, check_data, plan_resume
+from grpolab.run.rundir import (
+    MetricsLog,
+    RunDirError,
+    resolve_run_dir,
+    rewind_metrics,
+    summary_writer,
+    write_eval_records,
+    write_json,
+)
+from grpolab.run.state import STATE_FILE, RunState
+from grpolab.run.step import rl_step, vital_signs
+from grpolab.run.stop import RunStopped, StopRequest
+
+
+class Trainer:
+    """One run: its parts (``self.parts``) and its run directory."""
+
+    def __init__(self, cfg: RunConfig, console: Console | None = None, resume: bool = False):
+        """A new run into ``cfg.output_dir`` (new or empty), or with ``resume`` the continuation of the run
+        in that directory from its newest complete checkpoint (weights, optimizer, RNGs, data position).
+        The run directory's lock is held from the first write (a resume: from the first check) to
+        ``close``: one trainer per run directory.
+
+        Under ``torchrun`` every rank builds its own trainer: rank 0 alone prints, writes files and holds
+        the lock, and every rank takes the same decisions (``grpolab.parallel.ranks``)."""
+        self.parts: RunParts | None = None
+        self.lock: RunLock | None = None
+        self.log: MetricsLog | None = None  # rank 0's
+        self.journal: RunJournal | None = None  # rank 0's
+        self.plan: ResumePlan | None = None
+        try:
+            self._set_up(cfg, console, resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _set_up(self, cfg: RunConfig, console: Console | None, resume: bool) -> None:
+        self.cfg, self.spec = cfg, cfg.algorithm
+        setting = set_up(cfg, lambda ranks: Reporter((console or Console()) if ranks.is_main else Console(quiet=True)))
+        self.ranks, self.reporter, self.console = setting.ranks, setting.reporter, setting.reporter.console
+        # bad input is refused before anything is printed: one error line (every rank raises rank 0's error)
+        self.run_dir, self.resumed_from = self.ranks.run_on_main(lambda: self._run_dir(resume))
+        if cfg.log.tensorboard:
+            summary_writer()
+        task, val_examples = load_task(cfg, self.reporter)
+        fingerprint = getattr(task, "data_fingerprint", None)
+        if resume:
+            self.ranks.run_on_main(lambda: check_data(self.plan.journal, fingerprint() if fingerprint else None))
+        self.parts = build_parts(cfg, setting, task, val_examples, self.resumed_from)
+        if resume:
+            self.parts.state.load(self.resumed_from)
+        # the metrics of the steps before a resume
+        self.records: list[dict[str, Any]] = self.ranks.run_on_main(lambda: self._prepare_run_dir(resume))
+        if self.ranks.is_main:
+            self.log = MetricsLog(self.run_dir / "metrics.jsonl",
+                                  self.run_dir / "tensorboard" if cfg.log.tensorboard else None,
+                                  first_step=self.parts.state.step + 1 if resume else 0)
+
+    def _run_dir(self, resume: bool) -> tuple[Path, Path | None]:
+        """(run directory, checkpoint resumed from). A new run refuses a used directory; a resume takes the
+        run's lock, then every check of ``plan_resume`` (nothing on disk moves yet)."""
+        if not resume:
+            return resolve_run_dir(self.cfg.output_dir, self.spec.name), None
+        run_dir = Path(self.cfg.output_dir or "")
+        if (run_dir / "config.json").is_file():
+            self.lock = RunLock(run_dir).acquire()
+        self.plan = plan_resume(self.cfg, on_check=lambda folder: self.reporter.line(f"verify checkpoint {folder}"))
+        for folder, why in self.plan.damaged:
+            self.reporter.line(f"checkpoint {folder.name} is damaged ({why}): set aside into checkpoints/damaged/; "
+                               f"continuing from {self.plan.checkpoint.name}")
+        return run_dir, self.plan.checkpoint
+
+    def _prepare_run_dir(self, resume: bool) -> list[dict[str, Any]]:
+        """Create the run directory (only once everything validated), lock it, write its config and
+        manifest; or for a resume remove interrupted checkpoint writes, set damaged checkpoints aside,
+        rewind the metrics to the checkpoint's step and record the resume. Returns the records kept."""
+        if not resume:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.lock = RunLock(self.run_dir).acquire()
+            if any(p.name != LOCK_FILE for p in self.run_dir.iterdir()):
+                raise RunDirError(f"output directory {self.run_dir} was filled by another process meanwhile")
+            self.journal = RunJournal.create(self.run_dir, self.cfg.model_dump(mode="json"), self._manifest_record())
+            return []
+        plan, self.journal = self.plan, self.plan.journal
+        removed = remove_temp_folders(self.run_dir)
+        for folder, _ in plan.damaged:
+            set_aside(folder)
+        records = rewind_metrics(self.run_dir / "metrics.jsonl", plan.step, session=plan.journal.session_number + 1)
+        plan.journal.record_resume(plan.checkpoint, plan.step, plan.changes, plan.damaged, removed)
+        return records
+
+    def _manifest_record(self) -> dict[str, Any]:
+        """What manifest.json records about a new run's start (``RunJournal`` adds the config and sessions)."""
+        parts, threads = self.parts, self.parts.setting.threads
+        fingerprint = getattr(parts.task, "data_fingerprint", None)
+        return {
+            "grpolab": grpolab.__version__, "grpolab_source": str(Path(grpolab.__file__).resolve().parent),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "command": sys.argv, "device": str(parts.device),
+            "ranks": {"world": self.ranks.world, "strategy": self.cfg.dist.strategy},
+            "cpu": {"threads": threads.threads, "cores": threads.cores, "busy_at_start": threads.busy},
+            "model": model_record(parts.model, parts.model_dir), "task": parts.task.name,
+            # a start from another run's checkpoint: its weights only, with a fresh optimizer and this seed
+            "warm_start_from": str(parts.model_dir) if (parts.model_dir / STATE_FILE).is_file() else None,
+            "data": fingerprint() if fingerprint else None, "train_examples": len(parts.task.train_examples()),
+            "val_examples": len(parts.val_examples), "algorithm": self.spec.model_dump(),
+            "precision": {"setting": parts.precision.name, "weights": dtype_name(parts.precision.storage),
+                          "compute": dtype_name(parts.precision.compute)},
+            "rollout_engine": self._engine_record(),
+        }
+
+    def _engine_record(self) -> dict[str, Any]:
+        r = self.cfg.rollout
+        record: dict[str, Any] = {"engine": r.engine}
+        if r.engine == "vllm":
+            record["python"] = r.vllm.python or sys.executable
+            if r.vllm.python is None:
+                import vllm
+
+                record["vllm"] = vllm.__version__
+        return record
+
+    # ---- evaluation, the loop, the summary ------------------------------------------------
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Every validation item (each rank its share, gathered); rank 0 writes the records."""
+        started, chunk = time.perf_counter(), self.cfg.rollout.max_batch_size
+        mine = len(self.ranks.share_chunks(len(self.parts.val_examples), chunk))
+        with self.reporter.phase(f"eval step {step}", total=mine, unit="items") as phase:
+            out, records = evaluate(self.parts.engine, self.parts.task, self.parts.val_examples, [self.parts.prompt_ids[e.id] for e in self.parts.val_examples],
+                                    self.parts.collector.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
+                                    seed=self.cfg.seed + 7, chunk=chunk, on_items=phase.advance, ranks=self.ranks)
+            phase.info = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in out.items())
+        out["time/eval"] = time.perf_counter() - started
+        if self.ranks.is_main:
+            write_eval_records(self.run_dir, step, records)
+            self.log.write({"step": step, **out})
+        return out
+
+    def run(self, stop: StopRequest | None = None) -> dict[str, Any]:
+        """Steps from the state's step + 1 to ``cfg.steps``; with ``stop``, a requested stop ends the run
+        after the current step with a resumable checkpoint (``RunStopped``)."""
+        cfg, started, first = self.cfg, time.perf_counter(), self.parts.state.step + 1
+        stop = stop or StopRequest()
+        resumed = f" (resumed after step {first - 1})" if first > 1 else ""
+        self.reporter.line(f"{self.spec.name} on {self.parts.task.name}, {cfg.steps} steps{resumed} -> run dir {self.run_dir}")
+        evals = {r["step"]: r for r in self.records if "val/accuracy" in r} if first > 1 else {0: self.evaluate(0)}
+        rewards = [r["reward_mean"] for r in self.records if "reward_mean" in r]
+        log_every = cfg.log_every or (1 if self.reporter.plain else None)
+        with self.reporter.phase("train", total=cfg.steps, unit="steps", done_note=False, done=first - 1) as bar:
+            # vLLM's engine processes share the terminal's process group and die of the same Ctrl-C, so a
+            # graceful stop could wait on a dead engine: with vLLM a signal still stops the run at once
+            # under torchrun a signal ends every rank at once (resume from the last checkpoint)
+            stop.armed = cfg.rollout.engine == "hf" and not self.ranks.parallel
+            for step in range(first, cfg.steps + 1):
+                record = self.train_step(step, bar.set_status)
+                self.parts.state.step = step
+                rewards.append(record["reward_mean"])
+                if log_every and (step % log_every == 0 or step == cfg.steps):
+                    left = bar.elapsed() / (step - first + 1) * (cfg.steps - step)
+                    self.reporter.line(vital_signs(record, cfg.steps, left))
+                if step % cfg.eval.every == 0 or step == cfg.steps:
+                    bar.set_status("evaluate")
+                    evals[step] = self.evaluate(step)
+                if step % cfg.checkpoint.every == 0 or step == cfg.steps or stop.requested:
+                    bar.set_status("checkpoint")
+                    with self.reporter.phase(f"checkpoint step {step}") as phase:
+                        phase.info = self.save_checkpoint(step)
+                if self.journal is not None:
+                    self.journal.tick(step, time.perf_counter() - started)
+                bar.set_status("")
+                bar.advance(info=f"reward {record['reward_mean']:.3f}, val acc {evals[max(evals)]['val/accuracy']:.3f}")
+                if stop.requested and step < cfg.steps:
+                    raise RunStopped(f"stopped after step {step} with a checkpoint; continue with: "
+                                     f"grpolab train --resume {self.run_dir}")
+            stop.armed = False
+        seconds = self.journal.total_seconds() if self.journal is not None else time.perf_counter() - started
+        return self._summarize(evals, rewards, seconds)
+
+    def save_checkpoint(self, step: int) -> str:
+        """Rank 0 writes the checkpoint of ``step`` (whole weights, every rank's RNGs in its state) and, with
+        checkpoint.keep_last, removes the oldest once it verifies; the others gather what it needs and
+        wait for it. Returns what was done, for the progress line."""
+        weights = full_state_dict(self.parts.model) if self.parts.sharded else None
+        state = self.parts.state.state_dict()
+
+        def write() -> str:
+            folder = save_checkpoint(self.parts.model, self.parts.tokenizer, self.run_dir, step,
+                                     lambda tmp: RunState.save(state, tmp), weights)
+            keep = self.cfg.checkpoint.keep_last
+            removed = prune(self.run_dir, keep, (STATE_FILE,)) if keep else []
+            return str(folder) + (f"; removed {', '.join(p.name for p in removed)} (keep_last {keep})" if removed else "")
+
+        return self.ranks.run_on_main(write)
+
+    def train_step(self, step: int, status: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+        """One RL step over the parts (``grpolab.run.step``), its record logged and returned."""
+        record = rl_step(self.parts, step, status)
+        if self.log is not None:
+            self.log.write(record)
+        return record
+
+    def _summarize(self, evals: dict[int, dict[str, float]], rewards: list[float], seconds: float) -> dict[str, Any]:
+        first, last = evals[0], evals[max(evals)]
+        window = max(1, len(rewards) // 10)
+        summary = {
+            "algorithm": self.spec.name, "run_dir": str(self.run_dir), "steps": self.cfg.steps,
+            "val_accuracy": {"start": first["val/accuracy"], "final": last["val/accuracy"]},
+            "val_format_rate": {"start": first["val/format_rate"], "final": last["val/format_rate"]},
+            "train_reward": {"first": mean(rewards[:window]), "last": mean(rewards[-window:])},
+            "updates": dict(self.parts.state.updates), "wall_seconds": seconds,
+            "sessions": self.journal.session_number if self.journal is not None else 1,
+            "final_checkpoint": str(self.run_dir / "checkpoints" / f"step_{self.cfg.steps:06d}"),
+        }
+        if self.ranks.is_main:
+            write_json(self.run_dir / "summary.json", summary)
+        table = Table(title=f"{self.spec.name}: start -> end")
+        for column in ("metric", "start", "end"):
+            table.add_column(column)
+        for key in ("val/accuracy", "val/format_rate", "val/completion_len_mean"):
+            table.add_row(key, f"{first[key]:.3f}", f"{last[key]:.3f}")
+        table.add_row("train reward", f"{summary['train_reward']['first']:.3f}", f"{summary['train_reward']['last']:.3f}")
+        table.add_row("updates (actual/attempted)", "", f"{self.parts.state.updates['actual']}/{self.parts.state.updates['attempted']}")
+        self.console.print(table)
+        self.reporter.line(f"done in {format_seconds(seconds)}. Run directory {self.run_dir}: summary.json, "
+                           f"metrics.jsonl, eval/ (per-item records), manifest.json; final checkpoint "
+                           f"{summary['final_checkpoint']}; figures and CIs: grpolab report {self.run_dir}")
+        return summary
+
+    def close(self) -> None:
+        """Close the metrics log and the engine, then release the run directory's lock (safe to call twice)."""
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+        if self.parts is not None:
+            self.parts.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def train(cfg: RunConfig, console: Console | None = None, resume: bool = False,
+          stop: StopRequest | None = None) -> dict[str, Any]:
+    """Run ``cfg`` to the end (with ``resume``: continue the run in ``cfg.output_dir``); the engine is
+    closed whatever happens."""
+    trainer = None
+    try:
+        trainer = Trainer(cfg, console, resume)
+        return trainer.run(stop)
+    finally:
+        if stop is not None:
+            stop.armed = False
+        if trainer is not None:
+            trainer.close()
+        trainer = None  # DDP's reducer before the process group
+        end_process_group()

@@ -1,0 +1,87 @@
+"""``suite_manifest.json``: the state of every run of a suite, rewritten atomically at every change."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from grpolab.run.rundir import write_json
+
+MANIFEST = "suite_manifest.json"
+RunState = Literal["queued", "running", "completed", "failed", "stopped"]
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Whether a process with this pid exists (another user's, too)."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def now() -> str:
+    """The local time with its offset, as the manifest records it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+class RunRecord(BaseModel):
+    name: str
+    state: RunState = "queued"
+    run_dir: str
+    config_file: str
+    config_sha256: str
+    config: dict[str, Any] = Field(default_factory=dict, description="the resolved config as written to config_file")
+    data_sha256: dict[str, str] = Field(default_factory=dict, description="train, validation rows; prompt template")
+    data_dir: str | None = Field(None, description="the data snapshot folder holding those rows and the template")
+    data_files_sha256: dict[str, str] = Field(default_factory=dict,
+                                              description="a file-backed task's copied source files, by path")
+    init_from: str | None = None
+    factors: dict[str, str] = Field(default_factory=dict)
+    pid: int | None = None
+    command: list[str] = Field(default_factory=list)
+    exit_code: int | None = None
+    started: str | None = None
+    ended: str | None = None
+    attempts: list[dict[str, Any]] = Field(default_factory=list, description="earlier attempts: command, exit, reason")
+    waits: list[dict[str, Any]] = Field(default_factory=list, description="processes still training this run that "
+                                        "a runner waited for before judging it: pid, since, until")
+    final_checkpoint: str | None = None
+    final_checkpoint_sha256: str | None = None
+    reason: str | None = None
+
+
+class SuiteManifest(BaseModel):
+    suite: str
+    source_file: str
+    created: str = Field(default_factory=now)
+    code: dict[str, Any] = Field(default_factory=dict, description="version, git commit and dirty flag, sha256, path")
+    runner_pid: int | None = None
+    runs: list[RunRecord]
+
+    def save(self, root: Path) -> None:
+        write_json(root / MANIFEST, self.model_dump(mode="json"))
+
+    @classmethod
+    def load(cls, root: Path) -> "SuiteManifest":
+        """The manifest of the suite in ``root``; one-line errors when it is missing or unreadable."""
+        path = root / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"not a suite directory (no {MANIFEST}): {root}")
+        try:
+            return cls.model_validate(json.loads(path.read_text()))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err}); not a readable suite manifest") from None
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise ValueError(f"{path}: not a suite manifest ({first['msg']} at "
+                             f"{'.'.join(map(str, first['loc'])) or 'the top level'})") from None

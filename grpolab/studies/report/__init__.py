@@ -1,0 +1,61 @@
+"""``grpolab report DIR`` and ``grpolab compare RUN_A RUN_B``: results with paired confidence intervals.
+
+``runs`` finds what is on disk, ``analysis`` turns the runs into numbers with ``grpolab.objectives.stats``,
+``markdown`` and ``figures`` render them into DIR/report/, a folder ``folder`` marks as the report's own.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from grpolab.common.progress import Reporter
+from grpolab.studies.report.analysis import analyse, comparison
+from grpolab.studies.report.folder import REPORT_DIR, check_replaceable, new_report_folder, put_in_place, remove_leftovers
+from grpolab.studies.report.runs import ReportError, Run, find_runs
+from grpolab.objectives.stats import RESAMPLES
+
+
+def write_report(directory: Path, reporter: Reporter, baseline: str | None = None, resamples: int = RESAMPLES,
+                 seed: int = 0) -> Path:
+    """Write DIR/report/ (report.md, report.json, PNGs), replacing an earlier report as a whole. Raises
+    ReportError, before anything is computed or written, when DIR/report exists and is not a report's
+    own folder (no marker: a run directory, a user's folder, a file)."""
+    from grpolab.studies.report.figures import all_figures  # matplotlib only when figures are drawn
+    from grpolab.studies.report.markdown import render
+
+    directory = Path(directory)
+    title, runs = find_runs(directory)
+    target = directory / REPORT_DIR
+    check_replaceable(target)
+    with reporter.phase(f"report: statistics of {len(runs)} runs ({resamples:,} resamples)"):
+        data = analyse(title, runs, baseline, resamples, seed)
+    tmp = new_report_folder(directory)
+    try:
+        remove_leftovers(directory, keep=tmp)
+        with reporter.phase("report: figures") as phase:
+            figures = all_figures(runs, data, tmp)
+            phase.info = f"{len(figures)} figures"
+        (tmp / "report.md").write_text(render(data, figures))
+        (tmp / "report.json").write_text(json.dumps(data, indent=2, default=str))
+        put_in_place(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target / "report.md"
+
+
+def _single_run(path: Path) -> Run:
+    if not (path / "config.json").is_file():
+        raise ReportError(f"{path}: not a run directory (no config.json)")
+    return find_runs(path)[1][0]
+
+
+def compare_runs(run_a: Path, run_b: Path, resamples: int = RESAMPLES, seed: int = 0) -> dict[str, Any]:
+    """Run A's last evaluation against run B's, paired over their shared items."""
+    a, b = _single_run(Path(run_a)), _single_run(Path(run_b))
+    return comparison(a, b, resamples, seed)
+
+
+__all__ = ["ReportError", "compare_runs", "write_report"]

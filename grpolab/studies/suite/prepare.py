@@ -1,0 +1,98 @@
+"""Making a suite: every run resolved and validated, the code and data frozen into the new suite directory,
+each run's config written and recorded (the config itself and its SHA-256), and the manifest of queued
+runs; or, for a dry run, the plan printed and nothing written."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from grpolab.config import RunConfig, config_sha256
+from grpolab.models.loading import absolute_model_spec, check_model_spec
+from grpolab.run.rundir import RunDirError
+from grpolab.studies.manifest import RunRecord, SuiteManifest
+from grpolab.studies.suite.snapshot import snapshot_code, snapshot_data, task_key
+from grpolab.studies.suite.spec import SuiteRun, load_suite, resolve_runs
+
+
+def train_command(config_file: Path) -> list[str]:
+    """The child process of a run's first attempt."""
+    return [sys.executable, "-m", "grpolab.commands.cli", "train", "--config", str(config_file)]
+
+
+def resume_command(run_dir: Path) -> list[str]:
+    """The child process that continues a run from its newest verified checkpoint."""
+    return [sys.executable, "-m", "grpolab.commands.cli", "train", "--resume", str(run_dir)]
+
+
+def prepare_suite(suite_file: str | Path, root: Path, console: Console, dry_run: bool = False) -> SuiteManifest | None:
+    """Resolve and validate every run; with ``dry_run`` print the configs, commands and checkpoint
+    footprint and write nothing; otherwise snapshot code and data into the new ``root`` and write the
+    manifest of queued runs."""
+    spec = load_suite(suite_file)
+    root = root.resolve()
+    configs = resolve_runs(spec, root)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise RunDirError(f"suite output root already exists and is not empty: {root} (choose a new --output-root)")
+    if dry_run:
+        print_plan(spec.name, configs, root, console)
+        return None
+    for run in spec.runs:  # a start model that cannot load is refused now, not hours into the queue
+        if run.init_from is None:
+            check_model_spec(configs[run.name].model.path)
+    root.mkdir(parents=True, exist_ok=True)
+    code = snapshot_code(root / "snapshot" / "src")
+    data: dict[str, dict[str, Any]] = {}
+    records = []
+    for run in spec.runs:
+        cfg = configs[run.name]
+        key = task_key(cfg)
+        folder = root / "snapshot" / "data" / key
+        if key not in data:
+            data[key] = snapshot_data(cfg, folder)
+        records.append(write_run_config(run, frozen_config(cfg, data[key], run.init_from), root, folder, data[key]))
+    manifest = SuiteManifest(suite=spec.name, source_file=str(Path(suite_file).resolve()), code=code, runs=records)
+    manifest.save(root)
+    return manifest
+
+
+def frozen_config(cfg: RunConfig, data: dict[str, Any], init_from: str | None) -> RunConfig:
+    """The run's config reading the data snapshot's file copies, with an absolute start model."""
+    updates = {"task": cfg.task.model_copy(update={k.removeprefix("task."): v for k, v in data["task_paths"].items()})}
+    if cfg.model.path and init_from is None:
+        updates["model"] = cfg.model.model_copy(update={"path": absolute_model_spec(cfg.model.path)})
+    return cfg.model_copy(update=updates)
+
+
+def write_run_config(run: SuiteRun, cfg: RunConfig, root: Path, folder: Path, data: dict[str, Any]) -> RunRecord:
+    """configs/NAME.json and the run's record: the config as it reads back, its SHA-256, its data snapshot."""
+    config = json.loads(json.dumps(cfg.model_dump(mode="json")))
+    config_file = root / "configs" / f"{run.name}.json"
+    config_file.parent.mkdir(exist_ok=True)
+    config_file.write_text(json.dumps(config, indent=2))
+    return RunRecord(name=run.name, run_dir=str(cfg.output_dir), config_file=str(config_file), config=config,
+                     config_sha256=config_sha256(config), init_from=run.init_from, factors=run.factors,
+                     data_sha256={k: data[f"{k}_sha256"] for k in ("train", "validation", "prompt")},
+                     data_dir=str(folder), data_files_sha256=data["files_sha256"])
+
+
+def print_plan(name: str, configs: dict[str, RunConfig], root: Path, console: Console) -> None:
+    """Each run's command, resolved config and checkpoint footprint, and the suite's total."""
+    from grpolab.studies.suite.footprint import checkpoint_bytes
+
+    total = 0
+    console.print(f"suite {name}: {len(configs)} runs into {root} (dry run: nothing written)", highlight=False,
+                  soft_wrap=True)
+    for run_name, cfg in configs.items():
+        size = checkpoint_bytes(cfg, configs)
+        total += size or 0
+        console.print(f"\n[bold]{run_name}[/]: {' '.join(train_command(root / 'configs' / f'{run_name}.json'))}",
+                      highlight=False, soft_wrap=True)
+        console.print(json.dumps(cfg.model_dump(mode="json"), sort_keys=True), highlight=False, soft_wrap=True)
+        console.print(f"checkpoints: {cfg.steps // cfg.checkpoint.every + (cfg.steps % cfg.checkpoint.every != 0)}, "
+                      f"about {size / 1e6:.1f} MB" if size is not None else "checkpoints: size unknown", highlight=False)
+    console.print(f"\nexpected checkpoint footprint: about {total / 1e6:.1f} MB", highlight=False)
