@@ -14,12 +14,12 @@ seconds per token; its inverse is the tokens/s of a generation that did nothing 
 best row count, never computed a finished row and spent nothing on attention, caches or sampling. Two
 are printed: through ``F.linear`` (the roofline issue 27 set its target against), and through the faster
 of ``F.linear`` and oneDNN on a weight laid out beforehand (as the hf engine now multiplies, see
-``grpolab.rollout.packed_linear``): the stricter one. Printed for each engine: completion tokens per
+``grpolab.rollout.hf.packed_linear``): the stricter one. Printed for each engine: completion tokens per
 second (tokens up to and including each row's stop) and its share of each roofline. Engines:
 ``generate`` = transformers' ``model.generate`` with the same sampling (the hf engine before it had its
 own loop), ``hf`` = grpolab's hf engine, ``hf-unpacked`` = the same with ``rollout.pack_weights = false``,
 ``hf-sdpa`` = the same attending through transformers' ``sdpa`` (grouped key/value heads copied under a
-padding mask, as before ``grpolab.rollout.grouped_attention``), and ``vllm`` when the interpreter has vLLM. Target (issue 27): hf >= 60% of the roofline on one thread
+padding mask, as before ``grpolab.rollout.hf.grouped_attention``), and ``vllm`` when the interpreter has vLLM. Target (issue 27): hf >= 60% of the roofline on one thread
 and on two.
 
 Floor (hf engines): the matmuls alone of the forwards the engine actually ran, each forward's linear
@@ -55,8 +55,8 @@ from torch import nn
 
 from grpolab.config import load_config, parse_value
 from grpolab.models.logprobs import backbone_and_head
-from grpolab.rollout import hf as hf_engine
-from grpolab.rollout.packed_linear import packed_linears
+from grpolab.rollout.hf import engine as hf_engine
+from grpolab.rollout.hf.packed_linear import packed_linears
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2_arithmetic.toml"
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpolab.rollout.decode import compaction, decode, sample_step
+from grpolab.rollout.hf.decode import compaction, decode, sample_step
 
 
 def reference_step(logits: np.ndarray, u: float, temperature: float, top_k: int, top_p: float) -> tuple[int, float]:

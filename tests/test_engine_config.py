@@ -85,3 +85,12 @@ def test_bench_prints_and_writes_figures(kind, warm_model_dir, tmp_path, capsys)
     assert main(args) == 2  # the report exists: refused, not overwritten
     assert json.loads(report.read_text())["results"] == results
     assert main([*args[:2], "--engines", "tgi"]) == 2
+
+
+def test_every_engine_the_config_accepts_is_registered_and_no_other():
+    from typing import get_args
+
+    from grpolab.config import RolloutConfig
+    from grpolab.rollout.engines import ENGINES
+
+    assert set(ENGINES) == set(get_args(RolloutConfig.model_fields["engine"].annotation))

@@ -1,4 +1,4 @@
-"""Grouped key/value heads attend as they are on a CPU (grpolab.rollout.grouped_attention): the same
+"""Grouped key/value heads attend as they are on a CPU (grpolab.rollout.hf.grouped_attention): the same
 outputs as transformers' sdpa, without its copies of the cache (repeat_kv), switched for generation only."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import transformers.integrations.sdpa_attention as sdpa_module
 
 from grpolab.rollout import HFEngine, SamplingParams
-from grpolab.rollout.grouped_attention import SDPA_GROUPED, grouped_kv_attention
+from grpolab.rollout.hf.grouped_attention import SDPA_GROUPED, grouped_kv_attention
 
 PROMPTS = ["12+34=", "7+8=<think>", "a"]  # of different lengths: the batch has a padding mask
 

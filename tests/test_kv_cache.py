@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from grpolab.rollout.kv_cache import ReservedLayer, reserved_cache
+from grpolab.rollout.hf.kv_cache import ReservedLayer, reserved_cache
 
 
 @pytest.mark.parametrize("capacity", [3, 9, 40])  # smaller than the prefill, mid-decode, room for all

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpolab.learning.batching import collate
 from grpolab.models.logprobs import token_logprobs
 from grpolab.rollout.base import Completion, SamplingParams
-from grpolab.rollout.hf import HFEngine
+from grpolab.rollout.hf.engine import HFEngine
 from grpolab.rollout.sync_check import verify_weight_sync
 from grpolab.tasks.calculator import CalculatorTask
 from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
@@ -193,7 +193,7 @@ def test_hf_engine_multi_turn_spans_and_logprobs(tool_model):
 
 def test_vllm_engine_multi_turn_spans_and_logprobs(tool_model):
     pytest.importorskip("vllm")
-    from grpolab.rollout.vllm import VLLMEngine
+    from grpolab.rollout.vllm.engine import VLLMEngine
 
     task, model_dir = tool_model
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -1,4 +1,4 @@
-"""Prepacked linear layers for generation on a CPU (grpolab.rollout.packed_linear), on tiny real models."""
+"""Prepacked linear layers for generation on a CPU (grpolab.rollout.hf.packed_linear), on tiny real models."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from torch import nn
 
 from grpolab.learning.batching import collate
 from grpolab.models.logprobs import token_logprobs
-from grpolab.rollout import HFEngine, SamplingParams, packed_linear
-from grpolab.rollout.packed_linear import packed_linears, packing_applies
+from grpolab.rollout import HFEngine, SamplingParams
+from grpolab.rollout.hf import packed_linear
+from grpolab.rollout.hf.packed_linear import packed_linears, packing_applies
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 

@@ -119,7 +119,7 @@ def test_short_bf16_run_tracks_the_fp32_run(warm_model_dir, tmp_path):
 def test_the_engine_receives_weights_in_its_compute_dtype(bf16_model, tmp_path):
     from safetensors.torch import load_file
 
-    from grpolab.rollout.vllm import save_weights
+    from grpolab.rollout.vllm.engine import save_weights
 
     tensors = load_file(save_weights(bf16_model, tmp_path, "bfloat16"))
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}

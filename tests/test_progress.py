@@ -22,7 +22,7 @@ from grpolab.rollout.evaluation import evaluate
 from grpolab.models.loading import load_policy
 from grpolab.common.progress import Reporter, format_seconds
 from grpolab.rollout.base import SamplingParams
-from grpolab.rollout.hf import HFEngine
+from grpolab.rollout.hf.engine import HFEngine
 from grpolab.tasks import ArithmeticTask
 from grpolab.common.threads import busy_cores, choose_threads
 from grpolab.models.tinymodel import WarmStartSettings, warm_start_model

@@ -262,8 +262,8 @@ def test_a_prefix_all_prompts_share_is_prefilled_once(make_tiny_model, tokenizer
 
 
 def test_prompt_layout_puts_the_shared_prefix_left_and_the_rest_right():
-    from grpolab.rollout.decode import left_padded_positions
-    from grpolab.rollout.prefill import prompt_layout
+    from grpolab.rollout.hf.decode import left_padded_positions
+    from grpolab.rollout.hf.prefill import prompt_layout
 
     ids, mask = prompt_layout([[5, 6, 7, 8], [5, 6, 9]], pad_id=0, prefix=2)
     assert ids.tolist() == [[5, 6, 7, 8], [5, 6, 0, 9]]

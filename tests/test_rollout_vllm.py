@@ -69,7 +69,7 @@ def children_before():
 @pytest.fixture(scope="module")
 def engine(model_dir, tokenizer, children_before):
     pytest.importorskip("vllm")
-    from grpolab.rollout.vllm import VLLMEngine
+    from grpolab.rollout.vllm.engine import VLLMEngine
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     eng = VLLMEngine(model_dir, tokenizer, dtype="float32", seed=0, max_model_len=256, enforce_eager=True)
@@ -234,7 +234,7 @@ def _vllm_python() -> str:
 def test_subprocess_engine(model_dir, model, tokenizer, prompts):
     """Contract, log-probs, a verified sync, with vLLM in a child interpreter; a server that stops answering
     (stopped here, as if its engine hung) is killed within the close timeout, its processes with it."""
-    from grpolab.rollout.vllm_server import VLLMSubprocessEngine
+    from grpolab.rollout.vllm.server import VLLMSubprocessEngine
 
     before = _children()
     # sleep_level: a logged no-op on CPU (no sleep mode there); sleeps between rollouts on GPU
@@ -277,7 +277,7 @@ _KILLED_TRAINER = """
 import os, sys
 sys.path.insert(0, sys.argv[3])
 from conftest import descendants
-from grpolab.rollout.vllm_server import VLLMSubprocessEngine
+from grpolab.rollout.vllm.server import VLLMSubprocessEngine
 engine = VLLMSubprocessEngine(sys.argv[1], python=sys.argv[2], dtype="float32", max_model_len=256,
                               kv_cache_bytes=64 << 20)
 print("engine processes", *descendants(), flush=True)

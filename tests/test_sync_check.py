@@ -9,7 +9,7 @@ import torch
 from conftest import quick_config
 from rich.console import Console
 
-from grpolab.rollout.hf import HFEngine
+from grpolab.rollout.hf.engine import HFEngine
 from grpolab.rollout.sync_check import SyncMonitor, WeightSyncError, verify_weight_sync
 from grpolab.run.trainer import Trainer
 

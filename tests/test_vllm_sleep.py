@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.commands.bench import time_rollout
 from grpolab.rollout import HFEngine, SamplingParams
-from grpolab.rollout.vllm import _SEED_STRIDE, VLLM_MAX_TEMPERATURE, VLLMEngine, request_seed
+from grpolab.rollout.vllm.engine import _SEED_STRIDE, VLLM_MAX_TEMPERATURE, VLLMEngine, request_seed
 from grpolab.run.trainer import Trainer
 
 vllm = pytest.importorskip("vllm")

@@ -8,7 +8,7 @@ __all__ = ["Completion", "FinishReason", "RolloutEngine", "SamplingParams", "HFE
 def __getattr__(name: str):
     # Lazy so that importing the contract does not import transformers.
     if name == "HFEngine":
-        from grpolab.rollout.hf import HFEngine
+        from grpolab.rollout.hf.engine import HFEngine
 
         return HFEngine
     raise AttributeError(name)

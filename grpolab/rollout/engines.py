@@ -1,10 +1,13 @@
-"""Build the rollout engine a run's config asks for: ``hf`` or ``vllm`` (in this process or under
-another interpreter)."""
+"""The rollout engines by name, each registered with its factory: ``hf`` and ``vllm`` (in this process or
+under another interpreter); ``build_engine`` builds the one a run's config names."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,35 +26,71 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """What an engine is built from: the rollout settings, the training model and tokenizer, the folder of
+    its starting weights, and the run's seed, context bound, precision and sharding."""
+
+    cfg: RolloutConfig
+    model: nn.Module
+    tokenizer: Any
+    model_dir: Path
+    seed: int
+    max_model_len: int
+    precision: TrainingPrecision
+    sharded: bool = False
+
+
+ENGINES: dict[str, Callable[[EngineRequest], RolloutEngine]] = {}
+"""The engines by ``rollout.engine`` name, each registered with its factory (``register_engine``)."""
+
+
+def register_engine(name: str):
+    """Register ``factory(request) -> RolloutEngine`` as the engine called ``name``."""
+    def register(factory: Callable[[EngineRequest], RolloutEngine]) -> Callable[[EngineRequest], RolloutEngine]:
+        ENGINES[name] = factory
+        return factory
+    return register
+
+
 def build_engine(cfg: RolloutConfig, model: nn.Module, tokenizer, model_dir: Path, *, seed: int,
                  max_model_len: int, precision: TrainingPrecision, sharded: bool = False) -> RolloutEngine:
-    """The engine for ``cfg.engine``. vLLM starts from the checkpoint in ``model_dir`` (the trainer's
-    starting weights) in the trainer's compute dtype, so that engine and trainer log-probs can be
-    compared; ``max_model_len`` = longest prompt + max_new_tokens bounds its KV cache. The hf engine
-    generates with the training model under the trainer's compute context (autocast); on a model FSDP
-    shards (``sharded``) in synced decoding, without the shared prefill (it calls the backbone apart)."""
-    if cfg.engine == "hf":
-        from grpolab.rollout.hf import HFEngine
+    """The engine registered as ``cfg.engine``; ``max_model_len`` = longest prompt + max_new_tokens."""
+    return ENGINES[cfg.engine](EngineRequest(cfg, model, tokenizer, model_dir, seed, max_model_len, precision, sharded))
 
-        device = next(model.parameters()).device
-        return HFEngine(model, tokenizer, max_batch_size=cfg.max_batch_size,
-                        compute_context=lambda: precision.autocast(device), shared_prefill=not sharded,
-                        synced=sharded, pack_weights=cfg.pack_weights)
+
+@register_engine("hf")
+def hf_engine(r: EngineRequest) -> RolloutEngine:
+    """Generates with the training model under the trainer's compute context (autocast); on a model FSDP
+    shards (``sharded``) in synced decoding, without the shared prefill (it calls the backbone apart)."""
+    from grpolab.rollout.hf.engine import HFEngine
+
+    device = next(r.model.parameters()).device
+    return HFEngine(r.model, r.tokenizer, max_batch_size=r.cfg.max_batch_size,
+                    compute_context=lambda: r.precision.autocast(device), shared_prefill=not r.sharded,
+                    synced=r.sharded, pack_weights=r.cfg.pack_weights)
+
+
+@register_engine("vllm")
+def vllm_engine(r: EngineRequest) -> RolloutEngine:
+    """vLLM, in this process or under the interpreter ``rollout.vllm.python`` names. It starts from the
+    checkpoint in ``model_dir`` (the trainer's starting weights) in the trainer's compute dtype, so that
+    engine and trainer log-probs can be compared; ``max_model_len`` bounds its KV cache."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
-    v = cfg.vllm
-    kwargs = {"dtype": dtype_name(precision.compute), "seed": seed, "max_model_len": max_model_len,
+    v = r.cfg.vllm
+    kwargs = {"dtype": dtype_name(r.precision.compute), "seed": r.seed, "max_model_len": r.max_model_len,
               "gpu_memory_utilization": v.gpu_memory_utilization, "sleep_level": v.sleep_level or None,
               "kv_cache_bytes": None if v.kv_cache_gib is None else int(v.kv_cache_gib * 2**30)}
     if v.python is not None:
-        from grpolab.rollout.vllm_server import VLLMSubprocessEngine
+        from grpolab.rollout.vllm.server import VLLMSubprocessEngine
 
         if not Path(v.python).is_file():
             raise FileNotFoundError(f"rollout.vllm.python (--vllm-python): no such interpreter: {v.python}")
-        return VLLMSubprocessEngine(model_dir, tokenizer, python=v.python, **kwargs)
+        return VLLMSubprocessEngine(r.model_dir, r.tokenizer, python=v.python, **kwargs)
     try:
         import vllm  # noqa: F401
     except ImportError:
         raise ValueError(VLLM_MISSING) from None
-    from grpolab.rollout.vllm import VLLMEngine
+    from grpolab.rollout.vllm.engine import VLLMEngine
 
-    return VLLMEngine(model_dir, tokenizer, **kwargs)
+    return VLLMEngine(r.model_dir, r.tokenizer, **kwargs)

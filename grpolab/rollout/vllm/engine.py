@@ -15,7 +15,7 @@ mode (``sleep_level`` 1/2, CUDA/ROCm/XPU only; skipped with a logged note elsewh
 accelerator between rollouts; level 2 discards the weights, so the engine pushes the latest ones
 again (last sync, else the checkpoint) whenever it wakes to generate (see ``VLLMEngine._wake``).
 The sync check is ``grpolab.rollout.sync_check``; the engine under another interpreter is
-``grpolab.rollout.vllm_server``.
+``grpolab.rollout.vllm.server``.
 
 vLLM is imported lazily. Creating an engine
 spawns engine-core processes: scripts need an ``if __name__ == "__main__":`` guard.
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 WeightSync = Literal["auto", "file", "cuda_ipc"]
 _SEED_STRIDE = 1_000_003
 _SEED_LIMIT = 2**63  # every seed vLLM uses stays an int64 (it seeds a torch.Generator per request)
-WORKER_EXTENSION = "grpolab.rollout.vllm_worker.WorkerExtension"
+WORKER_EXTENSION = "grpolab.rollout.vllm.worker.WorkerExtension"
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ class VLLMEngine:
 
     def _sync_cuda_ipc(self, model: nn.Module) -> None:
         if self._ipc is None or self._ipc.model is not model:
-            from grpolab.rollout.vllm_worker import CudaIPCWeightSender
+            from grpolab.rollout.vllm.worker import CudaIPCWeightSender
 
             self._ipc = CudaIPCWeightSender(self.llm, model)
         self._ipc.send()

@@ -1,9 +1,9 @@
-"""vLLM's side of ``grpolab.rollout.vllm``: the worker extension and the GPU weight transfer.
+"""vLLM's side of ``grpolab.rollout.vllm.engine``: the worker extension and the GPU weight transfer.
 
 ``WorkerExtension`` is mixed into vLLM's worker class (``LLM(worker_extension_cls=...)``, vLLM's
 hook for RL frameworks); its methods run in every worker via ``llm.collective_rpc(name)``.
 ``CudaIPCWeightSender`` is the GPU-only in-process weight update (vLLM's CUDA-IPC transfer).
-Nothing here imports the engine (``grpolab.rollout.vllm``), which imports this.
+Nothing here imports the engine (``grpolab.rollout.vllm.engine``), which imports this.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import Cache, TopKLogitsWarper, TopPLogitsWarper
 
-from grpolab.rollout.kv_cache import reserved_cache
+from grpolab.rollout.hf.kv_cache import reserved_cache
 
 __all__ = ["Decoded", "compaction", "decode", "left_padded_positions", "sample_step"]
 
@@ -118,7 +118,7 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
 
     attention_mask: [B, P], 0 on the left padding.
     cache: the rows' cache over all but the last prompt column (a shared prefill), or None to prefill here
-        (into a ``grpolab.rollout.kv_cache.reserved_cache`` with room for the whole generation).
+        (into a ``grpolab.rollout.hf.kv_cache.reserved_cache`` with room for the whole generation).
     eos_token_ids: ids that end a row (kept as its last token).
     stop_strings, decode_ids: strings that end a row once its generated text holds one; the token decoder.
     drop_fraction: ended rows leave the batch once they are more than this share of the rows computed
@@ -168,7 +168,7 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
 def compaction(live: list[bool]) -> list[int]:
     """The rows to keep of a batch whose rows are ``live`` or ended, in the order that moves fewest of them:
     with k live rows, each live row among the first k stays in place and the live rows past k fill the ended
-    rows' places (``grpolab.rollout.kv_cache`` then copies only those). No live row (synced): row 0 stays,
+    rows' places (``grpolab.rollout.hf.kv_cache`` then copies only those). No live row (synced): row 0 stays,
     idle."""
     k = max(sum(live), 1)
     tail = [i for i in range(k, len(live)) if live[i]]

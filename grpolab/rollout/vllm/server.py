@@ -1,7 +1,7 @@
 """The vLLM engine under another interpreter (``--vllm-python``): its server and the trainer's client.
 
 ``VLLMSubprocessEngine`` (trainer side) runs a ``VLLMEngine`` in its own process under another
-Python (one with vLLM installed), started as ``python -m grpolab.rollout.vllm_server ADDRESS``.
+Python (one with vLLM installed), started as ``python -m grpolab.rollout.vllm.server ADDRESS``.
 They talk over a local Unix socket (``multiprocessing.connection``, authenticated) in JSON, one
 request / one reply; weights go through a safetensors file the trainer writes and the server
 reloads. The server exits when asked to, or when the trainer's side of the channel closes.
@@ -28,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from grpolab.rollout.base import Completion, SamplingParams, let_an_interrupt_land
-from grpolab.rollout.vllm import VLLMEngine, save_weights
+from grpolab.rollout.vllm.engine import VLLMEngine, save_weights
 
 __all__ = ["VLLMSubprocessEngine", "serve"]
 
@@ -121,12 +121,12 @@ class VLLMSubprocessEngine:
         self._dir = Path(tempfile.mkdtemp(prefix="grpolab-vllm-proc-"))
         address = str(self._dir / "socket")
         authkey = secrets.token_bytes(32)
-        package_root = str(Path(__file__).resolve().parents[2])
+        package_root = str(Path(__file__).resolve().parents[3])
         env = {**os.environ, _AUTHKEY_ENV: authkey.hex(),
                "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         # its own process group: a terminal's Ctrl-C reaches the trainer alone (which closes the engine), and
         # killing the group ends the engine-core processes too
-        self._proc = subprocess.Popen([python, "-m", "grpolab.rollout.vllm_server", address], env=env,
+        self._proc = subprocess.Popen([python, "-m", "grpolab.rollout.vllm.server", address], env=env,
                                       process_group=0)
         self._conn: Connection | None = None
         try:

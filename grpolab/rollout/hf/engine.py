@@ -1,4 +1,4 @@
-"""Rollout engine on the training model itself: ``grpolab.rollout.decode`` over transformers' KV cache.
+"""Rollout engine on the training model itself: ``grpolab.rollout.hf.decode`` over transformers' KV cache.
 
 Sampling is fully specified here and never inherits from ``model.generation_config`` (a checkpoint's
 ``generation_config.json`` may carry top_k=20, repetition penalties, ...): temperature, top-k and top-p
@@ -6,13 +6,13 @@ come from ``SamplingParams`` alone, and the log-prob of each sampled token is re
 ``softmax(logits / temperature)`` (see ``grpolab.rollout.base`` for the convention). Rows that have
 ended leave the decoding batch (see ``decode``).
 
-Shared prefill (``grpolab.rollout.prefill``): each distinct prompt of a batch is prefilled once for its
+Shared prefill (``grpolab.rollout.hf.prefill``): each distinct prompt of a batch is prefilled once for its
 ``n`` samples, and the prefix all its prompts share (a system prompt, a template's header) once for all;
 only the prompts' last tokens are prefilled per row.
 
 On a CPU, grouped key/value heads attend as they are, even with the padding's mask
-(``grpolab.rollout.grouped_attention``), and large weights are laid out once per call
-(``grpolab.rollout.packed_linear``).
+(``grpolab.rollout.hf.grouped_attention``), and large weights are laid out once per call
+(``grpolab.rollout.hf.packed_linear``).
 
 Seeding: every batch seeds torch's RNG from ``params.seed`` and the global index of its first row
 (``params.prompt_offset * n`` plus its position in the call; a call's first batch at offset 0 takes the
@@ -31,10 +31,10 @@ from torch import nn
 
 from grpolab.models.logprobs import backbone_and_head
 from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
-from grpolab.rollout.decode import decode
-from grpolab.rollout.grouped_attention import grouped_kv_attention
-from grpolab.rollout.packed_linear import packed_linears
-from grpolab.rollout.prefill import prompt_layout, shared_prefill
+from grpolab.rollout.hf.decode import decode
+from grpolab.rollout.hf.grouped_attention import grouped_kv_attention
+from grpolab.rollout.hf.packed_linear import packed_linears
+from grpolab.rollout.hf.prefill import prompt_layout, shared_prefill
 
 __all__ = ["HFEngine"]
 
@@ -45,7 +45,7 @@ def batch_seed(seed: int, first_row: int) -> int:
 
 
 class HFEngine:
-    """``RolloutEngine`` that samples from the (training) model itself (``grpolab.rollout.decode``).
+    """``RolloutEngine`` that samples from the (training) model itself (``grpolab.rollout.hf.decode``).
 
     model: a transformers causal LM; generation runs in eval mode under ``torch.no_grad`` and
         the train/eval mode is restored afterwards.
@@ -56,11 +56,11 @@ class HFEngine:
     compute_context: a factory of the context generation runs in (the trainer's bf16 autocast
         when its weights are float32 masters), so that sampling and training forwards agree.
     shared_prefill: prefill each distinct prompt of a batch, and the prefix they share, once
-        (``grpolab.rollout.prefill``).
+        (``grpolab.rollout.hf.prefill``).
     synced: the model's forwards are collectives over data-parallel ranks (FSDP): decoding goes on, with
         finished rows idle, until every rank's batch is done.
     pack_weights: on a CPU in float32, generate with weights laid out once per call
-        (``grpolab.rollout.packed_linear``).
+        (``grpolab.rollout.hf.packed_linear``).
     """
 
     def __init__(self, model: nn.Module, tokenizer, max_batch_size: int = 64,

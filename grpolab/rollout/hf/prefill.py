@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from grpolab.rollout.decode import left_padded_positions
-from grpolab.rollout.kv_cache import reserved_cache
+from grpolab.rollout.hf.decode import left_padded_positions
+from grpolab.rollout.hf.kv_cache import reserved_cache
 
 __all__ = ["MIN_SAVED_TOKENS", "prompt_layout", "shared_prefill"]
 
@@ -53,7 +53,7 @@ def shared_prefill(backbone: nn.Module, config, prompts: list[list[int]], pad_id
 
     backbone: the decoder without its output layer (``grpolab.models.logprobs.backbone_and_head``); config: the
     model's config (the cache's layer types); max_new_tokens: the cache keeps room for them
-    (``grpolab.rollout.kv_cache``)."""
+    (``grpolab.rollout.hf.kv_cache``)."""
     distinct: dict[tuple[int, ...], int] = {}
     row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
     prefix = min(len(os.path.commonprefix(list(distinct))), min(map(len, prompts)) - 1)

@@ -4,7 +4,7 @@ transformers' ``DynamicLayer.update`` appends a step's keys and values with ``to
 layer's whole cache at every decoding step. ``ReservedLayer`` keeps them in buffers with room for the
 generation's last position and writes each step's columns in place; ``keys`` / ``values`` are views of
 the filled part, so attention reads exactly what it reads from a ``DynamicLayer``. Row drops
-(``batch_select_indices``) in ``grpolab.rollout.decode.compaction``'s order copy only the rows that move,
+(``batch_select_indices``) in ``grpolab.rollout.hf.decode.compaction``'s order copy only the rows that move,
 within the buffers; any other selection gathers the filled part anew. Sliding-window and other layer
 kinds stay as ``DynamicCache`` builds them.
 """
