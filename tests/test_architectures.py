@@ -5,7 +5,7 @@ WINDOW tokens, longrope and dynamic rope changing past ORIGINAL positions, and l
 their identity so that a missed one is obvious. Sequences are longer than both, except where
 ``grpolab.models.fidelity`` refuses them (then the refusal is checked, and shorter ones are):
 
-- ``forward_fidelity`` of each family is the one in STATUS (the table of the README);
+- ``forward_fidelity`` of each family is the one in STATUS (the table in docs/real-models.md);
 - the training log-probs (``unit_logprobs`` on ``layout_units``, as ``grpolab.learning.learner.BatchForward`` lays
   them out: shared where the model allows it, and unshared) of two prompts x two right-padded
   completions equal ``log_softmax(model(row).logits / temperature)`` of each row alone, unpadded, within

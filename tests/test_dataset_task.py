@@ -241,13 +241,13 @@ def test_suite_snapshot_freezes_the_data_files_and_the_prompt(tmp_path):
     assert (tmp_path / "snap" / "prompt_template.txt").read_text() == "{problem} Box it: \\boxed{}"
 
 
-def test_the_readme_dataset_example_is_a_valid_config():
+def test_the_documented_dataset_example_is_a_valid_config():
     import re
     import tomllib
 
     from grpolab.config import validate_config
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / "docs" / "your-data.md").read_text()
     block = re.search(r"```toml\n(\[task\]\nname = \"dataset\".*?)```", readme, re.DOTALL).group(1)
     cfg = validate_config({**tomllib.loads(block), "model": {"path": "m"}})
     assert cfg.task.prompt.answer == "boxed" and [r.function for r in cfg.task.rewards] == ["math", "my_rewards:brevity"]

@@ -1,1 +1,9 @@
-"""."""
+"""The policy as a Hugging Face model: loading it and its frozen reference (``loading``), the demo's
+tiny model and its warm start (``tinymodel``), ``like:`` shapes (``like``) and ``gguf:`` files
+(``gguf``), cached folders (``cached_folder``), what the training forward reproduces of a family's own
+forward (``fidelity``), memory-lean per-token log-probs (``logprobs``), prompt token ids
+(``prompt_tokens``) and training precision (``precision``).
+
+May import: ``grpolab.tasks``, ``grpolab.tools``, ``grpolab.objectives``, ``grpolab.parallel``,
+``grpolab.common``.
+"""

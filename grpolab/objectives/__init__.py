@@ -1,1 +1,7 @@
-"""."""
+"""The math of the objectives, as pure functions and declarative specs: algorithm presets
+(``algorithms``: each algorithm a frozen ``AlgorithmSpec``), group advantages (``advantages``), the
+per-token surrogates and their exact reduction (``losses``), and the statistics of evaluation and
+reports (``stats``: pass@k, paired bootstrap, McNemar).
+
+May import: ``grpolab.common`` only.
+"""

@@ -1,4 +1,10 @@
-"""Rollout engines: sample completions from the policy (see ``base`` for the contract)."""
+"""Rollout: sampling completions from the policy and grading them. The engine contract (``base``), the
+engines by name (``engines``: ``hf/``, ``vllm/``), wrappers over any engine (``lockstep`` under FSDP,
+``multiturn`` for tools), collecting a rollout batch (``collect``), evaluation (``evaluation``) and the
+per-step check that engine and trainer log-probs agree (``sync_check``).
+
+May import: ``grpolab.config`` and every layer below it.
+"""
 
 from grpolab.rollout.base import Completion, FinishReason, RolloutEngine, SamplingParams
 

@@ -1,7 +1,11 @@
-"""Tasks: data + prompt template + reward function.
+"""Tasks: data + prompt + reward. Each built-in kind declares its settings class beside its task
+(``arithmetic``, ``gsm8k``, ``calculator``, ``chat_arithmetic``, ``dataset``); ``configs`` registers
+them as the ``[task]`` union (``"package.module:Class"`` is a task class of your own). Around them:
+answers and verifiers (``answers``, ``extract``, ``rewards``, ``sandbox``), prompts (``prompts``,
+``r1_zero``), data files (``datasets``), reward shaping (``shaping``) and the seeded stream of training
+examples (``stream``).
 
-Built in: ``arithmetic`` (the demo's) and ``gsm8k``; ``dataset`` is your own data, prompt format
-and rewards; ``"package.module:Class"`` a task class of your own (``grpolab.tasks.configs``).
+May import: ``grpolab.tools``, ``grpolab.objectives``, ``grpolab.parallel``, ``grpolab.common``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Tools for multi-turn rollouts: the call protocol and its tools (``protocol``), the safe calculator
-(``calculator``) and the multi-turn engine over any rollout engine with the tool metrics
-(``multiturn``, which imports torch: tasks import this package and stay light)."""
+"""Tools a policy may call in multi-turn rollouts: the call protocol, the registry of tools and the
+``[task.tools]`` settings (``protocol``), and the safe calculator (``calculator``). The multi-turn engine
+that runs them lives with the engines (``grpolab.rollout.multiturn``).
 
-from grpolab.tools.protocol import TOOLS, Tool, ToolCall, ToolError, Toolset
-
-__all__ = ["TOOLS", "Tool", "ToolCall", "ToolError", "Toolset"]
+May import: ``grpolab.common`` only (tasks import this package and stay light).
+"""
