@@ -4,3 +4,7 @@ that runs them lives with the engines (``grpolab.rollout.multiturn``).
 
 May import: ``grpolab.common`` only (tasks import this package and stay light).
 """
+
+from grpolab.tools.protocol import TOOLS, Tool, ToolCall, ToolError, ToolsConfig, Toolset
+
+__all__ = ["TOOLS", "Tool", "ToolCall", "ToolError", "ToolsConfig", "Toolset"]
