@@ -34,6 +34,20 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class LoraSettings(_Section):
+    """``[model.lora]``: train LoRA adapters (peft) instead of the full weights; the frozen reference is then
+    the policy with its adapter off, and checkpoints hold the adapter (``grpolab export`` merges it)."""
+
+    rank: int = Field(8, gt=0, description="r: the adapter's rank")
+    alpha: float | None = Field(None, gt=0, description="the adapter's scale is alpha / rank; None = rank (scale 1)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input in the update's forward")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="leaf names of the linear layers to adapt, e.g. [\"q_proj\", \"v_proj\"]; "
+        "all-linear = every linear layer of the decoder (never the output layer)")
+    modules_to_save: list[str] = Field(default_factory=list, description="modules trained in full beside the "
+                                       "adapter (and saved with it), e.g. [\"lm_head\"]")
+
+
 class ModelConfig(_Section):
     path: str | None = Field(None, description="local Hugging Face model dir; None = the demo's tiny model")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
@@ -42,6 +56,7 @@ class ModelConfig(_Section):
     logprob_chunk_size: int = Field(64, ge=1, description="sequence positions per output-layer chunk")
     like_overrides: dict[str, int] = Field(default_factory=dict, description="size fields of a like:NAME "
                                            "model, e.g. {num_hidden_layers = 2}; width and vocabulary stay real")
+    lora: LoraSettings | None = Field(None, description="LoRA adapters instead of full weights ([model.lora])")
 
 
 class VLLMConfig(_Section):
@@ -231,6 +246,14 @@ class RunConfig(_Section):
                              f"model is warm-started for {' and '.join(TINY_MODEL_TASKS)} only)")
         if any(k > self.eval.pass_n for k in self.eval.pass_k):
             raise ValueError(f"eval.pass_k {self.eval.pass_k} needs eval.pass_n >= the largest k")
+        lora = self.model.lora
+        if lora is not None and lora.dropout > 0 and self.rollout.sync_check:
+            raise ValueError(f"model.lora.dropout {lora.dropout:g}: the update's forward would differ from the "
+                             "policy that sampled and the per-step sync check would stop the run; use dropout 0 "
+                             "or rollout.sync_check false")
+        if lora is not None and self.dist.strategy == "fsdp":
+            raise ValueError("model.lora with dist.strategy 'fsdp' is not supported; use 'ddp' (the adapter's "
+                             "gradients are all-reduced like full weights)")
         return self
 
     def needs_reference(self) -> bool:

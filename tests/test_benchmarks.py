@@ -70,3 +70,16 @@ def test_generation_roofline_reports_every_engine_against_both_rooflines(warm_mo
             assert 2 <= engine["floor"]["forwards"][0] <= 2 + 24  # two prefills (prefix, prompts), <= 24 tokens
             assert 0 < engine["floor"]["seconds"] and engine["share_of_floor"] > 0
     assert "roofline (best): " in capsys.readouterr().out and (tmp_path / "g.json").is_file()
+
+
+def test_lora_vs_full_reports_both_ways_and_the_adapters_share(warm_model_dir, capsys):
+    import lora_vs_full
+
+    assert lora_vs_full.main(["--repeats", "1", "--rank", "2", *_small(warm_model_dir)]) == 0
+    out = capsys.readouterr().out
+    rows = dict(re.findall(r"^(full|lora)\s+(\d.*)$", out, re.M))
+    assert set(rows) == {"full", "lora"}
+    full_reference_mb, lora_reference_mb = float(rows["full"].split()[-1]), float(rows["lora"].split()[-1])
+    assert full_reference_mb > 0 and lora_reference_mb == 0, "LoRA's reference is the adapter switched off"
+    share = float(re.search(r"trained parameters (\S+)x", out).group(1))
+    assert 0 < share < 0.2

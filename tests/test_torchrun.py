@@ -64,7 +64,10 @@ def steps_of(run_dir: Path) -> list[dict]:
 
 
 def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors")
+    """A checkpoint's weights: the model's, or a LoRA run's adapter."""
+    folder = run_dir / "checkpoints" / f"step_{step:06d}"
+    return load_file(folder / "model.safetensors" if (folder / "model.safetensors").is_file()
+                     else folder / "adapter_model.safetensors")
 
 
 def assert_same_run(got: Path, want: Path, steps: int = 3) -> None:
@@ -111,6 +114,18 @@ def test_a_kl_penalty_to_a_sharded_reference(warm_model_dir, tmp_path):
     assert main(run_args(warm_model_dir, one, "grpo") + args) == 0
     assert max(r.get("kl_ref", 0) for r in read_metrics(one / "metrics.jsonl")) > 0
     assert_same_run(two, one)
+
+
+def test_lora_adapters_under_ddp_compute_the_one_process_run(warm_model_dir, tmp_path):
+    """The adapter's gradients are all-reduced like full weights; the reference is the adapter switched off."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    args = ["--model.lora.rank", "4", "--reference", "frozen", "--algorithm.beta", "0.01"]
+    done = torchrun(run_args(warm_model_dir, two, "grpo") + args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert main(run_args(warm_model_dir, one, "grpo") + args) == 0
+    assert max(r.get("kl_ref", 0) for r in read_metrics(one / "metrics.jsonl")) > 0
+    assert_same_run(two, one)
+    assert all("lora_" in k for k in weights(two, 3))
 
 
 def test_dynamic_sampling_keeps_the_same_groups_on_every_rank(warm_model_dir, tmp_path):

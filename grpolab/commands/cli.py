@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "its bootstrap CI and McNemar p-value")
     compare.add_argument("run_a")
     compare.add_argument("run_b")
+    export = sub.add_parser("export", help="a LoRA checkpoint's adapter merged into its base: a Hugging Face model "
+                            "folder that transformers or vLLM loads without peft")
+    export.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N of a LoRA run")
+    export.add_argument("out", help="a new or empty folder")
     report.add_argument("--baseline", help="the run every other run is compared with (default: the first)")
     for p in (report, compare):
         p.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (at least 10,000)")
@@ -162,6 +166,22 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         if extra:
             raise ValueError(f"unexpected arguments {' '.join(extra)}")
         return suite_command(args, console) if args.command == "suite" else report_command(args, console)
+    if args.command == "export":
+        if extra:
+            raise ValueError(f"unexpected arguments {' '.join(extra)}")
+        from transformers.utils import logging as hf_logging
+
+        from grpolab.models.lora import export_merged
+        from grpolab.run.checkpoints import problem
+
+        hf_logging.disable_progress_bar()
+        damaged = problem(Path(args.checkpoint))
+        if damaged:
+            raise ValueError(f"{args.checkpoint}: {damaged}; not exported")
+        done = export_merged(Path(args.checkpoint), Path(args.out))
+        console.print(f"export: {done['checkpoint']} merged into its base {done['base']} -> {done['out']}",
+                      highlight=False, soft_wrap=True)
+        return 0
     from grpolab.config import ConfigError, load_config, load_run_config
 
     from transformers.utils import logging as hf_logging

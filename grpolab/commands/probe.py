@@ -157,6 +157,10 @@ def _probe(parts: RunParts) -> dict[str, Any]:
                    "logits_chunk": [mb, min(chunk, length - 1), vocab], "full_logits_avoided": [mb, length, vocab]},
         "updates": [first, second],
         "generation": generation,
+        "parameters": {"total": n_params, "trained": sum(p.numel() for p in parts.models.trainable()),
+                       "lora_rank": cfg.model.lora.rank if cfg.model.lora else None,
+                       "reference": ("none" if parts.reference is None else "the policy, adapter off (no copy)"
+                                     if parts.reference is parts.model else "a frozen copy")},
         "optimizer_state_initialised": len(state) > 0 and all(len(s) > 0 for s in state.values()),
         "optimizer_state_tensors": len(state),
         "precision": {"setting": parts.precision.name, "weights": str(parts.precision.storage),

@@ -8,6 +8,8 @@ and reports metrics over the global batch."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -101,16 +103,18 @@ class BatchForward:
 
 
 class PolicyLearner:
-    """Updates ``model`` with ``optimizer`` from rollout batches; ``updates`` counts attempted and actual
+    """Updates ``model`` with ``optimizer`` from rollout batches (the reference policy is ``reference``, computed
+    within ``reference_context``: with LoRA the policy itself with its adapter off); ``updates`` counts attempted and actual
     optimizer steps (the run state's counters, updated in place). With several ``ranks`` the training
     forward is wrapped in DDP (which broadcasts rank 0's weights here), unless FSDP sharded ``model``."""
 
     def __init__(self, cfg: RunConfig, model, reference, optimizer: torch.optim.Optimizer,
                  precision: TrainingPrecision, device: torch.device, pad_token_id: int,
                  minibatch_gen: torch.Generator, sync_monitor: SyncMonitor, updates: dict[str, int],
-                 ranks: Ranks = Ranks()):
+                 ranks: Ranks = Ranks(), reference_context: Callable[[], AbstractContextManager] = nullcontext):
         self.cfg, self.spec, self.ranks = cfg, cfg.algorithm, ranks
         self.model, self.reference, self.optimizer = model, reference, optimizer
+        self.reference_context = reference_context  # within it, ``reference`` computes the reference policy
         self.sharded = is_sharded(model)
         if self.sharded:
             optimizer.register_step_post_hook(lambda *_: drop_stale_weights(model))
@@ -154,7 +158,10 @@ class PolicyLearner:
         check = self.cfg.rollout.sync_check
         if check and old is not None:
             check_sync(old, torch.ones(len(batch), dtype=torch.bool, device=old.device))
-        ref = forward.frozen(self.reference) if self.reference is not None else None
+        ref = None
+        if self.reference is not None:
+            with self.reference_context():
+                ref = forward.frozen(self.reference)
         data = UpdateData(advantages=advantages[groups.start:groups.stop].flatten().to(self.device),
                           response_mask=batch.response_mask, old_logprobs=old, ref_logprobs=ref,
                           engine_logprobs=batch.engine_logprobs)

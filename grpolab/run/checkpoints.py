@@ -108,10 +108,10 @@ def problem(folder: Path, needs: tuple[str, ...] = ()) -> str | None:
 
 def weights_sha256(folder: Path) -> str:
     """SHA-256 over a checkpoint's weight files (names and SHA-256s, as listed in its checkpoint.json): the
-    part that defines the model, without reading the weights again."""
+    part that defines the model (a LoRA run's: its adapter), without reading the weights again."""
     h = hashlib.sha256()
     files = listed_files(folder)
-    for name in sorted(n for n in files if n.startswith("model") and n.endswith(".safetensors")):
+    for name in sorted(n for n in files if n.startswith(("model", "adapter_model")) and n.endswith(".safetensors")):
         h.update(f"{name}\0{files[name]['sha256']}\0".encode())
     return h.hexdigest()
 

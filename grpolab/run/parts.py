@@ -8,6 +8,7 @@ build the same parts with ``assemble`` and no run directory.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +26,7 @@ from grpolab.models.fidelity import check_trainable
 from grpolab.models.like import is_like_dir
 from grpolab.models.loading import check_model_spec, frozen_copy, load_policy, resolve_device, resolve_dtype, resolve_model_dir
 from grpolab.models.logprobs import enable_gradient_checkpointing
+from grpolab.models.lora import Adapter, MergedWeights, add_adapter
 from grpolab.models.precision import TrainingPrecision, resolve_precision
 from grpolab.models.prompt_tokens import tokenize_prompts
 from grpolab.parallel.fsdp import FullWeights, shard_fsdp
@@ -57,13 +59,25 @@ class Setting:
 
 @dataclass
 class Models:
-    """The policy, its tokenizer, the frozen reference (None without one) and the precision they follow."""
+    """The policy, its tokenizer, the frozen reference (None without one) and the precision they follow;
+    with LoRA the policy's adapter, and the reference is the policy within ``reference_context``
+    (its adapter off)."""
 
     model_dir: Path
     precision: TrainingPrecision
     model: nn.Module
     tokenizer: Any
     reference: nn.Module | None
+    adapter: Adapter | None = None
+    reference_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+    @property
+    def saved(self):
+        """What a checkpoint saves with ``save_pretrained``: the model, or its adapter in peft's format."""
+        return self.adapter.peft_model if self.adapter is not None else self.model
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
 
 
 @dataclass
@@ -107,9 +121,14 @@ class RunParts:
         return getattr(self.task, "toolset", None)
 
     def sync_source(self):
-        """What the engine's weight sync reads: the model, or under FSDP with an engine of its own (vLLM) the
-        whole weights, gathered on every rank (every rank calls this)."""
-        return FullWeights(self.model) if self.sharded and self.cfg.rollout.engine != "hf" else self.model
+        """What the engine's weight sync reads: the model itself for the hf engine; for an engine of its own
+        (vLLM) under FSDP the whole weights, gathered on every rank (every rank calls this), and with LoRA
+        the merged weights."""
+        if self.cfg.rollout.engine == "hf":
+            return self.model
+        if self.models.adapter is not None:
+            return MergedWeights(self.model)
+        return FullWeights(self.model) if self.sharded else self.model
 
     def close(self) -> None:
         """Close the engine (its processes, its memory); the other parts stay readable. Safe to call twice."""
@@ -166,23 +185,35 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
                       "completions rarely stop and run to max_new_tokens")
     precision = resolve_precision(cfg.optim.precision, resolve_dtype(cfg.model.dtype, device))
     weights_dir = weights_dir or model_dir
+    lora = cfg.model.lora
     with reporter.phase(f"load model {weights_dir}") as phase:
-        model, tokenizer = load_policy(weights_dir, precision.storage, device)
-        phase.info = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}"
+        # with LoRA the base is always the model's own; a checkpoint holds only the adapter
+        model, tokenizer = load_policy(model_dir if lora else weights_dir, precision.storage, device)
+        adapter = None
+        if lora is not None:
+            adapter = add_adapter(model, lora, cfg.seed, model_dir)
+            if weights_dir != model_dir:
+                adapter.load(weights_dir)
+            model = adapter.model
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        phase.info = (f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}"
+                      + (f", {trainable / 1e6:.2f}M of them trained (LoRA rank {lora.rank})" if lora else ""))
     bind_tokenizer = getattr(task, "bind_tokenizer", None)
     if bind_tokenizer is not None:  # chat-template prompts render with the model's own tokenizer
         bind_tokenizer(tokenizer)
     if cfg.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model.eval()
-    reference = None
-    if cfg.needs_reference():  # the start policy, frozen, so kept in the compute dtype (no master copy needed)
+    reference, reference_context = None, contextlib.nullcontext
+    if cfg.needs_reference() and adapter is not None:  # the start policy: the base, the adapter off
+        reference, reference_context = model, adapter.disabled
+    elif cfg.needs_reference():  # the start policy, frozen, so kept in the compute dtype (no master copy needed)
         start = load_policy(model_dir, precision.storage, device)[0] if weights_dir != model_dir else model
         reference = frozen_copy(start).to(precision.compute)
     if is_sharded_run(cfg, ranks):  # before the optimizer: it must hold the shards
         for m in filter(None, (model, reference)):
             shard_fsdp(m, {SHARDED_FORWARD: unit_logprobs})
-    return Models(model_dir, precision, model, tokenizer, reference)
+    return Models(model_dir, precision, model, tokenizer, reference, adapter, reference_context)
 
 
 def prompt_token_ids(cfg: RunConfig, task: Task, tokenizer, model: nn.Module,
@@ -225,7 +256,7 @@ def build_parts(cfg: RunConfig, setting: Setting, task: Task, val_examples: list
     collector, learner. ``weights_dir``: the checkpoint a resumed run continues from (its state is
     loaded by the caller, ``RunState.load``)."""
     models = load_models(cfg, setting, task, weights_dir)
-    optimizer = models.precision.optimizer(models.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+    optimizer = models.precision.optimizer(models.trainable(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                            weight_decay=cfg.optim.weight_decay)
     prompts = PromptStream(task.train_examples(), cfg.seed)
     prompt_ids = prompt_token_ids(cfg, task, models.tokenizer, models.model, task.train_examples() + val_examples)
@@ -238,19 +269,25 @@ def build_parts(cfg: RunConfig, setting: Setting, task: Task, val_examples: list
                                min_floor=MIN_NOISE_FLOOR[compute])
     ranks = setting.ranks
     state = RunState(optimizer, prompts, minibatch_gen, sync_monitor, ranks, models.model)
-    engine = rollout_engine(cfg, setting, task, models, weights_dir or models.model_dir, max_model_len)
+    # an engine of its own starts from weight files: with LoRA the base's, then the merged policy's
+    start_dir = models.model_dir if models.adapter is not None else weights_dir or models.model_dir
+    engine = rollout_engine(cfg, setting, task, models, start_dir, max_model_len)
     collector = RolloutCollector(engine, task, prompts, prompt_ids, cfg.rollout, cfg.algorithm, cfg.seed, cfg.reward,
                                  ranks)
     try:
         learner = PolicyLearner(cfg, models.model, models.reference, optimizer, models.precision, setting.device,
-                                models.tokenizer.pad_token_id, minibatch_gen, sync_monitor, state.updates, ranks)
+                                models.tokenizer.pad_token_id, minibatch_gen, sync_monitor, state.updates, ranks,
+                                reference_context=models.reference_context)
+        parts = RunParts(cfg, setting, task, val_examples, models, optimizer, prompts, prompt_ids, sync_monitor,
+                         state, collector, learner)
+        if models.adapter is not None and cfg.rollout.engine != "hf":
+            engine.sync_weights(parts.sync_source())
     except BaseException:
         engine.close()
         raise
     if learner.sharing_note:
         setting.reporter.line(learner.sharing_note)
-    return RunParts(cfg, setting, task, val_examples, models, optimizer, prompts, prompt_ids, sync_monitor, state,
-                    collector, learner)
+    return parts
 
 
 def assemble(cfg: RunConfig, reporter_for: Callable[[Ranks], Reporter] | None = None) -> RunParts:

@@ -218,7 +218,7 @@ class Trainer:
         state = self.parts.state.state_dict()
 
         def write() -> str:
-            folder = save_checkpoint(self.parts.model, self.parts.tokenizer, self.run_dir, step,
+            folder = save_checkpoint(self.parts.models.saved, self.parts.tokenizer, self.run_dir, step,
                                      lambda tmp: RunState.save(state, tmp), weights)
             keep = self.cfg.checkpoint.keep_last
             removed = prune(self.run_dir, keep, (STATE_FILE,)) if keep else []

@@ -1,0 +1,166 @@
+"""LoRA adapters on the policy (peft): injected in place, the reference for free, merged weights exact.
+
+``add_adapter`` wraps the policy in peft's LoRA and hands back an ``Adapter``. The policy stays the same
+Hugging Face model object (peft swaps its target linear layers for LoRA layers in place), so the
+training forward, the hf engine and every check see one model with the adapter active. Only the
+adapter's weights train; the base never changes, so:
+
+* the frozen reference is the policy with its adapter switched off (``Adapter.disabled``), with no
+  second copy of the weights;
+* the merged weights an engine of its own loads (``MergedWeights``) are computed each time from the
+  unmodified base, ``W + (alpha / r) B A`` in float32, never by merging into and unmerging from the
+  training weights;
+* a checkpoint holds the adapter in peft's format (``adapter_config.json``, ``adapter_model.safetensors``),
+  and ``export_merged`` writes a plain Hugging Face model from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter_folder(folder: Path) -> bool:
+    return (Path(folder) / ADAPTER_CONFIG).is_file()
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """The leaf names of ``model``'s linear layers that LoRA may target (the output layer excluded)."""
+    head = model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and m is not head})
+
+
+def _target_modules(model: nn.Module, targets: list[str] | str) -> list[str] | str:
+    """``targets`` checked against the model's linear layers: one line naming the ones it has."""
+    if targets == "all-linear":
+        return targets
+    names = linear_module_names(model)
+    unknown = [t for t in targets if t not in names and t != "lm_head"]
+    if unknown:
+        raise ValueError(f"model.lora.target_modules: {', '.join(unknown)} not a linear layer of "
+                         f"{type(model).__name__}; its linear layers: {', '.join(names)}")
+    return list(targets)
+
+
+class Adapter:
+    """The policy's LoRA adapter: peft's model around the policy, and what the run does with it."""
+
+    def __init__(self, peft_model):
+        self.peft_model = peft_model
+
+    @property
+    def model(self) -> nn.Module:
+        """The policy: the Hugging Face model, its target layers now LoRA layers."""
+        return self.peft_model.get_base_model()
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def disabled(self) -> contextlib.AbstractContextManager:
+        """Within it, the policy computes as the base model (the frozen start policy)."""
+        return self.peft_model.disable_adapter()
+
+    def save(self, folder: Path) -> None:
+        """The adapter in peft's format (what ``PeftModel.from_pretrained`` loads)."""
+        self.peft_model.save_pretrained(folder)
+
+    def load(self, folder: Path) -> None:
+        """The adapter weights of a checkpoint folder, into this adapter (same settings)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        result = set_peft_model_state_dict(self.peft_model, load_file(Path(folder) / ADAPTER_WEIGHTS))
+        missing = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"{folder}: the adapter does not fit model.lora's settings (missing "
+                             f"{missing[:3]}, unexpected {result.unexpected_keys[:3]})")
+
+
+def add_adapter(model: nn.Module, settings, seed: int, base_dir: Path) -> Adapter:
+    """Inject LoRA (``settings``: a ``LoraSettings``) into ``model`` in place, its initial A seeded from
+    ``seed`` (B starts at zero: the policy starts as the base). Returns the adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha if settings.alpha is not None else settings.rank,
+                        lora_dropout=settings.dropout, target_modules=_target_modules(model, settings.target_modules),
+                        modules_to_save=settings.modules_to_save or None, bias="none",
+                        base_model_name_or_path=str(base_dir))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, config)
+    return Adapter(peft_model)
+
+
+def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Module name -> LoRA layer (one with ``lora_A``/``lora_B`` and a ``base_layer``)."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+
+
+def merged_delta(layer: nn.Module, adapter: str = "default") -> torch.Tensor:
+    """(alpha / r) B A of one LoRA layer in float32, laid out as its base weight."""
+    a, b = layer.lora_A[adapter].weight.float(), layer.lora_B[adapter].weight.float()
+    delta = (b @ a) * layer.scaling[adapter]
+    return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+
+
+class MergedWeights:
+    """The policy's weights as a plain model has them (its parameter names, base + scaled adapter product,
+    each computed in float32 from the unmodified base and cast to the base's dtype), seen the way an
+    engine's weight sync reads a model: ``named_parameters()`` (tied weights once) and ``parameters()``."""
+
+    def __init__(self, model: nn.Module):
+        layers = _lora_layers(model)
+        weights: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".lora_" in name or ".original_module." in name:
+                    continue
+                plain = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+                owner = name.removesuffix(".base_layer.weight")
+                if owner != name and owner in layers:
+                    param = (param.float() + merged_delta(layers[owner])).to(param.dtype)
+                weights[plain] = param.detach()
+        self.weights = weights
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.weights.items())
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        return iter(self.weights.values())
+
+
+def export_merged(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A Hugging Face model folder at ``out`` (new or empty) with the adapter of ``checkpoint`` merged into
+    its base (the folder its ``adapter_config.json`` names), loadable without peft. Returns what was done."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not is_adapter_folder(checkpoint):
+        raise ValueError(f"{checkpoint}: not a LoRA checkpoint (no {ADAPTER_CONFIG}); a full-weight checkpoint "
+                         "is a Hugging Face model already")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; not overwritten")
+    base = Path(json.loads((checkpoint / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+    if not (base / "config.json").is_file():
+        raise ValueError(f"{checkpoint}: its base model {base} is not a model folder any more")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), checkpoint)
+    merged = MergedWeights(model.get_base_model()).weights
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(merged, strict=False)
+    tied = set(plain.state_dict()) - {name for name, _ in plain.named_parameters()}
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"{checkpoint}: merged weights do not fit {base} (missing {sorted(set(missing) - tied)[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    plain.to(dtype).save_pretrained(out)
+    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
+    return {"checkpoint": str(checkpoint), "base": str(base), "out": str(out), "dtype": str(dtype)}
