@@ -238,3 +238,22 @@ def test_the_probe_reports_the_adapters_share_and_the_free_reference(warm_model_
     assert lora["parameters"]["reference"] == "the policy, adapter off (no copy)" and lora["parameters"]["lora_rank"] == 2
     assert 0 < lora["parameters"]["trained"] < full["parameters"]["trained"] / 5
     assert lora["precision"]["optimizer_state_bytes"] < full["precision"]["optimizer_state_bytes"] / 5
+
+
+def test_a_run_starts_from_another_lora_runs_checkpoint(lora_run, tmp_path, capsys):
+    """A suite's init_from names the earlier run's final checkpoint: its base and its adapter start this run."""
+    checkpoint = lora_run / "checkpoints" / "step_000004"
+    config = json.loads((lora_run / "config.json").read_text())
+    start = {"model.path": str(checkpoint), "steps": 1, "eval.every": 1, "checkpoint.every": 1,
+             "rollout.prompts_per_step": 4, "rollout.group_size": 8, "rollout.max_new_tokens": 40,
+             **{f"task.{k}": v for k, v in config["task"].items()}}
+    summary = train(load_config(None, {**start, "model.lora.rank": 4, "model.lora.alpha": 8,
+                                       "output_dir": str(tmp_path / "next")}))
+    last = [r for r in read_metrics(lora_run / "metrics.jsonl") if "val/accuracy" in r][-1]
+    assert summary["val_accuracy"]["start"] == last["val/accuracy"], "it starts where the other run ended"
+    assert json.loads((tmp_path / "next" / "manifest.json").read_text())["warm_start_from"] == str(checkpoint)
+    capsys.readouterr()
+    assert main(["train", *[f"--{k}={v}" for k, v in start.items() if k != "task.name"], "--output-dir",
+                 str(tmp_path / "full")]) == 2
+    assert "is a LoRA checkpoint: set [model.lora]" in capsys.readouterr().out
+    assert not (tmp_path / "full").exists()

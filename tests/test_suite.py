@@ -181,7 +181,7 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
     deadline = time.monotonic() + 300
     while not (root / MANIFEST).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    with (package / "grpolab" / "trainer.py").open("a") as f:
+    with (package / "grpolab" / "run" / "trainer.py").open("a") as f:
         f.write('\nraise SystemExit("edited after the suite started")\n')
     metrics = root / "runs" / "a" / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:

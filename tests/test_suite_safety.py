@@ -240,10 +240,10 @@ def edit_config(root: Path) -> str:
 
 
 def edit_code(root: Path) -> str:
-    with (root / "snapshot" / "src" / "grpolab" / "trainer.py").open("a") as f:
+    with (root / "snapshot" / "src" / "grpolab" / "run" / "trainer.py").open("a") as f:
         f.write("\n# edited\n")
     return (f"the code snapshot {root / 'snapshot' / 'src' / 'grpolab'} was changed after the suite was made: "
-            "trainer.py was changed; not run")
+            "run/trainer.py was changed; not run")
 
 
 def edit_data(root: Path) -> str:
@@ -265,7 +265,7 @@ def test_a_suite_whose_configs_code_or_data_were_edited_is_refused_before_anythi
 
 def test_a_suite_records_each_runs_config_and_the_code_files(queued):
     manifest = SuiteManifest.load(queued)
-    assert "trainer.py" in manifest.code["files"]
+    assert "run/trainer.py" in manifest.code["files"]
     for record in manifest.runs:
         assert record.config == json.loads(Path(record.config_file).read_text())
         assert record.data_dir and (Path(record.data_dir) / "train.jsonl").is_file()

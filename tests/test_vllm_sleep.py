@@ -261,7 +261,7 @@ def test_bench_rollout_timing(warm_model_dir, tmp_path, fake_vllm, fake_cuda, le
     try:
         fake_cuda(fake_vllm)
         seen = spy_generate(trainer)
-        result = time_rollout(trainer, repeats=2)
+        result = time_rollout(trainer.parts, repeats=2)
         assert result["tokens"] > 0 and len(seen) == 3
         fake = fake_vllm[-1]
         restores = check_wakes(fake.calls, level, str(trainer.parts.engine.model_dir))

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from grpolab.objectives.algorithms import PRESETS
 from grpolab.run.stop import RunStopped, StopRequest
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                                 NotADirectoryError)):
             raise
         for line in str(err).splitlines():
-            console.print(f"[red]error:[/red] {line}", highlight=False, soft_wrap=True)
+            console.print(f"[red]error:[/red] {escape(line)}", highlight=False, soft_wrap=True)
         return 2
     finally:
         for sig, handler in previous.items():

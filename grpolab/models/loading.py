@@ -79,6 +79,9 @@ def check_model_path(path: str) -> Path:
     model_dir = Path(path).expanduser()
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
+    if (model_dir / "adapter_config.json").is_file():  # a LoRA run's checkpoint: its base must still be there
+        check_model_path(json.loads((model_dir / "adapter_config.json").read_text())["base_model_name_or_path"])
+        return model_dir
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"not a Hugging Face model directory (no config.json): {model_dir}")
     return model_dir

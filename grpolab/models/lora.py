@@ -17,6 +17,7 @@ adapter's weights train; the base never changes, so:
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,6 +30,11 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 def is_adapter_folder(folder: Path) -> bool:
     return (Path(folder) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(folder: Path) -> Path:
+    """The base model folder a LoRA checkpoint's adapter was trained on."""
+    return Path(json.loads((Path(folder) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
 
 
 def linear_module_names(model: nn.Module) -> list[str]:
@@ -140,8 +146,6 @@ class MergedWeights:
 def export_merged(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """A Hugging Face model folder at ``out`` (new or empty) with the adapter of ``checkpoint`` merged into
     its base (the folder its ``adapter_config.json`` names), loadable without peft. Returns what was done."""
-    import json
-
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -150,7 +154,7 @@ def export_merged(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float3
                          "is a Hugging Face model already")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; not overwritten")
-    base = Path(json.loads((checkpoint / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+    base = adapter_base(checkpoint)
     if not (base / "config.json").is_file():
         raise ValueError(f"{checkpoint}: its base model {base} is not a model folder any more")
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), checkpoint)

@@ -26,7 +26,7 @@ from grpolab.models.fidelity import check_trainable
 from grpolab.models.like import is_like_dir
 from grpolab.models.loading import check_model_spec, frozen_copy, load_policy, resolve_device, resolve_dtype, resolve_model_dir
 from grpolab.models.logprobs import enable_gradient_checkpointing
-from grpolab.models.lora import Adapter, MergedWeights, add_adapter
+from grpolab.models.lora import Adapter, MergedWeights, adapter_base, add_adapter, is_adapter_folder
 from grpolab.models.precision import TrainingPrecision, resolve_precision
 from grpolab.models.prompt_tokens import tokenize_prompts
 from grpolab.parallel.fsdp import FullWeights, shard_fsdp
@@ -70,6 +70,7 @@ class Models:
     reference: nn.Module | None
     adapter: Adapter | None = None
     reference_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    started_from: Path | None = None  # a LoRA checkpoint whose adapter this run started from
 
     @property
     def saved(self):
@@ -184,16 +185,24 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
         reporter.line(f"{cfg.model.path}: random weights at the real shapes (for memory and speed): "
                       "completions rarely stop and run to max_new_tokens")
     precision = resolve_precision(cfg.optim.precision, resolve_dtype(cfg.model.dtype, device))
+    lora, started_from = cfg.model.lora, None
+    if is_adapter_folder(model_dir):  # another LoRA run's checkpoint (a suite's init_from): its base, its adapter
+        started_from, model_dir = model_dir, adapter_base(model_dir)
+        if lora is None:
+            raise ValueError(f"model.path {started_from} is a LoRA checkpoint: set [model.lora] (its rank and "
+                             "targets) to continue its adapter, or `grpolab export` it into a full model first")
+        if cfg.needs_reference():
+            raise ValueError(f"model.path {started_from} is a LoRA checkpoint: its adapter switched off is its "
+                             "base, not this run's start policy, so a KL term or frozen reference cannot start from it")
     weights_dir = weights_dir or model_dir
-    lora = cfg.model.lora
     with reporter.phase(f"load model {weights_dir}") as phase:
         # with LoRA the base is always the model's own; a checkpoint holds only the adapter
         model, tokenizer = load_policy(model_dir if lora else weights_dir, precision.storage, device)
         adapter = None
         if lora is not None:
             adapter = add_adapter(model, lora, cfg.seed, model_dir)
-            if weights_dir != model_dir:
-                adapter.load(weights_dir)
+            if weights_dir != model_dir or started_from is not None:
+                adapter.load(weights_dir if weights_dir != model_dir else started_from)
             model = adapter.model
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         phase.info = (f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}"
@@ -213,7 +222,7 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
     if is_sharded_run(cfg, ranks):  # before the optimizer: it must hold the shards
         for m in filter(None, (model, reference)):
             shard_fsdp(m, {SHARDED_FORWARD: unit_logprobs})
-    return Models(model_dir, precision, model, tokenizer, reference, adapter, reference_context)
+    return Models(model_dir, precision, model, tokenizer, reference, adapter, reference_context, started_from)
 
 
 def prompt_token_ids(cfg: RunConfig, task: Task, tokenizer, model: nn.Module,

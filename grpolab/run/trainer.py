@@ -135,7 +135,8 @@ class Trainer:
             "cpu": {"threads": threads.threads, "cores": threads.cores, "busy_at_start": threads.busy},
             "model": model_record(parts.model, parts.model_dir), "task": parts.task.name,
             # a start from another run's checkpoint: its weights only, with a fresh optimizer and this seed
-            "warm_start_from": str(parts.model_dir) if (parts.model_dir / STATE_FILE).is_file() else None,
+            "warm_start_from": (str(parts.models.started_from) if parts.models.started_from is not None
+                                else str(parts.model_dir) if (parts.model_dir / STATE_FILE).is_file() else None),
             "data": fingerprint() if fingerprint else None, "train_examples": len(parts.task.train_examples()),
             "val_examples": len(parts.val_examples), "algorithm": self.spec.model_dump(),
             "precision": {"setting": parts.precision.name, "weights": dtype_name(parts.precision.storage),
