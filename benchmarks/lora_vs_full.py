@@ -7,8 +7,8 @@ parameters, optimizer-state bytes, and what the frozen reference costs.
 Each way builds the run's parts (``grpolab.run.parts.assemble``) from the same config (a KL term on, so
 both carry a reference: a frozen copy for full weights, the adapter switched off for LoRA), runs one
 warm-up RL step and ``--repeats`` timed ones, and reports the means. The two ways sample different
-completions after the first update, so the step times compare like for like only in shape; the
-completion tokens per step are printed beside them.
+completions after the first update, so their steps differ in length: the milliseconds per completion
+token of generation and of the training phase are the figures that compare like for like.
 """
 
 from __future__ import annotations
@@ -74,16 +74,21 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{name}: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size}, "
                       f"<= {cfg.rollout.max_new_tokens} new tokens, {args.threads} thread(s) ...")
         results[name] = measure(cfg, args.repeats, console)
-    console.print(f"{'way':<6}{'step s':>9}{'gen s':>8}{'train s':>9}{'sync s':>8}{'tokens':>8}{'trained':>14}"
-                  f"{'optimizer MB':>14}{'reference MB':>14}", highlight=False)
+    console.print(f"{'way':<6}{'step s':>8}{'gen s':>7}{'train s':>8}{'tokens':>7}{'gen ms/tok':>11}"
+                  f"{'train ms/tok':>13}{'trained':>13}{'optimizer MB':>13}{'reference MB':>13}",
+                  highlight=False, soft_wrap=True)
     for name, r in results.items():
-        console.print(f"{name:<6}{r['step']:>9.2f}{r['generate']:>8.2f}{r['train']:>9.2f}{r['sync']:>8.3f}"
-                      f"{r['completion_tokens']:>8.0f}{r['trained']:>14,}{r['optimizer_bytes'] / 2**20:>14.1f}"
-                      f"{r['reference_bytes'] / 2**20:>14.1f}", highlight=False)
+        per_token = {k: 1000 * r[k] / r["completion_tokens"] for k in ("generate", "train")}
+        r.update({f"{k}_ms_per_token": v for k, v in per_token.items()})
+        console.print(f"{name:<6}{r['step']:>8.2f}{r['generate']:>7.2f}{r['train']:>8.2f}{r['completion_tokens']:>7.0f}"
+                      f"{per_token['generate']:>11.2f}{per_token['train']:>13.2f}{r['trained']:>13,}"
+                      f"{r['optimizer_bytes'] / 2**20:>13.1f}{r['reference_bytes'] / 2**20:>13.1f}",
+                      highlight=False, soft_wrap=True)
     f, lo = results["full"], results["lora"]
-    console.print(f"lora / full: step {lo['step'] / f['step']:.2f}x, train phase {lo['train'] / f['train']:.2f}x, "
-                  f"trained parameters {lo['trained'] / f['trained']:.4f}x, optimizer state "
-                  f"{lo['optimizer_bytes'] / f['optimizer_bytes']:.4f}x", highlight=False)
+    console.print(f"lora / full: per completion token, generation {lo['generate_ms_per_token'] / f['generate_ms_per_token']:.2f}x "
+                  f"and training phase {lo['train_ms_per_token'] / f['train_ms_per_token']:.2f}x; trained parameters "
+                  f"{lo['trained'] / f['trained']:.4f}x, optimizer state {lo['optimizer_bytes'] / f['optimizer_bytes']:.4f}x",
+                  highlight=False, soft_wrap=True)
     return 0
 
 
