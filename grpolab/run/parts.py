@@ -196,14 +196,7 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
                              "base, not this run's start policy, so a KL term or frozen reference cannot start from it")
     weights_dir = weights_dir or model_dir
     with reporter.phase(f"load model {weights_dir}") as phase:
-        # with LoRA the base is always the model's own; a checkpoint holds only the adapter
-        model, tokenizer = load_policy(model_dir if lora else weights_dir, precision.storage, device)
-        adapter = None
-        if lora is not None:
-            adapter = add_adapter(model, lora, cfg.seed, model_dir)
-            if weights_dir != model_dir or started_from is not None:
-                adapter.load(weights_dir if weights_dir != model_dir else started_from)
-            model = adapter.model
+        model, tokenizer, adapter = _policy(cfg, model_dir, weights_dir, started_from, precision, device)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         phase.info = (f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}"
                       + (f", {trainable / 1e6:.2f}M of them trained (LoRA rank {lora.rank})" if lora else ""))
@@ -223,6 +216,21 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
         for m in filter(None, (model, reference)):
             shard_fsdp(m, {SHARDED_FORWARD: unit_logprobs})
     return Models(model_dir, precision, model, tokenizer, reference, adapter, reference_context, started_from)
+
+
+def _policy(cfg: RunConfig, model_dir: Path, weights_dir: Path, started_from: Path | None,
+            precision: TrainingPrecision, device: torch.device) -> tuple[nn.Module, Any, Adapter | None]:
+    """(policy, tokenizer, adapter): the model in ``weights_dir``; with LoRA the base in ``model_dir`` (a
+    checkpoint holds only the adapter) with its adapter: fresh from the run's seed, or the adapter of the
+    checkpoint resumed (``weights_dir``) or started from (``started_from``)."""
+    lora = cfg.model.lora
+    model, tokenizer = load_policy(model_dir if lora else weights_dir, precision.storage, device)
+    if lora is None:
+        return model, tokenizer, None
+    adapter = add_adapter(model, lora, cfg.seed, model_dir)
+    if weights_dir != model_dir or started_from is not None:
+        adapter.load(weights_dir if weights_dir != model_dir else started_from)
+    return adapter.model, tokenizer, adapter
 
 
 def prompt_token_ids(cfg: RunConfig, task: Task, tokenizer, model: nn.Module,
