@@ -67,16 +67,9 @@ class Adapter:
         """The policy: the Hugging Face model, its target layers now LoRA layers."""
         return self.peft_model.get_base_model()
 
-    def trainable(self) -> list[nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
     def disabled(self) -> contextlib.AbstractContextManager:
         """Within it, the policy computes as the base model (the frozen start policy)."""
         return self.peft_model.disable_adapter()
-
-    def save(self, folder: Path) -> None:
-        """The adapter in peft's format (what ``PeftModel.from_pretrained`` loads)."""
-        self.peft_model.save_pretrained(folder)
 
     def load(self, folder: Path) -> None:
         """The adapter weights of a checkpoint folder, into this adapter (same settings)."""
@@ -143,9 +136,10 @@ class MergedWeights:
         return iter(self.weights.values())
 
 
-def export_merged(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """A Hugging Face model folder at ``out`` (new or empty) with the adapter of ``checkpoint`` merged into
-    its base (the folder its ``adapter_config.json`` names), loadable without peft. Returns what was done."""
+def export_merged(checkpoint: Path, out: Path) -> dict[str, Any]:
+    """A Hugging Face model folder at ``out`` (new or empty, float32) with the adapter of ``checkpoint``
+    merged into its base (the folder its ``adapter_config.json`` names), loadable without peft. Returns what
+    was done."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -165,6 +159,6 @@ def export_merged(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float3
     if unexpected or set(missing) - tied:
         raise ValueError(f"{checkpoint}: merged weights do not fit {base} (missing {sorted(set(missing) - tied)[:3]}, "
                          f"unexpected {unexpected[:3]})")
-    plain.to(dtype).save_pretrained(out)
+    plain.save_pretrained(out)
     AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
-    return {"checkpoint": str(checkpoint), "base": str(base), "out": str(out), "dtype": str(dtype)}
+    return {"checkpoint": str(checkpoint), "base": str(base), "out": str(out)}
