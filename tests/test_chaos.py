@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import TASK, quick_config
@@ -41,11 +42,14 @@ if os.environ.get("GRPOLAB_TEST_KILL_AT_FSYNC"):
 """
 
 
-def settings(model_dir: Path, run: Path, steps: int) -> dict:
+LORA = {"model.lora.rank": 4, "model.lora.alpha": 8}
+
+
+def settings(model_dir: Path, run: Path, steps: int, extra: dict | None = None) -> dict:
     return {"model.path": str(model_dir), "output_dir": str(run), "threads": 1, "steps": steps,
             "checkpoint.every": 1, "eval.every": 3, **{f"task.{k}": v for k, v in TASK.items()},
             "rollout.prompts_per_step": 4, "rollout.max_new_tokens": 40, "optim.micro_batch_size": 16,
-            "optim.lr": 1e-3}
+            "optim.lr": 1e-3, **(extra or {})}
 
 
 def untimed(records: list[dict]) -> list[dict]:
@@ -65,10 +69,11 @@ def sessions_of(run: Path) -> int:
     return len(json.loads((run / "manifest.json").read_text())["sessions"]) if (run / "manifest.json").is_file() else 0
 
 
-def kill_and_resume(model_dir: Path, run: Path, steps: int, kills: int, seed: int, hook: Path) -> list[str]:
+def kill_and_resume(model_dir: Path, run: Path, steps: int, kills: int, seed: int, hook: Path,
+                    extra: dict | None = None) -> list[str]:
     """Kill the run ``kills`` times at random moments, resuming after each; returns how each kill landed."""
     rng, landed = random.Random(seed), []
-    args = [f"--{k}={v}" for k, v in settings(model_dir, run, steps).items()]
+    args = [f"--{k}={v}" for k, v in settings(model_dir, run, steps, extra).items()]
     while True:
         checkpoint = newest_verified(run, (STATE_FILE,)).checkpoint if run.exists() else None
         if run.exists() and checkpoint is None:  # killed before its first checkpoint: nothing to resume, start again
@@ -116,17 +121,26 @@ def hook(tmp_path_factory) -> Path:
     return folder
 
 
-def check_against_uninterrupted(model_dir: Path, run: Path, reference: Path, steps: int) -> None:
-    train(quick_config(model_dir, reference, **{k: v for k, v in settings(model_dir, reference, steps).items()
+def final_weights(run: Path, steps: int) -> dict[str, torch.Tensor]:
+    """The last checkpoint's weights: the model's, or a LoRA run's adapter."""
+    folder = run / f"checkpoints/step_{steps:06d}"
+    if (folder / "adapter_model.safetensors").is_file():
+        return load_file(folder / "adapter_model.safetensors")
+    return AutoModelForCausalLM.from_pretrained(folder).state_dict()
+
+
+def check_against_uninterrupted(model_dir: Path, run: Path, reference: Path, steps: int,
+                                extra: dict | None = None) -> None:
+    train(quick_config(model_dir, reference, **{k: v for k, v in settings(model_dir, reference, steps, extra).items()
                                                  if k not in ("model.path", "output_dir")}))
     got = read_metrics(run / "metrics.jsonl")
     train_steps = [r["step"] for r in got if "reward_mean" in r]
     assert train_steps == list(range(1, steps + 1))  # no duplicate, none missing
     assert untimed(got) == untimed(read_metrics(reference / "metrics.jsonl"))
-    last = f"checkpoints/step_{steps:06d}"
-    for (name, a), (_, b) in zip(AutoModelForCausalLM.from_pretrained(run / last).state_dict().items(),
-                                 AutoModelForCausalLM.from_pretrained(reference / last).state_dict().items()):
-        assert torch.equal(a, b), name
+    got_weights, want_weights = final_weights(run, steps), final_weights(reference, steps)
+    assert got_weights.keys() == want_weights.keys()
+    for name, a in got_weights.items():
+        assert torch.equal(a, want_weights[name]), name
     assert not list((run / "checkpoints").glob(".*")), "a temp folder was left"
     assert lock_holder(run) is None
 
@@ -136,6 +150,14 @@ def test_a_few_random_kills_then_resumes_match_the_uninterrupted_run(warm_model_
     landed = kill_and_resume(warm_model_dir, run, steps=5, kills=3, seed=0, hook=hook)
     assert len(landed) == 3 and "checkpoint write" in landed, landed
     check_against_uninterrupted(warm_model_dir, run, tmp_path / "reference", steps=5)
+
+
+def test_a_lora_run_killed_and_resumed_matches_the_uninterrupted_run(warm_model_dir, hook, tmp_path):
+    """The adapter, its optimizer state and every RNG in the checkpoint: kill -9 changes no number."""
+    run = tmp_path / "run"
+    landed = kill_and_resume(warm_model_dir, run, steps=4, kills=2, seed=2, hook=hook, extra=LORA)
+    assert len(landed) == 2, landed
+    check_against_uninterrupted(warm_model_dir, run, tmp_path / "reference", steps=4, extra=LORA)
 
 
 @pytest.mark.slow
