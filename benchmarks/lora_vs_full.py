@@ -84,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{per_token['generate']:>11.2f}{per_token['train']:>13.2f}{r['trained']:>13,}"
                       f"{r['optimizer_bytes'] / 2**20:>13.1f}{r['reference_bytes'] / 2**20:>13.1f}",
                       highlight=False, soft_wrap=True)
-    f, lo = results["full"], results["lora"]
-    console.print(f"lora / full: per completion token, generation {lo['generate_ms_per_token'] / f['generate_ms_per_token']:.2f}x "
-                  f"and training phase {lo['train_ms_per_token'] / f['train_ms_per_token']:.2f}x; trained parameters "
-                  f"{lo['trained'] / f['trained']:.4f}x, optimizer state {lo['optimizer_bytes'] / f['optimizer_bytes']:.4f}x",
-                  highlight=False, soft_wrap=True)
+    ratio = {k: results["lora"][k] / results["full"][k]
+             for k in ("generate_ms_per_token", "train_ms_per_token", "trained", "optimizer_bytes")}
+    console.print(f"lora / full: per completion token, generation {ratio['generate_ms_per_token']:.2f}x and training "
+                  f"phase {ratio['train_ms_per_token']:.2f}x; trained parameters {ratio['trained']:.4f}x, optimizer "
+                  f"state {ratio['optimizer_bytes']:.4f}x", highlight=False, soft_wrap=True)
     return 0
 
 

@@ -133,7 +133,8 @@ def test_merged_weights_give_the_peft_models_logprobs_and_leave_the_base_alone(m
 def test_an_unknown_target_module_is_refused_naming_the_models_linear_layers(make_tiny_model, tiny_model_dirs):
     model = make_tiny_model("llama")
     with pytest.raises(ValueError, match=r"model.lora.target_modules: qkv not a linear layer of LlamaForCausalLM; "
-                                         r"its linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"):
+                                         r"its linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj, "
+                                         r"up_proj, v_proj"):
         add_adapter(model, LoraSettings(target_modules=["q_proj", "qkv"]), seed=0, base_dir=tiny_model_dirs["llama"])
     assert "lm_head" not in linear_module_names(model)
 
@@ -212,7 +213,8 @@ def test_a_lora_checkpoint_exports_to_a_model_loaded_without_peft(lora_run, tmp_
     ids = _ids(merged.config.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(own_logprobs(merged, ids), own_logprobs(peft_model, ids), rtol=0, atol=1e-5)
-        assert (own_logprobs(merged, ids) - own_logprobs(AutoModelForCausalLM.from_pretrained(base), ids)).abs().max() > 0
+        base_logprobs = own_logprobs(AutoModelForCausalLM.from_pretrained(base), ids)
+        assert (own_logprobs(merged, ids) - base_logprobs).abs().max() > 0
     capsys.readouterr()
     assert main(["export", str(checkpoint), str(out)]) == 2
     assert "exists and is not empty; not overwritten" in capsys.readouterr().out
@@ -234,8 +236,10 @@ def test_the_probe_reports_the_adapters_share_and_the_free_reference(warm_model_
     full = run_probe(quick_config(warm_model_dir, tmp_path / "a", reference="frozen"), tmp_path / "full.json")
     lora = run_probe(quick_config(warm_model_dir, tmp_path / "b", reference="frozen", **{"model.lora.rank": 2}),
                      tmp_path / "lora.json")
-    assert full["parameters"]["trained"] == full["parameters"]["total"] and full["parameters"]["reference"] == "a frozen copy"
-    assert lora["parameters"]["reference"] == "the policy, adapter off (no copy)" and lora["parameters"]["lora_rank"] == 2
+    assert full["parameters"]["trained"] == full["parameters"]["total"]
+    assert full["parameters"]["reference"] == "a frozen copy"
+    assert lora["parameters"]["reference"] == "the policy, adapter off (no copy)"
+    assert lora["parameters"]["lora_rank"] == 2
     assert 0 < lora["parameters"]["trained"] < full["parameters"]["trained"] / 5
     assert lora["precision"]["optimizer_state_bytes"] < full["precision"]["optimizer_state_bytes"] / 5
 

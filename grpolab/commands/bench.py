@@ -104,7 +104,7 @@ def _table(kind: str, cfg: RunConfig, results: dict[str, Any]) -> Table:
                           f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}x", f"{m['sync_seconds']:.4f}")
         return table
     table.caption = ("seconds per phase (mean of the timed steps): generate, reward, train, sync, whole step; "
-                     f"vs {first}: step speed-up; max|d|: engine vs parts log-probs")
+                     f"vs {first}: step speed-up; max|d|: engine vs trainer log-probs")
     for column in ("engine", "gen", "reward", "train", "sync", "step", f"vs {first}", "sync%", "tok/s", "max|d|"):
         table.add_column(column, justify="right")
     for name, m in results.items():

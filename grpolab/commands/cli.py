@@ -179,7 +179,10 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         damaged = problem(Path(args.checkpoint))
         if damaged:
             raise ValueError(f"{args.checkpoint}: {damaged}; not exported")
-        done = export_merged(Path(args.checkpoint), Path(args.out))
+        from grpolab.common.progress import Reporter
+
+        with Reporter(console).phase(f"export {args.checkpoint}"):  # loading and merging a large base takes a while
+            done = export_merged(Path(args.checkpoint), Path(args.out))
         console.print(f"export: {done['checkpoint']} merged into its base {done['base']} -> {done['out']}",
                       highlight=False, soft_wrap=True)
         return 0

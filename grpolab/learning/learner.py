@@ -103,10 +103,11 @@ class BatchForward:
 
 
 class PolicyLearner:
-    """Updates ``model`` with ``optimizer`` from rollout batches (the reference policy is ``reference``, computed
-    within ``reference_context``: with LoRA the policy itself with its adapter off); ``updates`` counts attempted and actual
-    optimizer steps (the run state's counters, updated in place). With several ``ranks`` the training
-    forward is wrapped in DDP (which broadcasts rank 0's weights here), unless FSDP sharded ``model``."""
+    """Updates ``model`` with ``optimizer`` from rollout batches (the reference policy is ``reference``,
+    computed within ``reference_context``: with LoRA the policy itself with its adapter off); ``updates``
+    counts attempted and actual optimizer steps (the run state's counters, updated in place). With several
+    ``ranks`` the training forward is wrapped in DDP (which broadcasts rank 0's weights here), unless FSDP
+    sharded ``model``."""
 
     def __init__(self, cfg: RunConfig, model, reference, optimizer: torch.optim.Optimizer,
                  precision: TrainingPrecision, device: torch.device, pad_token_id: int,

@@ -24,7 +24,8 @@ from grpolab.learning.learner import SHARDED_FORWARD, PolicyLearner
 from grpolab.learning.shared_prefix import unit_logprobs
 from grpolab.models.fidelity import check_trainable
 from grpolab.models.like import is_like_dir
-from grpolab.models.loading import check_model_spec, frozen_copy, load_policy, resolve_device, resolve_dtype, resolve_model_dir
+from grpolab.models.loading import (check_model_spec, frozen_copy, load_policy, resolve_device, resolve_dtype,
+                                    resolve_model_dir)
 from grpolab.models.logprobs import enable_gradient_checkpointing
 from grpolab.models.lora import Adapter, MergedWeights, adapter_base, add_adapter, is_adapter_folder
 from grpolab.models.precision import TrainingPrecision, resolve_precision
@@ -297,7 +298,7 @@ def build_parts(cfg: RunConfig, setting: Setting, task: Task, val_examples: list
                                 reference_context=models.reference_context)
         parts = RunParts(cfg, setting, task, val_examples, models, optimizer, prompts, prompt_ids, sync_monitor,
                          state, collector, learner)
-        if models.adapter is not None and cfg.rollout.engine != "hf":
+        if models.adapter is not None and cfg.rollout.engine != "hf":  # it started from the base's files
             engine.sync_weights(parts.sync_source())
     except BaseException:
         engine.close()

@@ -158,11 +158,12 @@ class Trainer:
     # ---- evaluation, the loop, the summary ------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
         """Every validation item (each rank its share, gathered); rank 0 writes the records."""
-        started, chunk = time.perf_counter(), self.cfg.rollout.max_batch_size
-        mine = len(self.ranks.share_chunks(len(self.parts.val_examples), chunk))
+        parts, started, chunk = self.parts, time.perf_counter(), self.cfg.rollout.max_batch_size
+        mine = len(self.ranks.share_chunks(len(parts.val_examples), chunk))
         with self.reporter.phase(f"eval step {step}", total=mine, unit="items") as phase:
-            out, records = evaluate(self.parts.engine, self.parts.task, self.parts.val_examples, [self.parts.prompt_ids[e.id] for e in self.parts.val_examples],
-                                    self.parts.collector.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
+            out, records = evaluate(parts.engine, parts.task, parts.val_examples,
+                                    [parts.prompt_ids[e.id] for e in parts.val_examples],
+                                    parts.collector.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
                                     seed=self.cfg.seed + 7, chunk=chunk, on_items=phase.advance, ranks=self.ranks)
             phase.info = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in out.items())
         out["time/eval"] = time.perf_counter() - started
@@ -177,7 +178,8 @@ class Trainer:
         cfg, started, first = self.cfg, time.perf_counter(), self.parts.state.step + 1
         stop = stop or StopRequest()
         resumed = f" (resumed after step {first - 1})" if first > 1 else ""
-        self.reporter.line(f"{self.spec.name} on {self.parts.task.name}, {cfg.steps} steps{resumed} -> run dir {self.run_dir}")
+        self.reporter.line(f"{self.spec.name} on {self.parts.task.name}, {cfg.steps} steps{resumed} "
+                           f"-> run dir {self.run_dir}")
         evals = {r["step"]: r for r in self.records if "val/accuracy" in r} if first > 1 else {0: self.evaluate(0)}
         rewards = [r["reward_mean"] for r in self.records if "reward_mean" in r]
         log_every = cfg.log_every or (1 if self.reporter.plain else None)
