@@ -42,6 +42,7 @@ def measure(cfg, repeats: int, console: Console) -> dict[str, float]:
         model = parts.model
         out = {phase: statistics.mean(r[f"time/{phase}"] for r in records) for phase in PHASES}
         out["completion_tokens"] = statistics.mean(r["response_tokens"] for r in records)
+        out["sync_diff_max"] = max(r.get("sync/logprob_diff_max", float("nan")) for r in records)
         out["parameters"] = sum(p.numel() for p in model.parameters())
         out["trained"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
         out["optimizer_bytes"] = optimizer_state_bytes(parts.optimizer)

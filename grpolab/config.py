@@ -71,6 +71,9 @@ class VLLMConfig(_Section):
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="GPU share for vLLM; the rest trains")
     kv_cache_gib: float | None = Field(None, gt=0, description="explicit KV-cache size; None = vLLM's default "
                                        "on GPU, 0.25 GiB on CPU")
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged", description="with [model.lora]: merged = vLLM serves the base plus the scaled adapter product, "
+        "all weights synced each step; adapter = vLLM's own LoRA serves the base, only the adapter is synced")
 
 
 class RolloutConfig(_Section):
@@ -251,9 +254,12 @@ class RunConfig(_Section):
             raise ValueError(f"model.lora.dropout {lora.dropout:g}: the update's forward would differ from the "
                              "policy that sampled and the per-step sync check would stop the run; use dropout 0 "
                              "or rollout.sync_check false")
-        if lora is not None and self.dist.strategy == "fsdp":
-            raise ValueError("model.lora with dist.strategy 'fsdp' is not supported; use 'ddp' (the adapter's "
-                             "gradients are all-reduced like full weights)")
+        if self.rollout.vllm.lora_sync == "adapter":
+            if lora is None:
+                raise ValueError("rollout.vllm.lora_sync 'adapter' needs [model.lora]")
+            if lora.modules_to_save:
+                raise ValueError(f"rollout.vllm.lora_sync 'adapter': vLLM's LoRA cannot serve model.lora."
+                                 f"modules_to_save {lora.modules_to_save}; use lora_sync 'merged'")
         return self
 
     def needs_reference(self) -> bool:

@@ -118,6 +118,21 @@ def long_context_model_dirs(tmp_path_factory, tokenizer) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory, tokenizer) -> Path:
+    """A tiny float32 Llama vLLM's CPU attention takes (head_dim 32; the conftest models' 8 it does not),
+    with tied embeddings like the demo's model (the harder case for the CPU weight reload)."""
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=None, initializer_range=0.3, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("tiny_llama_hd32")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def make_tiny_model(tiny_model_dirs) -> Callable[[str], torch.nn.Module]:
     """``make_tiny_model(arch)`` -> a fresh float32 tiny model in eval mode, loaded from disk."""
 

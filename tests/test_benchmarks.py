@@ -83,3 +83,15 @@ def test_lora_vs_full_reports_both_ways_and_the_adapters_share(warm_model_dir, c
     assert full_reference_mb > 0 and lora_reference_mb == 0, "LoRA's reference is the adapter switched off"
     share = float(re.search(r"trained parameters (\S+)x", out).group(1))
     assert 0 < share < 0.2
+
+
+def test_lora_vllm_sync_reports_both_modes_passing_the_sync_check(warm_model_dir, capsys):
+    pytest.importorskip("vllm")
+    import lora_vllm_sync
+
+    assert lora_vllm_sync.main(["--repeats", "1", "--rank", "2", *_small(warm_model_dir)]) == 0
+    out = capsys.readouterr().out
+    rows = dict(re.findall(r"^(merged|adapter)\s+(\d.*)$", out, re.M))
+    assert set(rows) == {"merged", "adapter"}
+    assert all(float(row.split()[-1]) < 1e-3 for row in rows.values()), "both modes sample the trainer's policy"
+    assert re.search(r"adapter / merged: weight sync \S+x, generation tokens/s \S+x", out)

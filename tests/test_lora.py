@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -145,8 +146,6 @@ def test_lora_settings_refuse_what_cannot_run():
     with pytest.raises(ValueError, match="model.lora.dropout 0.1: the update's forward would differ"):
         load_config(None, {"model.lora.dropout": 0.1})
     assert load_config(None, {"model.lora.dropout": 0.1, "rollout.sync_check": False}).model.lora.dropout == 0.1
-    with pytest.raises(ValueError, match="model.lora with dist.strategy 'fsdp' is not supported"):
-        load_config(None, {"model.lora.rank": 4, "dist.strategy": "fsdp"})
 
 
 LORA = {"model.lora.rank": 4, "model.lora.alpha": 8, "algorithm.beta": 0.05, "steps": 4, "checkpoint.every": 2}
@@ -223,9 +222,13 @@ def test_a_lora_checkpoint_exports_to_a_model_loaded_without_peft(lora_run, tmp_
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
-def test_vllm_generates_with_the_merged_lora_policy_and_passes_its_sync_check(warm_model_dir, tmp_path):
+@pytest.mark.parametrize("lora_sync", ["merged", "adapter"])
+def test_vllm_generates_with_the_lora_policy_and_passes_its_sync_check(warm_model_dir, tmp_path, lora_sync):
+    """merged: the merged weights, in this process; adapter: vLLM's LoRA, under another interpreter."""
     run = tmp_path / "run"
-    train(quick_config(warm_model_dir, run, engine="vllm", **{**LORA, "steps": 2}))
+    other = {"rollout.vllm.python": sys.executable} if lora_sync == "adapter" else {}
+    train(quick_config(warm_model_dir, run, engine="vllm", **{**LORA, "steps": 2, **other,
+                                                              "rollout.vllm.lora_sync": lora_sync}))
     records = [r for r in read_metrics(run / "metrics.jsonl") if "reward_mean" in r]
     assert len(records) == 2 and all(r["sync/logprob_diff_max"] < 1e-3 for r in records)
 

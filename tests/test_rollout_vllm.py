@@ -2,9 +2,7 @@
 
 One engine is shared by the module (start ~20 s). Engine tests skip when vLLM is not installed
 (run them with ``.venv-vllm/bin/pytest tests/test_rollout_vllm.py``); the pure sync-check tests
-run everywhere. vLLM's CPU attention needs head_dim in {32, 64, 80, ...}, so the conftest
-models (head_dim 8) do not fit and a head_dim-32 Llama is built here, with tied embeddings like
-the demo's model (the harder case for the CPU weight reload, see ``vllm_worker``).
+run everywhere. The model is conftest's ``vllm_model_dir`` (head_dim 32, tied embeddings).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import pytest
 import torch
 from conftest import assert_engine_contract, group_members, live_processes, wait_until_gone
 from conftest import descendants as _children
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from grpolab.learning.batching import collate
 from grpolab.models.logprobs import token_logprobs
@@ -49,16 +47,8 @@ def _trainer_logprobs(model, completions: list[Completion], pad_id: int, tempera
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=None, initializer_range=0.3, tie_word_embeddings=True)
-    torch.manual_seed(1)
-    path = tmp_path_factory.mktemp("tiny_llama_hd32")
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def model_dir(vllm_model_dir):
+    return vllm_model_dir
 
 
 @pytest.fixture(scope="module")

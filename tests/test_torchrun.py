@@ -116,11 +116,14 @@ def test_a_kl_penalty_to_a_sharded_reference(warm_model_dir, tmp_path):
     assert_same_run(two, one)
 
 
-def test_lora_adapters_under_ddp_compute_the_one_process_run(warm_model_dir, tmp_path):
-    """The adapter's gradients are all-reduced like full weights; the reference is the adapter switched off."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lora_adapters_over_two_processes_compute_the_one_process_run(strategy, warm_model_dir, tmp_path):
+    """The adapter's gradients are summed like full weights (FSDP2 shards the adapter with its decoder layer,
+    beside the frozen base); the reference is the adapter switched off."""
     two, one = tmp_path / "two", tmp_path / "one"
     args = ["--model.lora.rank", "4", "--reference", "frozen", "--algorithm.beta", "0.01"]
-    done = torchrun(run_args(warm_model_dir, two, "grpo") + args)
+    args += ["--optim.shared_prompts", "false"] if strategy == "fsdp" else []
+    done = torchrun(run_args(warm_model_dir, two, "grpo") + args + ["--dist.strategy", strategy])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert main(run_args(warm_model_dir, one, "grpo") + args) == 0
     assert max(r.get("kl_ref", 0) for r in read_metrics(one / "metrics.jsonl")) > 0
@@ -178,18 +181,21 @@ def test_a_rank_that_fails_mid_step_ends_every_rank(crash, warm_model_dir, tmp_p
     assert main(["train", "--resume", str(out)]) == 0  # in one process: no crash
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_one_vllm_engine_per_rank_each_synced_and_checked(strategy, warm_model_dir, tmp_path):
+@pytest.mark.parametrize(("strategy", "lora_sync"), [("ddp", None), ("fsdp", None), ("fsdp", "adapter"),
+                                                     pytest.param("fsdp", "merged", marks=pytest.mark.slow)])
+def test_one_vllm_engine_per_rank_each_synced_and_checked(strategy, lora_sync, warm_model_dir, tmp_path):
     """Each rank starts its own vLLM engine and syncs it from its weights (under FSDP the whole weights,
-    gathered) after every update; the sync check (on by default with vLLM) runs over the global batch, so
-    a stale engine on either rank would stop the run. The samples are one process's (vLLM seeds each
-    prompt by its global index)."""
+    gathered; with LoRA the merged weights or the adapter, gathered) after every update; the sync check (on
+    by default with vLLM) runs over the global batch, so a stale engine on either rank would stop the run.
+    The samples are one process's (vLLM seeds each prompt by its global index)."""
     pytest.importorskip("vllm")
     two, one = tmp_path / "two", tmp_path / "one"
-    done = torchrun(run_args(warm_model_dir, two, "grpo") + ["--engine", "vllm", "--dist.strategy", strategy],
-                    timeout=400)
+    args = ["--engine", "vllm"]
+    if lora_sync:
+        args += ["--model.lora.rank", "4", "--model.lora.alpha", "64", "--rollout.vllm.lora_sync", lora_sync]
+    done = torchrun(run_args(warm_model_dir, two, "grpo") + args + ["--dist.strategy", strategy], timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert main(run_args(warm_model_dir, one, "grpo") + ["--engine", "vllm"]) == 0
+    assert main(run_args(warm_model_dir, one, "grpo") + args) == 0
     got, want = [[r for r in read_metrics(d / "metrics.jsonl") if "loss" in r] for d in (two, one)]
     for x, y in zip(got, want, strict=True):
         for key in ("reward_mean", "accuracy", "completion_len_mean", "actual_updates"):

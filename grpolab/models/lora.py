@@ -10,6 +10,7 @@ adapter's weights train; the base never changes, so:
 * the merged weights an engine of its own loads (``MergedWeights``) are computed each time from the
   unmodified base, ``W + (alpha / r) B A`` in float32, never by merging into and unmerging from the
   training weights;
+* an engine with LoRA of its own (vLLM's ``adapter`` sync) is handed only the adapter (``AdapterWeights``);
 * a checkpoint holds the adapter in peft's format (``adapter_config.json``, ``adapter_model.safetensors``),
   and ``export_merged`` writes a plain Hugging Face model from it.
 """
@@ -23,6 +24,8 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+
+from grpolab.parallel.fsdp import whole
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -71,6 +74,11 @@ class Adapter:
         """Within it, the policy computes as the base model (the frozen start policy)."""
         return self.peft_model.disable_adapter()
 
+    def peft_state(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The policy's ``weights`` (e.g. gathered from its shards) keyed as peft's model names its own, the
+        ``state_dict`` its ``save_pretrained`` takes."""
+        return {f"base_model.model.{name}": tensor for name, tensor in weights.items()}
+
     def load(self, folder: Path) -> None:
         """The adapter weights of a checkpoint folder, into this adapter (same settings)."""
         from peft import set_peft_model_state_dict
@@ -103,30 +111,28 @@ def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
 
 
-def merged_delta(layer: nn.Module, adapter: str = "default") -> torch.Tensor:
-    """(alpha / r) B A of one LoRA layer in float32, laid out as its base weight."""
-    a, b = layer.lora_A[adapter].weight.float(), layer.lora_B[adapter].weight.float()
-    delta = (b @ a) * layer.scaling[adapter]
-    return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
-
-
 class MergedWeights:
-    """The policy's weights as a plain model has them (its parameter names, base + scaled adapter product,
-    each computed in float32 from the unmodified base and cast to the base's dtype), seen the way an
-    engine's weight sync reads a model: ``named_parameters()`` (tied weights once) and ``parameters()``."""
+    """The policy's weights as a plain model has them (its parameter names, base + scaled adapter product
+    ``(alpha / r) B A``, each computed in float32 from the unmodified base and cast to the base's dtype), seen
+    the way an engine's weight sync reads a model: ``named_parameters()`` (tied weights once) and
+    ``parameters()``. A sharded policy's weights are gathered whole first: every rank builds it."""
 
     def __init__(self, model: nn.Module):
         layers = _lora_layers(model)
-        weights: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for name, param in model.named_parameters():
-                if ".lora_" in name or ".original_module." in name:
-                    continue
-                plain = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-                owner = name.removesuffix(".base_layer.weight")
-                if owner in layers:
-                    param = (param.float() + merged_delta(layers[owner])).to(param.dtype)
-                weights[plain] = param.detach()
+            params = {name: whole(p).detach() for name, p in model.named_parameters()}
+        weights: dict[str, torch.Tensor] = {}
+        for name, param in params.items():
+            if ".lora_" in name or ".original_module." in name:
+                continue
+            plain = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+            owner = name.removesuffix(".base_layer.weight")
+            if owner in layers:
+                a, b = params[f"{owner}.lora_A.default.weight"], params[f"{owner}.lora_B.default.weight"]
+                delta = (b.float() @ a.float()) * layers[owner].scaling["default"]
+                delta = delta.T if getattr(layers[owner], "fan_in_fan_out", False) else delta
+                param = (param.float() + delta).to(param.dtype)
+            weights[plain] = param
         self.weights = weights
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -134,6 +140,31 @@ class MergedWeights:
 
     def parameters(self) -> Iterator[torch.Tensor]:
         return iter(self.weights.values())
+
+
+class AdapterWeights:
+    """The policy's adapter as an engine with LoRA of its own loads it: peft's files, written on demand
+    (``save``) in the given dtype. What a LoRA run's weight sync hands such an engine instead of the weights.
+    A sharded adapter is gathered whole: every rank builds it."""
+
+    def __init__(self, adapter: Adapter):
+        from peft import get_peft_model_state_dict
+
+        self.config = adapter.peft_model.peft_config["default"]
+        with torch.no_grad():
+            self.state = {k: whole(v).detach() for k, v in get_peft_model_state_dict(adapter.peft_model).items()}
+
+    def save(self, folder: Path, dtype: str | None = None) -> Path:
+        """``folder`` (created) with ``adapter_config.json`` and ``adapter_model.safetensors``, the tensors
+        cast to ``dtype`` when given; returns ``folder``."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        cast = getattr(torch, dtype) if dtype else None
+        save_file({k: v.to("cpu", dtype=cast).contiguous() for k, v in self.state.items()}, str(folder / ADAPTER_WEIGHTS))
+        self.config.save_pretrained(str(folder))
+        return folder
 
 
 def export_merged(checkpoint: Path, out: Path) -> dict[str, Any]:

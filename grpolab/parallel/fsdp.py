@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FullWeights", "drop_stale_weights", "full_optimizer_state", "full_state_dict", "is_sharded", "load_optimizer_state", "shard_fsdp"]
+__all__ = ["FullWeights", "drop_stale_weights", "full_optimizer_state", "full_state_dict", "is_sharded", "load_optimizer_state",
+           "shard_fsdp", "whole"]
 
 
 # Before torch 2.13 the root's pre-backward gather does not cover a checkpointed output-layer chunk that
@@ -60,6 +61,14 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+def whole(tensor: Tensor) -> Tensor:
+    """A sharded parameter (a DTensor) gathered whole on every rank (every rank calls it, in the same order);
+    any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def full_state_dict(model: nn.Module, on_every_rank: bool = False) -> dict[str, Tensor]:

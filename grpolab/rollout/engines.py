@@ -39,6 +39,7 @@ class EngineRequest:
     max_model_len: int
     precision: TrainingPrecision
     sharded: bool = False
+    adapter_rank: int | None = None  # an engine with LoRA of its own serves an adapter of this rank
 
 
 ENGINES: dict[str, Callable[[EngineRequest], RolloutEngine]] = {}
@@ -54,9 +55,11 @@ def register_engine(name: str):
 
 
 def build_engine(cfg: RolloutConfig, model: nn.Module, tokenizer, model_dir: Path, *, seed: int,
-                 max_model_len: int, precision: TrainingPrecision, sharded: bool = False) -> RolloutEngine:
+                 max_model_len: int, precision: TrainingPrecision, sharded: bool = False,
+                 adapter_rank: int | None = None) -> RolloutEngine:
     """The engine registered as ``cfg.engine``; ``max_model_len`` = longest prompt + max_new_tokens."""
-    return ENGINES[cfg.engine](EngineRequest(cfg, model, tokenizer, model_dir, seed, max_model_len, precision, sharded))
+    return ENGINES[cfg.engine](EngineRequest(cfg, model, tokenizer, model_dir, seed, max_model_len, precision, sharded,
+                                             adapter_rank))
 
 
 @register_engine("hf")
@@ -75,12 +78,14 @@ def hf_engine(r: EngineRequest) -> RolloutEngine:
 def vllm_engine(r: EngineRequest) -> RolloutEngine:
     """vLLM, in this process or under the interpreter ``rollout.vllm.python`` names. It starts from the
     checkpoint in ``model_dir`` (the trainer's starting weights) in the trainer's compute dtype, so that
-    engine and trainer log-probs can be compared; ``max_model_len`` bounds its KV cache."""
+    engine and trainer log-probs can be compared; ``max_model_len`` bounds its KV cache. With ``adapter_rank``
+    it serves the base with vLLM's LoRA, and the syncs move only the adapter."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
     v = r.cfg.vllm
     kwargs = {"dtype": dtype_name(r.precision.compute), "seed": r.seed, "max_model_len": r.max_model_len,
               "gpu_memory_utilization": v.gpu_memory_utilization, "sleep_level": v.sleep_level or None,
-              "kv_cache_bytes": None if v.kv_cache_gib is None else int(v.kv_cache_gib * 2**30)}
+              "kv_cache_bytes": None if v.kv_cache_gib is None else int(v.kv_cache_gib * 2**30),
+              "lora_rank": r.adapter_rank}
     if v.python is not None:
         from grpolab.rollout.vllm.server import VLLMSubprocessEngine
 

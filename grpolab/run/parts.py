@@ -27,7 +27,7 @@ from grpolab.models.like import is_like_dir
 from grpolab.models.loading import (check_model_spec, frozen_copy, load_policy, resolve_device, resolve_dtype,
                                     resolve_model_dir)
 from grpolab.models.logprobs import enable_gradient_checkpointing
-from grpolab.models.lora import Adapter, MergedWeights, adapter_base, add_adapter, is_adapter_folder
+from grpolab.models.lora import Adapter, AdapterWeights, MergedWeights, adapter_base, add_adapter, is_adapter_folder
 from grpolab.models.precision import TrainingPrecision, resolve_precision
 from grpolab.models.prompt_tokens import tokenize_prompts
 from grpolab.parallel.fsdp import FullWeights, shard_fsdp
@@ -78,6 +78,10 @@ class Models:
         """What a checkpoint saves with ``save_pretrained``: the model, or its adapter in peft's format."""
         return self.adapter.peft_model if self.adapter is not None else self.model
 
+    def saved_state(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The ``state_dict`` that ``saved.save_pretrained`` takes, from the policy's gathered ``weights``."""
+        return self.adapter.peft_state(weights) if self.adapter is not None else weights
+
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
@@ -125,9 +129,11 @@ class RunParts:
     def sync_source(self):
         """What the engine's weight sync reads: the model itself for the hf engine; for an engine of its own
         (vLLM) under FSDP the whole weights, gathered on every rank (every rank calls this), and with LoRA
-        the merged weights."""
+        the merged weights (with ``rollout.vllm.lora_sync = "adapter"`` the adapter alone)."""
         if self.cfg.rollout.engine == "hf":
             return self.model
+        if self.models.adapter is not None and self.cfg.rollout.vllm.lora_sync == "adapter":
+            return AdapterWeights(self.models.adapter)
         if self.models.adapter is not None:
             return MergedWeights(self.model)
         return FullWeights(self.model) if self.sharded else self.model
@@ -214,7 +220,7 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
         start = load_policy(model_dir, precision.storage, device)[0] if weights_dir != model_dir else model
         reference = frozen_copy(start).to(precision.compute)
     if is_sharded_run(cfg, ranks):  # before the optimizer: it must hold the shards
-        for m in filter(None, (model, reference)):
+        for m in {id(m): m for m in (model, reference) if m is not None}.values():  # with LoRA one model
             shard_fsdp(m, {SHARDED_FORWARD: unit_logprobs})
     return Models(model_dir, precision, model, tokenizer, reference, adapter, reference_context, started_from)
 
@@ -258,8 +264,10 @@ def rollout_engine(cfg: RunConfig, setting: Setting, task: Task, models: Models,
     ranks, multi-turn tool use (observations masked out of the loss)."""
     sharded = is_sharded_run(cfg, setting.ranks)
     with setting.reporter.phase(f"start {cfg.rollout.engine} engine", done_note=cfg.rollout.engine != "hf" or None):
+        adapter_rank = cfg.model.lora.rank if cfg.rollout.vllm.lora_sync == "adapter" else None
         engine = build_engine(cfg.rollout, models.model, models.tokenizer, weights_dir, seed=cfg.seed,
-                              max_model_len=max_model_len, precision=models.precision, sharded=sharded)
+                              max_model_len=max_model_len, precision=models.precision, sharded=sharded,
+                              adapter_rank=adapter_rank)
         if sharded and cfg.rollout.engine == "hf":  # it generates with the sharded model
             engine = LockstepEngine(engine, setting.ranks, filler=[models.tokenizer.pad_token_id])
     toolset = getattr(task, "toolset", None)

@@ -217,7 +217,7 @@ class Trainer:
         """Rank 0 writes the checkpoint of ``step`` (whole weights, every rank's RNGs in its state) and, with
         checkpoint.keep_last, removes the oldest once it verifies; the others gather what it needs and
         wait for it. Returns what was done, for the progress line."""
-        weights = full_state_dict(self.parts.model) if self.parts.sharded else None
+        weights = self.parts.models.saved_state(full_state_dict(self.parts.model)) if self.parts.sharded else None
         state = self.parts.state.state_dict()
 
         def write() -> str:

@@ -10,7 +10,9 @@ renormalised log-probs (vLLM's "raw" modes are at temperature 1).
 ``sync_weights(model)``: "file" (CPU, any device) writes the parameters as safetensors into a
 private folder and reloads them in the workers (``vllm_worker.WorkerExtension``, which also
 fixes the CPU backend's stale packed lm_head with tied embeddings); "cuda_ipc" (GPU only, not
-run here) uses vLLM's CUDA-IPC weight transfer. The prefix cache is reset after a sync. Sleep
+run here) uses vLLM's CUDA-IPC weight transfer. With ``lora_rank`` the engine serves the base with vLLM's
+own LoRA, and a LoRA run's sync (``AdapterWeights``) moves only the adapter, reloaded in place under one
+adapter id. The prefix cache is reset after a sync. Sleep
 mode (``sleep_level`` 1/2, CUDA/ROCm/XPU only; skipped with a logged note elsewhere) frees the
 accelerator between rollouts; level 2 discards the weights, so the engine pushes the latest ones
 again (last sync, else the checkpoint) whenever it wakes to generate (see ``VLLMEngine._wake``).
@@ -36,6 +38,7 @@ from typing import Any, Literal
 from torch import nn
 
 from grpolab.config import VLLM_MAX_TEMPERATURE
+from grpolab.models.lora import AdapterWeights
 from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids, let_an_interrupt_land
 
 __all__ = ["VLLM_MAX_TEMPERATURE", "VLLMEngine", "request_seed", "save_weights"]
@@ -45,6 +48,8 @@ WeightSync = Literal["auto", "file", "cuda_ipc"]
 _SEED_STRIDE = 1_000_003
 _SEED_LIMIT = 2**63  # every seed vLLM uses stays an int64 (it seeds a torch.Generator per request)
 WORKER_EXTENSION = "grpolab.rollout.vllm.worker.WorkerExtension"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+POLICY_ADAPTER = "policy"  # the name (and id 1) of the one adapter an engine with LoRA serves
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -102,6 +107,24 @@ def _generation_eos(model_dir: str) -> int | list[int] | None:
         return None
 
 
+def lora_engine_kwargs(model_dir: str, rank: int) -> dict[str, Any]:
+    """``vllm.LLM`` settings that serve one adapter of rank ``rank`` on the model in ``model_dir``; refuses
+    (one line) an architecture vLLM has without LoRA support, or a rank above vLLM's largest."""
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), None)
+    if max_rank is None:
+        raise ValueError(f"model.lora.rank {rank}: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}; "
+                         "use rollout.vllm.lora_sync 'merged'")
+    for arch in AutoConfig.from_pretrained(model_dir).architectures or []:
+        entry = ModelRegistry.models.get(arch)  # absent: vLLM's Transformers backend, which has LoRA
+        if entry is not None and not supports_lora(entry.load_model_cls()):
+            raise ValueError(f"vLLM has no LoRA support for {arch}: use rollout.vllm.lora_sync 'merged'")
+    return {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1}
+
+
 # ---- the engine ------------------------------------------------------------------------------
 class VLLMEngine:
     """``RolloutEngine`` on a vLLM ``LLM`` created once per run from ``model_dir``.
@@ -117,6 +140,7 @@ class VLLMEngine:
         (last ``sync_weights`` / ``sync_from_folder``, else ``model_dir``) are pushed again.
     weight_sync: "file", "cuda_ipc" or "auto" (cuda_ipc on a CUDA platform, else file).
     eos_token_ids: ids that end generation; default tokenizer EOS + generation_config EOS.
+    lora_rank: serve one LoRA adapter of this rank with vLLM's LoRA (synced with ``AdapterWeights``).
     llm_kwargs: passed on to ``vllm.LLM``.
     """
 
@@ -124,7 +148,7 @@ class VLLMEngine:
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.3,
                  kv_cache_bytes: int | None = None, sleep_level: int | None = None, enforce_eager: bool = True,
                  weight_sync: WeightSync = "auto", eos_token_ids: Sequence[int] | None = None,
-                 sync_dir: str | Path | None = None, **llm_kwargs: Any):
+                 sync_dir: str | Path | None = None, lora_rank: int | None = None, **llm_kwargs: Any):
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -165,6 +189,10 @@ class VLLMEngine:
         if kv_cache_bytes is not None:
             llm_kwargs.setdefault("kv_cache_memory_bytes", kv_cache_bytes)
         llm_kwargs.setdefault("use_tqdm_on_load", False)  # no progress bar per weight sync
+        if lora_rank is not None:
+            llm_kwargs.update(lora_engine_kwargs(self.model_dir, lora_rank))
+        self.lora_rank = lora_rank
+        self._adapter = None  # the LoRARequest of the synced adapter, once there is one
         self._ipc = None  # CudaIPCWeightSender, built on the first cuda_ipc sync
         self._sleeping: set[str] = set()  # vLLM memory tags now asleep: "weights", "kv_cache"
         self._weights_lost = False  # a level-2 sleep discarded the weights: push them again on waking
@@ -210,7 +238,7 @@ class VLLMEngine:
         self._wake()
         try:
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
-                                        use_tqdm=False)
+                                        use_tqdm=False, lora_request=self._adapter)
         except Exception:  # e.g. its engine core died of the terminal's Ctrl-C
             let_an_interrupt_land()
             raise
@@ -234,8 +262,10 @@ class VLLMEngine:
     # ---- weights ----
     def sync_weights(self, model: nn.Module) -> None:
         """Load ``model``'s current parameters into the engine (asleep, its weights wake; its KV
-        cache wakes at the next ``generate``)."""
-        if self.weight_sync == "cuda_ipc" and next(model.parameters()).is_cuda:
+        cache wakes at the next ``generate``); ``AdapterWeights``: only the adapter."""
+        if isinstance(model, AdapterWeights):
+            self.sync_adapter_from_folder(model.save(self._sync_dir / "adapter", self.dtype))
+        elif self.weight_sync == "cuda_ipc" and next(model.parameters()).is_cuda:
             self._reload(lambda: self._sync_cuda_ipc(model))
         else:
             self.sync_from_folder(save_weights(model, self._sync_dir, self.dtype).parent)
@@ -246,17 +276,37 @@ class VLLMEngine:
         folder = str(folder)
         self._reload(lambda: self._load_folder(folder))
 
+    def sync_adapter_from_folder(self, folder: str | Path) -> None:
+        """Reload the served adapter from a folder in peft's format (kept: a wake from a level-2 sleep
+        reloads the base, then it)."""
+        if self.lora_rank is None:
+            raise ValueError("this vLLM engine was started without LoRA (lora_rank): it cannot take an adapter")
+        folder = str(folder)
+        self._reload(lambda: self._load_adapter(folder),
+                     restore=lambda: (self._load_folder(self.model_dir), self._load_adapter(folder)))
+
+    def _load_adapter(self, folder: str) -> None:
+        """vLLM's ``add_lora`` with ``load_inplace``: the adapter under the same id is read again from
+        ``folder`` once (LRUCacheWorkerLoRAManager.add_adapter, vllm/lora/worker_manager.py); the
+        requests then name it without ``load_inplace``, which would reload it at every scheduler step."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.llm.llm_engine.add_lora(LoRARequest(POLICY_ADAPTER, 1, folder, load_inplace=True)):
+            raise RuntimeError(f"vLLM did not load the adapter in {folder}")
+        self._adapter = LoRARequest(POLICY_ADAPTER, 1, folder)
+
     def _load_folder(self, folder: str) -> None:
         self.llm.collective_rpc("grpolab_reload_weights", kwargs={"weights_path": folder})
 
-    def _reload(self, push: Callable[[], object]) -> None:
-        """Push new weights with ``push``, which also restores them after every later level-2 sleep.
+    def _reload(self, push: Callable[[], object], restore: Callable[[], object] | None = None) -> None:
+        """Push new weights with ``push``; ``restore`` (default ``push``) restores them after every later
+        level-2 sleep.
         Asleep, only the weights wake (vLLM's RL order, docs/features/sleep_mode.md: wake_up(["weights"]),
         load, and the KV cache once needed); level 1 brings back the offloaded old weights first,
         overwritten here."""
         self._wake_weights()
         push()
-        self._push_latest, self._weights_lost = push, False
+        self._push_latest, self._weights_lost = restore or push, False
         self.llm.reset_prefix_cache()  # its KV was computed with the old weights
 
     def _sync_cuda_ipc(self, model: nn.Module) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from torch import nn
 
+from grpolab.models.lora import AdapterWeights
 from grpolab.rollout.base import Completion, SamplingParams, let_an_interrupt_land
 from grpolab.rollout.vllm.engine import VLLMEngine, save_weights
 
@@ -52,6 +53,9 @@ def _handle(engine, message: dict[str, Any]) -> dict[str, Any]:
         return {"completions": [[asdict(c) for c in group] for group in groups]}
     if op == "sync":
         engine.sync_from_folder(message["folder"])
+        return {}
+    if op == "sync_adapter":
+        engine.sync_adapter_from_folder(message["folder"])
         return {}
     raise ValueError(f"unknown op {op!r}")
 
@@ -173,9 +177,13 @@ class VLLMSubprocessEngine:
         return groups
 
     def sync_weights(self, model: nn.Module) -> None:
-        """Write ``model``'s parameters to a file in this engine's folder; the server reloads them."""
-        folder = save_weights(model, self._dir, self._engine_kwargs.get("dtype")).parent
-        self._call({"op": "sync", "folder": str(folder)})
+        """Write ``model``'s parameters (``AdapterWeights``: the adapter) to this engine's folder; the server
+        reloads them."""
+        dtype = self._engine_kwargs.get("dtype")
+        if isinstance(model, AdapterWeights):
+            self._call({"op": "sync_adapter", "folder": str(model.save(self._dir / "adapter", dtype))})
+        else:
+            self._call({"op": "sync", "folder": str(save_weights(model, self._dir, dtype).parent)})
 
     def close(self, timeout: float = 30.0) -> None:
         """Ask the server to shut its engine down and exit; idempotent. Within ``timeout`` s in all: a
