@@ -245,6 +245,30 @@ def test_the_probe_reports_the_adapters_share_and_the_free_reference(warm_model_
     assert lora["parameters"]["lora_rank"] == 2
     assert 0 < lora["parameters"]["trained"] < full["parameters"]["trained"] / 5
     assert lora["precision"]["optimizer_state_bytes"] < full["precision"]["optimizer_state_bytes"] / 5
+    assert full["parameters"]["bytes"]["reference_weights"] == 4 * full["parameters"]["total"]
+    assert lora["parameters"]["bytes"]["reference_weights"] == 0
+
+
+def test_with_bf16_compute_the_base_stays_in_bf16_and_the_adapter_trains_in_float32(warm_model_dir, tmp_path):
+    """No float32 master copy of weights that never change: the base in bf16 (2 bytes a parameter), the adapter,
+    its gradients and its AdamW state in float32; the policy trains under autocast and passes the sync check."""
+    from grpolab.commands.probe import run_probe
+
+    report = run_probe(quick_config(warm_model_dir, tmp_path / "b", reference="frozen", **{
+        "model.dtype": "bfloat16", "model.lora.rank": 2}), tmp_path / "bf16.json")
+    n, trained, part = report["parameters"]["total"], report["parameters"]["trained"], report["parameters"]["bytes"]
+    assert report["precision"]["setting"] == "fp32_master" and report["precision"]["compute"] == "torch.bfloat16"
+    assert part["frozen_weights"] == 2 * (n - trained)
+    assert part["trained_weights"] == part["gradients"] == 4 * trained
+    # AdamW's two float32 moments, and a float32 step count per tensor
+    assert part["optimizer_state"] == report["precision"]["optimizer_state_bytes"] == pytest.approx(8 * trained, rel=0.01)
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", **{**LORA, "model.dtype": "bfloat16"}))
+    try:
+        record = trainer.train_step(1)
+        dtypes = {p.dtype for n, p in trainer.parts.model.named_parameters() if "lora_" in n}
+    finally:
+        trainer.close()
+    assert dtypes == {torch.float32} and record["sync/logprob_diff_mean"] < 0.1
 
 
 def test_a_run_starts_from_another_lora_runs_checkpoint(lora_run, tmp_path, capsys):

@@ -46,6 +46,19 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                for t in state.values() if isinstance(t, torch.Tensor))
 
 
+def bytes_by_part(parts: RunParts) -> dict[str, int]:
+    """Bytes the run holds for each part: the frozen weights, the trained ones, their gradients (same dtype),
+    the optimizer's state, and the reference's own weights (0 when it is the policy, adapter off)."""
+    def size(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
+
+    model, reference = parts.model, parts.reference
+    trained = size(parts.models.trainable())
+    return {"frozen_weights": size(p for p in model.parameters() if not p.requires_grad), "trained_weights": trained,
+            "gradients": trained, "optimizer_state": optimizer_state_bytes(parts.optimizer),
+            "reference_weights": 0 if reference is None or reference is model else size(reference.parameters())}
+
+
 def worst_case_batch(parts: RunParts, generator: torch.Generator) -> tuple[TrainBatch, str]:
     """N = prompts x group rows of (longest training prompt + max_new_tokens random tokens)."""
     cfg = parts.cfg.rollout
@@ -158,6 +171,7 @@ def _probe(parts: RunParts) -> dict[str, Any]:
         "updates": [first, second],
         "generation": generation,
         "parameters": {"total": n_params, "trained": sum(p.numel() for p in parts.models.trainable()),
+                       "bytes": bytes_by_part(parts),
                        "lora_rank": cfg.model.lora.rank if cfg.model.lora else None,
                        "reference": ("none" if parts.reference is None else "the policy, adapter off (no copy)"
                                      if parts.reference is parts.model else "a frozen copy")},

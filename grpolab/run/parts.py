@@ -203,7 +203,8 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
                              "base, not this run's start policy, so a KL term or frozen reference cannot start from it")
     weights_dir = weights_dir or model_dir
     with reporter.phase(f"load model {weights_dir}") as phase:
-        model, tokenizer, adapter = _policy(cfg, model_dir, weights_dir, started_from, precision, device)
+        model, tokenizer, adapter = _policy(cfg, model_dir, weights_dir, started_from, precision, device,
+                                            is_sharded_run(cfg, ranks))
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         phase.info = (f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}"
                       + (f", {trainable / 1e6:.2f}M of them trained (LoRA rank {lora.rank})" if lora else ""))
@@ -226,14 +227,17 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
 
 
 def _policy(cfg: RunConfig, model_dir: Path, weights_dir: Path, started_from: Path | None,
-            precision: TrainingPrecision, device: torch.device) -> tuple[nn.Module, Any, Adapter | None]:
+            precision: TrainingPrecision, device: torch.device, sharded: bool) -> tuple[nn.Module, Any, Adapter | None]:
     """(policy, tokenizer, adapter): the model in ``weights_dir``; with LoRA the base in ``model_dir`` (a
     checkpoint holds only the adapter) with its adapter: fresh from the run's seed, or the adapter of the
-    checkpoint resumed (``weights_dir``) or started from (``started_from``)."""
+    checkpoint resumed (``weights_dir``) or started from (``started_from``). The adapter is float32 (peft
+    casts it); the base, which never changes, is kept in the compute dtype (no master copy to round into),
+    except under FSDP, whose units gather one dtype."""
     lora = cfg.model.lora
-    model, tokenizer = load_policy(model_dir if lora else weights_dir, precision.storage, device)
     if lora is None:
+        model, tokenizer = load_policy(weights_dir, precision.storage, device)
         return model, tokenizer, None
+    model, tokenizer = load_policy(model_dir, precision.storage if sharded else precision.compute, device)
     adapter = add_adapter(model, lora, cfg.seed, model_dir)
     if weights_dir != model_dir or started_from is not None:
         adapter.load(weights_dir if weights_dir != model_dir else started_from)
