@@ -74,3 +74,27 @@ class ArithmeticWithBlanks:
             raise SystemExit(f"rank {self.crash_rank}: the grader crashed on {example.id}")
         grade = self.inner.grade(completion, example, truncated)
         return Grade(0.0, 0.0, extracted=grade.extracted) if example.id in self.blank else grade
+
+
+class DigitShare:
+    """The built-in arithmetic task graded by the share of digits in the completion: a signal that even an
+    untrained model's completions vary in (for tests of the update's plumbing on random models)."""
+
+    name = "digit_share"
+
+    def __init__(self, **arithmetic):
+        from grpolab.tasks import ArithmeticTask
+
+        self.inner = ArithmeticTask(**arithmetic)
+
+    def train_examples(self) -> list[Example]:
+        return self.inner.train_examples()
+
+    def validation_examples(self) -> list[Example]:
+        return self.inner.validation_examples()
+
+    def prompt(self, example: Example) -> str:
+        return self.inner.prompt(example)
+
+    def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
+        return Grade(1.0, sum(c.isdigit() for c in completion) / max(len(completion), 1))

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from conftest import quick_config
+from conftest import float64_norms, quick_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -56,17 +56,6 @@ def lora_model(make_tiny_model, tiny_model_dirs, arch="llama", dtype=torch.float
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
     return adapter
-
-
-def float64_norms(model) -> None:
-    """transformers' RMSNorm computes in float32 (a downcast of float64 activations), which would bury a
-    finite difference in rounding: the same formula in the activations' dtype instead."""
-    def forward(norm, x):
-        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-
-    for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = forward.__get__(module)
 
 
 def test_the_lora_policy_gradient_is_the_finite_difference_of_the_loss_in_float64(make_tiny_model, tiny_model_dirs):

@@ -48,7 +48,12 @@ class FakeLLM:
         self.fresh_weights = False  # woken from level 2: mapped, never loaded
         self.generated_with: list[list[torch.Tensor]] = []  # the weights each generate call used
         shutdown = SimpleNamespace(shutdown=lambda: self.calls.append(("shutdown",)))
-        self.llm_engine = SimpleNamespace(engine_core=shutdown)
+        self.llm_engine = SimpleNamespace(engine_core=shutdown, add_lora=self.add_lora)
+
+    def add_lora(self, request) -> bool:
+        self.calls.append(("add_lora", request.lora_path, request.load_inplace))
+        assert "weights" not in self.asleep, "adapter loaded into unmapped memory"
+        return True
 
     @torch.no_grad()
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
@@ -94,10 +99,11 @@ class FakeLLM:
         self.calls.append(("reset_prefix_cache",))
         return True
 
-    def generate(self, prompts, sampling_params, use_tqdm=True):
+    def generate(self, prompts, sampling_params, use_tqdm=True, lora_request=None):
         from vllm.v1.engine.parallel_sampling import ParentRequest
 
-        self.calls.append(("generate", len(prompts)))
+        self.calls.append(("generate", len(prompts)) if lora_request is None
+                          else ("generate", len(prompts), lora_request.lora_path, lora_request.load_inplace))
         if self.asleep:
             raise RuntimeError(f"generate with {sorted(self.asleep)} asleep")
         if self.fresh_weights or not all(torch.isfinite(p).all() for p in self.model.parameters()):
@@ -305,6 +311,39 @@ def test_sync_while_asleep_then_generate(warm_model_dir, fake_vllm, fake_cuda, l
         assert fake.calls[calls:] == [("empty_cache",), ("wake_up", ("weights",)), *restore,
                                       ("empty_cache",), ("wake_up", ("kv_cache",)), ("generate", 1), ("sleep", level)]
         assert same(fake.generated_with[-1], params_of(model))
+    finally:
+        engine.close()
+
+
+def test_an_adapter_synced_after_a_level_2_sleep_comes_with_the_base_every_time(warm_model_dir, fake_vllm, fake_cuda):
+    """vLLM's own LoRA (``lora_rank``): a sync moves only the adapter, but a level-2 sleep lost the base too, so
+    each wake reloads the base (its checkpoint), then the adapter in place; requests name it without reloading."""
+    from grpolab.config import LoraSettings
+    from grpolab.models.lora import AdapterWeights, add_adapter
+
+    engine = VLLMEngine(warm_model_dir, sleep_level=2, dtype="float32", lora_rank=2)
+    try:
+        fake = fake_vllm[-1]
+        fake_cuda(fake_vllm)
+        assert fake.kwargs["enable_lora"] and fake.kwargs["max_lora_rank"] == 8 and fake.kwargs["max_loras"] == 1
+        model = AutoModelForCausalLM.from_pretrained(warm_model_dir, dtype=torch.float32)
+        adapter = add_adapter(model, LoraSettings(rank=2), seed=0, base_dir=warm_model_dir)
+        prompts = [engine.tokenizer("1+2=", add_special_tokens=False)["input_ids"]]
+        params = SamplingParams(max_new_tokens=4, temperature=0.0)
+        engine.generate(prompts, 1, params)  # no adapter yet: the base, no LoRA request
+        assert fake.calls[-1] == ("sleep", 2) and fake.calls[-2] == ("generate", 1)
+        engine.sync_weights(AdapterWeights(adapter))
+        base = ("collective_rpc", "grpolab_reload_weights", {"weights_path": str(warm_model_dir)})
+        folder = str(engine._sync_dir / "adapter")
+        assert fake.calls[-6:] == [("sleep", 2), ("empty_cache",), ("wake_up", ("weights",)), base,
+                                   ("add_lora", folder, True), ("reset_prefix_cache",)]
+        assert sorted(p.name for p in Path(folder).iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        engine.generate(prompts, 1, params)
+        calls = len(fake.calls)
+        engine.generate(prompts, 1, params)  # no sync in between: the wake restores both
+        assert fake.calls[calls:] == [("empty_cache",), ("wake_up", ("weights",)), base, ("add_lora", folder, True),
+                                      ("empty_cache",), ("wake_up", ("kv_cache",)), ("generate", 1, folder, False),
+                                      ("sleep", 2)]
     finally:
         engine.close()
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from grpolab.learning.packing import MicroBatchPlanner, prompt_keys
 from grpolab.models.precision import TrainingPrecision
 from grpolab.rollout.sync_check import SyncMonitor
 from grpolab.models.fidelity import forward_fidelity
+from grpolab.models.routing import RouterTally, RoutingTable, routers
 from grpolab.learning.shared_prefix import UnitLayout, layout_units, unit_logprobs
 from grpolab.learning.update import DataParallelShare, UpdateData, run_update
 
@@ -78,28 +80,49 @@ class BatchForward:
         planned = self._planned.get(id(indices))
         return planned[1] if planned is not None else indices.tolist()
 
-    def logprobs(self, forward: nn.Module, indices: torch.Tensor, with_entropy: bool):
+    def logprobs(self, forward: nn.Module, indices: torch.Tensor, with_entropy: bool,
+                 around: Callable[[UnitLayout], AbstractContextManager] | None = None):
         """Log-probs (and entropy) [n, T] of the rows ``indices`` (in that order) at the batch width T, by
         ``forward`` (a ``PolicyForward``, DDP-wrapped or not); consecutive rows with the same prompt share
-        its computation."""
+        its computation. ``around(layout)``: a context the forward runs in (an MoE model's routing watch)."""
         units = self.planner.runs(self._rows(indices))
         layout = layout_units(self.batch.input_ids, self.planner.prompt_lens, self.planner.seq_lens, units,
                               shared=any(len(u) > 1 for u in units))
-        with self.precision.autocast(self.device):
+        with self.precision.autocast(self.device), (around(layout) if around is not None else nullcontext()):
             return forward(layout, len(indices), self.batch.input_ids.shape[1], self.cfg.rollout.temperature,
                            with_entropy, self.cfg.model.logprob_chunk_size * len(indices))
 
     @torch.no_grad()
-    def frozen(self, model: nn.Module) -> torch.Tensor:
-        """[N, T] log-probs of every row by ``model``, micro-batch by micro-batch as planned, without gradients."""
+    def frozen(self, model: nn.Module, table: RoutingTable | None = None) -> torch.Tensor:
+        """[N, T] log-probs of every row by ``model``, micro-batch by micro-batch as planned, without gradients;
+        an MoE model's routing choices recorded in ``table``."""
         forward = PolicyForward(model)
         out = torch.zeros(self.batch.input_ids.shape, dtype=torch.float32, device=self.batch.input_ids.device)
         micros = self.plan(torch.arange(len(self.batch), device=out.device))
+        around = (lambda layout: table.record(layout.token_places())) if table is not None else None
         for micro in micros:
-            out[micro] = self.logprobs(forward, micro, False)[0]
+            out[micro] = self.logprobs(forward, micro, False, around)[0]
         for _ in range(self.lockstep.max(len(micros)) - len(micros) if self.lockstep else 0):
             self.logprobs(forward, micros[0][:1], False)  # joins the busiest rank's weight gathers
         return out
+
+
+@contextmanager
+def watch_routing(tally: RouterTally, table: RoutingTable | None, layout: UnitLayout):
+    """Around a training forward of an MoE policy: its routing of the completion tokens tallied, and compared
+    with (or replaying) the old forward's record in ``table``."""
+    counted = layout.completion_masks()
+    if table is not None:
+        table.at(layout.token_places(), counted)
+    with tally.forward(counted):
+        yield
+
+
+def routing_mismatch(table: RoutingTable, ranks: Ranks) -> dict[str, float]:
+    """``router/mismatch``: the share of (completion token, layer) expert choices of the training forwards that
+    differed from the old forward's, over every rank."""
+    counts = ranks.sum_(torch.stack([table.differing, table.compared]))
+    return {"router/mismatch": float(counts[0] / counts[1])} if counts[1] > 0 else {}
 
 
 class PolicyLearner:
@@ -148,7 +171,11 @@ class PolicyLearner:
         # (exactly the log-probs frozen before the update, without a second forward pass), and the sync
         # check reads the update's own forward before its optimizer step.
         forward = self.forward(batch)
-        old = None if self.spec.is_single_update else forward.frozen(self.model)
+        moe = bool(routers(self.model))
+        # an MoE policy: its routing in the training forwards, compared with (or replaying) the old forward's
+        table = RoutingTable(self.model, tuple(batch.input_ids.shape)) if moe and not self.spec.is_single_update else None
+        routing = RouterTally(self.model) if moe else None
+        old = None if self.spec.is_single_update else forward.frozen(self.model, table)
         sync: dict[str, float] = {}
 
         def check_sync(trainer: torch.Tensor, covered: torch.Tensor) -> None:
@@ -171,16 +198,20 @@ class PolicyLearner:
                                lockstep=self.sharded) if self.ranks.parallel else None
         self.model.train()
         try:
-            result = run_update(self.spec, data, lambda idx: forward.logprobs(self.train_forward, idx, True),
-                                self.optimizer, self.params, plan=forward.plan,
-                                micro_batch_size=self.cfg.optim.micro_batch_size,
-                                max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen,
-                                full_metrics=self.cfg.optim.full_metrics, dp=dp,
-                                first_step_check=check_sync if check and old is None else None)
+            with table.attach(self.spec.routing_replay) if table is not None else nullcontext():
+                around = partial(watch_routing, routing, table) if moe else None
+                result = run_update(self.spec, data, lambda idx: forward.logprobs(self.train_forward, idx, True, around),
+                                    self.optimizer, self.params, plan=forward.plan,
+                                    micro_batch_size=self.cfg.optim.micro_batch_size,
+                                    max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                    max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen,
+                                    full_metrics=self.cfg.optim.full_metrics, dp=dp,
+                                    first_step_check=check_sync if check and old is None else None)
         finally:
             self.model.eval()
         self.updates["attempted"] += result.attempted
         self.updates["actual"] += result.actual
         return {**advantage_metrics(rewards, advantages), **result.metrics(), **sync,
-                **self.ranks.sum_counts(batch.token_counts())}
+                **self.ranks.sum_counts(batch.token_counts()),
+                **(routing.metrics(self.ranks.sum_) if routing is not None else {}),
+                **(routing_mismatch(table, self.ranks) if table is not None else {})}

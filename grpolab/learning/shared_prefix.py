@@ -54,6 +54,26 @@ class UnitLayout:
     comp_ids: Tensor | None = None
     comp_mask: Tensor | None = None
     comp_pos: Tensor | None = None
+    first_completion: Tensor | None = None  # BoolTensor[A, P] unshared: the completion tokens of pass 1
+    first_rows: Tensor | None = None  # LongTensor[A] the batch row of each pass-1 sequence (a unit's first)
+    comp_rows: Tensor | None = None  # LongTensor[n] the batch row of each completion (shared)
+
+    def token_places(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """(row, column, real) LongTensor, LongTensor, BoolTensor [tokens] of each backbone pass's tokens,
+        flattened as its layers see them: where in the batch [N, T] each token is (a shared prompt's token at
+        its unit's first row), and whether it is a real token (not padding)."""
+        passes = [(self.first_rows, self.first_pos, self.first_mask)]
+        if self.comp_ids is not None:
+            passes.append((self.comp_rows, self.comp_pos, self.comp_mask))
+        return [(rows.unsqueeze(1).expand_as(pos).flatten(), pos.flatten(), mask.flatten().bool())
+                for rows, pos, mask in passes]
+
+    def completion_masks(self) -> list[Tensor]:
+        """BoolTensor[A * P] (and [n * C]): the completion tokens of each backbone pass, flattened as its layers
+        see them (where an MoE router's choices are counted: the same tokens shared or not)."""
+        if self.comp_mask is None:
+            return [self.first_completion.flatten()]
+        return [torch.zeros_like(self.first_mask, dtype=torch.bool).flatten(), self.comp_mask.flatten().bool()]
 
 
 def _right_padded(input_ids: Tensor, rows: list[int], starts: list[int], lengths: list[int]):
@@ -84,7 +104,8 @@ def layout_units(input_ids: Tensor, prompt_lens: list[int], seq_lens: list[int],
         ids, mask, pos = _right_padded(input_ids, rows, [0] * len(rows), [seq_lens[r] for r in rows])
         width = ids.shape[1]
         source = [i * width + col - 1 for i, col in zip(out_row, out_col)]
-        extra = {}
+        extra = {"first_completion": mask.bool() & (pos >= as_long([prompt_lens[r] for r in rows]).unsqueeze(1)),
+                 "first_rows": as_long(rows)}
     else:
         firsts = [unit[0] for unit in units]
         ids, mask, pos = _right_padded(input_ids, firsts, [0] * len(units), [prompt_lens[r] for r in firsts])
@@ -94,7 +115,8 @@ def layout_units(input_ids: Tensor, prompt_lens: list[int], seq_lens: list[int],
         # token t of row i's completion: predicted by its prompt's last state (t = 0) or by completion token t - 1
         source = [unit_of_row[i] * width + prompt_lens[rows[i]] - 1 if col == prompt_lens[rows[i]]
                   else after + i * c_width + col - prompt_lens[rows[i]] - 1 for i, col in zip(out_row, out_col)]
-        extra = dict(unit_of_row=as_long(unit_of_row), comp_ids=c_ids, comp_mask=c_mask, comp_pos=c_pos)
+        extra = dict(unit_of_row=as_long(unit_of_row), comp_ids=c_ids, comp_mask=c_mask, comp_pos=c_pos,
+                     first_rows=as_long(firsts), comp_rows=as_long(rows))
     return UnitLayout(first_ids=ids, first_mask=mask, first_pos=pos, source=as_long(source), target=target,
                       out_row=as_long(out_row), out_col=as_long(out_col), **extra)
 

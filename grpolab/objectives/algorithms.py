@@ -67,6 +67,9 @@ class AlgorithmSpec(BaseModel):
     epochs: int = Field(1, ge=1)
     steps_per_epoch: int = Field(1, ge=1)
     shuffle_minibatches: bool = True
+    # Rollout Routing Replay (MoE policies, more than one optimizer step per batch): every training forward
+    # routes each token to the experts the old-log-prob forward chose (the weights stay live)
+    routing_replay: bool = False
     # rollout-side behaviour
     dynamic_sampling: bool = False
     max_resample_rounds: int = Field(3, ge=0)

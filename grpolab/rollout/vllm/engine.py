@@ -238,7 +238,7 @@ class VLLMEngine:
         self._wake()
         try:
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
-                                        use_tqdm=False, lora_request=self._adapter)
+                                        use_tqdm=False, **({"lora_request": self._adapter} if self._adapter else {}))
         except Exception:  # e.g. its engine core died of the terminal's Ctrl-C
             let_an_interrupt_land()
             raise
@@ -304,9 +304,10 @@ class VLLMEngine:
         Asleep, only the weights wake (vLLM's RL order, docs/features/sleep_mode.md: wake_up(["weights"]),
         load, and the KV cache once needed); level 1 brings back the offloaded old weights first,
         overwritten here."""
+        restore = restore or push
         self._wake_weights()
-        push()
-        self._push_latest, self._weights_lost = restore or push, False
+        (restore if self._weights_lost else push)()  # after a level-2 sleep ``push`` alone may not be enough
+        self._push_latest, self._weights_lost = restore, False
         self.llm.reset_prefix_cache()  # its KV was computed with the old weights
 
     def _sync_cuda_ipc(self, model: nn.Module) -> None:

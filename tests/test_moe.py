@@ -1,0 +1,234 @@
+"""Mixture-of-Experts policies (tiny random Qwen3-MoE, OLMoE and Mixtral, 8 experts, top 2): grpolab's
+training forward is the model's own, and the router metrics are a hand computation from the logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import float64_norms, quick_config
+from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+from grpolab.learning.shared_prefix import layout_units, unit_logprobs
+from grpolab.run.trainer import Trainer
+from grpolab.models.routing import RouterRecorder, RouterTally, RoutingTable, router_metrics, router_sums, routers
+
+VOCAB = 64
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, num_experts_per_tok=2, initializer_range=0.3,
+              pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+FAMILIES = {
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, head_dim=8, num_experts=8, moe_intermediate_size=16),
+    "olmoe": lambda: OlmoeConfig(**COMMON, num_experts=8),
+    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=8),
+}
+
+
+def tiny_moe(family: str, dtype=torch.float64) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    config._experts_implementation = "eager"  # torch._grouped_mm (the default) has no float64
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def _ids(rows: int = 3, length: int = 10) -> torch.Tensor:
+    return torch.randint(2, VOCAB, (rows, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_training_forward_of_an_moe_model_is_its_own_forward_in_float64(family):
+    model = tiny_moe(family)
+    ids, prompt = _ids(), 4
+    n, length = ids.shape
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1]
+        own = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)[:, prompt - 1:]
+        for shared in (False, True):
+            units = [[0, 1, 2]] if shared else [[r] for r in range(n)]
+            same = ids.clone()
+            same[:, :prompt] = ids[0, :prompt]  # shared prompts need one prompt
+            want = own if not shared else torch.log_softmax(model(input_ids=same).logits[:, :-1], -1).gather(
+                -1, same[:, 1:, None]).squeeze(-1)[:, prompt - 1:]
+            layout = layout_units(same if shared else ids, [prompt] * n, [length] * n, units, shared=shared)
+            got = unit_logprobs(model, layout, n, length).logprobs[:, prompt:]
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)  # returned in float32
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_recorded_router_outputs_are_the_models_own(family):
+    model = tiny_moe(family)
+    assert len(routers(model)) == 2
+    ids = _ids()
+    recorder = RouterRecorder()
+    with torch.no_grad(), recorder.record(model):
+        out = model(input_ids=ids, output_router_logits=True)
+    for layer, own in enumerate(out.router_logits):
+        (logits,), (selected,) = recorder.logits[layer], recorder.selected[layer]
+        torch.testing.assert_close(logits, own, rtol=0, atol=0)
+        assert torch.equal(selected.sort(-1).values, torch.topk(own, 2, dim=-1).indices.sort(-1).values)
+
+
+def test_router_metrics_are_a_hand_computation():
+    logits = torch.tensor([[2.0, 0.0, 0.0, -1.0], [0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 3.0, 0.0], [9.0, 9.0, 9.0, 9.0]])
+    selected = torch.tensor([[0, 1], [1, 0], [2, 0], [3, 2]])
+    mask = torch.tensor([True, True, True, False])  # the last row is padding
+    got = router_metrics(router_sums(logits, selected, mask, num_experts=4))
+    rows = [[math.exp(v) for v in row] for row in logits[:3].tolist()]
+    probs = [[v / sum(row) for v in row] for row in rows]
+    load = [3 / 6, 2 / 6, 1 / 6, 0.0]  # expert 0 chosen 3 times, 1 twice, 2 once, 3 never (padding row dropped)
+    confidence = sum(p[a] + p[b] for p, (a, b) in zip(probs, [(0, 1), (1, 0), (2, 0)])) / 3
+    entropy = sum(-sum(v * math.log(v) for v in p) for p in probs) / 3
+    mean_prob = [sum(p[e] for p in probs) / 3 for e in range(4)]
+    assert got["load"] == pytest.approx(load, abs=1e-15)
+    assert got["load_max_violation"] == pytest.approx(0.5 * 4 - 1, abs=1e-15)
+    assert got["confidence"] == pytest.approx(confidence, abs=1e-15)
+    assert got["entropy"] == pytest.approx(entropy, abs=1e-15)
+    assert got["aux_loss"] == pytest.approx(4 * sum(f * p for f, p in zip(load, mean_prob)), abs=1e-15)
+    assert router_metrics(router_sums(logits, selected, torch.zeros(4, dtype=torch.bool), 4)) == {}
+    halves = [router_sums(logits[i:i + 2], selected[i:i + 2], mask[i:i + 2], 4) for i in (0, 2)]
+    assert router_metrics(halves[0] + halves[1]) == got, "the sums of two forwards give the metrics of both"
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory, tokenizer):
+    """A tiny random Qwen3-MoE with the tests' character tokenizer."""
+    config = FAMILIES["qwen3_moe"]()
+    config.vocab_size, config.pad_token_id, config.eos_token_id = len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id
+    config.max_position_embeddings = 1024  # a character-level r1_zero prompt
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_an_moe_run_logs_its_router_metrics_every_step(moe_dir, tmp_path):
+    """Over the step's training forwards (micro-batches, shared prompts, two epochs), from the routers' sums."""
+    cfg = quick_config(moe_dir, tmp_path / "run", **{"algorithm.epochs": 2, "optim.micro_batch_size": 8})
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.parts.learner.share_prompts
+        record = trainer.train_step(1)
+    finally:
+        trainer.close()
+    assert record["sync/logprob_diff_max"] < 1e-3, "the hf engine samples the MoE policy"
+    layers = [record[f"router/layer{i}/load_max_violation"] for i in range(2)]
+    assert record["router/load_max_violation"] == max(layers) and min(layers) >= 0
+    assert 2 / 8 < record["router/confidence"] <= 1, "the top 2 of 8 hold more than 2/8 of the mass"
+    assert 0 < record["router/entropy"] < math.log(8)
+    assert record["router/aux_loss"] > 0
+
+
+def test_router_sums_count_the_completion_tokens_alike_shared_or_not():
+    """Shared, the prompt is routed once per unit; the counted tokens (completions) and their routing are the
+    same either way, so are the metrics."""
+    model = tiny_moe("olmoe")
+    ids, prompt_lens, seq_lens = _ids(4, 12), [5, 5, 5, 5], [12, 10, 12, 9]
+    ids[:, :5] = ids[0, :5]
+    tallies = []
+    for shared in (False, True):
+        tally = RouterTally(model)
+        layout = layout_units(ids, prompt_lens, seq_lens, [[0, 1, 2, 3]] if shared else [[r] for r in range(4)],
+                              shared=shared)
+        with torch.no_grad(), tally.forward(layout.completion_masks()):
+            unit_logprobs(model, layout, 4, 12)
+        tallies.append(tally.sums)
+    assert tallies[0][:, -1].tolist() == [sum(seq_lens) - sum(prompt_lens)] * 2, "completion tokens, per layer"
+    torch.testing.assert_close(tallies[1], tallies[0], rtol=0, atol=1e-9)
+
+
+def _flip_second_choice(layer_calls: list[int]):
+    """A router hook that, as differing numerics might, swaps each token's second expert for its third (the
+    logits untouched): live routing that disagrees with the recorded one."""
+    def hook(module, args, output):
+        logits, scores, selected = output
+        layer_calls.append(1)
+        third = torch.topk(logits, 3, dim=-1).indices[:, 2:]
+        flipped = torch.cat([selected[:, :1], third], dim=1)
+        weights = torch.softmax(logits.float(), -1).gather(1, flipped)
+        return logits, (weights / weights.sum(-1, keepdim=True)).to(scores.dtype), flipped
+    return hook
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_replay_forces_the_recorded_choice_and_keeps_the_routers_gradient(family):
+    """In float32 (the routers' own softmax dtype) the replayed forward is the recorded one bit for bit, where
+    live routing flipped; in float64 the router's gradient through the replayed choice is the finite
+    difference of the loss."""
+    for dtype in (torch.float32, torch.float64):
+        check_replay(tiny_moe(family, dtype))
+
+
+def check_replay(model):
+    float64 = next(model.parameters()).dtype == torch.float64
+    # no padding: a padding token has no recorded choice, routes live, and can change how an expert batches
+    ids, prompt_lens, seq_lens = _ids(3, 10), [4, 4, 4], [10, 10, 10]
+    layout = layout_units(ids, prompt_lens, seq_lens, [[0], [1], [2]], shared=False)
+    table = RoutingTable(model, tuple(ids.shape))
+    with torch.no_grad(), table.record(layout.token_places()):
+        old = unit_logprobs(model, layout, 3, 10).logprobs
+    calls: list[int] = []
+    handles = [r.register_forward_hook(_flip_second_choice(calls)) for r in routers(model)]  # before replay's
+    try:
+        def replayed_forward(replay: bool):
+            used = RouterRecorder()
+            with table.attach(replay), used.record(model):
+                table.at(layout.token_places(), layout.completion_masks())
+                out = unit_logprobs(model, layout, 3, 10).logprobs
+            return out, used
+
+        with torch.no_grad():
+            live, _ = replayed_forward(replay=False)
+        assert (live - old).abs().max() > 1e-3, "live routing flipped: the log-probs moved"
+        assert 0 < table.differing <= table.compared, "live choices differed from the record"
+        new, used = replayed_forward(replay=True)
+        if not float64:
+            assert torch.equal(new.detach(), old), "the ratio is exactly 1"
+        for layer, (selected,) in enumerate(used.selected):
+            rows, cols, real = layout.token_places()[0]
+            assert torch.equal(selected[real], table.choices[rows[real], cols[real], layer])
+
+        if not float64:
+            return
+        float64_norms(model)  # transformers' RMSNorm rounds through float32
+        # the gradient of a float64 loss through the replayed forward: its finite difference
+        weight = routers(model)[0].weight
+        attention = (torch.arange(10) < torch.tensor(seq_lens)[:, None]).long()
+
+        def loss() -> torch.Tensor:
+            with table.attach(replay=True):
+                table.at(layout.token_places(), layout.completion_masks())
+                logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            return (lp * (attention[:, 1:] * (torch.arange(1, 10) >= 4))).sum()
+
+        (grad,) = torch.autograd.grad(loss(), weight)
+        assert grad.abs().max() > 0, "the router learns through the replayed choice's weights"
+        direction = torch.randn(weight.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        eps, losses = 1e-6, []
+        with torch.no_grad():
+            for sign in (1, -1):
+                weight.add_(sign * eps * direction)
+                losses.append(float(loss()))
+                weight.sub_(sign * eps * direction)
+        assert float((grad * direction).sum()) == pytest.approx((losses[0] - losses[1]) / (2 * eps), rel=1e-6)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_an_moe_run_with_two_epochs_measures_the_routing_mismatch(moe_dir, tmp_path, replay):
+    """With more than one optimizer step per batch the old-log-prob forward records the routing; the training
+    forwards (the second after an update) are compared with it, and with replay routed by it, under gradient
+    checkpointing too (its recomputed layers replay the same choice)."""
+    overrides = {"algorithm.epochs": 2, "algorithm.routing_replay": replay, "optim.micro_batch_size": 8,
+                 "model.gradient_checkpointing": replay, "task.name": "custom_task:DigitShare"}
+    trainer = Trainer(quick_config(moe_dir, tmp_path / "run", **overrides))
+    try:
+        record = trainer.train_step(1)
+    finally:
+        trainer.close()
+    assert record["actual_updates"] == 2 and 0 <= record["router/mismatch"] < 1
+    assert record["ratio_max"] > 1 or record["ratio_min"] < 1, "the second epoch's ratio moved"
