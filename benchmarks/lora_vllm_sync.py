@@ -13,7 +13,6 @@ runs one warm-up RL step and ``--repeats`` timed ones (``lora_vs_full.measure``)
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lora_vs_full import measure  # noqa: E402
+from lora_vs_full import lora_parser, measure  # noqa: E402
 
 from grpolab.commands.cli import parse_overrides  # noqa: E402
 from grpolab.config import load_config  # noqa: E402
@@ -30,12 +29,7 @@ MODES = ("merged", "adapter")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="TOML config (default: the demo's settings)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--rank", type=int, default=16)
-    args, rest = parser.parse_known_args(argv)
+    args, rest = lora_parser(__doc__.splitlines()[0]).parse_known_args(argv)
     torch.set_num_threads(args.threads)
     overrides = {"threads": args.threads, "rollout.engine": "vllm", "model.lora.rank": args.rank,
                  "model.lora.alpha": 2 * args.rank, **parse_overrides(rest)}

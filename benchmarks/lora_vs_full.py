@@ -54,12 +54,18 @@ def measure(cfg, repeats: int, console: Console) -> dict[str, float]:
         parts.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def lora_parser(description: str) -> argparse.ArgumentParser:
+    """The options the LoRA benchmarks share: config, threads, timed repeats, the adapter's rank."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", help="TOML config (default: the demo's settings)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rank", type=int, default=16)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = lora_parser(__doc__.splitlines()[0])
     parser.add_argument("--lora-lr", type=float, help="LoRA's learning rate (default: the config's)")
     args, rest = parser.parse_known_args(argv)
     torch.set_num_threads(args.threads)

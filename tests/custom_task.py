@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from grpolab.tasks import ArithmeticTask
 from grpolab.tasks.base import Example, Grade
 from grpolab.tasks.extract import extract_answer
 
@@ -76,25 +77,11 @@ class ArithmeticWithBlanks:
         return Grade(0.0, 0.0, extracted=grade.extracted) if example.id in self.blank else grade
 
 
-class DigitShare:
+class DigitShare(ArithmeticTask):
     """The built-in arithmetic task graded by the share of digits in the completion: a signal that even an
     untrained model's completions vary in (for tests of the update's plumbing on random models)."""
 
     name = "digit_share"
-
-    def __init__(self, **arithmetic):
-        from grpolab.tasks import ArithmeticTask
-
-        self.inner = ArithmeticTask(**arithmetic)
-
-    def train_examples(self) -> list[Example]:
-        return self.inner.train_examples()
-
-    def validation_examples(self) -> list[Example]:
-        return self.inner.validation_examples()
-
-    def prompt(self, example: Example) -> str:
-        return self.inner.prompt(example)
 
     def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
         return Grade(1.0, sum(c.isdigit() for c in completion) / max(len(completion), 1))
