@@ -232,3 +232,11 @@ def test_an_moe_run_with_two_epochs_measures_the_routing_mismatch(moe_dir, tmp_p
         trainer.close()
     assert record["actual_updates"] == 2 and 0 <= record["router/mismatch"] < 1
     assert record["ratio_max"] > 1 or record["ratio_min"] < 1, "the second epoch's ratio moved"
+
+
+def test_replay_without_a_second_optimizer_step_is_refused():
+    from grpolab.config import load_config
+
+    with pytest.raises(ValueError, match="routing_replay needs more than one optimizer step per batch"):
+        load_config(None, {"algorithm.routing_replay": True})
+    assert load_config(None, {"algo": "gspo", "algorithm.routing_replay": True}).algorithm.routing_replay

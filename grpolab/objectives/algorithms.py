@@ -79,6 +79,9 @@ class AlgorithmSpec(BaseModel):
     def _check(self) -> "AlgorithmSpec":
         if self.normalizer == "mean" and self.baseline != "mean":
             raise ValueError("normalizer 'mean' (MaxRL) needs baseline 'mean'")
+        if self.routing_replay and self.is_single_update:
+            raise ValueError("routing_replay needs more than one optimizer step per batch (epochs x steps_per_epoch "
+                             "> 1): with one, the update's own forward is the old-log-prob forward")
         return self
 
     @property
