@@ -57,6 +57,9 @@ class ModelConfig(_Section):
     like_overrides: dict[str, int] = Field(default_factory=dict, description="size fields of a like:NAME "
                                            "model, e.g. {num_hidden_layers = 2}; width and vocabulary stay real")
     lora: LoraSettings | None = Field(None, description="LoRA adapters instead of full weights ([model.lora])")
+    router_aux_loss_coef: float = Field(0.0, ge=0, description="a Mixture-of-Experts policy: this times the "
+                                        "load-balancing loss of each training forward's completion tokens is "
+                                        "added to the objective (0 = the objective as published)")
 
 
 class VLLMConfig(_Section):

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from grpolab.models.like import LIKE_CONFIGS, MARKER, is_like_dir, like_model_dir
+from grpolab.models.like import LIKE_CONFIGS, MARKER, is_like_dir, like_config, like_model_dir
+from grpolab.models.routing import routers
 from grpolab.models.loading import load_policy, resolve_model_dir
 from grpolab.tasks import ArithmeticTask, GSM8KTask
 
@@ -22,7 +23,11 @@ PUBLISHED = {
     "qwen3-1.7b": (151936, 2048, 16, 8, 6144, True, 151645, None),
     "olmo2-1b": (100352, 2048, 16, 16, 8192, False, 100257, 100277),
     "llama3.2-1b": (128256, 2048, 32, 8, 8192, True, 128001, None),
+    "qwen3-30b-a3b": (151936, 2048, 32, 4, 6144, False, 151645, None),
+    "olmoe-1b-7b": (50304, 2048, 16, 16, 1024, False, 50279, 1),
 }
+# total and active parameters (billions, as the model cards give them) of the MoE shapes
+MOE_PARAMETERS = {"qwen3-30b-a3b": (30.5, 3.3), "olmoe-1b-7b": (6.9, 1.3)}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +46,7 @@ def like_dirs(task, cache) -> dict[str, Path]:
     return {name: like_model_dir(name, task, ONE_LAYER, cache_dir=cache) for name in LIKE_CONFIGS}
 
 
-def test_the_four_reference_models_are_known() -> None:
+def test_the_reference_models_are_known() -> None:
     assert set(LIKE_CONFIGS) == set(PUBLISHED)
 
 
@@ -66,6 +71,19 @@ def test_config_and_tokenizer_match_the_published_shapes(like_dirs, name) -> Non
     assert json.loads((path / MARKER).read_text())["note"] == "random weights"
 
 
+@pytest.mark.parametrize("name", sorted(MOE_PARAMETERS))
+def test_the_moe_shapes_have_their_published_total_and_active_parameters(name) -> None:
+    config = like_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - experts + experts * config.num_experts_per_tok // config.num_experts
+    # the cards round: Qwen3-30B-A3B's 3.35B active is "3.3B", OLMoE's 1.28B "1.3B"
+    assert (total / 1e9, active / 1e9) == pytest.approx(MOE_PARAMETERS[name], abs=0.06)
+    assert len(routers(model)) == config.num_hidden_layers
+
+
 def test_llama_keeps_its_llama3_rope_scaling(like_dirs) -> None:
     rope = AutoConfig.from_pretrained(like_dirs["llama3.2-1b"]).rope_parameters
     assert rope == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
@@ -85,7 +103,7 @@ def test_overrides_change_only_depth_and_context(task, cache, like_dirs) -> None
 
 
 def test_unknown_name_is_refused_with_the_known_names(task, cache) -> None:
-    with pytest.raises(ValueError, match="llama3.2-1b, olmo2-1b, qwen3-0.6b, qwen3-1.7b"):
+    with pytest.raises(ValueError, match="llama3.2-1b, olmo2-1b, olmoe-1b-7b, qwen3-0.6b, qwen3-1.7b, qwen3-30b-a3b"):
         like_model_dir("gpt2", task, None, cache_dir=cache)
 
 

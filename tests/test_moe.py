@@ -9,10 +9,13 @@ import pytest
 import torch
 from conftest import float64_norms, quick_config
 from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from grpolab.learning.shared_prefix import layout_units, unit_logprobs
 from grpolab.run.trainer import Trainer
-from grpolab.models.routing import RouterRecorder, RouterTally, RoutingTable, router_metrics, router_sums, routers
+from grpolab.learning.batching import collate
+from grpolab.models.routing import (RouterRecorder, RouterTally, RoutingTable, load_balancing_loss, router_metrics,
+                                    router_sums, routers)
 
 VOCAB = 64
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -84,10 +87,34 @@ def test_router_metrics_are_a_hand_computation():
     assert got["load_max_violation"] == pytest.approx(0.5 * 4 - 1, abs=1e-15)
     assert got["confidence"] == pytest.approx(confidence, abs=1e-15)
     assert got["entropy"] == pytest.approx(entropy, abs=1e-15)
-    assert got["aux_loss"] == pytest.approx(4 * sum(f * p for f, p in zip(load, mean_prob)), abs=1e-15)
+    counts = [3, 2, 1, 0]  # transformers' loss: selections per token (k at balance), not the load shares
+    assert got["aux_loss"] == pytest.approx(4 * sum(c / 3 * p for c, p in zip(counts, mean_prob)), abs=1e-15)
     assert router_metrics(router_sums(logits, selected, torch.zeros(4, dtype=torch.bool), 4)) == {}
     halves = [router_sums(logits[i:i + 2], selected[i:i + 2], mask[i:i + 2], 4) for i in (0, 2)]
     assert router_metrics(halves[0] + halves[1]) == got, "the sums of two forwards give the metrics of both"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_load_balancing_loss_is_the_models_own_over_the_counted_tokens(family):
+    """``load_balancing_loss`` (the objective's term) and the tally's ``router/aux_loss`` (the metric) equal
+    transformers' ``load_balancing_loss_func`` of the model's own router logits, padding and prompts masked."""
+    model = tiny_moe(family, torch.float32)
+    ids = _ids(3, 10)
+    counted = torch.zeros(3, 10, dtype=torch.bool)
+    counted[:, 4:] = True
+    counted[2, 8:] = False  # a shorter completion
+    recorder, tally = RouterRecorder(with_grad=True), RouterTally(model)
+    with recorder.record(model), tally.forward([counted.flatten()]):
+        out = model(input_ids=ids, output_router_logits=True)
+    want = load_balancing_loss_func(out.router_logits, 8, 2, attention_mask=counted)
+    flat = lambda per_layer: [t for calls in per_layer for t in calls]  # noqa: E731
+    got = load_balancing_loss(flat(recorder.logits), flat(recorder.selected), [counted.flatten()] * 2, 8)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert tally.metrics()["router/aux_loss"] == pytest.approx(float(want.detach()), rel=1e-6)
+    weight = routers(model)[1].weight
+    (mine,), (own,) = (torch.autograd.grad(loss, weight, retain_graph=True) for loss in (got, want))
+    assert own.abs().max() > 0
+    torch.testing.assert_close(mine, own)
 
 
 @pytest.fixture(scope="module")
@@ -222,9 +249,10 @@ def check_replay(model):
 def test_an_moe_run_with_two_epochs_measures_the_routing_mismatch(moe_dir, tmp_path, replay):
     """With more than one optimizer step per batch the old-log-prob forward records the routing; the training
     forwards (the second after an update) are compared with it, and with replay routed by it, under gradient
-    checkpointing too (its recomputed layers replay the same choice)."""
+    checkpointing too (its recomputed layers replay the same choice), with the load-balancing loss's graph."""
     overrides = {"algorithm.epochs": 2, "algorithm.routing_replay": replay, "optim.micro_batch_size": 8,
-                 "model.gradient_checkpointing": replay, "task.name": "custom_task:DigitShare"}
+                 "model.gradient_checkpointing": replay, "task.name": "custom_task:DigitShare",
+                 "model.router_aux_loss_coef": 0.01 if replay else 0.0}
     trainer = Trainer(quick_config(moe_dir, tmp_path / "run", **overrides))
     try:
         record = trainer.train_step(1)
@@ -240,3 +268,42 @@ def test_replay_without_a_second_optimizer_step_is_refused():
     with pytest.raises(ValueError, match="routing_replay needs more than one optimizer step per batch"):
         load_config(None, {"algorithm.routing_replay": True})
     assert load_config(None, {"algo": "gspo", "algorithm.routing_replay": True}).algorithm.routing_replay
+
+
+def test_router_aux_loss_coef_adds_the_models_own_load_balancing_loss_to_the_gradient(moe_dir, tmp_path):
+    """One step, one micro-batch, no clipping: the routers' gradient with the coefficient minus without it is
+    the coefficient times the gradient of transformers' loss over the step's completion tokens (the model's
+    own forward with ``output_router_logits``), and rows with a zero advantage are backpropagated too."""
+    coef, grads, reference = 0.5, {}, {}
+    for c in (0.0, coef):
+        overrides = {"model.router_aux_loss_coef": c, "optim.micro_batch_size": 32, "optim.max_grad_norm": 1e9,
+                     "task.name": "custom_task:DigitShare"}
+        trainer = Trainer(quick_config(moe_dir, tmp_path / f"run{c}", **overrides))
+        learner, weights = trainer.parts.learner, [r.weight for r in routers(trainer.parts.learner.model)]
+        learn = learner.learn
+
+        def learn_and_reference(rollout, learn=learn, learner=learner, weights=weights):
+            batch = collate([x for group in rollout.completions for x in group], learner.pad_token_id)
+            out = learner.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                output_router_logits=True)
+            aux = load_balancing_loss_func(out.router_logits, 8, 2, attention_mask=batch.response_mask.bool())
+            reference["grad"] = torch.autograd.grad(aux, weights)
+            return learn(rollout)
+
+        learner.learn = learn_and_reference
+        learner.optimizer.register_step_pre_hook(
+            lambda *_, c=c, weights=weights: grads.setdefault(c, [w.grad.clone() for w in weights]) and None)
+        try:
+            record = trainer.train_step(1)
+        finally:
+            trainer.close()
+        assert record["actual_updates"] == 1
+    for without, with_aux, ref in zip(grads[0.0], grads[coef], reference["grad"]):
+        assert ref.abs().max() > 0
+        torch.testing.assert_close(with_aux - without, coef * ref, rtol=1e-3, atol=1e-6)
+
+
+def test_router_aux_loss_coef_on_a_dense_model_is_refused(tiny_model_dirs, tmp_path):
+    with pytest.raises(ValueError, match="router_aux_loss_coef needs a Mixture-of-Experts model"):
+        Trainer(quick_config(tiny_model_dirs["llama"], tmp_path / "run", **{"model.router_aux_loss_coef": 0.01}))
+    assert not (tmp_path / "run").exists()

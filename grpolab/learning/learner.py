@@ -174,7 +174,8 @@ class PolicyLearner:
         moe = bool(routers(self.model))
         # an MoE policy: its routing in the training forwards, compared with (or replaying) the old forward's
         table = RoutingTable(self.model, tuple(batch.input_ids.shape)) if moe and not self.spec.is_single_update else None
-        routing = RouterTally(self.model) if moe else None
+        balance = self.cfg.model.router_aux_loss_coef
+        routing = RouterTally(self.model, balance=balance > 0) if moe else None
         old = None if self.spec.is_single_update else forward.frozen(self.model, table)
         sync: dict[str, float] = {}
 
@@ -200,13 +201,18 @@ class PolicyLearner:
         try:
             with table.attach(self.spec.routing_replay) if table is not None else nullcontext():
                 around = partial(watch_routing, routing, table) if moe else None
-                result = run_update(self.spec, data, lambda idx: forward.logprobs(self.train_forward, idx, True, around),
-                                    self.optimizer, self.params, plan=forward.plan,
+
+                def policy(indices: torch.Tensor):
+                    logprobs, entropy = forward.logprobs(self.train_forward, indices, True, around)
+                    return (logprobs, entropy, balance * routing.balance_sum) if balance else (logprobs, entropy)
+
+                result = run_update(self.spec, data, policy, self.optimizer, self.params, plan=forward.plan,
                                     micro_batch_size=self.cfg.optim.micro_batch_size,
                                     max_new_tokens=self.cfg.rollout.max_new_tokens,
                                     max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen,
                                     full_metrics=self.cfg.optim.full_metrics, dp=dp,
-                                    first_step_check=check_sync if check and old is None else None)
+                                    first_step_check=check_sync if check and old is None else None,
+                                    extra_loss=balance > 0)
         finally:
             self.model.eval()
         self.updates["attempted"] += result.attempted

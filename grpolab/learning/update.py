@@ -1,8 +1,10 @@
 """The update schedule over one rollout batch: epochs x optimizer steps, micro-batches, guards.
 
 Model-agnostic: the caller supplies ``policy_logprobs(indices) -> (logprobs [n, T], entropy [n, T] | None)``
-for the sequences at ``indices`` (the current policy, with grad). The trainer turns its model into
-such a function; tests use plain parameter tensors.
+for the sequences at ``indices`` (the current policy, with grad), or, for a loss term beside the objective,
+``(logprobs, entropy, extra)``: ``extra`` a 0-dim tensor summed over the forward's response tokens, which the
+step adds divided by its response tokens. The trainer turns its model into such a function; tests use
+plain parameter tensors.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from grpolab.parallel.ranks import Ranks
 from grpolab.objectives.losses import (NonFiniteError, PolicyLossInput, TokenMetrics, policy_loss, raise_if_nonfinite,
                             step_denominators)
 
-PolicyLogprobs = Callable[[Tensor], tuple[Tensor, Tensor | None]]
+PolicyLogprobs = Callable[[Tensor], tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]]
 # rows of an optimizer step [n] -> their micro-batches (index tensors); None = consecutive slices of micro_batch_size
 MicroBatchPlan = Callable[[Tensor], list[Tensor]]
 
@@ -125,16 +127,16 @@ class StepGradients:
 
 
 def rows_with_gradient(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
-                       any_rank: Callable[[bool], bool] = bool) -> Tensor:
+                       any_rank: Callable[[bool], bool] = bool, extra_loss: bool = False) -> Tensor:
     """Bool [n], on the device of ``indices``: the rows of one step that need a backward pass.
 
-    A row's loss is A_i x (surrogate) + beta x KL: it is identically zero, with zero gradient, when its
-    advantage is 0 and there is no KL penalty. Without pruning every row is fed, unless the whole
-    step's loss (on every rank: ``any_rank``) is zero.
+    A row's loss is A_i x (surrogate) + beta x KL (+ its ``extra_loss`` term): it is identically zero, with
+    zero gradient, when its advantage is 0 and there is no KL penalty nor extra term. Without pruning every
+    row is fed, unless the whole step's loss (on every rank: ``any_rank``) is zero.
     """
     nonzero = data.advantages[indices] != 0
     has_kl = spec.beta > 0 and data.ref_logprobs is not None
-    if has_kl or (not spec.prune_zero_advantage and any_rank(bool(nonzero.any()))):
+    if has_kl or extra_loss or (not spec.prune_zero_advantage and any_rank(bool(nonzero.any()))):
         return torch.ones_like(nonzero)
     return nonzero
 
@@ -146,7 +148,7 @@ StepCheck = Callable[[Tensor, Tensor], None]
 def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor, policy_logprobs: PolicyLogprobs,
                          micro_batch_size: int, max_new_tokens: int, full_metrics: bool = True,
                          plan: MicroBatchPlan | None = None, dp: DataParallelShare | None = None,
-                         seen: tuple[Tensor, Tensor] | None = None) -> StepGradients:
+                         seen: tuple[Tensor, Tensor] | None = None, extra_loss: bool = False) -> StepGradients:
     """Backward the loss of one optimizer step over ``indices`` [n], micro-batch by micro-batch
     (``plan``'s, or slices of ``micro_batch_size``).
 
@@ -162,11 +164,12 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
     every rank pads its forwards to the busiest rank's counts).
 
     ``seen`` (log-probs [N, T], covered bool [N]) receives the detached log-probs of every row forwarded.
+    ``extra_loss``: ``policy_logprobs`` returns an extra term (module docstring), so every row has a gradient.
     """
     ranks = dp.ranks if dp is not None else Ranks()
     denominators = step_denominators(spec, data.response_mask[indices], max_new_tokens,
                                      ranks.sum_ if ranks.parallel else None)
-    grad_rows = rows_with_gradient(spec, data, indices, ranks.any)
+    grad_rows = rows_with_gradient(spec, data, indices, ranks.any, extra_loss)
     backward = ranks.any(bool(grad_rows.any()))
     split = (lambda rows: plan(rows) if plan else list(rows.split(micro_batch_size)))  # noqa: E731
     grad_micros = split(indices[grad_rows]) if backward and bool(grad_rows.any()) else []
@@ -187,10 +190,10 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
                 (policy_logprobs(filler)[0].sum() * 0.0).backward()
                 continue
             micro = grad_micros[i]
-            logprobs, entropy = policy_logprobs(micro)
+            logprobs, entropy, *extra = policy_logprobs(micro)
             _record(seen, micro, logprobs)
             loss, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
-            loss.backward()
+            (loss + extra[0] / denominators.kl if extra else loss).backward()
         merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
     for i in range(n_metric):
         with torch.no_grad():
@@ -198,7 +201,7 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
                 policy_logprobs(filler)
                 continue
             micro = metric_micros[i]
-            logprobs, entropy = policy_logprobs(micro)
+            logprobs, entropy, *_ = policy_logprobs(micro)
             _record(seen, micro, logprobs)
             _, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
         merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
@@ -222,7 +225,7 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
                max_new_tokens: int, max_grad_norm: float | None = 1.0,
                generator: torch.Generator | None = None, full_metrics: bool = True,
                plan: MicroBatchPlan | None = None, dp: DataParallelShare | None = None,
-               first_step_check: StepCheck | None = None) -> UpdateResult:
+               first_step_check: StepCheck | None = None, extra_loss: bool = False) -> UpdateResult:
     """Every optimizer step the schedule asks for on one rollout batch.
 
     A step whose whole loss is zero (all advantages 0 and no KL penalty) is skipped: counted as
@@ -239,7 +242,7 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
 
     ``first_step_check`` sees the first step's own forward (the log-probs of the rows it ran, detached)
     before that step updates anything, e.g. the engine-vs-trainer sync check at no extra pass; it may
-    raise to stop the update.
+    raise to stop the update. ``extra_loss``: ``policy_logprobs`` returns an extra loss term (module docstring).
     """
     n_rows = dp.n_rows if dp is not None else data.advantages.shape[0]
     check_schedule(spec, n_rows, micro_batch_size, data.old_logprobs is None)
@@ -253,7 +256,7 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
             seen = (torch.zeros(data.response_mask.shape, dtype=torch.float32, device=data.response_mask.device),
                     torch.zeros(data.response_mask.shape[0], dtype=torch.bool, device=data.response_mask.device))
         step = accumulate_gradients(spec, data, dp.local(indices) if dp is not None else indices, policy_logprobs,
-                                    micro_batch_size, max_new_tokens, full_metrics, plan, dp, seen)
+                                    micro_batch_size, max_new_tokens, full_metrics, plan, dp, seen, extra_loss)
         metrics = _merge(ranks.gather(step.metrics.on_host()))  # the step's one wait for the device
         try:
             raise_if_nonfinite(metrics)  # on every rank alike: the metrics are the global step's

@@ -60,6 +60,26 @@ LIKE_CONFIGS: dict[str, dict] = {
         "bos_token_id": None, "eos_token_id": 100257, "pad_token_id": 100277, "hidden_act": "silu",
         "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
     },
+    # Mixture-of-Experts (``like:`` shapes for probe and bench; override num_hidden_layers to fit): Qwen3-30B-A3B
+    # against its config.json quoted in public tests (48 layers, 128 experts of 768, top 8, 32/4 heads) and
+    # its card's 30.5B total / 3.3B active parameters; OLMoE-1B-7B-0924 against copies of its config.json
+    # (64 experts of 1024, top 8, no top-k renormalisation, eos 50279, pad 1) and its 6.9B / 1.3B.
+    "qwen3-30b-a3b": {
+        **_QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 48,
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "max_window_layers": 48,
+        "tie_word_embeddings": False,
+    },
+    "olmoe-1b-7b": {
+        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024,
+        "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64,
+        "num_experts_per_tok": 8, "norm_topk_prob": False, "vocab_size": 50304, "max_position_embeddings": 4096,
+        "rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+        "clip_qkv": None, "bos_token_id": None, "eos_token_id": 50279, "pad_token_id": 1, "hidden_act": "silu",
+        "router_aux_loss_coef": 0.01, "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "use_cache": True,
+    },
     "llama3.2-1b": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
         "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,

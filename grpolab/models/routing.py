@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RouterRecorder", "RouterTally", "router_metrics", "router_sums", "routers"]
+__all__ = ["RouterRecorder", "RouterTally", "RoutingTable", "load_balancing_loss", "router_metrics", "router_sums",
+           "routers"]
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
@@ -46,8 +47,9 @@ def router_metrics(sums: Tensor) -> dict[str, float]:
       load_max_violation = max_e f_e / (1 / E) - 1 (0 when perfectly balanced);
       confidence = mean over tokens of the probability mass of the selected experts;
       entropy = mean over tokens of -sum_e p_e log p_e (nats);
-      aux_loss = E * sum_e f_e * P_e, P_e = the mean of p_e over tokens (the Switch Transformer's
-      load-balancing loss, as transformers' ``load_balancing_loss_func`` computes it for one layer).
+      aux_loss = E * sum_e (c_e / T) * P_e, c_e = the selections of expert e, T = tokens, P_e = the mean of p_e
+      (the Switch Transformer's load-balancing loss as transformers' ``load_balancing_loss_func`` computes it:
+      k at perfect balance). Sums added over layers give that function's value over all layers.
     Also ``load``: the list of f_e. Empty when no token was routed."""
     num_experts = (sums.shape[0] - 3) // 2
     counts, prob_sum, (confidence, entropy, tokens) = sums[:num_experts], sums[num_experts:-3], sums[-3:]
@@ -56,16 +58,34 @@ def router_metrics(sums: Tensor) -> dict[str, float]:
     load, mean_prob = counts / counts.sum(), prob_sum / tokens
     return {"load": load.tolist(), "load_max_violation": float(load.max() * num_experts - 1),
             "confidence": float(confidence / tokens), "entropy": float(entropy / tokens),
-            "aux_loss": float(num_experts * (load * mean_prob).sum())}
+            "aux_loss": float(num_experts * (counts / tokens * mean_prob).sum())}
+
+
+def load_balancing_loss(logits: list[Tensor], selected: list[Tensor], masks: list[Tensor], num_experts: int) -> Tensor:
+    """transformers' ``load_balancing_loss_func`` over the tokens where ``masks`` are set, differentiable in the
+    logits: E * sum_e (c_e / R) * (sum of p_e / R) over every layer's rows R (R = layers x tokens), p = the
+    float32 softmax of the logits, c_e = the selections of expert e (``selected``: those the layer used).
+    logits: FloatTensor[T_i, E] per (layer, pass); selected: LongTensor[T_i, k] alike; masks: BoolTensor[T_i].
+    Returns a 0-dim float32 tensor (0 when no token is masked in)."""
+    counts = logits[0].new_zeros(num_experts, dtype=torch.float32)
+    prob_sum, rows = torch.zeros_like(counts), 0
+    for layer_logits, chosen, mask in zip(logits, selected, masks, strict=True):
+        mask = mask.to(layer_logits.device)
+        counts = counts + torch.bincount(chosen[mask].reshape(-1), minlength=num_experts).float()
+        prob_sum = prob_sum + torch.softmax(layer_logits[mask], dim=-1, dtype=torch.float32).sum(0)
+        rows += int(mask.sum())
+    return num_experts * (counts / rows * prob_sum / rows).sum() if rows else prob_sum.sum() * 0
 
 
 @dataclass
 class RouterRecorder:
     """Within ``record(model)``: each router's outputs of every forward, in call order per layer
-    (``logits[layer]``, ``selected[layer]``: lists of [T, E] and [T, k] tensors, detached)."""
+    (``logits[layer]``, ``selected[layer]``: lists of [T, E] and [T, k] tensors; the logits detached unless
+    ``with_grad``)."""
 
     logits: list[list[Tensor]] = field(default_factory=list)
     selected: list[list[Tensor]] = field(default_factory=list)
+    with_grad: bool = False
 
     @contextlib.contextmanager
     def record(self, model: nn.Module):
@@ -74,7 +94,7 @@ class RouterRecorder:
 
         def hook_for(layer: int):
             def hook(module, args, output):
-                self.logits[layer].append(output[0].detach())
+                self.logits[layer].append(output[0] if self.with_grad else output[0].detach())
                 self.selected[layer].append(output[2].detach())
             return hook
 
@@ -88,35 +108,44 @@ class RouterRecorder:
 
 class RouterTally:
     """The router sums (``router_sums``) of every layer of ``model``, added over the forwards recorded with
-    ``forward(masks)``: float64 [L, 2E + 3]."""
+    ``forward(masks)``: float64 [L, 2E + 3]. With ``balance``, each forward also leaves its load-balancing loss
+    (``load_balancing_loss``, with its graph) times its counted tokens in ``balance_sum``."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, balance: bool = False):
         found = routers(model)
-        self.model, self.num_experts = model, int(found[0].num_experts)
+        self.model, self.num_experts, self.balance = model, int(found[0].num_experts), balance
         self.sums = torch.zeros(len(found), 2 * self.num_experts + 3, dtype=torch.float64)
+        self.balance_sum: Tensor | None = None
 
     @contextlib.contextmanager
     def forward(self, masks: list[Tensor]):
         """Record the forward run within it; the tokens where ``masks`` are set count (one BoolTensor per
         backbone pass, flattened as its routers see them, in pass order); its sums are added on leaving."""
-        recorder = RouterRecorder()
+        recorder = RouterRecorder(with_grad=self.balance)
         with recorder.record(self.model):
             yield
         for layer, (calls, chosen) in enumerate(zip(recorder.logits, recorder.selected)):
             for logits, selected, mask in zip(calls, chosen, masks, strict=True):
-                self.sums[layer] += router_sums(logits, selected, mask.to(logits.device), self.num_experts).cpu()
+                self.sums[layer] += router_sums(logits.detach(), selected, mask.to(logits.device),
+                                                self.num_experts).cpu()
+        if self.balance:
+            flat = lambda per_layer: [t for calls in per_layer for t in calls]  # noqa: E731
+            tokens = sum(int(m.sum()) for m in masks)
+            self.balance_sum = tokens * load_balancing_loss(flat(recorder.logits), flat(recorder.selected),
+                                                            masks * len(recorder.logits), self.num_experts)
 
     def metrics(self, total: Callable[[Tensor], Tensor] = lambda sums: sums) -> dict[str, float]:
         """``router/...`` step metrics from the sums, after ``total`` (e.g. a sum over the ranks): per layer the
-        worst expert-load violation, and over layers the worst violation and the mean confidence, entropy and
-        load-balancing loss."""
+        worst expert-load violation, and over layers the worst violation, the mean confidence and entropy, and the
+        load-balancing loss of all layers' rows (as the model's own ``load_balancing_loss_func``)."""
         per_layer = [router_metrics(s) for s in total(self.sums)]
         if not all(per_layer):  # no token routed
             return {}
         out = {f"router/layer{i}/load_max_violation": m["load_max_violation"] for i, m in enumerate(per_layer)}
         out["router/load_max_violation"] = max(m["load_max_violation"] for m in per_layer)
-        for key in ("confidence", "entropy", "aux_loss"):
+        for key in ("confidence", "entropy"):
             out[f"router/{key}"] = sum(m[key] for m in per_layer) / len(per_layer)
+        out["router/aux_loss"] = router_metrics(total(self.sums).sum(0))["aux_loss"]  # over all layers' rows
         return out
 
 

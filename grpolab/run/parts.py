@@ -27,6 +27,7 @@ from grpolab.models.like import is_like_dir
 from grpolab.models.loading import (check_model_spec, frozen_copy, load_policy, resolve_device, resolve_dtype,
                                     resolve_model_dir)
 from grpolab.models.logprobs import enable_gradient_checkpointing
+from grpolab.models.routing import routers
 from grpolab.models.lora import Adapter, AdapterWeights, MergedWeights, adapter_base, add_adapter, is_adapter_folder
 from grpolab.models.precision import TrainingPrecision, resolve_precision
 from grpolab.models.prompt_tokens import tokenize_prompts
@@ -208,6 +209,8 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         phase.info = (f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}"
                       + (f", {trainable / 1e6:.2f}M of them trained (LoRA rank {lora.rank})" if lora else ""))
+    if cfg.model.router_aux_loss_coef and not routers(model):
+        raise ValueError(f"model.router_aux_loss_coef needs a Mixture-of-Experts model; {model_dir} has no routers")
     bind_tokenizer = getattr(task, "bind_tokenizer", None)
     if bind_tokenizer is not None:  # chat-template prompts render with the model's own tokenizer
         bind_tokenizer(tokenizer)
