@@ -27,10 +27,10 @@ from grpolab.models.like import is_like_dir
 from grpolab.models.loading import (check_model_spec, frozen_copy, load_policy, resolve_device, resolve_dtype,
                                     resolve_model_dir)
 from grpolab.models.logprobs import enable_gradient_checkpointing
-from grpolab.models.routing import routers
 from grpolab.models.lora import Adapter, AdapterWeights, MergedWeights, adapter_base, add_adapter, is_adapter_folder
 from grpolab.models.precision import TrainingPrecision, resolve_precision
 from grpolab.models.prompt_tokens import tokenize_prompts
+from grpolab.models.routing import routers
 from grpolab.parallel.fsdp import FullWeights, shard_fsdp
 from grpolab.parallel.ranks import Ranks, init_from_env
 from grpolab.rollout.base import RolloutEngine
