@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from grpolab.common.validation import describe_validation_error
 from grpolab.models.precision import PrecisionName
+from grpolab.models.tinymodel import WarmStartSettings
 from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec
 from grpolab.tasks.configs import TASK_KINDS, TINY_MODEL_TASKS, ArithmeticTaskConfig, TaskConfig
 
@@ -57,6 +58,10 @@ class ModelConfig(_Section):
     like_overrides: dict[str, int] = Field(default_factory=dict, description="size fields of a like:NAME "
                                            "model, e.g. {num_hidden_layers = 2}; width and vocabulary stay real")
     lora: LoraSettings | None = Field(None, description="LoRA adapters instead of full weights ([model.lora])")
+    warm_start: dict[str, Any] = Field(default_factory=dict, description="with no model.path: changes to the "
+                                       "demo's tiny model and its warm start, e.g. {arch = \"qwen3_moe\", "
+                                       "num_experts = 8, experts_per_token = 2} (grpolab.models.tinymodel."
+                                       "WarmStartSettings)")
     router_aux_loss_coef: float = Field(0.0, ge=0, description="a Mixture-of-Experts policy: this times the "
                                         "load-balancing loss of each training forward's completion tokens is "
                                         "added to the objective (0 = the objective as published)")
@@ -238,6 +243,14 @@ class RunConfig(_Section):
             if r.top_p < 1 or r.top_k > 0:
                 raise ValueError("rollout.top_p / top_k: the vLLM engine samples with top_p = 1 and top_k = 0 "
                                  "only (vLLM reports log-probs renormalised over the truncated set)")
+        if self.model.warm_start:
+            if self.model.path is not None:
+                raise ValueError("model.warm_start changes the demo's tiny model: it applies only without model.path")
+            try:  # unknown keys and bad values, named now
+                WarmStartSettings(**self.model.warm_start)
+            except ValidationError as err:
+                raise ValueError("; ".join(f"model.warm_start.{line}" for line in describe_validation_error(err, "")
+                                           ).replace("model.warm_start.: ", "model.warm_start: ")) from None
         like = (self.model.path or "").startswith("like:")
         if self.model.like_overrides and not like:
             raise ValueError("model.like_overrides applies only to a like:NAME model")

@@ -307,3 +307,68 @@ def test_router_aux_loss_coef_on_a_dense_model_is_refused(tiny_model_dirs, tmp_p
     with pytest.raises(ValueError, match="router_aux_loss_coef needs a Mixture-of-Experts model"):
         Trainer(quick_config(tiny_model_dirs["llama"], tmp_path / "run", **{"model.router_aux_loss_coef": 0.01}))
     assert not (tmp_path / "run").exists()
+
+
+TINY_MOE_WARM_START = {"arch": "qwen3_moe", "num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 32,
+                       "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "steps": 20,
+                       "batch_size": 16}
+
+
+def test_the_demo_model_warm_starts_as_an_moe_whose_routing_is_measured_at_evaluation(tmp_path, monkeypatch):
+    """``model.warm_start`` makes the demo's tiny model a Qwen3-MoE; an evaluation reports the routing of its
+    greedy completions (the policy's forward over them), the step line the training forwards'."""
+    from grpolab.config import load_config
+    from grpolab.run.step import vital_signs
+
+    monkeypatch.setenv("GRPOLAB_CACHE", str(tmp_path / "cache"))
+    cfg = load_config(None, {"model.warm_start": TINY_MOE_WARM_START, "output_dir": str(tmp_path / "run"), "steps": 1,
+                             "rollout.prompts_per_step": 4, "rollout.group_size": 4, "eval.n_examples": 16})
+    trainer = Trainer(cfg)
+    try:
+        model = trainer.parts.learner.model
+        assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 4 and len(routers(model)) == 1
+        record = trainer.train_step(1)
+        evaluated = trainer.evaluate(1)
+    finally:
+        trainer.close()
+    assert "router violation" in vital_signs(record, 1, 0.0)
+    for metrics in (record, {k.removeprefix("val/"): v for k, v in evaluated.items()}):
+        load = metrics["router/layer0/load"]
+        assert len(load) == 4 and sum(load) == pytest.approx(1, abs=1e-5)
+        assert metrics["router/load_max_violation"] == pytest.approx(max(load) * 4 - 1, abs=1e-4)
+        assert 0.5 < metrics["router/confidence"] <= 1
+    assert evaluated["val/router/load_max_violation"] != record["router/load_max_violation"], "other tokens"
+
+
+def test_bad_warm_start_changes_are_refused_in_one_line():
+    from grpolab.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"model.warm_start.num_expertz: Extra inputs"):
+        load_config(None, {"model.warm_start": {"num_expertz": 8}})
+    with pytest.raises(ConfigError, match="num_experts > 0 goes with a Mixture-of-Experts arch"):
+        load_config(None, {"model.warm_start": {"arch": "llama", "num_experts": 8}})
+    with pytest.raises(ConfigError, match="applies only without model.path"):
+        load_config(None, {"model.path": "x", "model.warm_start": {"num_layers": 1}})
+
+
+def test_the_report_draws_each_moe_runs_expert_load_per_layer(tmp_path):
+    import json
+
+    from grpolab.studies.report.routing import layer_loads, load_heatmaps
+    from grpolab.studies.report.runs import Run
+
+    loads = {step: [[0.25 * step / 3, 0.25, 0.25, 0.75 - 0.25 * step / 3], [0.1, 0.2, 0.3, 0.4]] for step in (1, 2, 3)}
+    runs = []
+    for name, moe in (("moe run", True), ("dense", False)):
+        (tmp_path / name).mkdir()
+        lines = [{"step": s, "reward_mean": 0.5, **({f"router/layer{i}/load": v for i, v in enumerate(loads[s])}
+                                                     if moe else {})} for s in loads] + [{"step": 3, "val/accuracy": 1}]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        runs.append(Run(name, tmp_path / name, "completed"))
+    steps, grids = layer_loads(runs[0])
+    assert steps == [1, 2, 3] and sorted(grids) == [0, 1] and grids[0].shape == (4, 3)
+    assert grids[0][:, 2].tolist() == loads[3][0] and layer_loads(runs[1]) == ([], {})
+    (tmp_path / "fig").mkdir()
+    assert load_heatmaps(runs, tmp_path / "fig") == [("moe run: expert load per layer over steps",
+                                                      "router_load_moe_run.png")]
+    assert (tmp_path / "fig" / "router_load_moe_run.png").stat().st_size > 1000

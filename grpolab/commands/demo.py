@@ -21,7 +21,8 @@ from grpolab.common.progress import Reporter, format_seconds
 from grpolab.run.rundir import resolve_run_dir
 from grpolab.tasks import build_task
 from grpolab.common.threads import choose_threads
-from grpolab.models.tinymodel import WarmStartSettings, default_cache_root, settings_config, warm_start_key
+from grpolab.models.tinymodel import (WarmStartSettings, default_cache_root, settings_config, warm_start_key,
+                                      warm_start_settings)
 
 WARM_START_RATIO = 0.72  # warm-start step / calibration step
 RL_STEP_RATIO = (2.7, 4.5)  # RL step / calibration step, per 32 x 8 completions of <= 48 tokens
@@ -59,7 +60,7 @@ def print_demo_plan(cfg: RunConfig, reporter: Reporter) -> None:
     task = build_task(cfg.task)
     check_model_spec(cfg.model.path)
     torch.set_num_threads(choose_threads(cfg.threads).threads)  # the run measures again and agrees
-    settings = WarmStartSettings(**getattr(task, "warm_start_overrides", {}))
+    settings = warm_start_settings(task, cfg.model.warm_start)
     step, parameters = calibration_step_seconds(settings)
     shape = (cfg.rollout.prompts_per_step * cfg.rollout.group_size / 256) * (cfg.rollout.max_new_tokens / 48)
     n_val = cfg.eval.n_examples or len(task.validation_examples())

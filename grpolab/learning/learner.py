@@ -18,6 +18,7 @@ from torch import nn
 
 from grpolab.objectives.advantages import advantage_metrics, group_advantages
 from grpolab.learning.batching import TrainBatch, collate
+from grpolab.rollout.base import Completion
 from grpolab.rollout.collect import RolloutBatch
 from grpolab.config import RunConfig
 from grpolab.parallel.ranks import Ranks, no_sync, wrap_ddp
@@ -93,13 +94,12 @@ class BatchForward:
                            with_entropy, self.cfg.model.logprob_chunk_size * len(indices))
 
     @torch.no_grad()
-    def frozen(self, model: nn.Module, table: RoutingTable | None = None) -> torch.Tensor:
-        """[N, T] log-probs of every row by ``model``, micro-batch by micro-batch as planned, without gradients;
-        an MoE model's routing choices recorded in ``table``."""
+    def frozen(self, model: nn.Module, around: Callable[[UnitLayout], AbstractContextManager] | None = None):
+        """[N, T] log-probs of every row by ``model``, micro-batch by micro-batch as planned, without gradients,
+        each forward within ``around(layout)`` (e.g. an MoE model's routing recorded)."""
         forward = PolicyForward(model)
         out = torch.zeros(self.batch.input_ids.shape, dtype=torch.float32, device=self.batch.input_ids.device)
         micros = self.plan(torch.arange(len(self.batch), device=out.device))
-        around = (lambda layout: table.record(layout.token_places())) if table is not None else None
         for micro in micros:
             out[micro] = self.logprobs(forward, micro, False, around)[0]
         for _ in range(self.lockstep.max(len(micros)) - len(micros) if self.lockstep else 0):
@@ -160,6 +160,17 @@ class PolicyLearner:
         return BatchForward(self.cfg, batch, self.precision, self.device, self.share_prompts,
                             self.ranks if self.sharded else None)
 
+    def routing_of(self, completions: list[Completion]) -> dict[str, float]:
+        """An MoE policy's ``router/...`` metrics over the completion tokens of ``completions`` (one forward
+        without gradients; every rank passes the same completions, so FSDP ranks run the same forwards);
+        nothing for a dense policy."""
+        if not routers(self.model) or not completions:
+            return {}
+        tally = RouterTally(self.model)
+        forward = self.forward(collate(completions, self.pad_token_id).to(self.device))
+        forward.frozen(self.model, lambda layout: tally.forward(layout.completion_masks()))
+        return tally.metrics()
+
     def learn(self, rollout: RolloutBatch) -> dict[str, Any]:
         """Advantages, sync check and the update schedule over one rollout batch; returns its metrics."""
         rewards = rollout.rewards()  # [B, G], all groups
@@ -176,7 +187,8 @@ class PolicyLearner:
         table = RoutingTable(self.model, tuple(batch.input_ids.shape)) if moe and not self.spec.is_single_update else None
         balance = self.cfg.model.router_aux_loss_coef
         routing = RouterTally(self.model, balance=balance > 0) if moe else None
-        old = None if self.spec.is_single_update else forward.frozen(self.model, table)
+        record = (lambda layout: table.record(layout.token_places())) if table is not None else None
+        old = None if self.spec.is_single_update else forward.frozen(self.model, record)
         sync: dict[str, float] = {}
 
         def check_sync(trainer: torch.Tensor, covered: torch.Tensor) -> None:

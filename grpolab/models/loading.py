@@ -16,7 +16,7 @@ from grpolab.models.like import LIKE_PREFIX, is_like_dir, like_model_dir
 from grpolab.models.fidelity import attention_implementation
 from grpolab.common.progress import Reporter
 from grpolab.tasks.base import Task
-from grpolab.models.tinymodel import warm_start_model
+from grpolab.models.tinymodel import warm_start_model, warm_start_settings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -37,18 +37,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_model_dir(path: str | None, task: Task, like_overrides: dict[str, int] | None = None,
-                      reporter: Reporter | None = None) -> Path:
+                      reporter: Reporter | None = None, warm_start: dict[str, Any] | None = None) -> Path:
     """The model directory to train: ``path`` (must exist), the cached folder of a ``like:NAME`` model
     (random weights at a reference model's shapes; ``like_overrides`` may shrink it), the cached
     conversion of a ``gguf:FILE`` model (``grpolab.models.gguf``), or the demo's cached warm-started tiny model
-    (its warm start, or a conversion, shown on ``reporter``)."""
+    with the task's and then ``warm_start``'s changes to its recipe (its warm start, or a conversion, shown on
+    ``reporter``)."""
     is_like = path is not None and path.startswith(LIKE_PREFIX)
     if like_overrides and not is_like:
         raise ValueError("model.like_overrides applies only to like: models")
     if is_like:
         return like_model_dir(path[len(LIKE_PREFIX):], task, like_overrides)
     if path is None:
-        return warm_start_model(task, reporter=reporter)
+        return warm_start_model(task, warm_start_settings(task, warm_start), reporter=reporter)
     if path.startswith(GGUF_PREFIX):
         return gguf_model_dir(path[len(GGUF_PREFIX):], reporter)
     return check_model_path(path)

@@ -136,12 +136,13 @@ class RouterTally:
 
     def metrics(self, total: Callable[[Tensor], Tensor] = lambda sums: sums) -> dict[str, float]:
         """``router/...`` step metrics from the sums, after ``total`` (e.g. a sum over the ranks): per layer the
-        worst expert-load violation, and over layers the worst violation, the mean confidence and entropy, and the
+        expert loads (a list, 6 decimals) and the worst expert-load violation, and over layers the worst violation, the mean confidence and entropy, and the
         load-balancing loss of all layers' rows (as the model's own ``load_balancing_loss_func``)."""
         per_layer = [router_metrics(s) for s in total(self.sums)]
         if not all(per_layer):  # no token routed
             return {}
         out = {f"router/layer{i}/load_max_violation": m["load_max_violation"] for i, m in enumerate(per_layer)}
+        out |= {f"router/layer{i}/load": [round(f, 6) for f in m["load"]] for i, m in enumerate(per_layer)}
         out["router/load_max_violation"] = max(m["load_max_violation"] for m in per_layer)
         for key in ("confidence", "entropy"):
             out[f"router/{key}"] = sum(m[key] for m in per_layer) / len(per_layer)

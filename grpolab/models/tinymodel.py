@@ -14,10 +14,11 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoConfig,
@@ -78,6 +79,22 @@ def build_tokenizer(
     )
 
 
+# the MoE model types a warm start can build, and the name of their expert-count field
+MOE_ARCHS = {"qwen3_moe": "num_experts", "olmoe": "num_experts", "mixtral": "num_local_experts"}
+MOE_FIELDS = ("num_experts", "experts_per_token", "moe_intermediate_size")
+
+
+def model_config(vocab_size: int, arch: str, *, hidden_size: int, num_layers: int, num_heads: int,
+                 intermediate_size: int, tie_word_embeddings: bool, experts: dict[str, int] | None = None,
+                 **fields: Any) -> PretrainedConfig:
+    """The transformers config of a tiny model of type ``arch`` (``experts``: an MoE arch's expert fields)."""
+    return AutoConfig.for_model(arch, vocab_size=vocab_size, hidden_size=hidden_size,
+                                intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+                                num_attention_heads=num_heads, num_key_value_heads=num_heads,
+                                head_dim=hidden_size // num_heads, tie_word_embeddings=tie_word_embeddings,
+                                bos_token_id=None, **(experts or {}), **fields)
+
+
 def build_model(
     tokenizer: PreTrainedTokenizerFast,
     arch: str = "llama",
@@ -88,28 +105,19 @@ def build_model(
     intermediate_size: int = 512,
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = True,
+    experts: dict[str, int] | None = None,
 ) -> PreTrainedModel:
-    """A randomly initialised causal LM of model type ``arch`` ("llama", "qwen3", ...).
+    """A randomly initialised causal LM of model type ``arch`` ("llama", "qwen3", an MoE arch with ``experts``:
+    its expert-count fields, ...).
 
     Seed torch before calling for a reproducible initialisation. Note: with transformers 5,
     ``AutoTokenizer`` loads a folder whose model type is ``qwen2`` as ``Qwen2Tokenizer`` and swaps
     in Qwen's pre-tokenizer, so ``save_checked`` refuses that arch.
     """
-    config = AutoConfig.for_model(
-        arch,
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        head_dim=hidden_size // num_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = model_config(len(tokenizer), arch, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                          intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
+                          experts=experts, max_position_embeddings=max_position_embeddings,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -133,6 +141,11 @@ class WarmStartSettings(BaseModel):
     # and GRPO then reaches 95-97% in 100 demo steps (benchmarks/demo_outcome.py; tied + 250 steps
     # plateaued at 65-78% in an earlier measurement)
     tie_word_embeddings: bool = False
+    # a Mixture-of-Experts MLP in every layer (arch "qwen3_moe", "olmoe" or "mixtral"): num_experts experts of
+    # moe_intermediate_size (None: intermediate_size), experts_per_token routed per token; 0 = dense
+    num_experts: int = Field(default=0, ge=0)
+    experts_per_token: int = Field(default=2, ge=1)
+    moe_intermediate_size: int | None = Field(default=None, ge=1)
     steps: int = Field(default=200, ge=0)
     batch_size: int = Field(default=64, ge=1)
     lr: float = 3e-3
@@ -142,14 +155,35 @@ class WarmStartSettings(BaseModel):
     max_examples: int | None = Field(default=None, description="use only the first N solved examples")
 
 
+    @model_validator(mode="after")
+    def _experts_fit(self) -> "WarmStartSettings":
+        if self.num_experts and self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
+        if bool(self.num_experts) != (self.arch in MOE_ARCHS):
+            raise ValueError(f"num_experts > 0 goes with a Mixture-of-Experts arch ({', '.join(MOE_ARCHS)}), "
+                             f"got arch {self.arch!r} and num_experts {self.num_experts}")
+        return self
+
+    def shape(self) -> dict[str, Any]:
+        """The config fields of the model's size (``build_model``'s keyword arguments)."""
+        out = {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads,
+               "intermediate_size": self.intermediate_size, "tie_word_embeddings": self.tie_word_embeddings}
+        if self.num_experts:
+            out["experts"] = {MOE_ARCHS[self.arch]: self.num_experts, "num_experts_per_tok": self.experts_per_token,
+                              **({"moe_intermediate_size": self.moe_intermediate_size or self.intermediate_size}
+                                 if self.arch == "qwen3_moe" else {})}
+        return out
+
+
+def warm_start_settings(task: Task, changes: dict[str, Any] | None = None) -> WarmStartSettings:
+    """The demo's recipe with the task's ``warm_start_overrides`` (an optional member), then ``changes``."""
+    return WarmStartSettings(**{**getattr(task, "warm_start_overrides", {}), **(changes or {})})
+
+
 def settings_config(settings: WarmStartSettings) -> PretrainedConfig:
     """The transformers config of the warm-start model, its vocabulary taken as ``settings.vocab_size``
     (the trained tokenizer adds a few tokens): for timing and size estimates before the model exists."""
-    return AutoConfig.for_model(settings.arch, vocab_size=settings.vocab_size, hidden_size=settings.hidden_size,
-                                intermediate_size=settings.intermediate_size, num_hidden_layers=settings.num_layers,
-                                num_attention_heads=settings.num_heads, num_key_value_heads=settings.num_heads,
-                                head_dim=settings.hidden_size // settings.num_heads,
-                                tie_word_embeddings=settings.tie_word_embeddings)
+    return model_config(settings.vocab_size, settings.arch, **settings.shape())
 
 
 def default_cache_root() -> Path:
@@ -185,7 +219,8 @@ def _solved(task: Task, settings: WarmStartSettings) -> list[tuple[str, str]]:
 def warm_start_key(task: Task, settings: WarmStartSettings) -> str:
     """Short hash of the recipe version, the settings and the solved examples used."""
     h = hashlib.sha256()
-    h.update(json.dumps([WARM_START_VERSION, task.name, settings.model_dump()], sort_keys=True).encode())
+    recipe = settings.model_dump(exclude=None if settings.num_experts else set(MOE_FIELDS))  # dense: keys as before
+    h.update(json.dumps([WARM_START_VERSION, task.name, recipe], sort_keys=True).encode())
     for prompt, solution in _solved(task, settings):
         h.update(f"{len(prompt)}:{prompt}{len(solution)}:{solution}".encode())
     return h.hexdigest()[:12]
@@ -300,7 +335,7 @@ def warm_start_model(
     never returned. Deterministic for a given seed on CPU. ``reporter`` shows the steps, the loss
     and the time left.
     """
-    settings = settings or WarmStartSettings(**getattr(task, "warm_start_overrides", {}))
+    settings = settings or warm_start_settings(task)
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     target = root / warm_start_key(task, settings)
 
@@ -311,15 +346,7 @@ def warm_start_model(
             (p + s for p, s in pairs), settings.vocab_size, settings.max_token_length, _tags(task)
         )
         torch.manual_seed(settings.seed)
-        model = build_model(
-            tokenizer,
-            settings.arch,
-            hidden_size=settings.hidden_size,
-            num_layers=settings.num_layers,
-            num_heads=settings.num_heads,
-            intermediate_size=settings.intermediate_size,
-            tie_word_embeddings=settings.tie_word_embeddings,
-        )
+        model = build_model(tokenizer, settings.arch, **settings.shape())
         if reporter is None:
             losses = supervised_warm_start(model, tokenizer, pairs, settings, segments=_segments(task))
         else:

@@ -76,8 +76,9 @@ def greedy(sampling: SamplingParams) -> SamplingParams:
 
 def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_ids: list[list[int]],
              sampling: SamplingParams, pass_k: list[int], pass_n: int, seed: int, chunk: int | None = None,
-             on_items: Callable[[int], None] | None = None,
-             ranks: Ranks = Ranks()) -> tuple[dict[str, float], list[dict[str, Any]]]:
+             on_items: Callable[[int], None] | None = None, ranks: Ranks = Ranks(),
+             measure: Callable[[list[Completion]], dict[str, float]] | None = None,
+             ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Greedy metrics over ``examples`` and, when ``pass_k`` is set, pass@k from ``pass_n`` samples.
 
     ``sampling`` is the training rollout's: every generation here keeps its token limit and stop
@@ -86,7 +87,8 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
     prompts at a time (None: all at once; the hf engine's own batch size leaves its batches, and so
     its results, unchanged), and ``on_items(k)`` is called as k more items finish. Data parallel
     (``ranks``): each rank generates and grades its ``share_chunks`` and the results are gathered, so
-    every rank returns the metrics and records of all items.
+    every rank returns the metrics and records of all items. ``measure``: more metrics (``val/``-prefixed)
+    from all greedy completions, on every rank (e.g. an MoE policy's routing of them).
 
     Returns (metrics, one ``item_record`` per example, with ``pass_n`` / ``pass_correct``: the sampled
     count and how many were correct, when ``pass_k`` is set).
@@ -116,6 +118,8 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
         "val/completion_len_mean": mean(len(c[0].completion_ids) for c in completions),
         "val/truncation_rate": mean(c[0].truncated for c in completions),
     }
+    if measure is not None:
+        out.update({f"val/{k}": v for k, v in measure([c[0] for c in completions]).items()})
     if getattr(task, "toolset", None) is not None:
         out.update(tool_metrics([c[0] for c in completions], [g.answer_reward > 0 for g in grades], prefix="val/tool/"))
     if pass_k:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -186,9 +187,10 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
         reporter.line(f"data parallel: {ranks.world} ranks ({cfg.dist.strategy}), "
                       f"{cfg.rollout.prompts_per_step // ranks.world} prompt groups each per step")
     # rank 0 first: a warm start of the demo's model is cached, and the other ranks then find it
-    model_dir = ranks.run_on_main(lambda: resolve_model_dir(cfg.model.path, task, cfg.model.like_overrides, reporter))
+    resolve = partial(resolve_model_dir, cfg.model.path, task, cfg.model.like_overrides, warm_start=cfg.model.warm_start)
+    model_dir = ranks.run_on_main(lambda: resolve(reporter=reporter))
     if not ranks.is_main:
-        model_dir = resolve_model_dir(cfg.model.path, task, cfg.model.like_overrides)
+        model_dir = resolve()
     if is_like_dir(model_dir):
         reporter.line(f"{cfg.model.path}: random weights at the real shapes (for memory and speed): "
                       "completions rarely stop and run to max_new_tokens")

@@ -62,7 +62,7 @@ def reward_components(grades: list[Grade]) -> dict[str, float]:
 
 def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
     """One log line of a step's vital signs (KL only when a reference exists, grad norm only when
-    an optimizer step ran, tool calls only with tools)."""
+    an optimizer step ran, tool calls only with tools, routing only for an MoE policy)."""
     def num(key: str, fmt: str) -> str:
         value = record.get(key)
         return "-" if value is None else format(value, fmt)
@@ -75,6 +75,10 @@ def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
     parts += [f"clip {clip:.3f}", f"ratio {num('ratio_mean', '.3f')}", f"len {num('completion_len_mean', '.1f')}",
               f"trunc {num('truncation_rate', '.2f')}", f"gnorm {num('grad_norm', '.3f')}",
               f"{record['time/step']:.1f} s/step", f"~{format_seconds(seconds_left)} left"]
+    if "router/load_max_violation" in record:  # an MoE policy
+        mismatch = f" mismatch {record['router/mismatch']:.3f}" if "router/mismatch" in record else ""
+        parts.insert(-3, f"router violation {record['router/load_max_violation']:.2f} "
+                         f"confidence {record['router/confidence']:.2f}{mismatch}")
     if "tool/call_rate" in record:
         parts.insert(-3, f"tool calls {record['tool/call_rate']:.2f} (errors {record['tool/errors']})")
     failed = sum(v for k, v in record.items() if k.startswith("reward/") and k.endswith("_failed"))

@@ -25,6 +25,7 @@ def write_report(directory: Path, reporter: Reporter, baseline: str | None = Non
     own folder (no marker: a run directory, a user's folder, a file)."""
     from grpolab.studies.report.figures import all_figures  # matplotlib only when figures are drawn
     from grpolab.studies.report.markdown import render
+    from grpolab.studies.report.routing import load_heatmaps
 
     directory = Path(directory)
     title, runs = find_runs(directory)
@@ -36,7 +37,7 @@ def write_report(directory: Path, reporter: Reporter, baseline: str | None = Non
     try:
         remove_leftovers(directory, keep=tmp)
         with reporter.phase("report: figures") as phase:
-            figures = all_figures(runs, data, tmp)
+            figures = all_figures(runs, data, tmp) + load_heatmaps(runs, tmp)
             phase.info = f"{len(figures)} figures"
         (tmp / "report.md").write_text(render(data, figures))
         (tmp / "report.json").write_text(json.dumps(data, indent=2, default=str))

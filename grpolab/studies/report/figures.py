@@ -41,6 +41,14 @@ CURVES: list[tuple[str, str, str, Series]] = [
     ("completion_length", "completion length (mean tokens)", "train", _key("completion_len_mean")),
     ("truncation_rate", "truncation rate", "train", _key("truncation_rate")),
     ("grad_norm", "grad norm (before clipping)", "train", _key("grad_norm")),
+    ("router_violation", "MoE: worst expert-load violation (max load / mean load - 1)", "train",
+     _key("router/load_max_violation")),
+    ("router_confidence", "MoE: routing confidence (mass of the selected experts)", "train", _key("router/confidence")),
+    ("router_entropy", "MoE: router entropy (nats)", "train", _key("router/entropy")),
+    ("router_aux_loss", "MoE: load-balancing loss (k when balanced)", "train", _key("router/aux_loss")),
+    ("router_mismatch", "MoE: routing mismatch, training vs old-log-prob forward", "train", _key("router/mismatch")),
+    ("val_router_violation", "MoE: worst expert-load violation (validation, greedy)", "val",
+     _key("val/router/load_max_violation")),
     ("tool_call_rate", "tool-call rate (validation, greedy)", "val", _key("val/tool/call_rate")),
     ("tool_accuracy", "accuracy of trajectories with a valid tool call (validation)", "val",
      _key("val/tool/accuracy_with_calls")),
@@ -64,7 +72,7 @@ def _legend(ax) -> None:
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
 
 
-def _save(fig, out_dir: Path, stem: str) -> str:
+def save_figure(fig, out_dir: Path, stem: str) -> str:
     name = f"{stem}.png"
     fig.savefig(out_dir / name, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -91,7 +99,7 @@ def metric_curves(runs: list[Run], out_dir: Path, styles: dict[str, dict[str, An
             if steps:
                 ax.plot(steps, values, label=name, linewidth=1.2, **styles[name])
         _legend(ax)
-        made.append((title, _save(fig, out_dir, stem)))
+        made.append((title, save_figure(fig, out_dir, stem)))
     return made
 
 
@@ -115,7 +123,7 @@ def accuracy_curve(runs: list[Run], out_dir: Path, resamples: int, seed: int,
         return None
     ax.set_ylim(-0.02, 1.02)
     _legend(ax)
-    return "validation accuracy", _save(fig, out_dir, "val_accuracy")
+    return "validation accuracy", save_figure(fig, out_dir, "val_accuracy")
 
 
 def phase_seconds(runs: list[Run], out_dir: Path, styles: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
@@ -133,7 +141,7 @@ def phase_seconds(runs: list[Run], out_dir: Path, styles: dict[str, dict[str, An
     axes.flat[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     for ax in axes[1]:
         ax.set_xlabel("step")
-    return "seconds per phase", _save(fig, out_dir, "phase_seconds")
+    return "seconds per phase", save_figure(fig, out_dir, "phase_seconds")
 
 
 def pass_at_k_figure(curves: dict[str, dict[int, dict[int, float]]], out_dir: Path) -> tuple[str, str] | None:
@@ -145,7 +153,7 @@ def pass_at_k_figure(curves: dict[str, dict[int, dict[int, float]]], out_dir: Pa
             ax.plot(list(curve), list(curve.values()), marker="o", markersize=3, label=f"{name} step {step}")
     ax.set_xscale("log", base=2)
     _legend(ax)
-    return "pass@k", _save(fig, out_dir, "pass_at_k")
+    return "pass@k", save_figure(fig, out_dir, "pass_at_k")
 
 
 def differences_figure(comparisons: list[dict[str, Any]], baseline: str, out_dir: Path) -> tuple[str, str] | None:
@@ -162,7 +170,7 @@ def differences_figure(comparisons: list[dict[str, Any]], baseline: str, out_dir
     ax.invert_yaxis()
     ax.set_xlabel(f"validation accuracy minus {baseline}'s (paired items, 95% bootstrap CI)")
     ax.grid(alpha=0.3, axis="x")
-    return f"difference against {baseline}", _save(fig, out_dir, "differences")
+    return f"difference against {baseline}", save_figure(fig, out_dir, "differences")
 
 
 def all_figures(runs: list[Run], data: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:

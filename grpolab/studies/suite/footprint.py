@@ -18,7 +18,7 @@ def parameter_count(cfg: RunConfig, configs: dict[str, RunConfig]) -> int | None
     start checkpoint that another run has not written yet and no run of ``configs`` explains)."""
     path = cfg.model.path
     if path is None:
-        config = settings_config(WarmStartSettings())
+        config = settings_config(WarmStartSettings(**cfg.model.warm_start))
     elif path.startswith("like:"):
         return None
     else:
