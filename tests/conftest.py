@@ -228,6 +228,14 @@ def warm_model_dir(tmp_path_factory):
     return warm_start_model(ArithmeticTask(**TASK), QUICK_WARM_START, cache_dir=tmp_path_factory.mktemp("cache"))
 
 
+@pytest.fixture(scope="session")
+def warm_moe_dir(tmp_path_factory):
+    """The same warm start as a Qwen3-MoE (4 experts of 64 per layer, top 2)."""
+    settings = QUICK_WARM_START.model_copy(update={"arch": "qwen3_moe", "num_experts": 4, "experts_per_token": 2,
+                                                   "moe_intermediate_size": 64})
+    return warm_start_model(ArithmeticTask(**TASK), settings, cache_dir=tmp_path_factory.mktemp("moe_cache"))
+
+
 def float64_norms(model) -> None:
     """transformers' RMSNorm computes in float32 (a downcast of float64 activations), which would bury a
     finite difference in rounding: the same formula in the activations' dtype instead."""

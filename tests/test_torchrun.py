@@ -131,6 +131,23 @@ def test_lora_adapters_over_two_processes_compute_the_one_process_run(strategy, 
     assert all("lora_" in k for k in weights(two, 3))
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_moe_policy_over_two_processes_computes_the_one_process_run(strategy, warm_moe_dir, tmp_path):
+    """A Qwen3-MoE (FSDP2 shards each decoder layer with its experts) with Rollout Routing Replay and the
+    load-balancing loss: the same updates, router metrics (summed over the ranks) and routing mismatch. The loss is
+    each forward's (as transformers computes it), so both runs split the rows into the same forwards: 8 rows."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    args = ["--algorithm.epochs", "2", "--algorithm.routing_replay", "true", "--model.router_aux_loss_coef", "0.01",
+            "--optim.micro_batch_size", "8"]
+    args += ["--optim.shared_prompts", "false"] if strategy == "fsdp" else []
+    done = torchrun(run_args(warm_moe_dir, two, "grpo") + args + ["--dist.strategy", strategy])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert main(run_args(warm_moe_dir, one, "grpo") + args) == 0
+    records = [r for r in read_metrics(one / "metrics.jsonl") if "loss" in r]
+    assert all("router/mismatch" in r and "router/layer1/load" in r for r in records)
+    assert_same_run(two, one)
+
+
 def test_dynamic_sampling_keeps_the_same_groups_on_every_rank(warm_model_dir, tmp_path):
     """DAPO drops step 2's groups (no signal) and resamples: every rank takes the same decisions."""
     two, one = tmp_path / "two", tmp_path / "one"

@@ -108,13 +108,15 @@ class BatchForward:
 
 
 @contextmanager
-def watch_routing(tally: RouterTally, table: RoutingTable | None, layout: UnitLayout):
+def watch_routing(tally: RouterTally | None, table: RoutingTable | None, layout: UnitLayout):
     """Around a training forward of an MoE policy: its routing of the completion tokens tallied, and compared
-    with (or replaying) the old forward's record in ``table``."""
-    counted = layout.completion_masks()
+    with (or replaying) the old forward's record in ``table``. Without ``tally`` (a data-parallel filler row's
+    forward) nothing counts; the record is still replayed."""
+    counted = layout.completion_masks() if tally is not None else [
+        torch.zeros(len(places[0]), dtype=torch.bool) for places in layout.token_places()]
     if table is not None:
         table.at(layout.token_places(), counted)
-    with tally.forward(counted):
+    with tally.forward(counted) if tally is not None else nullcontext():
         yield
 
 
@@ -207,13 +209,15 @@ class PolicyLearner:
                           response_mask=batch.response_mask, old_logprobs=old, ref_logprobs=ref,
                           engine_logprobs=batch.engine_logprobs)
         rows = range(groups.start * group_size, groups.stop * group_size)
+        around = partial(watch_routing, routing, table) if moe else None
+        filler = partial(watch_routing, None, table) if moe else None
         dp = DataParallelShare(self.ranks, rows, rewards.numel(), lambda: no_sync(self.train_forward),
-                               lockstep=self.sharded) if self.ranks.parallel else None
+                               lockstep=self.sharded,
+                               filler_logprobs=lambda idx: forward.logprobs(self.train_forward, idx, True, filler)
+                               ) if self.ranks.parallel else None
         self.model.train()
         try:
             with table.attach(self.spec.routing_replay) if table is not None else nullcontext():
-                around = partial(watch_routing, routing, table) if moe else None
-
                 def policy(indices: torch.Tensor):
                     logprobs, entropy = forward.logprobs(self.train_forward, indices, True, around)
                     return (logprobs, entropy, balance * routing.balance_sum) if balance else (logprobs, entropy)

@@ -33,13 +33,15 @@ class DataParallelShare:
     sequences (``UpdateData`` holds exactly those, in order), and ``accumulate``: the context in which a
     backward pass only accumulates locally (DDP's ``no_sync``); the step's last backward synchronises.
     ``lockstep``: every forward is a collective (FSDP gathers the weights), so every rank runs as many
-    as the busiest rank, the extra ones on a row of its own with a zero loss."""
+    as the busiest rank, the extra ones on a row of its own with a zero loss. ``filler_logprobs``: the forward
+    of such a row (None: ``policy_logprobs``), e.g. one that counts in no diagnostic of the caller's."""
 
     ranks: Ranks
     rows: range
     n_rows: int
     accumulate: Callable[[], ContextManager] = contextlib.nullcontext
     lockstep: bool = False
+    filler_logprobs: PolicyLogprobs | None = None
 
     def local(self, indices: Tensor) -> Tensor:
         """Global row indices [k] -> the positions in this rank's data of those it holds, in order."""
@@ -183,11 +185,12 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
     elif backward and ranks.parallel:
         n_grad = max(n_grad, 1)
     filler = torch.zeros(1, dtype=torch.long, device=indices.device)  # a row of this rank's, for a zero loss
+    filler_logprobs = dp.filler_logprobs if dp is not None and dp.filler_logprobs else policy_logprobs
     merged = TokenMetrics()
     for i in range(n_grad):
         with contextlib.nullcontext() if i == n_grad - 1 else accumulate():
             if i >= len(grad_micros):  # joins the collectives with a zero gradient
-                (policy_logprobs(filler)[0].sum() * 0.0).backward()
+                (filler_logprobs(filler)[0].sum() * 0.0).backward()
                 continue
             micro = grad_micros[i]
             logprobs, entropy, *extra = policy_logprobs(micro)
@@ -198,7 +201,7 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
     for i in range(n_metric):
         with torch.no_grad():
             if i >= len(metric_micros):
-                policy_logprobs(filler)
+                filler_logprobs(filler)
                 continue
             micro = metric_micros[i]
             logprobs, entropy, *_ = policy_logprobs(micro)
