@@ -246,14 +246,27 @@ def check_replay(model):
 
 
 @pytest.mark.parametrize("replay", [False, True])
-def test_an_moe_run_with_two_epochs_measures_the_routing_mismatch(moe_dir, tmp_path, replay):
-    """With more than one optimizer step per batch the old-log-prob forward records the routing; the training
-    forwards (the second after an update) are compared with it, and with replay routed by it, under gradient
-    checkpointing too (its recomputed layers replay the same choice), with the load-balancing loss's graph."""
+@pytest.mark.parametrize("recorded_by", ["engine", "old forward"])
+def test_an_moe_run_with_two_epochs_measures_the_routing_mismatch(moe_dir, tmp_path, replay, recorded_by):
+    """With more than one optimizer step per batch the record is the hf engine's (the old-log-prob forward then
+    follows it too), or, from an engine that records nothing (vLLM, a multi-turn rollout), the old-log-prob
+    forward's; the training forwards (the second after an update) are compared with it, and with replay routed
+    by it, under gradient checkpointing too (its recomputed layers replay the same choice), with the
+    load-balancing loss's graph."""
     overrides = {"algorithm.epochs": 2, "algorithm.routing_replay": replay, "optim.micro_batch_size": 8,
                  "model.gradient_checkpointing": replay, "task.name": "custom_task:DigitShare",
                  "model.router_aux_loss_coef": 0.01 if replay else 0.0}
     trainer = Trainer(quick_config(moe_dir, tmp_path / "run", **overrides))
+    learner, learn = trainer.parts.learner, trainer.parts.learner.learn
+
+    def learn_unrecorded(rollout):
+        for group in rollout.completions:
+            for completion in group:
+                completion.routed_experts = None
+        return learn(rollout)
+
+    if recorded_by == "old forward":
+        learner.learn = learn_unrecorded
     try:
         record = trainer.train_step(1)
     finally:
@@ -262,12 +275,71 @@ def test_an_moe_run_with_two_epochs_measures_the_routing_mismatch(moe_dir, tmp_p
     assert record["ratio_max"] > 1 or record["ratio_min"] < 1, "the second epoch's ratio moved"
 
 
-def test_replay_without_a_second_optimizer_step_is_refused():
+def test_replay_with_one_step_needs_the_hf_engines_record():
     from grpolab.config import load_config
 
-    with pytest.raises(ValueError, match="routing_replay needs more than one optimizer step per batch"):
-        load_config(None, {"algorithm.routing_replay": True})
-    assert load_config(None, {"algo": "gspo", "algorithm.routing_replay": True}).algorithm.routing_replay
+    with pytest.raises(ValueError, match="replays the engine's record, which only the hf engine makes"):
+        load_config(None, {"algorithm.routing_replay": True, "rollout.engine": "vllm"})
+    assert load_config(None, {"algorithm.routing_replay": True}).algorithm.routing_replay
+    assert load_config(None, {"algo": "gspo", "algorithm.routing_replay": True, "rollout.engine": "vllm"})
+
+
+@pytest.mark.parametrize("shared_prefill", [True, False])
+def test_the_hf_engine_records_the_routing_of_every_token_it_computes(moe_dir, tokenizer, shared_prefill):
+    """The shared prefix, each distinct prompt, the prompts' last tokens and every fed-back sampled token: in
+    float64 each recorded choice is the one the model's own forward over prompt + completion makes; a row's
+    last token (never fed back) has no record."""
+    from grpolab.rollout.base import SamplingParams
+    from grpolab.rollout.hf.engine import HFEngine
+    from grpolab.rollout.hf.prefill import MIN_SAVED_TOKENS
+
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float64)
+    model.config._experts_implementation = "eager"
+    float64_norms(model)
+    head = tokenizer("What is 1 + 2? Think, then answer: ", add_special_tokens=False)["input_ids"]
+    assert len(head) * 2 >= MIN_SAVED_TOKENS, "three distinct prompts share a prefix worth computing once"
+    prompts = [head + tokenizer(tail, add_special_tokens=False)["input_ids"] for tail in ("a", "bc", "def")]
+    engine = HFEngine(model, tokenizer, max_batch_size=6, shared_prefill=shared_prefill, pack_weights=False)
+    groups = engine.generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=1.0, seed=3))
+    for completion in [c for group in groups for c in group]:
+        ids = completion.prompt_ids + completion.completion_ids
+        recorder = RouterRecorder()
+        with torch.no_grad(), recorder.record(model):
+            model(input_ids=torch.tensor([ids]))
+        routed = completion.routed_experts
+        assert routed.shape == (len(ids), 2, 2) and routed.dtype == torch.int16
+        assert (routed[-1] == -1).all() and (routed[:-1] >= 0).all()
+        for layer, (own,) in enumerate(recorder.selected):
+            assert torch.equal(routed[:-1, layer].long().sort(-1).values, own[:-1].sort(-1).values)
+
+
+def test_one_step_grpo_replays_the_hf_engines_routing(moe_dir, tmp_path):
+    """With one optimizer step per batch the training forward is compared with the engine's record (the
+    mismatch, every step) and, with replay, routed by it: where the trainer's live routing is made to differ
+    from the engine's, the replayed forward still scores the engine's log-probs (the sync check's difference)."""
+    records = {}
+    for replay in (False, True):
+        overrides = {"algorithm.routing_replay": replay, "task.name": "custom_task:DigitShare",
+                     "rollout.sync_max_diff": 100.0, "rollout.sync_mean_diff": 100.0, "rollout.sync_noise_multiple": None}
+        trainer = Trainer(quick_config(moe_dir, tmp_path / f"run{replay}", **overrides))
+        learner, learn = trainer.parts.learner, trainer.parts.learner.learn
+
+        def learn_flipped(rollout, learn=learn, learner=learner):  # the engine generated unflipped
+            handles = [r.register_forward_hook(_flip_second_choice([])) for r in routers(learner.model)]
+            try:
+                return learn(rollout)
+            finally:
+                for h in handles:
+                    h.remove()
+
+        learner.learn = learn_flipped
+        try:
+            records[replay] = trainer.train_step(1)
+        finally:
+            trainer.close()
+    for record in records.values():
+        assert record["actual_updates"] == 1 and record["router/mismatch"] > 0.5, "second choices flipped"
+    assert records[True]["sync/logprob_diff_max"] < 1e-4 < records[False]["sync/logprob_diff_max"]
 
 
 def test_router_aux_loss_coef_adds_the_models_own_load_balancing_loss_to_the_gradient(moe_dir, tmp_path):

@@ -185,12 +185,24 @@ class PolicyLearner:
         # check reads the update's own forward before its optimizer step.
         forward = self.forward(batch)
         moe = bool(routers(self.model))
-        # an MoE policy: its routing in the training forwards, compared with (or replaying) the old forward's
-        table = RoutingTable(self.model, tuple(batch.input_ids.shape)) if moe and not self.spec.is_single_update else None
+        # an MoE policy: its routing in the training forwards, compared with (or replaying) the record of the
+        # engine that generated the batch where it made one, else the old-log-prob forward's
+        engine_routed = moe and all(c.routed_experts is not None for c in mine)
+        table = None
+        if moe and (engine_routed or not self.spec.is_single_update):
+            table = RoutingTable(self.model, tuple(batch.input_ids.shape))
         balance = self.cfg.model.router_aux_loss_coef
         routing = RouterTally(self.model, balance=balance > 0) if moe else None
-        record = (lambda layout: table.record(layout.token_places())) if table is not None else None
-        old = None if self.spec.is_single_update else forward.frozen(self.model, record)
+        if engine_routed:
+            table.fill([c.routed_experts for c in mine])
+        if self.spec.is_single_update:
+            old = None
+        elif engine_routed:  # the old log-probs follow the engine's routing too (with replay)
+            with table.attach(self.spec.routing_replay):
+                old = forward.frozen(self.model, partial(watch_routing, None, table))
+        else:
+            old = forward.frozen(self.model, (lambda layout: table.record(layout.token_places())) if table is not None
+                                 else None)
         sync: dict[str, float] = {}
 
         def check_sync(trainer: torch.Tensor, covered: torch.Tensor) -> None:

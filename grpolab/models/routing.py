@@ -154,7 +154,7 @@ class RoutingTable:
     """The experts each router chose for each token of a batch [N, T] in the forward that computed its behaviour
     log-probs (Rollout Routing Replay's record), and what later forwards of that batch do with it.
 
-    ``record(places)`` fills it from one forward; within ``attach(replay)`` every forward set up with
+    ``fill(routed)`` takes the engine's record, ``record(places)`` fills it from one forward; within ``attach(replay)`` every forward set up with
     ``at(places, counted)`` compares its live choices with the record (the routing mismatch, over the counted
     tokens) and, with ``replay``, routes each recorded token to its recorded experts: only the discrete choice is
     forced; the routing weights are the softmax of the live logits at those experts (renormalised where the
@@ -179,6 +179,12 @@ class RoutingTable:
         for layer, router in enumerate(self.routers):
             stack.callback(router.register_forward_hook(hook_for(layer)).remove)
         return stack
+
+    def fill(self, routed: list[Tensor]) -> None:
+        """The record made where the rows were generated: row i's tokens took the experts ``routed[i]`` [n_i, L, k]
+        (-1: no record; ``Completion.routed_experts``)."""
+        for row, experts in enumerate(routed):
+            self.choices[row, :len(experts)] = experts.to(self.choices.device, torch.long)
 
     @contextlib.contextmanager
     def record(self, places: list[tuple[Tensor, Tensor, Tensor]]):

@@ -67,8 +67,9 @@ class AlgorithmSpec(BaseModel):
     epochs: int = Field(1, ge=1)
     steps_per_epoch: int = Field(1, ge=1)
     shuffle_minibatches: bool = True
-    # Rollout Routing Replay (MoE policies, more than one optimizer step per batch): every training forward
-    # routes each token to the experts the old-log-prob forward chose (the weights stay live)
+    # Rollout Routing Replay (MoE policies): every training forward routes each token to the experts chosen where
+    # the behaviour log-probs were computed (the hf engine's generation, else the old-log-prob forward; the
+    # weights stay live)
     routing_replay: bool = False
     # rollout-side behaviour
     dynamic_sampling: bool = False
@@ -79,9 +80,6 @@ class AlgorithmSpec(BaseModel):
     def _check(self) -> "AlgorithmSpec":
         if self.normalizer == "mean" and self.baseline != "mean":
             raise ValueError("normalizer 'mean' (MaxRL) needs baseline 'mean'")
-        if self.routing_replay and self.is_single_update:
-            raise ValueError("routing_replay needs more than one optimizer step per batch (epochs x steps_per_epoch "
-                             "> 1): with one, the update's own forward is the old-log-prob forward")
         return self
 
     @property

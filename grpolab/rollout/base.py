@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from torch import nn
+from torch import Tensor, nn
 
 __all__ = ["SamplingParams", "Completion", "RolloutEngine", "FinishReason", "collect_eos_ids",
            "let_an_interrupt_land"]
@@ -92,6 +92,9 @@ class Completion:
     tool_calls: one record per tool call of a multi-turn completion (``grpolab.tools.ToolCall``
         as a dict: call text, name, arguments, error, observation and its token span).
     turns: generation turns (1 for a single-turn completion).
+    routed_experts: an MoE policy's routing where the engine computed it: int16 [P + C, L, k], the experts each
+        of its L routers chose for each prompt and completion token (-1: a token the engine never fed, such as
+        the last); None when the engine records none.
     """
 
     prompt_ids: list[int]
@@ -102,6 +105,7 @@ class Completion:
     policy_mask: list[int] | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     turns: int = 1
+    routed_experts: Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):

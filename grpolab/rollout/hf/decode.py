@@ -113,7 +113,7 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
            temperature: float, top_k: int, top_p: float, eos_token_ids: Sequence[int],
            cache: Cache | None = None, stop_strings: Sequence[str] = (),
            decode_ids: Callable[[list[int]], str] | None = None, synced: bool = False,
-           drop_fraction: float = 0.0) -> Decoded:
+           drop_fraction: float = 0.0, on_forward: Callable[[list[int], Tensor], None] | None = None) -> Decoded:
     """Sample up to ``max_new_tokens`` tokens for each left-padded row of ``input_ids`` [B, P].
 
     attention_mask: [B, P], 0 on the left padding.
@@ -124,15 +124,20 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
     drop_fraction: ended rows leave the batch once they are more than this share of the rows computed
         (0: at every step where a row ends; a reserved cache then copies only the rows that move, see
         ``compaction``).
+    on_forward: told before each forward the batch rows it computes and each token's place in its row's
+        sequence [A, C] (its position id; -1 on padding), e.g. to record an MoE model's routing.
     """
     device, batch = input_ids.device, input_ids.shape[0]
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
     stops = _StopStrings(stop_strings, decode_ids) if stop_strings else None
     positions = left_padded_positions(attention_mask)
+    announce = on_forward or (lambda rows, places: None)
     if cache is None:
         cache = reserved_cache(model.config, input_ids.shape[1] + max_new_tokens)
+        announce(list(range(batch)), positions.masked_fill(attention_mask == 0, -1))
         logits = _forward(model, input_ids, attention_mask, positions, cache)
     else:
+        announce(list(range(batch)), positions[:, -1:].masked_fill(attention_mask[:, -1:] == 0, -1))
         logits = _forward(model, input_ids[:, -1:], attention_mask, positions[:, -1:], cache)
     rows = list(range(batch))  # the batch row of each row computed
     row_index = torch.arange(batch, device=device)  # the same, as a tensor
@@ -161,6 +166,7 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
             rows, live, row_index = [rows[i] for i in keep], [live[i] for i in keep], row_index[index]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
         last_position = last_position + 1
+        announce(rows, last_position[:, None])
         logits = _forward(model, new[:, None], attention_mask, last_position[:, None], cache)
     return Decoded(tokens, logprobs, stopped)
 

@@ -30,11 +30,13 @@ import torch
 from torch import nn
 
 from grpolab.models.logprobs import backbone_and_head
+from grpolab.models.routing import routers
 from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
 from grpolab.rollout.hf.decode import decode
 from grpolab.rollout.hf.grouped_attention import grouped_kv_attention
 from grpolab.rollout.hf.packed_linear import packed_linears
 from grpolab.rollout.hf.prefill import prompt_layout, shared_prefill
+from grpolab.rollout.hf.routing_capture import RoutingCapture
 
 __all__ = ["HFEngine"]
 
@@ -61,12 +63,15 @@ class HFEngine:
         finished rows idle, until every rank's batch is done.
     pack_weights: on a CPU in float32, generate with weights laid out once per call
         (``grpolab.rollout.hf.packed_linear``).
+    record_routing: an MoE model's completions carry the experts its routers chose for every token
+        (``Completion.routed_experts``; ``grpolab.rollout.hf.routing_capture``).
     """
 
     def __init__(self, model: nn.Module, tokenizer, max_batch_size: int = 64,
                  eos_token_ids: Sequence[int] | None = None,
                  compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 shared_prefill: bool = True, synced: bool = False, pack_weights: bool = True):
+                 shared_prefill: bool = True, synced: bool = False, pack_weights: bool = True,
+                 record_routing: bool = True):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.model = model
@@ -74,6 +79,7 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.compute_context = compute_context
         self.shared_prefill, self.synced, self.pack_weights = shared_prefill, synced, pack_weights
+        self.record_routing = record_routing
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else collect_eos_ids(
             tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         if not self.eos_token_ids:
@@ -119,18 +125,28 @@ class HFEngine:
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, device) -> list[Completion]:
-        if self.shared_prefill:
-            input_ids, attention_mask, cache = shared_prefill(backbone_and_head(self.model)[0], self.model.config,
-                                                              prompts, self.pad_token_id, device, params.max_new_tokens)
-        else:
-            input_ids, attention_mask = (t.to(device) for t in prompt_layout(prompts, self.pad_token_id))
-            cache = None
-        out = decode(self.model, input_ids, attention_mask, max_new_tokens=params.max_new_tokens,
-                     temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                     eos_token_ids=self.eos_token_ids, cache=cache,
-                     stop_strings=params.stop_strings, synced=self.synced,
-                     decode_ids=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
+        capture = None
+        if self.record_routing and routers(self.model):
+            capture = RoutingCapture(self.model, len(prompts), max(map(len, prompts)) + params.max_new_tokens, device)
+        with capture.attach() if capture is not None else contextlib.nullcontext():
+            if self.shared_prefill:
+                input_ids, attention_mask, cache = shared_prefill(
+                    backbone_and_head(self.model)[0], self.model.config, prompts, self.pad_token_id, device,
+                    params.max_new_tokens, on_forward=capture.at if capture is not None else None)
+            else:
+                input_ids, attention_mask = (t.to(device) for t in prompt_layout(prompts, self.pad_token_id))
+                cache = None
+            out = decode(self.model, input_ids, attention_mask, max_new_tokens=params.max_new_tokens,
+                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                         eos_token_ids=self.eos_token_ids, cache=cache,
+                         stop_strings=params.stop_strings, synced=self.synced,
+                         decode_ids=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+                         on_forward=(lambda rows, places: capture.at([[r] for r in rows], places))
+                         if capture is not None else None)
+        routed = capture.choices.cpu() if capture is not None else None
         return [Completion(prompt_ids=prompt, completion_ids=ids, logprobs=logprobs,
                            finish_reason="stop" if stopped else "length",
-                           text=self.tokenizer.decode(ids, skip_special_tokens=True))
-                for prompt, ids, logprobs, stopped in zip(prompts, out.tokens, out.logprobs, out.stopped)]
+                           text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                           routed_experts=None if routed is None else routed[row, :len(prompt) + len(ids)])
+                for row, (prompt, ids, logprobs, stopped) in enumerate(zip(prompts, out.tokens, out.logprobs,
+                                                                           out.stopped))]

@@ -16,6 +16,7 @@ the trainer's unpadded forward: the log-probs agree with the trainer's to float3
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -46,14 +47,16 @@ def prompt_layout(prompts: list[list[int]], pad_id: int, prefix: int = 0) -> tup
 
 
 def shared_prefill(backbone: nn.Module, config, prompts: list[list[int]], pad_id: int, device: torch.device,
-                   max_new_tokens: int) -> tuple[Tensor, Tensor, DynamicCache | None]:
+                   max_new_tokens: int, on_forward: Callable[[list[list[int]], Tensor], None] | None = None,
+                   ) -> tuple[Tensor, Tensor, DynamicCache | None]:
     """Input ids and attention mask [B, W] of ``prompts`` (``prompt_layout``, on ``device``) and the cache of
     all their columns but the last, each distinct prompt and the prefix they all share computed once; the
     cache is None when no prompt repeats and no prefix is worth sharing (``decode`` prefills every row).
 
     backbone: the decoder without its output layer (``grpolab.models.logprobs.backbone_and_head``); config: the
     model's config (the cache's layer types); max_new_tokens: the cache keeps room for them
-    (``grpolab.rollout.hf.kv_cache``)."""
+    (``grpolab.rollout.hf.kv_cache``). ``on_forward``: told before each forward the batch rows each of its rows
+    stands for and each token's place in their sequences [A, C] (-1 on padding), e.g. to record an MoE's routing."""
     distinct: dict[tuple[int, ...], int] = {}
     row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
     prefix = min(len(os.path.commonprefix(list(distinct))), min(map(len, prompts)) - 1)
@@ -63,13 +66,17 @@ def shared_prefill(backbone: nn.Module, config, prompts: list[list[int]], pad_id
     if (len(distinct) == len(prompts) and not prefix) or input_ids.shape[1] < 2:
         return input_ids, attention_mask, None
     cache = reserved_cache(config, input_ids.shape[1] + max_new_tokens)
+    announce = on_forward or (lambda members, places: None)
     if prefix:
+        announce([list(range(len(prompts)))], torch.arange(prefix, device=device)[None])
         backbone(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix],
                  position_ids=torch.arange(prefix, device=device)[None], past_key_values=cache, use_cache=True)
         cache.batch_select_indices(torch.zeros(len(distinct), dtype=torch.long, device=device))
     firsts = [row_of.index(u) for u in range(len(distinct))]
     ids, mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]
     if ids.shape[1] > prefix:
+        places = left_padded_positions(mask).masked_fill(mask == 0, -1)[:, prefix:]
+        announce([[r for r, u in enumerate(row_of) if u == unit] for unit in range(len(distinct))], places)
         backbone(input_ids=ids[:, prefix:], attention_mask=mask, position_ids=left_padded_positions(mask)[:, prefix:],
                  past_key_values=cache, use_cache=True)
     cache.batch_select_indices(torch.tensor(row_of, device=device))
