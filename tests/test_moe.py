@@ -444,3 +444,49 @@ def test_the_report_draws_each_moe_runs_expert_load_per_layer(tmp_path):
     assert load_heatmaps(runs, tmp_path / "fig") == [("moe run: expert load per layer over steps",
                                                       "router_load_moe_run.png")]
     assert (tmp_path / "fig" / "router_load_moe_run.png").stat().st_size > 1000
+
+
+def test_lora_on_an_moe_adapts_attention_experts_and_routers(moe_dir, tmp_path):
+    """transformers' MoE experts are fused 3-D parameters and its routers plain weights; with "all-linear" peft
+    wraps them (beside the attention's linear layers), the routing is still recorded and replayed through the
+    wrapped routers, and naming the experts as if they were linear layers is refused in one line."""
+    overrides = {"model.lora": {"rank": 4}, "task.name": "custom_task:DigitShare", "algorithm.routing_replay": True}
+    trainer = Trainer(quick_config(moe_dir, tmp_path / "run", **overrides))
+    try:
+        trained = {n for n, p in trainer.parts.learner.model.named_parameters() if p.requires_grad}
+        assert all("lora_" in n for n in trained)
+        assert {kind for kind in ("self_attn", ".experts.", ".gate.") if any(kind in n for n in trained)} == {
+            "self_attn", ".experts.", ".gate."}
+        record = trainer.train_step(1)
+    finally:
+        trainer.close()
+    assert record["actual_updates"] == 1 and record["router/mismatch"] < 0.05
+    assert record["sync/logprob_diff_max"] < 1e-3
+    with pytest.raises(ValueError, match="experts are fused 3-D parameters"):
+        Trainer(quick_config(moe_dir, tmp_path / "run2", **{"model.lora": {"rank": 4, "target_modules": ["experts"]}}))
+
+
+def test_merged_weights_of_an_moe_adapter_add_the_experts_and_routers_deltas(moe_dir, tokenizer):
+    """peft adapts an MoE's fused experts and routers (parameter wrappers) beside its linear layers; the merged
+    weights an engine is synced with add each wrapper's delta as peft computes it, so a plain model holding them
+    computes the adapted policy."""
+    from grpolab.config import LoraSettings
+    from grpolab.models.lora import MergedWeights, _lora_layers, add_adapter, lora_delta
+
+    adapter = add_adapter(AutoModelForCausalLM.from_pretrained(moe_dir), LoraSettings(rank=4), 0, moe_dir)
+    policy = adapter.model
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    wrappers = {n: m for n, m in _lora_layers(policy).items() if hasattr(m, "parameter_name")}
+    assert any(".experts" in n for n in wrappers) and any(n.endswith(".gate") for n in wrappers)
+    for layer in wrappers.values():
+        mine = lora_delta(layer, layer.lora_A["default"].weight.float(), layer.lora_B["default"].weight.float())
+        torch.testing.assert_close(mine, layer.get_delta_weight("default").float(), rtol=0, atol=1e-7)
+    plain = AutoModelForCausalLM.from_pretrained(moe_dir)
+    missing = plain.load_state_dict(dict(MergedWeights(policy).named_parameters()), strict=False)
+    assert not missing.unexpected_keys and set(missing.missing_keys) <= {"lm_head.weight"}
+    ids = torch.tensor([tokenizer("What is 12 + 30?", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, policy(input_ids=ids).logits, rtol=0, atol=1e-5)

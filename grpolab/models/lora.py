@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from grpolab.models.routing import routers
 from grpolab.parallel.fsdp import whole
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -54,8 +56,11 @@ def _target_modules(model: nn.Module, targets: list[str] | str) -> list[str] | s
     names = linear_module_names(model)
     unknown = [t for t in targets if t not in names and t != "lm_head"]
     if unknown:
+        moe = (" (a Mixture-of-Experts model's experts are fused 3-D parameters and its routers plain weights, "
+               "not linear layers: target_modules = \"all-linear\" adapts them too, peft wrapping the parameters)"
+               ) if routers(model) else ""
         raise ValueError(f"model.lora.target_modules: {', '.join(unknown)} not a linear layer of "
-                         f"{type(model).__name__}; its linear layers: {', '.join(names)}")
+                         f"{type(model).__name__}; its linear layers: {', '.join(names)}{moe}")
     return list(targets)
 
 
@@ -106,6 +111,20 @@ def add_adapter(model: nn.Module, settings, seed: int, base_dir: Path) -> Adapte
     return Adapter(peft_model)
 
 
+def lora_delta(layer: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """What LoRA ``layer`` adds to the weight it adapts, from its factors A ``a`` [r', in] and B ``b`` [out, r']
+    (float32 in, float32 out), as peft's ``get_delta_weight`` computes it: (alpha / r) B A, transposed where the
+    layer stores its weight fan-in first; for a wrapper of fused experts' [E, ...] parameter, the factors hold
+    E blocks of rank r and the delta is each expert's B_e A_e, laid out as the parameter is."""
+    scale, experts = layer.scaling["default"], getattr(layer, "num_experts", 1)
+    if experts == 1:
+        delta = (b @ a) * scale
+        return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+    a, b = a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts)
+    pattern = "ore,eri->eoi" if layer._did_swap_in_out_features else "ore,eri->eio"
+    return torch.einsum(pattern, b, a) * scale
+
+
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """Module name -> LoRA layer (one with ``lora_A``/``lora_B`` and a ``base_layer``)."""
     return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
@@ -121,18 +140,20 @@ class MergedWeights:
         layers = _lora_layers(model)
         with torch.no_grad():
             params = {name: whole(p).detach() for name, p in model.named_parameters()}
+        factors = {owner: (params[f"{owner}.lora_A.default.weight"].float(), params[f"{owner}.lora_B.default.weight"].float())
+                   for owner in layers}
+        plain = lambda name: re.sub(r"(\.base_layer)+\.", ".", name).replace(".modules_to_save.default.", ".")  # noqa: E731
+        # peft's wrappers of a parameter (an MoE's fused experts, its routers): the plain name of what they wrap
+        wrapped = {plain(f"{owner}.{layer.parameter_name}"): owner for owner, layer in layers.items()
+                   if hasattr(layer, "parameter_name")}
         weights: dict[str, torch.Tensor] = {}
         for name, param in params.items():
             if ".lora_" in name or ".original_module." in name:
                 continue
-            plain = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-            owner = name.removesuffix(".base_layer.weight")
+            owner = wrapped.get(plain(name)) or name.removesuffix(".base_layer.weight")
             if owner in layers:
-                a, b = params[f"{owner}.lora_A.default.weight"], params[f"{owner}.lora_B.default.weight"]
-                delta = (b.float() @ a.float()) * layers[owner].scaling["default"]
-                delta = delta.T if getattr(layers[owner], "fan_in_fan_out", False) else delta
-                param = (param.float() + delta).to(param.dtype)
-            weights[plain] = param
+                param = (param.float() + lora_delta(layers[owner], *factors[owner])).to(param.dtype)
+            weights[plain(name)] = param
         self.weights = weights
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
