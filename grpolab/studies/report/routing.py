@@ -47,7 +47,7 @@ def load_heatmaps(runs: list[Run], out_dir: Path) -> list[tuple[str, str]]:
             ax.axis("off")
         experts = next(iter(loads.values())).shape[0]
         fig.colorbar(image, ax=axes, shrink=0.8, label=f"share of routed tokens (balanced: 1/{experts})")
-        fig.suptitle(f"{run.name}: expert load per layer")
+        fig.suptitle(f"{run.name}: expert load per layer", y=1.04)
         title = f"{run.name}: expert load per layer over steps"
         made.append((title, save_figure(fig, out_dir, "router_load_" + re.sub(r"[^A-Za-z0-9_.-]", "_", run.name))))
     return made
