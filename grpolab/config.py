@@ -244,9 +244,9 @@ class RunConfig(_Section):
                 raise ValueError("rollout.top_p / top_k: the vLLM engine samples with top_p = 1 and top_k = 0 "
                                  "only (vLLM reports log-probs renormalised over the truncated set)")
         if self.algorithm.routing_replay and self.algorithm.is_single_update and self.rollout.engine != "hf":
-            raise ValueError(f"algorithm.routing_replay with one optimizer step per batch replays the engine's record, "
-                             f"which only the hf engine makes ({self.rollout.engine} does not): use rollout.engine 'hf' "
-                             "or more than one step (algorithm.epochs x steps_per_epoch > 1)")
+            raise ValueError("algorithm.routing_replay with one optimizer step per batch replays the engine's "
+                             f"record, which only the hf engine makes ({self.rollout.engine} does not): use "
+                             "rollout.engine 'hf' or more than one step (algorithm.epochs x steps_per_epoch > 1)")
         if self.model.warm_start:
             if self.model.path is not None:
                 raise ValueError("model.warm_start changes the demo's tiny model: it applies only without model.path")

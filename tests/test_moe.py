@@ -121,7 +121,8 @@ def test_the_load_balancing_loss_is_the_models_own_over_the_counted_tokens(famil
 def moe_dir(tmp_path_factory, tokenizer):
     """A tiny random Qwen3-MoE with the tests' character tokenizer."""
     config = FAMILIES["qwen3_moe"]()
-    config.vocab_size, config.pad_token_id, config.eos_token_id = len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id
+    config.vocab_size, config.pad_token_id = len(tokenizer), tokenizer.pad_token_id
+    config.eos_token_id = tokenizer.eos_token_id
     config.max_position_embeddings = 1024  # a character-level r1_zero prompt
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny_qwen3_moe")
@@ -320,7 +321,8 @@ def test_one_step_grpo_replays_the_hf_engines_routing(moe_dir, tmp_path):
     records = {}
     for replay in (False, True):
         overrides = {"algorithm.routing_replay": replay, "task.name": "custom_task:DigitShare",
-                     "rollout.sync_max_diff": 100.0, "rollout.sync_mean_diff": 100.0, "rollout.sync_noise_multiple": None}
+                     "rollout.sync_max_diff": 100.0, "rollout.sync_mean_diff": 100.0,
+                     "rollout.sync_noise_multiple": None}
         trainer = Trainer(quick_config(moe_dir, tmp_path / f"run{replay}", **overrides))
         learner, learn = trainer.parts.learner, trainer.parts.learner.learn
 

@@ -140,9 +140,11 @@ class MergedWeights:
         layers = _lora_layers(model)
         with torch.no_grad():
             params = {name: whole(p).detach() for name, p in model.named_parameters()}
-        factors = {owner: (params[f"{owner}.lora_A.default.weight"].float(), params[f"{owner}.lora_B.default.weight"].float())
-                   for owner in layers}
-        plain = lambda name: re.sub(r"(\.base_layer)+\.", ".", name).replace(".modules_to_save.default.", ".")  # noqa: E731
+        factors = {owner: tuple(params[f"{owner}.lora_{ab}.default.weight"].float() for ab in "AB") for owner in layers}
+
+        def plain(name: str) -> str:
+            return re.sub(r"(\.base_layer)+\.", ".", name).replace(".modules_to_save.default.", ".")
+
         # peft's wrappers of a parameter (an MoE's fused experts, its routers): the plain name of what they wrap
         wrapped = {plain(f"{owner}.{layer.parameter_name}"): owner for owner, layer in layers.items()
                    if hasattr(layer, "parameter_name")}

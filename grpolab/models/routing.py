@@ -136,8 +136,9 @@ class RouterTally:
 
     def metrics(self, total: Callable[[Tensor], Tensor] = lambda sums: sums) -> dict[str, float]:
         """``router/...`` step metrics from the sums, after ``total`` (e.g. a sum over the ranks): per layer the
-        expert loads (a list, 6 decimals) and the worst expert-load violation, and over layers the worst violation, the mean confidence and entropy, and the
-        load-balancing loss of all layers' rows (as the model's own ``load_balancing_loss_func``)."""
+        expert loads (a list, 6 decimals) and the worst expert-load violation, and over layers the worst
+        violation, the mean confidence and entropy, and the load-balancing loss of all layers' rows (as the
+        model's own ``load_balancing_loss_func``)."""
         per_layer = [router_metrics(s) for s in total(self.sums)]
         if not all(per_layer):  # no token routed
             return {}
@@ -154,11 +155,11 @@ class RoutingTable:
     """The experts each router chose for each token of a batch [N, T] in the forward that computed its behaviour
     log-probs (Rollout Routing Replay's record), and what later forwards of that batch do with it.
 
-    ``fill(routed)`` takes the engine's record, ``record(places)`` fills it from one forward; within ``attach(replay)`` every forward set up with
-    ``at(places, counted)`` compares its live choices with the record (the routing mismatch, over the counted
-    tokens) and, with ``replay``, routes each recorded token to its recorded experts: only the discrete choice is
-    forced; the routing weights are the softmax of the live logits at those experts (renormalised where the
-    router renormalises), so the router still gets its gradient. The hooks stay through the backward pass, so a
+    ``fill(routed)`` takes the engine's record, ``record(places)`` fills it from one forward; within
+    ``attach(replay)`` every forward set up with ``at(places, counted)`` compares its live choices with the
+    record (the routing mismatch, over the counted tokens) and, with ``replay``, routes each recorded token to
+    its recorded experts: only the discrete choice is forced; the routing weights are the softmax of the live
+    logits at those experts (renormalised where the router renormalises), so the router still gets its gradient. The hooks stay through the backward pass, so a
     recomputing (checkpointed) layer replays the same choice; only a forward's first pass over the layers counts.
     places: per backbone pass, (row, column, real) [tokens] (``UnitLayout.token_places``).
     """

@@ -187,7 +187,8 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
         reporter.line(f"data parallel: {ranks.world} ranks ({cfg.dist.strategy}), "
                       f"{cfg.rollout.prompts_per_step // ranks.world} prompt groups each per step")
     # rank 0 first: a warm start of the demo's model is cached, and the other ranks then find it
-    resolve = partial(resolve_model_dir, cfg.model.path, task, cfg.model.like_overrides, warm_start=cfg.model.warm_start)
+    resolve = partial(resolve_model_dir, cfg.model.path, task, cfg.model.like_overrides,
+                      warm_start=cfg.model.warm_start)
     model_dir = ranks.run_on_main(lambda: resolve(reporter=reporter))
     if not ranks.is_main:
         model_dir = resolve()
