@@ -492,3 +492,18 @@ def test_merged_weights_of_an_moe_adapter_add_the_experts_and_routers_deltas(moe
     ids = torch.tensor([tokenizer("What is 12 + 30?", add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=ids).logits, policy(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+def test_the_engine_sync_writes_an_moes_experts_in_its_checkpoint_format(warm_moe_dir, tmp_path):
+    """transformers 5 fuses the per-expert weights it loads; the weights a vLLM engine is synced from are the
+    checkpoint's names and tensors again (transformers' own reverse conversion), for a dense model unchanged."""
+    from safetensors.torch import load_file
+
+    from grpolab.rollout.vllm.engine import save_weights
+
+    model = AutoModelForCausalLM.from_pretrained(warm_moe_dir)
+    assert any(p.dim() == 3 for p in model.parameters()), "fused experts in memory"
+    written = load_file(save_weights(model, tmp_path))
+    on_disk = load_file(warm_moe_dir / "model.safetensors")
+    assert written.keys() == on_disk.keys() and any(".experts.0.gate_proj." in k for k in on_disk)
+    assert all(torch.equal(written[k], on_disk[k]) for k in on_disk)

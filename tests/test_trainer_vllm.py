@@ -123,3 +123,15 @@ def test_bench_step_times_both_engines(warm_model_dir, tmp_path):
     assert list(results) == ["hf", "vllm"]
     assert results["vllm"]["logprob_diff_max"] < TOL and 0 < results["vllm"]["sync"] < results["vllm"]["step"]
     assert all(results[e]["tokens_per_s"] > 0 for e in results)
+
+
+
+def test_an_moe_policy_on_vllms_cpu_build_is_refused_in_one_line(warm_moe_dir, tmp_path, capsys):
+    """vLLM 0.32's CPU MoE kernels repack the experts at load and its in-place reload does not: refused before
+    the engine starts (the run directory is not created)."""
+    args = ["train", "--model", str(warm_moe_dir), "--output-dir", str(tmp_path / "run"), "--engine", "vllm"]
+    assert main(args) != 0
+    out = capsys.readouterr()
+    said = out.out + out.err
+    assert "vLLM's CPU build cannot reload an MoE's expert weights in place" in said and "Traceback" not in said
+    assert not (tmp_path / "run").exists()

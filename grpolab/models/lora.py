@@ -134,9 +134,11 @@ class MergedWeights:
     """The policy's weights as a plain model has them (its parameter names, base + scaled adapter product
     ``(alpha / r) B A``, each computed in float32 from the unmodified base and cast to the base's dtype), seen
     the way an engine's weight sync reads a model: ``named_parameters()`` (tied weights once) and
-    ``parameters()``. A sharded policy's weights are gathered whole first: every rank builds it."""
+    ``parameters()``; ``hf_model``: the model they are of. A sharded policy's weights are gathered whole first:
+    every rank builds it."""
 
     def __init__(self, model: nn.Module):
+        self.hf_model = model
         layers = _lora_layers(model)
         with torch.no_grad():
             params = {name: whole(p).detach() for name, p in model.named_parameters()}

@@ -108,9 +108,11 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
 class FullWeights:
     """A sharded model's whole weights, gathered on every rank (every rank calls it) and held on the CPU
     (so an engine syncs through its weight files, as it does from a CPU model), seen the way an engine's
-    weight sync reads a model: ``named_parameters()`` (tied weights once) and ``parameters()``."""
+    weight sync reads a model: ``named_parameters()`` (tied weights once) and ``parameters()``; ``hf_model``:
+    the model they are of."""
 
     def __init__(self, model: nn.Module):
+        self.hf_model = model
         self.weights = full_state_dict(model, on_every_rank=True)
 
     def named_parameters(self):

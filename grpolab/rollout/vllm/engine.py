@@ -39,6 +39,7 @@ from torch import nn
 
 from grpolab.config import VLLM_MAX_TEMPERATURE
 from grpolab.models.lora import AdapterWeights
+from grpolab.models.routing import routers
 from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids, let_an_interrupt_land
 
 __all__ = ["VLLM_MAX_TEMPERATURE", "VLLMEngine", "request_seed", "save_weights"]
@@ -66,16 +67,29 @@ def request_seed(seed: int | None, prompt_index: int, n: int) -> int | None:
     return n * ((seed * _SEED_STRIDE + prompt_index) % (_SEED_LIMIT // n))
 
 
+def checkpoint_tensors(model: nn.Module, tensors: dict) -> dict:
+    """``tensors`` (``model``'s parameters by name) as its checkpoint files name and shape them: transformers 5
+    loads some families converted (an MoE's per-expert weights fused into one [E, ...] tensor) and saves them
+    reverted (``revert_weight_conversion``); vLLM's loaders read the checkpoint format. ``model``: a transformers
+    model, or weights that carry theirs as ``hf_model``; others are left as they are."""
+    from transformers import PreTrainedModel
+    from transformers.core_model_loading import revert_weight_conversion
+
+    source = getattr(model, "hf_model", model)
+    return revert_weight_conversion(source, tensors) if isinstance(source, PreTrainedModel) else tensors
+
+
 def save_weights(model: nn.Module, folder: str | Path, dtype: str | None = None) -> Path:
-    """Write ``model``'s parameters (tied ones once, as named_parameters lists them) as safetensors,
-    cast to ``dtype`` (the engine's, e.g. "bfloat16" from float32 master weights) when given."""
+    """Write ``model``'s parameters (tied ones once, as named_parameters lists them) as safetensors in its
+    checkpoint format (``checkpoint_tensors``), cast to ``dtype`` (the engine's, e.g. "bfloat16" from float32
+    master weights) when given."""
     import torch
     from safetensors.torch import save_file
 
     path = Path(folder) / "model.safetensors"
     cast = getattr(torch, dtype) if dtype else None
     tensors = {name: p.detach().to("cpu", dtype=cast).contiguous() for name, p in model.named_parameters()}
-    save_file(tensors, str(path))
+    save_file({k: v.contiguous() for k, v in checkpoint_tensors(model, tensors).items()}, str(path))
     return path
 
 
@@ -265,7 +279,8 @@ class VLLMEngine:
         cache wakes at the next ``generate``); ``AdapterWeights``: only the adapter."""
         if isinstance(model, AdapterWeights):
             self.sync_adapter_from_folder(model.save(self._sync_dir / "adapter", self.dtype))
-        elif self.weight_sync == "cuda_ipc" and next(model.parameters()).is_cuda:
+        elif self.weight_sync == "cuda_ipc" and next(model.parameters()).is_cuda and not routers(getattr(model, "hf_model", model)):
+            # (an MoE's fused experts reach vLLM under their checkpoint names, through the folder below)
             self._reload(lambda: self._sync_cuda_ipc(model))
         else:
             self.sync_from_folder(save_weights(model, self._sync_dir, self.dtype).parent)
