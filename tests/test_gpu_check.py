@@ -71,3 +71,13 @@ def test_prepared_warm_starts_are_the_ones_the_check_then_uses(tmp_path, monkeyp
     assert os.environ["GRPOLAB_CACHE"] == str(tmp_path / "cache")
     assert [warm_start_model(task, settings) for task in gpu_check.warm_start_tasks()] == prepared
     assert {p: (p / "warm_start.json").stat().st_mtime_ns for p in prepared} == written
+
+
+def test_the_moe_section_rehearses_on_cpu(tmp_path, monkeypatch):
+    """The MoE routing section on CPU at its quick sizes: both runs, the mismatch and sync figures of each step
+    (replayed, the training forward routes as the engine did)."""
+    monkeypatch.setenv("GRPOLAB_CACHE", str(tmp_path / "cache"))
+    report = gpu_check.moe_routing("cpu", quick=True)
+    assert set(report) == {"live", "replay"} and all(len(steps) == 2 for steps in report.values())
+    for step in report["replay"]:
+        assert 0 <= step["router/mismatch"] <= 1 and step["sync/logprob_diff_max"] < 100
