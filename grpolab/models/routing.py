@@ -68,13 +68,14 @@ def load_balancing_loss(logits: list[Tensor], selected: list[Tensor], masks: lis
     logits: FloatTensor[T_i, E] per (layer, pass); selected: LongTensor[T_i, k] alike; masks: BoolTensor[T_i].
     Returns a 0-dim float32 tensor (0 when no token is masked in)."""
     counts = logits[0].new_zeros(num_experts, dtype=torch.float32)
-    prob_sum, rows = torch.zeros_like(counts), 0
+    prob_sum, rows = torch.zeros_like(counts), counts.new_zeros(())
     for layer_logits, chosen, mask in zip(logits, selected, masks, strict=True):
         mask = mask.to(layer_logits.device)
         counts = counts + torch.bincount(chosen[mask].reshape(-1), minlength=num_experts).float()
         prob_sum = prob_sum + torch.softmax(layer_logits[mask], dim=-1, dtype=torch.float32).sum(0)
-        rows += int(mask.sum())
-    return num_experts * (counts / rows * prob_sum / rows).sum() if rows else prob_sum.sum() * 0
+        rows = rows + mask.sum()
+    rows = rows.clamp_min(1)  # no token: counts and probabilities are 0, so is the loss (read without a wait)
+    return num_experts * (counts / rows * prob_sum / rows).sum()
 
 
 @dataclass
@@ -108,13 +109,15 @@ class RouterRecorder:
 
 class RouterTally:
     """The router sums (``router_sums``) of every layer of ``model``, added over the forwards recorded with
-    ``forward(masks)``: float64 [L, 2E + 3]. With ``balance``, each forward also leaves its load-balancing loss
-    (``load_balancing_loss``, with its graph) times its counted tokens in ``balance_sum``."""
+    ``forward(masks)``: float64 [L, 2E + 3], kept on the model's device (read once, by ``metrics``). With
+    ``balance``, each forward also leaves its load-balancing loss (``load_balancing_loss``, with its graph) times
+    its counted tokens in ``balance_sum``."""
 
     def __init__(self, model: nn.Module, balance: bool = False):
         found = routers(model)
         self.model, self.num_experts, self.balance = model, int(found[0].num_experts), balance
-        self.sums = torch.zeros(len(found), 2 * self.num_experts + 3, dtype=torch.float64)
+        self.sums = torch.zeros(len(found), 2 * self.num_experts + 3, dtype=torch.float64,
+                                device=next(model.parameters()).device)
         self.balance_sum: Tensor | None = None
 
     @contextlib.contextmanager
@@ -127,10 +130,10 @@ class RouterTally:
         for layer, (calls, chosen) in enumerate(zip(recorder.logits, recorder.selected)):
             for logits, selected, mask in zip(calls, chosen, masks, strict=True):
                 self.sums[layer] += router_sums(logits.detach(), selected, mask.to(logits.device),
-                                                self.num_experts).cpu()
+                                                self.num_experts).to(self.sums.device)
         if self.balance:
             flat = lambda per_layer: [t for calls in per_layer for t in calls]  # noqa: E731
-            tokens = sum(int(m.sum()) for m in masks)
+            tokens = sum(m.sum() for m in masks).to(self.sums.device)
             self.balance_sum = tokens * load_balancing_loss(flat(recorder.logits), flat(recorder.selected),
                                                             masks * len(recorder.logits), self.num_experts)
 
@@ -159,8 +162,9 @@ class RoutingTable:
     ``attach(replay)`` every forward set up with ``at(places, counted)`` compares its live choices with the
     record (the routing mismatch, over the counted tokens) and, with ``replay``, routes each recorded token to
     its recorded experts: only the discrete choice is forced; the routing weights are the softmax of the live
-    logits at those experts (renormalised where the router renormalises), so the router still gets its gradient. The hooks stay through the backward pass, so a
-    recomputing (checkpointed) layer replays the same choice; only a forward's first pass over the layers counts.
+    logits at those experts (renormalised where the router renormalises), so the router still gets its gradient.
+    The hooks stay through the backward pass, so a recomputing (checkpointed) layer replays the same choice; only
+    a forward's first pass over the layers counts.
     places: per backbone pass, (row, column, real) [tokens] (``UnitLayout.token_places``).
     """
 
@@ -169,8 +173,8 @@ class RoutingTable:
         device = next(model.parameters()).device
         self.top_k = int(self.routers[0].top_k)
         self.choices = torch.full((*shape, len(self.routers), self.top_k), -1, dtype=torch.long, device=device)
-        self.differing = torch.zeros((), dtype=torch.float64)
-        self.compared = torch.zeros((), dtype=torch.float64)
+        self.differing = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no wait per call
+        self.compared = torch.zeros((), dtype=torch.float64, device=device)
         self._places: list[tuple[Tensor, Tensor, Tensor]] = []
         self._counted: list[Tensor] = []
         self._calls = [0] * len(self.routers)
@@ -220,8 +224,8 @@ class RoutingTable:
                     with torch.no_grad():
                         counted = known & self._counted[call].to(known.device)
                         differs = (live.sort(-1).values != recorded.sort(-1).values).any(-1) & counted
-                        self.differing += differs.sum().cpu()
-                        self.compared += counted.sum().cpu()
+                        self.differing += differs.sum().to(self.differing.device)
+                        self.compared += counted.sum().to(self.compared.device)
                 if not replay:
                     return None
                 forced = torch.where(known.unsqueeze(1), recorded, live)

@@ -30,7 +30,7 @@ from transformers import Cache, TopKLogitsWarper, TopPLogitsWarper
 
 from grpolab.rollout.hf.kv_cache import reserved_cache
 
-__all__ = ["Decoded", "compaction", "decode", "left_padded_positions", "sample_step"]
+__all__ = ["Decoded", "compaction", "decode", "left_padded_positions", "sample_step", "sequence_places"]
 
 
 def sample_step(logits: Tensor, uniform: Tensor | None, temperature: float, top_k: int = 0,
@@ -102,6 +102,11 @@ def left_padded_positions(attention_mask: Tensor) -> Tensor:
     return (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
 
 
+def sequence_places(attention_mask: Tensor, positions: Tensor) -> Tensor:
+    """[A, C] the place of each column's token in its row's sequence (its position id), -1 on padding."""
+    return positions.masked_fill(attention_mask == 0, -1)
+
+
 def _forward(model: nn.Module, ids: Tensor, mask: Tensor, positions: Tensor, cache: Cache) -> Tensor:
     """The model's own forward over ``ids`` [A, C] with the cache; the last column's logits [A, V] float32."""
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
@@ -134,10 +139,10 @@ def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_n
     announce = on_forward or (lambda rows, places: None)
     if cache is None:
         cache = reserved_cache(model.config, input_ids.shape[1] + max_new_tokens)
-        announce(list(range(batch)), positions.masked_fill(attention_mask == 0, -1))
+        announce(list(range(batch)), sequence_places(attention_mask, positions))
         logits = _forward(model, input_ids, attention_mask, positions, cache)
     else:
-        announce(list(range(batch)), positions[:, -1:].masked_fill(attention_mask[:, -1:] == 0, -1))
+        announce(list(range(batch)), sequence_places(attention_mask[:, -1:], positions[:, -1:]))
         logits = _forward(model, input_ids[:, -1:], attention_mask, positions[:, -1:], cache)
     rows = list(range(batch))  # the batch row of each row computed
     row_index = torch.arange(batch, device=device)  # the same, as a tensor

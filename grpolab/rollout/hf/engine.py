@@ -63,15 +63,15 @@ class HFEngine:
         finished rows idle, until every rank's batch is done.
     pack_weights: on a CPU in float32, generate with weights laid out once per call
         (``grpolab.rollout.hf.packed_linear``).
-    record_routing: an MoE model's completions carry the experts its routers chose for every token
-        (``Completion.routed_experts``; ``grpolab.rollout.hf.routing_capture``).
+
+    An MoE model's completions carry the experts its routers chose for every token
+    (``Completion.routed_experts``; ``grpolab.rollout.hf.routing_capture``).
     """
 
     def __init__(self, model: nn.Module, tokenizer, max_batch_size: int = 64,
                  eos_token_ids: Sequence[int] | None = None,
                  compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 shared_prefill: bool = True, synced: bool = False, pack_weights: bool = True,
-                 record_routing: bool = True):
+                 shared_prefill: bool = True, synced: bool = False, pack_weights: bool = True):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.model = model
@@ -79,7 +79,6 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.compute_context = compute_context
         self.shared_prefill, self.synced, self.pack_weights = shared_prefill, synced, pack_weights
-        self.record_routing = record_routing
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else collect_eos_ids(
             tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         if not self.eos_token_ids:
@@ -126,7 +125,7 @@ class HFEngine:
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, device) -> list[Completion]:
         capture = None
-        if self.record_routing and routers(self.model):
+        if routers(self.model):
             capture = RoutingCapture(self.model, len(prompts), max(map(len, prompts)) + params.max_new_tokens, device)
         with capture.attach() if capture is not None else contextlib.nullcontext():
             if self.shared_prefill:

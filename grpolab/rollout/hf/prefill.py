@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from grpolab.rollout.hf.decode import left_padded_positions
+from grpolab.rollout.hf.decode import left_padded_positions, sequence_places
 from grpolab.rollout.hf.kv_cache import reserved_cache
 
 __all__ = ["MIN_SAVED_TOKENS", "prompt_layout", "shared_prefill"]
@@ -75,9 +75,10 @@ def shared_prefill(backbone: nn.Module, config, prompts: list[list[int]], pad_id
     firsts = [row_of.index(u) for u in range(len(distinct))]
     ids, mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]
     if ids.shape[1] > prefix:
-        places = left_padded_positions(mask).masked_fill(mask == 0, -1)[:, prefix:]
-        announce([[r for r, u in enumerate(row_of) if u == unit] for unit in range(len(distinct))], places)
-        backbone(input_ids=ids[:, prefix:], attention_mask=mask, position_ids=left_padded_positions(mask)[:, prefix:],
-                 past_key_values=cache, use_cache=True)
+        positions = left_padded_positions(mask)[:, prefix:]
+        announce([[r for r, u in enumerate(row_of) if u == unit] for unit in range(len(distinct))],
+                 sequence_places(mask[:, prefix:], positions))
+        backbone(input_ids=ids[:, prefix:], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                 use_cache=True)
     cache.batch_select_indices(torch.tensor(row_of, device=device))
     return input_ids, attention_mask, cache

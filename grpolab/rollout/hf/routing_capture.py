@@ -16,12 +16,7 @@ from torch import Tensor, nn
 
 from grpolab.models.routing import routers
 
-__all__ = ["RoutingCapture", "sequence_places"]
-
-
-def sequence_places(attention_mask: Tensor, positions: Tensor) -> Tensor:
-    """[A, C] the place of each column's token in its row's sequence (its position id), -1 on padding."""
-    return positions.masked_fill(attention_mask == 0, -1)
+__all__ = ["RoutingCapture"]
 
 
 class RoutingCapture:
