@@ -21,6 +21,7 @@ from grpolab.commands.cli import main
 from grpolab.config import load_config
 from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import MANIFEST, RunRecord, SuiteManifest
+from grpolab.studies.suite.flight import Flight, classify
 from grpolab.studies.suite.runner import SuiteRunner, completion_problems, prepare_suite, progress_of
 from test_suite import ROOT, suite_file, untimed, write_checkpoint
 
@@ -325,17 +326,32 @@ def test_a_torn_metrics_line_is_skipped_and_counted_never_fatal(queued, wide, ca
 
 
 def test_a_signal_before_the_first_checkpoint_does_not_promise_a_resume(tmp_path):
-    runner = SuiteRunner(tmp_path, Console())
-    runner.signals = 1
     cfg = load_config(None, {"steps": 3})
     record = RunRecord(name="a", run_dir=str(tmp_path / "a"), config_file="a.json", config_sha256="")
+    flight = Flight(record, cfg, job=None, stop_asked="stopped by SIGINT to the suite runner")
     (tmp_path / "a").mkdir()
-    runner._classify(record, cfg, tmp_path / "a", tmp_path / "a.log", -15)
+    classify(flight, tmp_path / "a.log", -15)
     assert record.state == "stopped" and "resumable" not in record.reason
     assert record.reason.endswith("before its first checkpoint; suite resume starts it afresh")
     write_checkpoint(tmp_path / "a" / "checkpoints" / "step_000001", {"trainer_state.pt": b"s"}, step=1)
-    runner._classify(record, cfg, tmp_path / "a", tmp_path / "a.log", -15)
+    classify(flight, tmp_path / "a.log", -15)
     assert record.reason.endswith("resumable from its newest checkpoint step_000001")
+
+
+@pytest.mark.parametrize("exit_code, note, state, reason", [
+    (130, None, "stopped", "a signal from outside the suite: stopped by a signal (exit code 130)"),
+    (-15, "Slurm job 7 ended (CANCELLED) before its command recorded an exit code", "stopped",
+     "Slurm job 7 ended (CANCELLED) before its command recorded an exit code: stopped by a signal"),
+    (-9, None, "failed", "killed by signal SIGKILL"),
+    (3, None, "failed", "exit code 3"),
+])
+def test_a_run_ended_by_a_signal_from_outside_is_stopped_and_any_other_end_failed(exit_code, note, state, reason,
+                                                                                tmp_path):
+    cfg = load_config(None, {"steps": 3})
+    record = RunRecord(name="a", run_dir=str(tmp_path / "a"), config_file="a.json", config_sha256="")
+    (tmp_path / "a").mkdir()
+    classify(Flight(record, cfg, job=None), tmp_path / "a.log", exit_code, note)
+    assert record.state == state and record.reason.startswith(reason), record.reason
 
 
 @pytest.mark.parametrize("target", ["missing", "empty", "not_json", "not_a_manifest"])

@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--output-root", help="run: a new or empty directory for the suite")
     suite.add_argument("--dry-run", action="store_true", help="run: print every resolved config, command and the "
                        "expected checkpoint footprint; write nothing")
+    suite.add_argument("--devices", help="run / resume: place runs on these devices (such as 0,1,2,3), each on "
+                       "devices_per_run of them, as many at once as fit (default: one run at a time)")
+    suite.add_argument("--launcher", choices=["local", "slurm"], help="run: local processes (default) or one Slurm "
+                       "batch job per run")
+    for option, what in (("partition", "partition"), ("time", "time limit, such as 04:00:00"),
+                         ("account", "account")):
+        suite.add_argument(f"--{option}", help=f"run, with --launcher slurm: each job's {what}")
     report = sub.add_parser("report", help="report.md, report.json and figures in DIR/report/ for a suite or run "
                             "directory: run table, paired bootstrap CIs and McNemar tests, 2x2, seeds, pass@k, curves")
     report.add_argument("directory", help="a suite directory, a run directory or a folder of run directories")
@@ -135,10 +142,14 @@ def suite_command(args: argparse.Namespace, console: Console) -> int:
     if args.action == "run":
         if not args.output_root:
             raise ValueError("suite run needs --output-root DIR (a new or empty directory)")
-        if prepare_suite(args.target, Path(args.output_root), console, args.dry_run) is None:
+        slurm = {"partition": args.partition, "time": args.time, "account": args.account}
+        placement = {"devices": args.devices, "launcher": args.launcher, "slurm": slurm}
+        if prepare_suite(args.target, Path(args.output_root), console, args.dry_run, placement) is None:
             return 0
         return SuiteRunner(Path(args.output_root).resolve(), console).execute()
-    return SuiteRunner(Path(args.target).resolve(), console).execute()
+    if args.launcher or args.partition or args.time or args.account:
+        raise ValueError("suite resume keeps the suite's launcher and Slurm settings; only --devices may change")
+    return SuiteRunner(Path(args.target).resolve(), console, devices=args.devices).execute()
 
 
 def bench_command(args: argparse.Namespace, cfg, console: Console) -> None:
@@ -223,7 +234,8 @@ class _Interrupts:
     the current step with a resumable checkpoint; otherwise (or the second time) they raise
     KeyboardInterrupt. vLLM's engine processes share the terminal's process group, die of the same
     Ctrl-C, and the library may catch the trainer's own KeyboardInterrupt while it raises an engine
-    error instead; the run is still an interrupted one."""
+    error instead; the run is still an interrupted one. A SIGTERM after the stop was asked for changes
+    nothing (torchrun's agent and a Slurm cancel may both pass one on); a second Ctrl-C ends the run."""
 
     received = False
     stop = StopRequest()
@@ -233,6 +245,8 @@ class _Interrupts:
         cls.received = True
         if cls.stop.armed and not cls.stop.requested:
             cls.stop.requested = True
+            return
+        if cls.stop.armed and signum == signal.SIGTERM:
             return
         raise KeyboardInterrupt
 

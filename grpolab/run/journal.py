@@ -4,6 +4,8 @@ run, the SHA-256 of its config, every resume and every session's seconds), rewri
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -17,6 +19,12 @@ CONFIG, MANIFEST = "config.json", "manifest.json"
 
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def where_this_runs() -> dict[str, Any]:
+    """Host, visible devices, Slurm job and world size of this process (torchrun and Slurm set them)."""
+    return {"host": socket.gethostname(), "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
 
 
 class RunJournal:
@@ -75,7 +83,8 @@ class RunJournal:
         self.begin_session(step)
 
     def begin_session(self, step: int) -> None:
-        self.data["sessions"].append({"started": now(), "from_step": step, "to_step": step, "seconds": 0.0})
+        self.data["sessions"].append({"started": now(), "from_step": step, "to_step": step, "seconds": 0.0,
+                                      "where": where_this_runs()})
         self.save()
 
     def tick(self, step: int, seconds: float) -> None:

@@ -187,12 +187,13 @@ class Trainer:
         log_every = cfg.log_every or (1 if self.reporter.plain else None)
         with self.reporter.phase("train", total=cfg.steps, unit="steps", done_note=False, done=first - 1) as bar:
             # vLLM's engine processes share the terminal's process group and die of the same Ctrl-C, so a
-            # graceful stop could wait on a dead engine: with vLLM a signal still stops the run at once
-            # under torchrun a signal ends every rank at once (resume from the last checkpoint)
-            stop.armed = cfg.rollout.engine == "hf" and not self.ranks.parallel
+            # graceful stop could wait on a dead engine: with vLLM a signal still stops the run at once.
+            # Under torchrun the ranks agree at each step's end whether any of them was asked to stop.
+            stop.armed = cfg.rollout.engine == "hf"
             for step in range(first, cfg.steps + 1):
                 record = self.train_step(step, bar.set_status)
                 self.parts.state.step = step
+                stopping = self.ranks.any(stop.requested)
                 rewards.append(record["reward_mean"])
                 if log_every and (step % log_every == 0 or step == cfg.steps):
                     left = bar.elapsed() / (step - first + 1) * (cfg.steps - step)
@@ -200,7 +201,7 @@ class Trainer:
                 if step % cfg.eval.every == 0 or step == cfg.steps:
                     bar.set_status("evaluate")
                     evals[step] = self.evaluate(step)
-                if step % cfg.checkpoint.every == 0 or step == cfg.steps or stop.requested:
+                if step % cfg.checkpoint.every == 0 or step == cfg.steps or stopping:
                     bar.set_status("checkpoint")
                     with self.reporter.phase(f"checkpoint step {step}") as phase:
                         phase.info = self.save_checkpoint(step)
@@ -208,7 +209,7 @@ class Trainer:
                     self.journal.tick(step, time.perf_counter() - started)
                 bar.set_status("")
                 bar.advance(info=f"reward {record['reward_mean']:.3f}, val acc {evals[max(evals)]['val/accuracy']:.3f}")
-                if stop.requested and step < cfg.steps:
+                if stopping and step < cfg.steps:
                     raise RunStopped(f"stopped after step {step} with a checkpoint; continue with: "
                                      f"grpolab train --resume {self.run_dir}")
             stop.armed = False

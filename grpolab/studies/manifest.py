@@ -47,6 +47,10 @@ class RunRecord(BaseModel):
                                               description="a file-backed task's copied source files, by path")
     init_from: str | None = None
     factors: dict[str, str] = Field(default_factory=dict)
+    world_size: int = Field(1, description="processes (devices) of the run: more than 1 runs under torchrun")
+    devices: list[str] | None = Field(None, description="CUDA_VISIBLE_DEVICES of its latest attempt, where known")
+    host: str | None = None
+    job_id: str | None = Field(None, description="the Slurm job of its latest attempt")
     pid: int | None = None
     command: list[str] = Field(default_factory=list)
     exit_code: int | None = None
@@ -65,7 +69,11 @@ class SuiteManifest(BaseModel):
     source_file: str
     created: str = Field(default_factory=now)
     code: dict[str, Any] = Field(default_factory=dict, description="version, git commit and dirty flag, sha256, path")
+    placement: dict[str, Any] = Field(default_factory=dict, description="launcher, devices (None: one run at a "
+                                      "time on what each run sees) and the Slurm settings")
     runner_pid: int | None = None
+    runner_host: str | None = None
+    runner_seen: float | None = Field(None, description="when the runner last wrote (seconds since the epoch)")
     runs: list[RunRecord]
 
     def save(self, root: Path) -> None:

@@ -3,6 +3,7 @@ why it failed and what a stop leaves to resume."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -56,6 +57,17 @@ def progress_of(run_dir: Path) -> Progress:
     steps = [r["step"] for r in lines.records if "reward_mean" in r and isinstance(r.get("step"), int)]
     vals = [r["val/accuracy"] for r in lines.records if isinstance(r.get("val/accuracy"), (int, float))]
     return Progress(max(steps, default=0), vals[-1] if vals else None, lines.skipped)
+
+
+def last_session_where(run_dir: Path) -> dict:
+    """Where the run's latest session ran, as its manifest.json recorded it (host, devices, Slurm job,
+    world size); empty when unknown."""
+    try:
+        sessions = json.loads((Path(run_dir) / "manifest.json").read_text()).get("sessions") or [{}]
+    except (OSError, ValueError, AttributeError):
+        return {}
+    where = sessions[-1].get("where") if isinstance(sessions[-1], dict) else None
+    return where if isinstance(where, dict) else {}
 
 
 def last_error(log: Path) -> str | None:

@@ -5,6 +5,7 @@ runs; or, for a dry run, the plan printed and nothing written."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,30 +17,61 @@ from grpolab.models.loading import absolute_model_spec, check_model_spec
 from grpolab.run.rundir import RunDirError
 from grpolab.studies.manifest import RunRecord, SuiteManifest
 from grpolab.studies.suite.snapshot import snapshot_code, snapshot_data, task_key
-from grpolab.studies.suite.spec import SuiteRun, load_suite, resolve_runs
+from grpolab.studies.suite.placement import parse_devices
+from grpolab.studies.suite.spec import SuiteRun, SuiteSpec, load_suite, resolve_runs
 
 
-def train_command(config_file: Path) -> list[str]:
+def launch_prefix(world_size: int) -> list[str]:
+    """This Python, or torchrun (one process per device, its own rendezvous on a free port) above it."""
+    if world_size == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}"]
+
+
+def train_command(config_file: Path, world_size: int = 1) -> list[str]:
     """The child process of a run's first attempt."""
-    return [sys.executable, "-m", "grpolab.commands.cli", "train", "--config", str(config_file)]
+    return [*launch_prefix(world_size), "-m", "grpolab.commands.cli", "train", "--config", str(config_file)]
 
 
-def resume_command(run_dir: Path) -> list[str]:
+def resume_command(run_dir: Path, world_size: int = 1) -> list[str]:
     """The child process that continues a run from its newest verified checkpoint."""
-    return [sys.executable, "-m", "grpolab.commands.cli", "train", "--resume", str(run_dir)]
+    return [*launch_prefix(world_size), "-m", "grpolab.commands.cli", "train", "--resume", str(run_dir)]
 
 
-def prepare_suite(suite_file: str | Path, root: Path, console: Console, dry_run: bool = False) -> SuiteManifest | None:
+def placement_of(spec: SuiteSpec, devices: str | None = None, launcher: str | None = None,
+                 slurm: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Where the runs go: the launcher, the device list (None: one run at a time on what each run sees)
+    and the Slurm settings; the command line's values win over the suite file's. One-line errors."""
+    launcher = launcher or spec.suite.launcher
+    listed = devices if devices is not None else spec.suite.devices
+    placed = parse_devices(listed) if listed is not None else None
+    widest = max(spec.runs, key=lambda run: run.devices_per_run or 1)
+    if launcher == "slurm":
+        if placed is not None:
+            raise ValueError("devices are placed by Slurm with the slurm launcher: leave out --devices ([suite] devices)")
+        if shutil.which("sbatch") is None:
+            raise ValueError("the slurm launcher needs Slurm's client commands (sbatch, squeue, scancel) on PATH")
+        settings = spec.slurm.model_copy(update={k: v for k, v in (slurm or {}).items() if v is not None})
+        return {"launcher": launcher, "devices": None, "slurm": settings.model_dump()}
+    if placed is not None and (widest.devices_per_run or 1) > len(placed):
+        raise ValueError(f"run {widest.name} needs {widest.devices_per_run} devices; only {len(placed)} are listed "
+                         f"({','.join(placed)})")
+    return {"launcher": launcher, "devices": placed, "slurm": None}
+
+
+def prepare_suite(suite_file: str | Path, root: Path, console: Console, dry_run: bool = False,
+                  placement: dict[str, Any] | None = None) -> SuiteManifest | None:
     """Resolve and validate every run; with ``dry_run`` print the configs, commands and checkpoint
     footprint and write nothing; otherwise snapshot code and data into the new ``root`` and write the
-    manifest of queued runs."""
+    manifest of queued runs. ``placement``: the command line's devices, launcher and Slurm settings."""
     spec = load_suite(suite_file)
     root = root.resolve()
     configs = resolve_runs(spec, root)
+    where = placement_of(spec, **(placement or {}))
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise RunDirError(f"suite output root already exists and is not empty: {root} (choose a new --output-root)")
     if dry_run:
-        print_plan(spec.name, configs, root, console)
+        print_plan(spec, configs, root, console, where)
         return None
     for run in spec.runs:  # a start model that cannot load is refused now, not hours into the queue
         if run.init_from is None:
@@ -55,7 +87,8 @@ def prepare_suite(suite_file: str | Path, root: Path, console: Console, dry_run:
         if key not in data:
             data[key] = snapshot_data(cfg, folder)
         records.append(write_run_config(run, frozen_config(cfg, data[key], run.init_from), root, folder, data[key]))
-    manifest = SuiteManifest(suite=spec.name, source_file=str(Path(suite_file).resolve()), code=code, runs=records)
+    manifest = SuiteManifest(suite=spec.name, source_file=str(Path(suite_file).resolve()), code=code, placement=where,
+                             runs=records)
     manifest.save(root)
     return manifest
 
@@ -76,22 +109,30 @@ def write_run_config(run: SuiteRun, cfg: RunConfig, root: Path, folder: Path, da
     config_file.write_text(json.dumps(config, indent=2))
     return RunRecord(name=run.name, run_dir=str(cfg.output_dir), config_file=str(config_file), config=config,
                      config_sha256=config_sha256(config), init_from=run.init_from, factors=run.factors,
+                     world_size=run.devices_per_run or 1,
                      data_sha256={k: data[f"{k}_sha256"] for k in ("train", "validation", "prompt")},
                      data_dir=str(folder), data_files_sha256=data["files_sha256"])
 
 
-def print_plan(name: str, configs: dict[str, RunConfig], root: Path, console: Console) -> None:
-    """Each run's command, resolved config and checkpoint footprint, and the suite's total."""
+def print_plan(spec: SuiteSpec, configs: dict[str, RunConfig], root: Path, console: Console,
+               where: dict[str, Any]) -> None:
+    """Where the runs go; each run's command, resolved config and checkpoint footprint; the suite's total."""
     from grpolab.studies.suite.footprint import checkpoint_bytes
 
     total = 0
-    console.print(f"suite {name}: {len(configs)} runs into {root} (dry run: nothing written)", highlight=False,
+    console.print(f"suite {spec.name}: {len(configs)} runs into {root} (dry run: nothing written)", highlight=False,
                   soft_wrap=True)
-    for run_name, cfg in configs.items():
+    if where["launcher"] == "slurm":
+        console.print(f"placement: one Slurm batch job per run, {where['slurm']}", highlight=False, soft_wrap=True)
+    else:
+        console.print("placement: " + (f"devices {','.join(where['devices'])}, as many runs at once as fit"
+                                       if where["devices"] else "one run at a time"), highlight=False)
+    for run in spec.runs:
+        cfg = configs[run.name]
         size = checkpoint_bytes(cfg, configs)
         total += size or 0
-        console.print(f"\n[bold]{run_name}[/]: {' '.join(train_command(root / 'configs' / f'{run_name}.json'))}",
-                      highlight=False, soft_wrap=True)
+        command = train_command(root / "configs" / f"{run.name}.json", run.devices_per_run or 1)
+        console.print(f"\n[bold]{run.name}[/]: {' '.join(command)}", highlight=False, soft_wrap=True)
         console.print(json.dumps(cfg.model_dump(mode="json"), sort_keys=True), highlight=False, soft_wrap=True)
         console.print(f"checkpoints: {cfg.steps // cfg.checkpoint.every + (cfg.steps % cfg.checkpoint.every != 0)}, "
                       f"about {size / 1e6:.1f} MB" if size is not None else "checkpoints: size unknown", highlight=False)

@@ -1,183 +1,251 @@
-"""Running a suite: its runs one at a time, each in its own process started from the snapshot; the first
-run that does not complete stops the queue. Nothing is retried automatically and no setting changes;
-``resume`` continues at the first unfinished run (from its newest verified checkpoint when it has one).
+"""Running a suite: each run in its own process (or torchrun job, or Slurm batch job) started from the
+snapshot, as many at once as the placement allows (``grpolab.studies.suite.placement``; without devices,
+one at a time). The first run that does not complete stops the queue: runs not started stay queued, runs
+already running are asked to stop after their step with a checkpoint. Nothing is retried automatically
+and no setting changes; ``resume`` places the unfinished runs again (each from its newest verified
+checkpoint when it has one).
 
 Before anything moves, the suite's recorded configs, code and data are verified (``grpolab.studies.suite.verify``).
 A run is judged from its directory alone (``grpolab.studies.suite.completion``), and never gets a second trainer:
-a process still training it (left by a runner that died) is waited for first (``grpolab.studies.suite.holder``).
+a process still training it (left by a runner that died) is waited for first (``grpolab.studies.suite.holder``),
+and a Slurm job still queued or running for it is followed, never submitted again.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
-from grpolab.run.checkpoints import newest_verified, weights_sha256
-from grpolab.config import RunConfig, load_config
+from grpolab.config import load_config
 from grpolab.common.progress import Reporter, format_seconds
-from grpolab.run.state import STATE_FILE
+from grpolab.run.checkpoints import newest_verified
 from grpolab.run.rundir import RunDirError
-from grpolab.studies.suite.completion import completion_problems, last_error, progress_of, stop_reason
-from grpolab.studies.suite.holder import run_holder
+from grpolab.run.state import STATE_FILE
+from grpolab.studies.launchers.local import start_local
+from grpolab.studies.launchers.slurm import SlurmError, SlurmJob
 from grpolab.studies.manifest import RunRecord, SuiteManifest, now, pid_alive
+from grpolab.studies.suite.completion import completion_problems, last_error, last_session_where, progress_of
+from grpolab.studies.suite.flight import Flight, classify, complete
+from grpolab.studies.suite.holder import run_holder
+from grpolab.studies.suite.placement import DevicePool, next_to_start, parse_devices
 from grpolab.studies.suite.prepare import prepare_suite, resume_command, train_command
-from grpolab.studies.suite.spec import final_checkpoint
+from grpolab.studies.suite.slurm_jobs import exit_file, submit_run
+from grpolab.studies.suite.status import status_table
 from grpolab.studies.suite.verify import verify_suite
 
 __all__ = ["SuiteRunner", "completion_problems", "last_error", "prepare_suite", "progress_of", "status_table"]
 
 POLL_SECONDS = 0.5
 ATTEMPTS_DIR = "attempts"
+ONE_AT_A_TIME = "(one at a time)"
 
 
 class SuiteRunner:
-    """Executes the manifest of the suite in ``root``."""
+    """Executes the manifest of the suite in ``root``; ``devices`` (resume) places the runs on another list."""
 
-    def __init__(self, root: Path, console: Console):
-        self.root, self.console = root, console
+    def __init__(self, root: Path, console: Console, devices: str | None = None):
+        self.root, self.console, self.devices = root, console, devices
         self.reporter = Reporter(console)
         self.signals = 0
-        self.child: subprocess.Popen | None = None
+        self.flights: dict[str, Flight] = {}
+        self.stopping: str | None = None
+        self.pool: DevicePool | None = None
+        self.first_stop: str | None = None  # the run whose end stopped the queue
 
-    # ---- signals: the first stops the current run at a step boundary, the second kills it -------
+    # ---- signals: the first stops every running run at a step boundary, the second kills them --------
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signals += 1
-        if self.child is None:
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
         if self.signals == 1:
-            self.reporter.line(f"{signal.Signals(signum).name}: stopping the current run after its step "
-                               "(with a checkpoint); again to kill it")
-            self.child.send_signal(signal.SIGTERM)
-        else:
-            os.killpg(self.child.pid, signal.SIGKILL)
+            self.reporter.line(f"{name}: stopping every running run after its step (with a checkpoint); "
+                               "again to kill them")
+            self._stop_all(f"stopped by {name} to the suite runner")
+            return
+        for flight in self.flights.values():
+            if flight.job is not None:
+                flight.job.kill()
+
+    def _stop_all(self, why: str) -> None:
+        """Stop the queue: a run this runner started is asked to stop after its step; a process an earlier
+        runner left training a run is left alone (resume waits for it again)."""
+        self.stopping = self.stopping or why
+        for name, flight in list(self.flights.items()):
+            if flight.job is None:
+                flight.wait["interrupted"] = now()
+                flight.record.reason = (f"this runner was stopped while waiting for process {flight.wait['pid']}, "
+                                        "which goes on training the run; suite resume waits for it again")
+                del self.flights[name]
+            elif not flight.stop_asked:
+                flight.stop_asked = why
+                try:
+                    flight.job.stop()
+                except SlurmError as err:
+                    self.reporter.line(f"run {name}: {err}")
 
     def execute(self) -> int:
-        """Run (or resume) every run that is not completed, in order; 0 when all completed, 130 when a
-        signal stopped the suite, 1 when a run failed."""
+        """Run (or resume) every run that is not completed; 0 when all completed, 1 when a run failed, 130
+        when a signal (to the runner or to a run) stopped the suite."""
         manifest = SuiteManifest.load(self.root)
-        if manifest.runner_pid != os.getpid() and pid_alive(manifest.runner_pid):
-            raise RunDirError(f"suite {self.root} is being run by process {manifest.runner_pid}")
+        self._claim(manifest)
         verify_suite(self.root, manifest)
-        manifest.runner_pid = os.getpid()
+        if self.devices is not None:
+            self._replace_devices(manifest)
+        manifest.runner_pid, manifest.runner_host, manifest.runner_seen = os.getpid(), socket.gethostname(), time.time()
         manifest.save(self.root)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            for record in manifest.runs:
-                if record.state == "completed":
-                    continue
-                self._run(manifest, record)
-                if record.state != "completed":
-                    how = "continue with: grpolab suite resume " + str(self.root)
-                    self.reporter.line(f"suite stopped at run {record.name} ({record.state}): {record.reason}; {how}")
-                    return 130 if record.state == "stopped" or self.signals else 1
-            self.reporter.line(f"suite {manifest.suite}: all {len(manifest.runs)} runs completed; "
-                               f"grpolab suite status {self.root}")
-            self._report()
-            return 0
+            self._loop(manifest)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-
-    def _report(self) -> None:
-        """The suite's report (``grpolab report``), written once every run completed; a failure to write
-        it is said, never a failed suite."""
-        from grpolab.studies.report import write_report
-
-        try:
-            self.reporter.line(f"report: {write_report(self.root, self.reporter)}")
-        except Exception as err:  # the runs are done and safe; the report can be redone by hand
-            self.reporter.line(f"report not written ({type(err).__name__}: {err}); grpolab report {self.root}")
-
-    def _run(self, manifest: SuiteManifest, record: RunRecord) -> None:
-        """One run: wait for a process still training it, then judge it from disk: complete (nothing is
-        started), or started afresh or resumed, waited for and classified."""
-        cfg = load_config(record.config_file)
-        run_dir = Path(record.run_dir)
-        if not self._wait_for_holder(manifest, record, cfg):
-            return
-        if not completion_problems(run_dir, cfg):
-            self._complete(record, cfg, run_dir)
-            record.pid, record.ended = None, record.ended or now()
+            manifest.runner_seen = None
             manifest.save(self.root)
-            self.reporter.line(f"run {record.name}: complete on disk ({progress_of(run_dir).describe(cfg.steps)}): "
-                               "completed, nothing started")
-            return
-        log = self.root / "logs" / f"{record.name}.log"
-        self._start(manifest, record, log)
-        exit_code = self._wait(record, cfg, run_dir)
-        self._classify(record, cfg, run_dir, log, exit_code)
-        manifest.save(self.root)
-        self.reporter.line(f"run {record.name}: {record.state} at {progress_of(run_dir).describe(cfg.steps)}"
-                           + (f" ({record.reason})" if record.reason else ""))
+        return self._outcome(manifest)
 
-    def _wait_for_holder(self, manifest: SuiteManifest, record: RunRecord, cfg: RunConfig) -> bool:
-        """Wait for a live process still training the run (one left by a runner that died) to end, with a
-        line at the reporter's steady interval, and record the wait; False when a signal stopped this
-        runner meanwhile (that process is left alone and goes on)."""
+    def _claim(self, manifest: SuiteManifest) -> None:
+        """Refuse a suite another live runner is running: by pid on this host; on another host (a login
+        node), when that runner wrote within the last few heartbeats."""
+        here = manifest.runner_host in (None, socket.gethostname())
+        if here and manifest.runner_pid != os.getpid() and pid_alive(manifest.runner_pid):
+            raise RunDirError(f"suite {self.root} is being run by process {manifest.runner_pid}")
+        recent = manifest.runner_seen is not None and time.time() - manifest.runner_seen < 3 * self.reporter.interval
+        if not here and recent:
+            raise RunDirError(f"suite {self.root} is being run by process {manifest.runner_pid} on "
+                              f"{manifest.runner_host} (it wrote {time.time() - manifest.runner_seen:.0f} s ago)")
+
+    def _replace_devices(self, manifest: SuiteManifest) -> None:
+        if manifest.placement.get("launcher") == "slurm":
+            raise ValueError("devices are placed by Slurm with the slurm launcher: leave out --devices")
+        devices = parse_devices(self.devices)
+        widest = max(manifest.runs, key=lambda record: record.world_size)
+        if widest.world_size > len(devices):
+            raise ValueError(f"run {widest.name} needs {widest.world_size} devices; only {len(devices)} are listed")
+        manifest.placement = {**manifest.placement, "launcher": "local", "devices": devices}
+
+    # ---- the loop: start what fits, land what ended, a progress line per run at a steady interval ------
+    def _loop(self, manifest: SuiteManifest) -> None:
+        placement = manifest.placement or {"launcher": "local"}
+        if placement.get("launcher", "local") == "local":
+            self.pool = DevicePool(placement.get("devices") or [ONE_AT_A_TIME])
+        for record in manifest.runs:
+            if record.state == "running":
+                self._adopt(manifest, record)
+        last_line = float("-inf")
+        while True:
+            for flight in list(self.flights.values()):
+                code = flight.poll()
+                if code is not None and flight.record.name in self.flights:
+                    self._land(manifest, flight, code)
+            if not self.stopping:
+                self._start_what_fits(manifest)
+            if not self.flights:
+                return
+            if time.monotonic() - last_line >= self.reporter.interval:
+                for flight in self.flights.values():
+                    self._progress_line(flight)
+                manifest.runner_seen = time.time()
+                manifest.save(self.root)
+                last_line = time.monotonic()
+            time.sleep(POLL_SECONDS)
+
+    def _need(self, record: RunRecord) -> int:
+        return 1 if self.pool is None or self.pool.devices == [ONE_AT_A_TIME] else record.world_size
+
+    def _start_what_fits(self, manifest: SuiteManifest) -> None:
+        while not self.stopping:
+            completed = {r.name for r in manifest.runs if r.state == "completed"}
+            waiting = [r for r in manifest.runs if r.state != "completed" and r.name not in self.flights]
+            record = next_to_start(waiting, completed,
+                                   lambda r: self.pool is None or len(self.pool.free()) >= self._need(r))
+            if record is None:
+                return
+            cfg = load_config(record.config_file)
+            if not completion_problems(Path(record.run_dir), cfg):
+                complete(record, cfg)
+                record.pid, record.ended = None, record.ended or now()
+                manifest.save(self.root)
+                self.reporter.line(f"run {record.name}: complete on disk "
+                                   f"({progress_of(Path(record.run_dir)).describe(cfg.steps)}): completed, nothing started")
+                continue
+            devices = self.pool.take(record.name, self._need(record)) if self.pool is not None else None
+            self._launch(manifest, record, cfg, None if devices == [ONE_AT_A_TIME] else devices)
+
+    def _adopt(self, manifest: SuiteManifest, record: RunRecord) -> None:
+        """A run an earlier runner left 'running': its Slurm job is followed while Slurm still runs it; a
+        local process still training it is waited for (holding its devices); otherwise it is judged when
+        placed again."""
+        cfg = load_config(record.config_file)
+        if record.job_id is not None and manifest.placement.get("launcher") == "slurm":
+            job = SlurmJob(record.job_id, exit_file(self.root, record.name, record.job_id), dict(os.environ))
+            self.flights[record.name] = flight = Flight(record, cfg, job, since=time.monotonic())
+            if job.poll() is None:
+                self.reporter.line(f"run {record.name}: following Slurm job {job.ident} ({job.state}), "
+                                   "submitted by an earlier runner")
+            return
         pid = run_holder(record)
         if pid is None:
-            return True
-        wait = {"pid": pid, "since": now(), "until": None}
-        record.waits.append(wait)
-        record.state, record.pid = "running", pid or record.pid
+            return
+        flight = Flight(record, cfg, None, wait={"pid": pid, "since": now(), "until": None}, since=time.monotonic())
+        record.waits.append(flight.wait)
+        record.pid = pid or record.pid
+        if self.pool is not None:
+            self.pool.hold(record.name, record.devices or [ONE_AT_A_TIME])
+        self.flights[record.name] = flight
         manifest.save(self.root)
-        last_line = float("-inf")
-        try:
-            while pid is not None:
-                if time.monotonic() - last_line >= self.reporter.interval:
-                    self.reporter.line(f"run {record.name}: waiting for process {pid or '(pid unreadable)'} "
-                                       "(left training by an earlier runner) to end; "
-                                       + progress_of(Path(record.run_dir)).describe(cfg.steps))
-                    last_line = time.monotonic()
-                time.sleep(POLL_SECONDS)
-                pid = run_holder(record)
-        except KeyboardInterrupt:
-            wait["interrupted"] = now()
-            record.reason = (f"this runner was stopped while waiting for process {wait['pid']}, which goes on "
-                             "training the run; suite resume waits for it again")
-            manifest.save(self.root)
-            return False
-        wait["until"] = now()
-        record.pid, record.reason = None, f"process {wait['pid']} was left training by an earlier runner; waited for it"
-        manifest.save(self.root)
-        return True
+        self._progress_line(flight)
 
-    def _start(self, manifest: SuiteManifest, record: RunRecord, log: Path) -> None:
-        """Archive the previous attempt, choose the command and start it in its own session from the
-        code snapshot, its output appended to the run's log."""
+    def _launch(self, manifest: SuiteManifest, record: RunRecord, cfg, devices: list[str] | None) -> None:
+        """Archive the previous attempt, choose the command and start it from the code snapshot on its
+        devices (or submit it to Slurm), its output appended to the run's log."""
         if record.command:
             record.attempts.append({"command": record.command, "exit_code": record.exit_code, "state": record.state,
-                                    "reason": record.reason, "started": record.started, "ended": record.ended})
+                                    "reason": record.reason, "started": record.started, "ended": record.ended,
+                                    "devices": record.devices, "host": record.host, "job_id": record.job_id})
         record.command = self._command(record)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [manifest.code["path"],
-                                                                         os.environ.get("PYTHONPATH")]))}
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [manifest.code["path"], os.environ.get("PYTHONPATH")]))}
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        log = self.root / "logs" / f"{record.name}.log"
         log.parent.mkdir(exist_ok=True)
-        with log.open("a") as out:
-            out.write(f"# {now()} {' '.join(record.command)}\n")
-            out.flush()
-            self.child = subprocess.Popen(record.command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                          cwd=self.root, start_new_session=True)
-        record.state, record.pid, record.started, record.ended = "running", self.child.pid, now(), None
-        record.exit_code = record.reason = None
+        record.state, record.started, record.ended, record.devices = "running", now(), None, devices
+        record.exit_code = record.reason = record.pid = record.job_id = record.host = None
+        self.flights[record.name] = flight = Flight(record, cfg, None, since=time.monotonic())
+        try:
+            if manifest.placement.get("launcher") == "slurm":
+                flight.job = submit_run(self.root, manifest.suite, record, env, manifest.placement["slurm"])
+                record.job_id = flight.job.ident
+                started = f"submitted as Slurm job {record.job_id}"
+            else:
+                with log.open("a") as out:
+                    out.write(f"# {now()} {' '.join(record.command)}\n")
+                flight.job = start_local(record.command, {**os.environ, **env}, log, self.root)
+                record.pid, record.host = int(flight.job.ident), socket.gethostname()
+                started = f"started (pid {record.pid})"
+        except SlurmError as err:
+            del self.flights[record.name]
+            record.state, record.reason, record.ended = "failed", str(err), now()
+            manifest.save(self.root)
+            self._stop_all(f"stopped because run {record.name} could not be submitted")
+            return
         manifest.save(self.root)
-        self.reporter.line(f"run {record.name}: started (pid {self.child.pid}), log {log}")
+        on = f" on devices {','.join(devices)}" if devices else ""
+        self.reporter.line(f"run {record.name}: {started}{on}, log {log}")
 
     def _command(self, record: RunRecord) -> list[str]:
         """Resume from the newest verified checkpoint; otherwise start afresh, an earlier attempt's
         directory moved aside first."""
         run_dir = Path(record.run_dir)
         if newest_verified(run_dir, (STATE_FILE,)).checkpoint is not None:
-            return resume_command(run_dir)
+            return resume_command(run_dir, record.world_size)
         if run_dir.exists() and any(run_dir.iterdir()):
             record.attempts.append({"moved_to": str(self._move_aside(record)), "at": now()})
-        return train_command(Path(record.config_file))
+        return train_command(Path(record.config_file), record.world_size)
 
     def _move_aside(self, record: RunRecord) -> Path:
         """The run directory to ROOT/attempts/NAME/attempt-N, the first N not taken (kept, never reused or
@@ -189,62 +257,67 @@ class SuiteRunner:
             n += 1
         return Path(record.run_dir).rename(folder / f"attempt-{n}")
 
-    def _wait(self, record: RunRecord, cfg: RunConfig, run_dir: Path) -> int:
-        """The child's exit code, with a progress line at the reporter's steady interval meanwhile."""
-        started = last_line = time.monotonic()
-        while True:
-            try:
-                code = self.child.wait(timeout=POLL_SECONDS)
-                self.child = None
-                return code
-            except subprocess.TimeoutExpired:
-                pass
-            if time.monotonic() - last_line >= self.reporter.interval:
-                self.reporter.line(f"run {record.name}: {progress_of(run_dir).describe(cfg.steps)}, "
-                                   f"{format_seconds(time.monotonic() - started)} elapsed")
-                last_line = time.monotonic()
+    def _land(self, manifest: SuiteManifest, flight: Flight, code: int) -> None:
+        """A run whose job ended (or whose orphan process is gone) is judged from disk and recorded; one
+        that did not complete stops the queue."""
+        record = flight.record
+        del self.flights[record.name]
+        if self.pool is not None:
+            self.pool.release(record.name)
+        progress = progress_of(flight.run_dir).describe(flight.cfg.steps)
+        if flight.job is None:
+            flight.wait["until"] = now()
+            record.pid = None
+            record.reason = f"process {flight.wait['pid']} was left training by an earlier runner; waited for it"
+            if not completion_problems(flight.run_dir, flight.cfg):
+                complete(record, flight.cfg)
+                record.ended = record.ended or now()
+                self.reporter.line(f"run {record.name}: complete on disk ({progress}): completed, nothing started")
+            manifest.save(self.root)
+            return
+        seen = last_session_where(flight.run_dir)  # what the run itself saw (on a Slurm node: its devices)
+        record.host = seen.get("host") or flight.job.where().get("host") or record.host
+        record.devices = record.devices or (seen["devices"].split(",") if seen.get("devices") else None)
+        classify(flight, self.root / "logs" / f"{record.name}.log", code, getattr(flight.job, "note", None))
+        manifest.save(self.root)
+        self.reporter.line(f"run {record.name}: {record.state} at {progress}"
+                           + (f" ({record.reason})" if record.reason else ""))
+        if record.state != "completed" and not self.stopping:
+            self.first_stop = record.name
+            self._stop_all(f"stopped because run {record.name} {record.state}")
+            manifest.save(self.root)
 
-    def _complete(self, record: RunRecord, cfg: RunConfig, run_dir: Path) -> None:
-        """Mark a run completed, with its final checkpoint and that checkpoint's weights' SHA-256 (from its
-        checkpoint.json: the weights are not read again)."""
-        checkpoint = final_checkpoint(run_dir, cfg)
-        record.state, record.final_checkpoint, record.reason = "completed", str(checkpoint), None
-        record.final_checkpoint_sha256 = weights_sha256(checkpoint)
+    def _progress_line(self, flight: Flight) -> None:
+        progress = progress_of(flight.run_dir).describe(flight.cfg.steps)
+        name = flight.record.name
+        if flight.job is None:
+            self.reporter.line(f"run {name}: waiting for process {flight.wait['pid'] or '(pid unreadable)'} "
+                               f"(left training by an earlier runner) to end; {progress}")
+            return
+        state = flight.job.where().get("job_state")
+        self.reporter.line(f"run {name}: {progress}, {format_seconds(time.monotonic() - flight.since)} elapsed"
+                           + (f" (Slurm job {flight.job.ident} {state})" if state else ""))
 
-    def _classify(self, record: RunRecord, cfg: RunConfig, run_dir: Path, log: Path, exit_code: int) -> None:
-        """Completed (exit 0 and complete on disk), stopped (by a signal to this runner) or failed, with why."""
-        record.exit_code, record.ended, record.pid = exit_code, now(), None
-        missing = completion_problems(run_dir, cfg)
-        if exit_code == 0 and not missing:
-            self._complete(record, cfg, run_dir)
-        elif self.signals:
-            record.state, record.reason = "stopped", stop_reason(run_dir, exit_code)
-        else:
-            record.state = "failed"
-            if exit_code == 0:
-                record.reason = "exited 0 but lacks " + ", ".join(missing)
-            elif exit_code < 0:
-                record.reason = f"killed by signal {signal.Signals(-exit_code).name}"
-            else:
-                record.reason = last_error(log) or f"exit code {exit_code}"
+    def _outcome(self, manifest: SuiteManifest) -> int:
+        """The suite's exit code and closing line; the report once every run completed."""
+        unfinished = [r for r in manifest.runs if r.state != "completed"]
+        if not unfinished:
+            self.reporter.line(f"suite {manifest.suite}: all {len(manifest.runs)} runs completed; "
+                               f"grpolab suite status {self.root}")
+            self._report()
+            return 0
+        first = next((r for r in unfinished if r.name == self.first_stop),
+                     next((r for r in unfinished if r.state in ("failed", "stopped")), unfinished[0]))
+        self.reporter.line(f"suite stopped at run {first.name} ({first.state}): {first.reason}; "
+                           f"continue with: grpolab suite resume {self.root}")
+        return 1 if any(r.state == "failed" for r in manifest.runs) else 130
 
+    def _report(self) -> None:
+        """The suite's report (``grpolab report``), written once every run completed; a failure to write
+        it is said, never a failed suite."""
+        from grpolab.studies.report import write_report
 
-def status_table(root: Path) -> Table:
-    """Each run's state, step (and unreadable metrics lines), last validation accuracy, time and reason."""
-    manifest = SuiteManifest.load(root)
-    table = Table(title=f"suite {manifest.suite} ({root})")
-    for column in ("run", "state", "step", "val acc", "time", "reason"):
-        table.add_column(column)
-    for record in manifest.runs:
-        cfg = load_config(record.config_file)
-        progress = progress_of(Path(record.run_dir))
-        state = record.state
-        if state == "running" and not pid_alive(record.pid):
-            state = "running (process gone: resume)"
-        seconds = ""
-        if record.started:
-            end = time.mktime(time.strptime(record.ended, "%Y-%m-%dT%H:%M:%S%z")) if record.ended else time.time()
-            seconds = format_seconds(end - time.mktime(time.strptime(record.started, "%Y-%m-%dT%H:%M:%S%z")))
-        table.add_row(record.name, state, f"{progress.step}/{cfg.steps}{progress.skipped_note()}",
-                      "" if progress.accuracy is None else f"{progress.accuracy:.3f}", seconds, record.reason or "")
-    return table
+        try:
+            self.reporter.line(f"report: {write_report(self.root, self.reporter)}")
+        except Exception as err:  # the runs are done and safe; the report can be redone by hand
+            self.reporter.line(f"report not written ({type(err).__name__}: {err}); grpolab report {self.root}")

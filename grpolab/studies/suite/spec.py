@@ -2,8 +2,14 @@
 
     [suite]
     name = "demo_all"
+    devices = "0,1,2,3"    # optional: runs placed on these devices, as many at once as fit
+    launcher = "local"     # or "slurm": one batch job per run, asking for what [slurm] says
+    [slurm]
+    partition = "gpu"
+    time = "04:00:00"
     [base]                 # any run config field, by section, as in a run's TOML
     steps = 40
+    devices_per_run = 1    # a suite setting (also per run): more than 1 runs under torchrun
     [base.eval]
     every = 10
     [[runs]]
@@ -25,7 +31,7 @@ from __future__ import annotations
 import copy
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -38,17 +44,56 @@ class SuiteRun(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
     algo: str
     seed: int = 0
+    devices_per_run: int | None = Field(None, ge=1, description="devices of this run (default: [base]'s, else 1); "
+                                        "more than one: the run is started under torchrun, one process each")
     overrides: dict[str, Any] = Field(default_factory=dict, description="dotted config fields")
     init_from: str | None = Field(None, description="an earlier run of this suite whose final checkpoint starts this one")
     factors: dict[str, str] = Field(default_factory=dict, description="factor -> level, for the report's 2x2")
 
 
+class SuiteSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "suite"
+    devices: str | list[int | str] | None = Field(None, description="devices to place runs on, such as "
+                                                  "'0,1,2,3' (the command line's --devices wins)")
+    launcher: Literal["local", "slurm"] = "local"
+
+
+class SlurmSettings(BaseModel):
+    """What each run's batch job asks Slurm for (the command line's --partition, --time, --account win)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    partition: str | None = None
+    time: str | None = Field(None, description="a job's time limit, in sbatch's format (such as 04:00:00)")
+    account: str | None = None
+    qos: str | None = None
+    mem: str | None = Field(None, description="memory per job, in sbatch's format (such as 64G)")
+    cpus_per_run: int | None = Field(None, ge=1)
+    gpus_per_device: int = Field(1, ge=0, description="GPUs asked per device of the run; 0 on a CPU cluster")
+    extra: list[str] = Field(default_factory=list, description="more sbatch options, verbatim")
+
+
 class SuiteSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    suite: dict[str, str] = Field(default_factory=dict)
+    suite: SuiteSection = Field(default_factory=SuiteSection)
+    slurm: SlurmSettings = Field(default_factory=SlurmSettings)
     base: dict[str, Any] = Field(default_factory=dict)
     runs: list[SuiteRun] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _devices_per_run_of_base(cls, data: Any) -> Any:
+        """``[base] devices_per_run`` is a suite setting, not a run config field: it becomes each run's default."""
+        if isinstance(data, dict) and isinstance(data.get("base"), dict) and "devices_per_run" in data["base"]:
+            base = dict(data["base"])
+            default = base.pop("devices_per_run")
+            runs = [run if not isinstance(run, dict) or "devices_per_run" in run else {**run, "devices_per_run": default}
+                    for run in data.get("runs", [])]
+            data = {**data, "base": base, "runs": runs}
+        return data
 
     @model_validator(mode="after")
     def _names(self) -> "SuiteSpec":
@@ -63,7 +108,7 @@ class SuiteSpec(BaseModel):
 
     @property
     def name(self) -> str:
-        return self.suite.get("name", "suite")
+        return self.suite.name
 
 
 def load_suite(path: str | Path) -> SuiteSpec:

@@ -1,0 +1,47 @@
+"""``grpolab suite status``: each run's state, step, accuracy, time, where it runs and why it stopped."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.table import Table
+
+from grpolab.common.progress import format_seconds
+from grpolab.config import load_config
+from grpolab.studies.manifest import SuiteManifest, pid_alive
+from grpolab.studies.suite.completion import progress_of
+
+
+def where_of(record) -> str:
+    """'host devices 0,1 (2 processes), job 12' from what the record knows."""
+    parts = [record.host or ""]
+    if record.devices:
+        parts.append(f"devices {','.join(record.devices)}")
+    if record.world_size > 1:
+        parts.append(f"({record.world_size} processes)")
+    if record.job_id:
+        parts.append(f"job {record.job_id}")
+    return " ".join(part for part in parts if part)
+
+
+def status_table(root: Path) -> Table:
+    """Each run's state, step (and unreadable metrics lines), last validation accuracy, time, where and reason."""
+    manifest = SuiteManifest.load(root)
+    table = Table(title=f"suite {manifest.suite} ({root})")
+    for column in ("run", "state", "step", "val acc", "time", "where", "reason"):
+        table.add_column(column)
+    for record in manifest.runs:
+        cfg = load_config(record.config_file)
+        progress = progress_of(Path(record.run_dir))
+        state = record.state
+        if state == "running" and record.job_id is None and not pid_alive(record.pid):
+            state = "running (process gone: resume)"
+        seconds = ""
+        if record.started:
+            end = time.mktime(time.strptime(record.ended, "%Y-%m-%dT%H:%M:%S%z")) if record.ended else time.time()
+            seconds = format_seconds(end - time.mktime(time.strptime(record.started, "%Y-%m-%dT%H:%M:%S%z")))
+        table.add_row(record.name, state, f"{progress.step}/{cfg.steps}{progress.skipped_note()}",
+                      "" if progress.accuracy is None else f"{progress.accuracy:.3f}", seconds, where_of(record),
+                      record.reason or "")
+    return table

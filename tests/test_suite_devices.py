@@ -1,0 +1,198 @@
+"""A suite spread over devices: runs on disjoint device sets, two at a time, one of them a 2-process
+torchrun job (gloo on CPU; ``CUDA_VISIBLE_DEVICES`` is the stand-in placement each run records). The
+numbers must equal the same suite run one at a time, through a fail-stop and a runner killed outright."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from grpolab.commands.cli import main
+from grpolab.run.rundir import read_metrics
+from grpolab.studies.manifest import SuiteManifest
+from test_suite import ROOT, suite_file, untimed
+from test_suite_safety import trainers_of
+
+NAMES = ("a", "b", "c", "d")
+
+
+
+def slow(runs: tuple[str, ...], seconds: float) -> str:
+    """A hook that sleeps ``seconds`` before each checkpoint of ``runs`` (so that they overlap, outlive a
+    runner killed after their first step, or are still training when another run fails)."""
+    return f"""
+import time
+import grpolab.run.checkpoints as checkpoints
+_save = checkpoints.save_checkpoint
+def save_checkpoint(model, tokenizer, run_dir, step, *args, **kwargs):
+    if str(run_dir).endswith({tuple("/" + run for run in runs)!r}):
+        time.sleep({seconds})
+    return _save(model, tokenizer, run_dir, step, *args, **kwargs)
+checkpoints.save_checkpoint = save_checkpoint
+"""
+
+
+NAN_IN_B = """
+import sys
+import grpolab.objectives.losses as losses
+if any(arg.endswith(("/b.json", "/b")) for arg in sys.argv):
+    _aggregate, calls = losses.aggregate, [0]
+    def aggregate(*args, **kwargs):
+        calls[0] += 1
+        out = _aggregate(*args, **kwargs)
+        return out * float("nan") if calls[0] > 2 else out  # from the second step on (2 micro-batches a step)
+    losses.aggregate = aggregate
+"""
+
+
+def four_run_suite(tmp_path: Path, model_dir: Path) -> Path:
+    """a and b (one device each), c (two devices: torchrun), d (from a's final checkpoint)."""
+    path = suite_file(tmp_path, model_dir)
+    text = path.read_text()
+    runs = text.index("[[runs]]")
+    path.write_text(text[:runs] + """
+[[runs]]
+name = "a"
+algo = "grpo"
+[[runs]]
+name = "b"
+algo = "dr_grpo"
+seed = 1
+[[runs]]
+name = "c"
+algo = "grpo"
+seed = 2
+devices_per_run = 2
+[[runs]]
+name = "d"
+algo = "dr_grpo"
+init_from = "a"
+""")
+    return path
+
+
+def hook(tmp_path: Path, monkeypatch, code: str) -> None:
+    """``code`` runs at the start of every run process (a sitecustomize module on PYTHONPATH)."""
+    folder = tmp_path / "hook"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(code)
+    monkeypatch.setenv("PYTHONPATH", str(folder))
+
+
+def assert_same_numbers(root: Path, reference: Path) -> None:
+    for name in NAMES:
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
+            untimed(read_metrics(reference / "runs" / name / "metrics.jsonl")), name
+    hashes = [r.final_checkpoint_sha256 for r in SuiteManifest.load(root).runs]
+    assert hashes == [r.final_checkpoint_sha256 for r in SuiteManifest.load(reference).runs] and all(hashes)
+
+
+def sessions_where(root: Path, name: str) -> list[dict]:
+    return [s["where"] for s in json.loads((root / "runs" / name / "manifest.json").read_text())["sessions"]]
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(warm_model_dir, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("sequential")
+    assert main(["suite", "run", str(four_run_suite(tmp, warm_model_dir)), "--output-root", str(tmp / "out")]) == 0
+    return tmp / "out"
+
+
+def test_two_at_a_time_on_devices_gives_the_numbers_of_one_at_a_time(one_at_a_time, warm_model_dir, tmp_path,
+                                                                    monkeypatch, capsys):
+    hook(tmp_path, monkeypatch, slow(("a", "b"), 1.5))
+    monkeypatch.setenv("COLUMNS", "250")  # status tables on one line a row
+    root = tmp_path / "out"
+    assert main(["suite", "run", str(four_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
+                 "--devices", "0,1"]) == 0
+    assert_same_numbers(root, one_at_a_time)
+    manifest = SuiteManifest.load(root)
+    a, b, c, d = manifest.runs
+    assert manifest.placement == {"launcher": "local", "devices": ["0", "1"], "slurm": None}
+    assert [r.devices for r in (a, b, c, d)] == [["0"], ["1"], ["0", "1"], ["0"]]
+    assert [r.world_size for r in (a, b, c, d)] == [1, 1, 2, 1] and c.command[2] == "torch.distributed.run"
+    assert a.started <= b.started < a.ended <= c.started and b.ended <= c.started  # a and b at once; c on both
+    assert sessions_where(root, "a")[0]["devices"] == "0" and sessions_where(root, "b")[0]["devices"] == "1"
+    assert sessions_where(root, "c") == [{**sessions_where(root, "c")[0], "devices": "0,1", "world_size": 2}]
+    sequential = SuiteManifest.load(one_at_a_time)
+    assert all(r.devices is None for r in sequential.runs) and sequential.runs[2].world_size == 2
+    assert sessions_where(one_at_a_time, "a")[0]["devices"] == os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert main(["suite", "status", str(root)]) == 0
+    assert "devices 0,1 (2 processes)" in capsys.readouterr().out
+
+
+def test_a_failing_run_stops_the_one_beside_it_resumably_and_resume_finishes_both_exactly(
+        one_at_a_time, warm_model_dir, tmp_path, monkeypatch, capsys):
+    hook(tmp_path, monkeypatch, slow(("a",), 4) + NAN_IN_B)
+    root = tmp_path / "out"
+    assert main(["suite", "run", str(four_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
+                 "--devices", "0,1"]) == 1
+    out = capsys.readouterr().out
+    a, b, c, d = SuiteManifest.load(root).runs
+    assert (a.state, b.state, c.state, d.state) == ("stopped", "failed", "queued", "queued")
+    assert "non-finite loss" in b.reason and a.reason.startswith("stopped because run b failed: ")
+    assert "resumable from its newest checkpoint step_00000" in a.reason
+    assert "suite stopped at run b (failed)" in out
+    monkeypatch.delenv("PYTHONPATH")
+    assert main(["suite", "resume", str(root), "--devices", "1,0"]) == 0
+    assert_same_numbers(root, one_at_a_time)
+    resumed = SuiteManifest.load(root).runs
+    assert resumed[0].attempts[-1]["state"] == "stopped" and resumed[0].command[-2] == "--resume"
+    assert resumed[2].devices == ["1", "0"]
+
+
+def test_a_runner_killed_outright_then_resumed_never_starts_a_run_twice_and_finishes_exactly(
+        one_at_a_time, warm_model_dir, tmp_path, monkeypatch):
+    """SIGKILL to the runner alone: its runs (in their own sessions) train on; resume at once waits for
+    both on their devices, then runs c and d, and every number equals the one-at-a-time suite's."""
+    hook(tmp_path, monkeypatch, slow(("a", "b"), 1.5))
+    root = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ["PYTHONPATH"]])}
+    proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", "run",
+                             str(four_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
+                             "--devices", "0,1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        texts = [(root / "runs" / n / "metrics.jsonl").read_text() if (root / "runs" / n / "metrics.jsonl").exists()
+                 else "" for n in ("a", "b")]
+        if all('"reward_mean"' in text for text in texts):
+            break
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    orphans = {name: trainers_of(root, name) for name in ("a", "b")}
+    assert all(len(pids) == 1 for pids in orphans.values()), orphans
+    samples: list[dict[str, set[int]]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append({name: trainers_of(root, name) for name in ("a", "b")})
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        assert main(["suite", "resume", str(root)]) == 0
+    finally:
+        stop.set()
+        sampler.join()
+        for pids in orphans.values():
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    assert samples and all(s[name] <= orphans[name] for s in samples for name in s)  # never a second trainer
+    a, b, c, d = SuiteManifest.load(root).runs
+    assert [w["pid"] for w in a.waits] == list(orphans["a"]) and [w["pid"] for w in b.waits] == list(orphans["b"])
+    assert not a.attempts and not b.attempts and [r.devices for r in (c, d)] == [["0", "1"], ["0"]]
+    assert_same_numbers(root, one_at_a_time)

@@ -1,0 +1,93 @@
+"""A suite on a real one-node Slurm cluster (slurmctld + slurmd started by the test set-up, no GPUs): each
+run a batch job from a script the suite keeps, a job cancelled with scancel is a stopped run, and resume
+submits it again and finishes it with the numbers of the uninterrupted suite."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from grpolab.commands.cli import main
+from grpolab.run.rundir import read_metrics
+from grpolab.studies.manifest import SuiteManifest
+from test_suite import ROOT, finished, suite_file, untimed  # noqa: F401  (finished: the uninterrupted suite)
+
+pytest_plugins = ["slurm_cluster"]  # the session's one-node Slurm cluster
+
+SLOW_A = """
+import time
+import grpolab.run.checkpoints as checkpoints
+_save = checkpoints.save_checkpoint
+def save_checkpoint(model, tokenizer, run_dir, step, *args, **kwargs):
+    if str(run_dir).endswith("/a"):
+        time.sleep(2)  # run a is surely still training when the test cancels its job
+    return _save(model, tokenizer, run_dir, step, *args, **kwargs)
+checkpoints.save_checkpoint = save_checkpoint
+"""
+
+
+def test_a_suite_on_slurm_a_cancelled_job_is_a_stopped_run_and_resume_finishes_it_exactly(
+        slurm_cluster, finished, warm_model_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_A)
+    spec = suite_file(tmp_path, warm_model_dir)
+    spec.write_text(spec.read_text().replace("[base]", f'[slurm]\npartition = "{slurm_cluster.partition}"\n'
+                                             'gpus_per_device = 0\ntime = "00:30:00"\n[base]', 1))
+    root = tmp_path / "out"
+    env = {**slurm_cluster.env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(hook)])}
+    runner = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", "run", str(spec),
+                               "--output-root", str(root), "--launcher", "slurm"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = root / "runs" / "a" / "metrics.jsonl", time.monotonic() + 300
+    while time.monotonic() < deadline and runner.poll() is None:
+        if metrics.exists() and '"reward_mean"' in metrics.read_text():
+            break
+        time.sleep(0.1)
+    job = SuiteManifest.load(root).runs[0].job_id
+    slurm_cluster.run("scancel", job)
+    out = runner.communicate(timeout=300)[0]
+    assert runner.returncode == 130, out
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("stopped", "queued"), (a, out)
+    assert a.reason.startswith(f"Slurm job {job} was CANCELLED: stopped by a signal (exit code 130); resumable "
+                               "from its newest checkpoint step_00000") and a.job_id == job
+    assert f"run a: submitted as Slurm job {job}" in out
+    assert slurm_cluster.run("scontrol", "show", "job", job).count("JobState=CANCELLED") == 1
+
+    for key, value in {**slurm_cluster.env, "COLUMNS": "250"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["suite", "resume", str(root)]) == 0
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("completed", "completed") and a.job_id != job
+    assert [attempt["job_id"] for attempt in a.attempts] == [job] and a.command[-2] == "--resume"
+    reference = SuiteManifest.load(finished).runs
+    for name in ("a", "b"):
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
+            untimed(read_metrics(finished / "runs" / name / "metrics.jsonl")), name
+    assert [r.final_checkpoint_sha256 for r in (a, b)] == [r.final_checkpoint_sha256 for r in reference]
+    # where each attempt ran, as the suite and the run itself recorded it; the scripts are kept
+    sessions = json.loads((root / "runs" / "a" / "manifest.json").read_text())["sessions"]
+    assert [s["where"]["slurm_job_id"] for s in sessions] == [job, a.job_id]
+    assert a.host == sessions[-1]["where"]["host"] and b.world_size == 1
+    scripts = sorted(p.name for p in (root / "slurm").glob("*.sbatch"))
+    assert scripts == ["a.attempt-1.sbatch", "a.attempt-2.sbatch", "b.attempt-1.sbatch"]
+    script = (root / "slurm" / "a.attempt-2.sbatch").read_text()
+    assert f"#SBATCH --partition={slurm_cluster.partition}" in script and "#SBATCH --gpus" not in script
+    assert "#SBATCH --job-name=tiny.a" in script
+    assert "--resume" in script and (root / "slurm" / f"b.{b.job_id}.exit").read_text().strip() == "0"
+    assert main(["suite", "status", str(root)]) == 0
+    assert f"job {b.job_id}" in capsys.readouterr().out
+
+
+def test_the_slurm_launcher_without_slurm_is_one_error_line(warm_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    spec = suite_file(tmp_path, warm_model_dir)
+    assert main(["suite", "run", str(spec), "--output-root", str(tmp_path / "out"), "--launcher", "slurm"]) == 2
+    assert capsys.readouterr().out.splitlines() == [
+        "error: the slurm launcher needs Slurm's client commands (sbatch, squeue, scancel) on PATH"]
+    assert not (tmp_path / "out").exists()
