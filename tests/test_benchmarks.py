@@ -95,3 +95,16 @@ def test_lora_vllm_sync_reports_both_modes_passing_the_sync_check(warm_model_dir
     assert set(rows) == {"merged", "adapter"}
     assert all(float(row.split()[-1]) < 1e-3 for row in rows.values()), "both modes sample the trainer's policy"
     assert re.search(r"adapter / merged: weight sync \S+x, generation tokens/s \S+x", out)
+
+
+def test_suite_placement_times_both_placements_and_finds_the_same_numbers(warm_model_dir, tmp_path, capsys):
+    import suite_placement
+    from test_suite import suite_file
+
+    spec = suite_file(tmp_path, warm_model_dir)
+    spec.write_text(spec.read_text().replace("threads = 1\n", "").replace('init_from = "a"\n', ""))
+    assert suite_placement.main([str(spec), "--out", str(tmp_path / "bench"), "--devices", "0,1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"one at a time \d+ s, on devices 0,1 \d+ s: [\d.]+x faster \(1 thread\(s\) per run\)", out)
+    assert re.search(r"^a .* 0\s+True\s+True$", out, re.M) and re.search(r"^b .* 1\s+True\s+True$", out, re.M)
+    assert "threads = 1" in (tmp_path / "bench" / spec.name).read_text()

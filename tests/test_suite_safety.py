@@ -368,3 +368,15 @@ def test_resume_of_a_bad_target_is_one_error_line_and_moves_nothing(target, tmp_
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and out[0].startswith("error: ") and str(folder) in out[0], out
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_suite_whose_runner_on_another_host_wrote_lately_is_refused(queued, capsys):
+    """A second login node may not run a suite whose runner elsewhere still writes its heartbeat."""
+    manifest = SuiteManifest.load(queued)
+    manifest.runner_pid, manifest.runner_host, manifest.runner_seen = 4242, "login2", time.time() - 5
+    manifest.save(queued)
+    before = (queued / MANIFEST).read_bytes()
+    assert main(["suite", "resume", str(queued), "--devices", "0"]) == 2
+    assert capsys.readouterr().out.splitlines() == [
+        f"error: suite {queued} is being run by process 4242 on login2 (it wrote 5 s ago)"]
+    assert (queued / MANIFEST).read_bytes() == before

@@ -56,7 +56,7 @@ def test_a_suite_on_slurm_a_cancelled_job_is_a_stopped_run_and_resume_finishes_i
     assert (a.state, b.state) == ("stopped", "queued"), (a, out)
     assert a.reason.startswith(f"Slurm job {job} was CANCELLED: stopped by a signal (exit code 130); resumable "
                                "from its newest checkpoint step_00000") and a.job_id == job
-    assert f"run a: submitted as Slurm job {job}" in out
+    assert f"run a: submitted as Slurm job {job}" in out and a.job_state == "CANCELLED"
     assert slurm_cluster.run("scontrol", "show", "job", job).count("JobState=CANCELLED") == 1
 
     for key, value in {**slurm_cluster.env, "COLUMNS": "250"}.items():
@@ -65,6 +65,7 @@ def test_a_suite_on_slurm_a_cancelled_job_is_a_stopped_run_and_resume_finishes_i
     a, b = SuiteManifest.load(root).runs
     assert (a.state, b.state) == ("completed", "completed") and a.job_id != job
     assert [attempt["job_id"] for attempt in a.attempts] == [job] and a.command[-2] == "--resume"
+    assert (a.job_state, b.job_state) == ("COMPLETED", "COMPLETED")
     reference = SuiteManifest.load(finished).runs
     for name in ("a", "b"):
         assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
@@ -81,7 +82,7 @@ def test_a_suite_on_slurm_a_cancelled_job_is_a_stopped_run_and_resume_finishes_i
     assert "#SBATCH --job-name=tiny.a" in script
     assert "--resume" in script and (root / "slurm" / f"b.{b.job_id}.exit").read_text().strip() == "0"
     assert main(["suite", "status", str(root)]) == 0
-    assert f"job {b.job_id}" in capsys.readouterr().out
+    assert f"job {b.job_id} COMPLETED" in capsys.readouterr().out
 
 
 def test_the_slurm_launcher_without_slurm_is_one_error_line(warm_model_dir, tmp_path, monkeypatch, capsys):
@@ -91,3 +92,49 @@ def test_the_slurm_launcher_without_slurm_is_one_error_line(warm_model_dir, tmp_
     assert capsys.readouterr().out.splitlines() == [
         "error: the slurm launcher needs Slurm's client commands (sbatch, squeue, scancel) on PATH"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_runner_killed_while_its_jobs_run_is_resumed_by_following_the_jobs_never_submitting_twice(
+        slurm_cluster, finished, warm_model_dir, tmp_path, monkeypatch):  # noqa: F811
+    """SIGKILL to the runner (a closed SSH session on a login node): run a's job trains on; resume follows
+    that job to its end instead of submitting a second one, then submits b."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_A)
+    spec = suite_file(tmp_path, warm_model_dir)
+    spec.write_text(spec.read_text().replace("[base]", "[slurm]\ngpus_per_device = 0\n[base]", 1))
+    root = tmp_path / "out"
+    env = {**slurm_cluster.env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(hook)])}
+    runner = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", "run", str(spec),
+                               "--output-root", str(root), "--launcher", "slurm"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    metrics, deadline = root / "runs" / "a" / "metrics.jsonl", time.monotonic() + 300
+    while time.monotonic() < deadline and runner.poll() is None:
+        if metrics.exists() and '"reward_mean"' in metrics.read_text():
+            break
+        time.sleep(0.1)
+    runner.kill()
+    runner.wait()
+    job = SuiteManifest.load(root).runs[0].job_id
+    assert "RUNNING" in slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%T")
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["suite", "resume", str(root)]) == 0
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("completed", "completed") and a.job_id == job and not a.attempts
+    assert sorted(p.name for p in (root / "slurm").glob("*.sbatch")) == ["a.attempt-1.sbatch", "b.attempt-1.sbatch"]
+    for name in ("a", "b"):
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
+            untimed(read_metrics(finished / "runs" / name / "metrics.jsonl")), name
+
+
+def test_a_job_slurm_refuses_is_a_failed_run_with_sbatchs_reason(slurm_cluster, warm_model_dir, tmp_path,
+                                                                 monkeypatch):
+    spec = suite_file(tmp_path, warm_model_dir)
+    spec.write_text(spec.read_text().replace("[base]", '[slurm]\npartition = "nope"\ngpus_per_device = 0\n[base]', 1))
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["suite", "run", str(spec), "--output-root", str(tmp_path / "out"), "--launcher", "slurm"]) == 1
+    a, b = SuiteManifest.load(tmp_path / "out").runs
+    assert (a.state, b.state) == ("failed", "queued") and a.job_id is None
+    assert a.reason.startswith("sbatch --parsable failed: ") and "invalid partition" in a.reason.lower(), a.reason

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -220,3 +221,30 @@ def test_one_vllm_engine_per_rank_each_synced_and_checked(strategy, lora_sync, w
         assert x["loss"] == pytest.approx(y["loss"], abs=1e-6) and x["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
         assert ("grad_norm" in x) == ("grad_norm" in y) and x.get("grad_norm", 0) == pytest.approx(y.get("grad_norm", 0), rel=1e-5)
         assert x["sync/logprob_diff_max"] < 1e-4  # engines and trainers agree after every sync
+
+
+def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step_with_a_checkpoint_that_continues_exactly(
+        warm_model_dir, tmp_path):
+    """As a suite stops a torchrun run: SIGTERM to the agent, which passes it on to the ranks; they agree
+    at a step's end to stop, rank 0 writes that step's checkpoint, and a resume ends where an
+    uninterrupted one-process run does."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    args = run_args(warm_model_dir, two, "grpo", steps=4) + ["--checkpoint.every", "10"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "-m", "grpolab", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (two / "metrics.jsonl").exists() and '"reward_mean"' in (two / "metrics.jsonl").read_text():
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    out = proc.communicate(timeout=180)[0]
+    (checkpoint,) = [p.name for p in (two / "checkpoints").iterdir()]
+    stopped = int(checkpoint.removeprefix("step_"))
+    assert 1 <= stopped < 4 and f"stopped after step {stopped} with a checkpoint" in out, out[-3000:]
+    assert max(r["step"] for r in read_metrics(two / "metrics.jsonl")) == stopped
+    done = torchrun(["train", "--resume", str(two)])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert main(run_args(warm_model_dir, one, "grpo", steps=4) + ["--checkpoint.every", "10"]) == 0
+    assert_same_run(two, one, steps=4)

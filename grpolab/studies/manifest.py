@@ -51,6 +51,7 @@ class RunRecord(BaseModel):
     devices: list[str] | None = Field(None, description="CUDA_VISIBLE_DEVICES of its latest attempt, where known")
     host: str | None = None
     job_id: str | None = Field(None, description="the Slurm job of its latest attempt")
+    job_state: str | None = Field(None, description="that job's state as the runner last saw it (PENDING, ...)")
     pid: int | None = None
     command: list[str] = Field(default_factory=list)
     exit_code: int | None = None

@@ -142,6 +142,8 @@ class SuiteRunner:
                 code = flight.poll()
                 if code is not None and flight.record.name in self.flights:
                     self._land(manifest, flight, code)
+                elif flight.job is not None:
+                    self._follow(manifest, flight)
             if not self.stopping:
                 self._start_what_fits(manifest)
             if not self.flights:
@@ -153,6 +155,13 @@ class SuiteRunner:
                 manifest.save(self.root)
                 last_line = time.monotonic()
             time.sleep(POLL_SECONDS)
+
+    def _follow(self, manifest: SuiteManifest, flight: Flight) -> None:
+        """A Slurm job's state (PENDING, RUNNING, ...) and node into the manifest as they change."""
+        where, record = flight.job.where(), flight.record
+        if where.get("job_state") != record.job_state:
+            record.job_state, record.host = where.get("job_state"), where.get("host") or record.host
+            manifest.save(self.root)
 
     def _need(self, record: RunRecord) -> int:
         return 1 if self.pool is None or self.pool.devices == [ONE_AT_A_TIME] else record.world_size
@@ -183,7 +192,7 @@ class SuiteRunner:
         cfg = load_config(record.config_file)
         if record.job_id is not None and manifest.placement.get("launcher") == "slurm":
             job = SlurmJob(record.job_id, exit_file(self.root, record.name, record.job_id), dict(os.environ))
-            self.flights[record.name] = flight = Flight(record, cfg, job, since=time.monotonic())
+            self.flights[record.name] = Flight(record, cfg, job, since=time.monotonic())
             if job.poll() is None:
                 self.reporter.line(f"run {record.name}: following Slurm job {job.ident} ({job.state}), "
                                    "submitted by an earlier runner")
@@ -206,7 +215,8 @@ class SuiteRunner:
         if record.command:
             record.attempts.append({"command": record.command, "exit_code": record.exit_code, "state": record.state,
                                     "reason": record.reason, "started": record.started, "ended": record.ended,
-                                    "devices": record.devices, "host": record.host, "job_id": record.job_id})
+                                    "devices": record.devices, "host": record.host, "job_id": record.job_id,
+                                    "job_state": record.job_state})
         record.command = self._command(record)
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [manifest.code["path"], os.environ.get("PYTHONPATH")]))}
         if devices is not None:
@@ -214,25 +224,27 @@ class SuiteRunner:
         log = self.root / "logs" / f"{record.name}.log"
         log.parent.mkdir(exist_ok=True)
         record.state, record.started, record.ended, record.devices = "running", now(), None, devices
-        record.exit_code = record.reason = record.pid = record.job_id = record.host = None
-        self.flights[record.name] = flight = Flight(record, cfg, None, since=time.monotonic())
+        record.exit_code = record.reason = record.pid = record.job_id = record.job_state = record.host = None
         try:
             if manifest.placement.get("launcher") == "slurm":
-                flight.job = submit_run(self.root, manifest.suite, record, env, manifest.placement["slurm"])
-                record.job_id = flight.job.ident
-                started = f"submitted as Slurm job {record.job_id}"
+                job = submit_run(self.root, manifest.suite, record, env, manifest.placement["slurm"])
+                record.job_id, started = job.ident, f"submitted as Slurm job {job.ident}"
             else:
                 with log.open("a") as out:
                     out.write(f"# {now()} {' '.join(record.command)}\n")
-                flight.job = start_local(record.command, {**os.environ, **env}, log, self.root)
-                record.pid, record.host = int(flight.job.ident), socket.gethostname()
-                started = f"started (pid {record.pid})"
+                job = start_local(record.command, {**os.environ, **env}, log, self.root)
+                record.pid, record.host, started = int(job.ident), socket.gethostname(), f"started (pid {job.ident})"
         except SlurmError as err:
-            del self.flights[record.name]
+            if self.pool is not None:
+                self.pool.release(record.name)
             record.state, record.reason, record.ended = "failed", str(err), now()
             manifest.save(self.root)
+            self.first_stop = self.first_stop or record.name
             self._stop_all(f"stopped because run {record.name} could not be submitted")
             return
+        self.flights[record.name] = Flight(record, cfg, job, since=time.monotonic())
+        if self.stopping:  # a signal came while it started
+            self._stop_all(self.stopping)
         manifest.save(self.root)
         on = f" on devices {','.join(devices)}" if devices else ""
         self.reporter.line(f"run {record.name}: {started}{on}, log {log}")
@@ -278,6 +290,7 @@ class SuiteRunner:
         seen = last_session_where(flight.run_dir)  # what the run itself saw (on a Slurm node: its devices)
         record.host = seen.get("host") or flight.job.where().get("host") or record.host
         record.devices = record.devices or (seen["devices"].split(",") if seen.get("devices") else None)
+        record.job_state = flight.job.where().get("job_state")
         classify(flight, self.root / "logs" / f"{record.name}.log", code, getattr(flight.job, "note", None))
         manifest.save(self.root)
         self.reporter.line(f"run {record.name}: {record.state} at {progress}"

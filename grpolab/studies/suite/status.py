@@ -14,14 +14,14 @@ from grpolab.studies.suite.completion import progress_of
 
 
 def where_of(record) -> str:
-    """'host devices 0,1 (2 processes), job 12' from what the record knows."""
+    """'host devices 0,1 (2 processes), job 12 RUNNING' from what the record knows."""
     parts = [record.host or ""]
     if record.devices:
         parts.append(f"devices {','.join(record.devices)}")
     if record.world_size > 1:
         parts.append(f"({record.world_size} processes)")
     if record.job_id:
-        parts.append(f"job {record.job_id}")
+        parts.append(f"job {record.job_id}" + (f" {record.job_state}" if record.job_state else ""))
     return " ".join(part for part in parts if part)
 
 
