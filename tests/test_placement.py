@@ -70,3 +70,10 @@ def test_a_placement_that_cannot_work_is_one_error_line_before_anything_is_writt
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and out[0].startswith(expected), out
     assert not (tmp_path / "out").exists()
+
+
+def test_a_dry_run_says_where_the_runs_go(tmp_path, capsys):
+    path = tmp_path / "suite.toml"
+    path.write_text('[slurm]\npartition = "gpu"\n[base]\nsteps = 3\n[[runs]]\nname = "a"\nalgo = "grpo"\n')
+    assert main(["suite", "run", str(path), "--output-root", str(tmp_path / "out"), "--dry-run", "--devices", "0,1"]) == 0
+    assert "placement: devices 0,1, as many runs at once as fit" in capsys.readouterr().out

@@ -80,7 +80,7 @@ def test_dry_run_prints_configs_commands_and_footprint_and_writes_nothing(warm_m
     out = capsys.readouterr().out
     assert "grpolab.commands.cli train --config" in out and out.count('"name": "dr_grpo"') == 1
     assert str(root / "runs" / "a" / "checkpoints" / "step_000003") in out  # b starts from a's final checkpoint
-    assert "expected checkpoint footprint: about" in out
+    assert "expected checkpoint footprint: about" in out and "placement: one run at a time" in out
     assert not root.exists()
 
 
