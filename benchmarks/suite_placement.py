@@ -17,13 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import SuiteManifest
 from grpolab.studies.suite.completion import progress_of
-
-
-def untimed(path: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in read_metrics(path)]
+from suite_kill_resume import untimed
 
 
 def with_threads(suite: Path, threads: int, out: Path) -> Path:

@@ -11,6 +11,7 @@ class Job(Protocol):
     """A started run: ``ident`` is a pid or a Slurm job id."""
 
     ident: str
+    note: str | None  # why the job ended, when its launcher knows more than the exit code says
 
     def poll(self) -> int | None:
         """The exit code once the run's command ended (negative: killed by that signal), else None."""

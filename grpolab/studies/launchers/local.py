@@ -14,7 +14,7 @@ class LocalJob:
     """A run's process (``python -m grpolab.commands.cli train`` or the torchrun agent above its ranks)."""
 
     def __init__(self, proc: subprocess.Popen):
-        self.proc, self.ident = proc, str(proc.pid)
+        self.proc, self.ident, self.note = proc, str(proc.pid), None
 
     def poll(self) -> int | None:
         return self.proc.poll()

@@ -12,11 +12,13 @@ from __future__ import annotations
 import shlex
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "STAGE_OUT",
           "SIGNALING", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "STOPPED"}
+LOOK_SECONDS = 2.0  # squeue at most this often per job (every poll of many jobs would burden slurmctld)
 ENDED_BY_SLURM = {"CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "DEADLINE", "BOOT_FAIL"}
 
 
@@ -73,9 +75,14 @@ class SlurmJob:
         self.state: str | None = None
         self.node: str | None = None
         self.note: str | None = None
+        self.looked = float("-inf")
 
-    def _look(self) -> None:
-        """The job's state and node from squeue (finished jobs too, while Slurm remembers them)."""
+    def _look(self, fresh: bool = False) -> None:
+        """The job's state and node from squeue (finished jobs too, while Slurm remembers them); a look
+        less than LOOK_SECONDS old is reused unless ``fresh``."""
+        if not fresh and time.monotonic() - self.looked < LOOK_SECONDS:
+            return
+        self.looked = time.monotonic()
         try:
             out = slurm("squeue", "-h", "-j", self.ident, "--states=all", "-o", "%T|%N", env=self.env).strip()
         except SlurmError:  # an id Slurm no longer knows
@@ -99,7 +106,7 @@ class SlurmJob:
 
     def stop(self) -> None:
         """A pending job is cancelled; a running one gets SIGTERM in every process of its batch step."""
-        self._look()
+        self._look(fresh=True)
         if self.state == "PENDING":
             slurm("scancel", self.ident, env=self.env)
         elif self.state in ACTIVE:

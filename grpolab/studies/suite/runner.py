@@ -55,7 +55,8 @@ class SuiteRunner:
         self.signals = 0
         self.flights: dict[str, Flight] = {}
         self.stopping: str | None = None
-        self.pool: DevicePool | None = None
+        self.pool: DevicePool | None = None  # None: Slurm places the runs
+        self.placed = False  # runs on listed devices (else one at a time on whatever each run sees)
         self.first_stop: str | None = None  # the run whose end stopped the queue
 
     # ---- signals: the first stops every running run at a step boundary, the second kills them --------
@@ -132,7 +133,8 @@ class SuiteRunner:
     def _loop(self, manifest: SuiteManifest) -> None:
         placement = manifest.placement or {"launcher": "local"}
         if placement.get("launcher", "local") == "local":
-            self.pool = DevicePool(placement.get("devices") or [ONE_AT_A_TIME])
+            self.placed = bool(placement.get("devices"))
+            self.pool = DevicePool(placement["devices"] if self.placed else [ONE_AT_A_TIME])
         for record in manifest.runs:
             if record.state == "running":
                 self._adopt(manifest, record)
@@ -164,7 +166,7 @@ class SuiteRunner:
             manifest.save(self.root)
 
     def _need(self, record: RunRecord) -> int:
-        return 1 if self.pool is None or self.pool.devices == [ONE_AT_A_TIME] else record.world_size
+        return record.world_size if self.placed else 1
 
     def _start_what_fits(self, manifest: SuiteManifest) -> None:
         while not self.stopping:
@@ -183,7 +185,7 @@ class SuiteRunner:
                                    f"({progress_of(Path(record.run_dir)).describe(cfg.steps)}): completed, nothing started")
                 continue
             devices = self.pool.take(record.name, self._need(record)) if self.pool is not None else None
-            self._launch(manifest, record, cfg, None if devices == [ONE_AT_A_TIME] else devices)
+            self._launch(manifest, record, cfg, devices if self.placed else None)
 
     def _adopt(self, manifest: SuiteManifest, record: RunRecord) -> None:
         """A run an earlier runner left 'running': its Slurm job is followed while Slurm still runs it; a
@@ -191,7 +193,7 @@ class SuiteRunner:
         placed again."""
         cfg = load_config(record.config_file)
         if record.job_id is not None and manifest.placement.get("launcher") == "slurm":
-            job = SlurmJob(record.job_id, exit_file(self.root, record.name, record.job_id), dict(os.environ))
+            job = SlurmJob(record.job_id, exit_file(self.root, record.name, record.job_id))
             self.flights[record.name] = Flight(record, cfg, job, since=time.monotonic())
             if job.poll() is None:
                 self.reporter.line(f"run {record.name}: following Slurm job {job.ident} ({job.state}), "
@@ -291,7 +293,7 @@ class SuiteRunner:
         record.host = seen.get("host") or flight.job.where().get("host") or record.host
         record.devices = record.devices or (seen["devices"].split(",") if seen.get("devices") else None)
         record.job_state = flight.job.where().get("job_state")
-        classify(flight, self.root / "logs" / f"{record.name}.log", code, getattr(flight.job, "note", None))
+        classify(flight, self.root / "logs" / f"{record.name}.log", code, flight.job.note)
         manifest.save(self.root)
         self.reporter.line(f"run {record.name}: {record.state} at {progress}"
                            + (f" ({record.reason})" if record.reason else ""))
