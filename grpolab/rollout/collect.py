@@ -15,6 +15,7 @@ from grpolab.config import RewardShapingConfig, RolloutConfig
 from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.evaluation import grade_completions
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
+from grpolab.rollout.reward_models import RewardModels
 from grpolab.tasks.stream import PromptStream
 from grpolab.tasks.shaping import shape_rewards
 from grpolab.tasks.base import Example, Grade, Task
@@ -44,21 +45,23 @@ class RolloutCollector:
 
     def __init__(self, engine: RolloutEngine, task: Task, prompts: PromptStream, prompt_ids: dict[str, list[int]],
                  rollout: RolloutConfig, spec: AlgorithmSpec, seed: int, shaping: RewardShapingConfig | None = None,
-                 ranks: Ranks = Ranks()):
+                 ranks: Ranks = Ranks(), reward_models: RewardModels | None = None):
         self.engine, self.task, self.prompts, self.prompt_ids = engine, task, prompts, prompt_ids
         self.rollout, self.spec, self.seed = rollout, spec, seed
         self.shaping = shaping or RewardShapingConfig()
-        self.ranks = ranks
+        self.ranks, self.reward_models = ranks, reward_models
         # ranks take whole generation batches of a round (up to their equal share of a step's prompts): with
         # rollout.max_batch_size dividing a rank's rows, every batch is one the single process generates
         self.rank_chunk = max(1, min(rollout.max_batch_size // rollout.group_size, rollout.prompts_per_step // ranks.world))
 
     def grade(self, examples: list[Example], completions: list[list[Completion]]) -> list[list[Grade]]:
-        """The task's grades, with the configured length shaping added to the RL reward."""
+        """The task's grades (with the reward models' raw scores), with the configured length shaping added to
+        the RL reward."""
         s = self.shaping
         return [shape_rewards(grades, [len(c.completion_ids) for c in group], [c.truncated for c in group],
                               self.rollout.max_new_tokens, s.truncation_penalty, s.overlong_buffer, s.overlong_factor)
-                for grades, group in zip(grade_completions(self.task, examples, completions), completions)]
+                for grades, group in zip(grade_completions(self.task, examples, completions, self.reward_models),
+                                          completions)]
 
     def sampling_params(self, step: int, round_: int) -> SamplingParams:
         r = self.rollout
@@ -85,6 +88,8 @@ class RolloutCollector:
             seconds["reward"] += time.perf_counter() - t1
             if self.ranks.parallel:  # every rank gets the round's groups, in prompt order
                 completions, grades = map(list, zip(*self.ranks.concat(list(zip(completions, grades)))))
+            if self.reward_models is not None:  # the whole round's scores, normalized alike on every rank
+                grades = self.reward_models.reward(grades)
             rounds += 1
             batch = RolloutBatch(examples, completions, grades)
             keep = informative_groups(batch.rewards()) if self.spec.dynamic_sampling else torch.ones(len(examples), dtype=torch.bool)

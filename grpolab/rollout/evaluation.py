@@ -13,6 +13,7 @@ from typing import Any
 
 from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
+from grpolab.rollout.reward_models import RewardModels
 from grpolab.objectives.stats import pass_at_k
 from grpolab.tasks.base import Example, Grade, Task
 from grpolab.rollout.multiturn import tool_metrics
@@ -35,9 +36,10 @@ def _safe_grade(task: Task, completion: str, example: Example, truncated: bool) 
         return Grade(0.0, 0.0, failed=("grade",))
 
 
-def grade_completions(task: Task, examples: list[Example], completions: list[list[Completion]]) -> list[list[Grade]]:
+def grade_completions(task: Task, examples: list[Example], completions: list[list[Completion]],
+                      reward_models: RewardModels | None = None) -> list[list[Grade]]:
     """Grades [prompt][sample] of the completions of each example (with the task's ``grade_batch`` when it
-    has one)."""
+    has one), with ``reward_models``' raw scores as components."""
     items = [(c.text, ex, c.truncated) for ex, group in zip(examples, completions) for c in group]
     flat = None
     if getattr(task, "grade_batch", None) is not None:
@@ -51,7 +53,7 @@ def grade_completions(task: Task, examples: list[Example], completions: list[lis
     for group in completions:
         out.append(flat[start:start + len(group)])
         start += len(group)
-    return out
+    return reward_models.attach(task, examples, completions, out) if reward_models is not None else out
 
 
 def prompt_sha256(prompt: str) -> str:
@@ -78,7 +80,7 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
              sampling: SamplingParams, pass_k: list[int], pass_n: int, seed: int, chunk: int | None = None,
              on_items: Callable[[int], None] | None = None, ranks: Ranks = Ranks(),
              measure: Callable[[list[Completion]], dict[str, float]] | None = None,
-             ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+             reward_models: RewardModels | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Greedy metrics over ``examples`` and, when ``pass_k`` is set, pass@k from ``pass_n`` samples.
 
     ``sampling`` is the training rollout's: every generation here keeps its token limit and stop
@@ -88,7 +90,8 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
     its results, unchanged), and ``on_items(k)`` is called as k more items finish. Data parallel
     (``ranks``): each rank generates and grades its ``share_chunks`` and the results are gathered, so
     every rank returns the metrics and records of all items. ``measure``: more metrics (``val/``-prefixed)
-    from all greedy completions, on every rank (e.g. an MoE policy's routing of them).
+    from all greedy completions, on every rank (e.g. an MoE policy's routing of them). ``reward_models``
+    score the greedy completions: their raw scores in the records and ``val/reward_model/...`` metrics.
 
     Returns (metrics, one ``item_record`` per example, with ``pass_n`` / ``pass_correct``: the sampled
     count and how many were correct, when ``pass_k`` is set).
@@ -102,7 +105,7 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
         completions += engine.generate(part, 1, greedy(sampling))
         if on_items is not None and part:
             on_items(len(part))
-    grades = [g[0] for g in grade_completions(task, examples[share.start:share.stop], completions)]
+    grades = [g[0] for g in grade_completions(task, examples[share.start:share.stop], completions, reward_models)]
     correct = [None] * len(completions)
     if pass_k:
         sampled = engine.generate(prompt_ids[share.start:share.stop], pass_n,
@@ -118,6 +121,8 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
         "val/completion_len_mean": mean(len(c[0].completion_ids) for c in completions),
         "val/truncation_rate": mean(c[0].truncated for c in completions),
     }
+    if reward_models is not None:
+        out.update(reward_models.metrics(grades, prefix="val/"))
     if measure is not None:
         out.update({f"val/{k}": v for k, v in measure([c[0] for c in completions]).items()})
     if getattr(task, "toolset", None) is not None:

@@ -39,6 +39,7 @@ from grpolab.rollout.collect import RolloutCollector
 from grpolab.rollout.engines import build_engine, dtype_name
 from grpolab.rollout.lockstep import LockstepEngine
 from grpolab.rollout.multiturn import MultiTurnEngine
+from grpolab.rollout.reward_models import RewardModels
 from grpolab.rollout.sync_check import MIN_NOISE_FLOOR, SyncMonitor
 from grpolab.run.state import RunState
 from grpolab.tasks import build_task
@@ -97,6 +98,7 @@ class RunParts:
     task: Task
     val_examples: list[Example]
     models: Models
+    reward_models: RewardModels | None
     optimizer: torch.optim.Optimizer
     prompts: PromptStream
     prompt_ids: dict[str, list[int]]
@@ -292,11 +294,14 @@ def build_parts(cfg: RunConfig, setting: Setting, task: Task, val_examples: list
     collector, learner. ``weights_dir``: the checkpoint a resumed run continues from (its state is
     loaded by the caller, ``RunState.load``)."""
     models = load_models(cfg, setting, task, weights_dir)
+    reward_models = RewardModels.load(task, setting.device, setting.reporter)
     optimizer = models.precision.optimizer(models.trainable(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                            weight_decay=cfg.optim.weight_decay)
     prompts = PromptStream(task.train_examples(), cfg.seed)
     prompt_ids = prompt_token_ids(cfg, task, models.tokenizer, models.model, task.train_examples() + val_examples)
     max_model_len = max(map(len, prompt_ids.values())) + cfg.rollout.max_new_tokens
+    if reward_models is not None:
+        reward_models.check_context(task, task.train_examples() + val_examples, cfg.rollout.max_new_tokens)
     # a model whose own forward the training forward cannot reproduce at these lengths: one line, now
     check_trainable(models.model, max_model_len)
     minibatch_gen = torch.Generator().manual_seed(cfg.seed)
@@ -304,17 +309,17 @@ def build_parts(cfg: RunConfig, setting: Setting, task: Task, val_examples: list
     sync_monitor = SyncMonitor(*cfg.rollout.sync_limits(compute), noise_multiple=cfg.rollout.sync_noise_multiple,
                                min_floor=MIN_NOISE_FLOOR[compute])
     ranks = setting.ranks
-    state = RunState(optimizer, prompts, minibatch_gen, sync_monitor, ranks, models.model)
+    state = RunState(optimizer, prompts, minibatch_gen, sync_monitor, ranks, models.model, reward_models)
     # an engine of its own starts from weight files: with LoRA the base's, then the merged policy's
     start_dir = models.model_dir if models.adapter is not None else weights_dir or models.model_dir
     engine = rollout_engine(cfg, setting, task, models, start_dir, max_model_len)
     collector = RolloutCollector(engine, task, prompts, prompt_ids, cfg.rollout, cfg.algorithm, cfg.seed, cfg.reward,
-                                 ranks)
+                                 ranks, reward_models)
     try:
         learner = PolicyLearner(cfg, models.model, models.reference, optimizer, models.precision, setting.device,
                                 models.tokenizer.pad_token_id, minibatch_gen, sync_monitor, state.updates, ranks,
                                 reference_context=models.reference_context)
-        parts = RunParts(cfg, setting, task, val_examples, models, optimizer, prompts, prompt_ids, sync_monitor,
+        parts = RunParts(cfg, setting, task, val_examples, models, reward_models, optimizer, prompts, prompt_ids, sync_monitor,
                          state, collector, learner)
         if models.adapter is not None and cfg.rollout.engine != "hf":  # it started from the base's files
             engine.sync_weights(parts.sync_source())

@@ -17,6 +17,7 @@ import torch
 
 from grpolab.parallel.fsdp import full_optimizer_state, is_sharded, load_optimizer_state
 from grpolab.parallel.ranks import Ranks
+from grpolab.rollout.reward_models import RewardModels
 from grpolab.rollout.sync_check import SyncMonitor
 from grpolab.tasks.stream import PromptStream
 
@@ -40,15 +41,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class RunState:
     """The mutable parts of a run the weights do not hold, as one ``state_dict``: the step reached,
     update counters, the optimizer, the prompt order, the mini-batch shuffle generator, the global
-    RNGs (of every data-parallel rank) and the sync check's calibrated noise floor. Under data
+    RNGs (of every data-parallel rank), the sync check's calibrated noise floor and the reward models'
+    running moments. Under data
     parallelism every other part is the same on every rank (the ranks step alike)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, prompts: PromptStream, minibatch_gen: torch.Generator,
-                 sync_monitor: SyncMonitor, ranks: Ranks = Ranks(), model: torch.nn.Module | None = None):
+                 sync_monitor: SyncMonitor, ranks: Ranks = Ranks(), model: torch.nn.Module | None = None,
+                 reward_models: RewardModels | None = None):
         self.step = 0
         self.updates = {"attempted": 0, "actual": 0}
         self.optimizer, self.prompts, self.minibatch_gen, self.sync_monitor = optimizer, prompts, minibatch_gen, sync_monitor
         self.ranks, self.model = ranks, model  # the model whose parameters the optimizer holds
+        self.reward_models = reward_models
 
     def state_dict(self) -> dict[str, Any]:
         """Called on every rank (it gathers their RNGs)."""
@@ -57,7 +61,8 @@ class RunState:
         optimizer = full_optimizer_state(self.model, self.optimizer) if sharded else self.optimizer.state_dict()
         return {"step": self.step, "updates": dict(self.updates), "optimizer": optimizer,
                 "prompts": self.prompts.state_dict(), "minibatch_gen": self.minibatch_gen.get_state(),
-                "rng": rngs[0], "rng_by_rank": rngs, "sync_noise_floor": self.sync_monitor.noise_floor}
+                "rng": rngs[0], "rng_by_rank": rngs, "sync_noise_floor": self.sync_monitor.noise_floor,
+                "reward_models": self.reward_models.state_dict() if self.reward_models is not None else {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Each rank takes its own RNGs; a run resumed with another number of ranks takes rank 0's."""
@@ -69,6 +74,8 @@ class RunState:
         by_rank = state.get("rng_by_rank") or [state["rng"]]
         set_rng_state(by_rank[self.ranks.rank] if len(by_rank) == self.ranks.world else state["rng"])
         self.sync_monitor.noise_floor = state["sync_noise_floor"]
+        if self.reward_models is not None:
+            self.reward_models.load_state_dict(state.get("reward_models", {}))
 
     @staticmethod
     def save(state: dict[str, Any], folder: Path) -> None:

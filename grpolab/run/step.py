@@ -39,6 +39,8 @@ def rl_step(parts: RunParts, step: int, status: Callable[[str], None] = lambda _
         "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
         "tokens_per_s": tokens / rollout.seconds["generate"], **reward_components(grades),
     }
+    if parts.reward_models is not None:
+        record.update(parts.reward_models.metrics(grades))
     if parts.toolset is not None:
         record.update(tool_metrics(flat, [g.answer_reward > 0 for g in grades]))
     return record

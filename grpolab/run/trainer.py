@@ -165,7 +165,7 @@ class Trainer:
                                     [parts.prompt_ids[e.id] for e in parts.val_examples],
                                     parts.collector.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
                                     seed=self.cfg.seed + 7, chunk=chunk, on_items=phase.advance, ranks=self.ranks,
-                                    measure=parts.learner.routing_of)
+                                    measure=parts.learner.routing_of, reward_models=parts.reward_models)
             phase.info = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in out.items()
                                    if "/layer" not in k)
         out["time/eval"] = time.perf_counter() - started

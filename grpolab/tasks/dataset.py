@@ -36,6 +36,7 @@ from grpolab.tasks.datasets import (
 )
 from grpolab.tasks.extract import AnswerFormat, extract_answer, last_boxed
 from grpolab.tasks.prompts import PromptBuilder, PromptFormat, template_fields
+from grpolab.tasks.reward_model_spec import MODEL_PREFIX, RewardModelSpec, is_model_reward, reward_model_spec
 from grpolab.tasks.rewards import VERIFIERS, RewardSet, Sample, reward_term
 from grpolab.tasks.sandbox import IMPORT_PATH, MAX_WORKERS
 from grpolab.tools.protocol import ToolsConfig
@@ -81,7 +82,9 @@ class DatasetTask:
         self.prompts = PromptBuilder(p.format, p.template, p.system, p.chat_template_kwargs, self.toolset)
         self.answer_format = p.answer or "r1_zero"
         self.rewards = RewardSet([reward_term(r.function, r.name, r.weight, r.options, r.timeout_s)
-                                  for r in cfg.rewards])
+                                  for r in cfg.rewards if not is_model_reward(r.function)])
+        self.reward_models: list[RewardModelSpec] = [reward_model_spec(r.function, r.name, r.weight, r.options)
+                                                     for r in cfg.rewards if is_model_reward(r.function)]
         train = source_records(cfg.train)
         if cfg.validation is not None:
             validation = source_records(cfg.validation)
@@ -148,6 +151,12 @@ class DatasetTask:
     def prompt_template(self) -> str:
         return self.prompts.describe()
 
+    def messages(self, example: Example) -> list[dict[str, str]]:
+        """The prompt as chat messages before any chat template (what a reward model's own template renders)."""
+        if self.prompts.format == "chat":
+            return self.prompts.messages({**example.fields, "question": example.question})
+        return [{"role": "user", "content": self.prompt(example)}]
+
     def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
         extracted = extract_answer(completion, self.answer_format)
         sample = Sample(completion, example.answer, example.question, example.id, extracted, truncated, example.fields)
@@ -167,7 +176,8 @@ class DatasetTask:
         rewards = []
         for r in self.cfg.rewards:
             entry = {"function": r.function, "name": r.name, "weight": r.weight, "options": r.options}
-            source = getattr(sys.modules.get(r.function.partition(":")[0]), "__file__", None) if ":" in r.function else None
+            source = (getattr(sys.modules.get(r.function.partition(":")[0]), "__file__", None)
+                      if ":" in r.function and not is_model_reward(r.function) else None)
             if source:  # a user function: which file, and its exact text
                 entry.update(source=source, source_sha256=file_sha256(Path(source)))
             rewards.append(entry)
@@ -209,7 +219,8 @@ class PromptConfig(TaskSettings):
 class RewardConfig(TaskSettings):
     """One weighted reward function (``grpolab.tasks.rewards``)."""
 
-    function: str = Field(description="a verifier (numeric, math, exact, regex) or 'package.module:function'")
+    function: str = Field(description="a verifier (numeric, math, exact, regex), 'package.module:function', or "
+                          "'model:DIR', a reward model (grpolab.tasks.reward_model_spec; its options there)")
     name: str | None = Field(None, description="label in the metrics (reward/<name>); default: the function's name")
     weight: float = 1.0
     timeout_s: float | None = Field(None, gt=0, description="time bound per call (math: 2 s, regex: 1 s, "
@@ -219,10 +230,18 @@ class RewardConfig(TaskSettings):
     @field_validator("function")
     @classmethod
     def _known(cls, value: str) -> str:
-        if value not in VERIFIERS and not IMPORT_PATH.fullmatch(value):
-            raise ValueError(f"unknown reward function {value!r}; use a verifier ({', '.join(VERIFIERS)}) or "
-                             "'package.module:function'")
+        if value not in VERIFIERS and not IMPORT_PATH.fullmatch(value) and not is_model_reward(value):
+            raise ValueError(f"unknown reward function {value!r}; use a verifier ({', '.join(VERIFIERS)}), "
+                             f"'package.module:function' or '{MODEL_PREFIX}DIR'")
         return value
+
+    @model_validator(mode="after")
+    def _model_options(self) -> "RewardConfig":
+        if is_model_reward(self.function):
+            if self.timeout_s is not None:
+                raise ValueError(f"reward {self.function!r}: a reward model takes no timeout_s")
+            reward_model_spec(self.function, self.name, self.weight, self.options)
+        return self
 
 
 class DatasetTaskConfig(TaskSettings):
@@ -256,6 +275,9 @@ class DatasetTaskConfig(TaskSettings):
             raise ValueError("give either task.validation (a source) or task.validation_size (a split of train)")
         if self.validation_size is not None and self.validation_size >= 1 and self.validation_size % 1:
             raise ValueError(f"task.validation_size {self.validation_size}: a count must be whole, a fraction < 1")
+        if is_model_reward(self.rewards[0].function):
+            raise ValueError("task.rewards: the first reward is the task's correctness (accuracy, pass@k): make it a "
+                             "verifier or function (with weight = 0 to keep it out of the RL reward), the model after it")
         if not self.tools.enabled and "tools" in template_fields(self.prompt.template or ""):
             raise ValueError("task.prompt.template names {tools} but task.tools.enabled is empty")
         return self
