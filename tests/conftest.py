@@ -28,6 +28,7 @@ from transformers import (
 from grpolab.config import RunConfig, load_config
 from grpolab.tasks import ArithmeticTask
 from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
+from reward_model_fixtures import save_reward_model
 
 GSM8K_DIR = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<eos>"]
@@ -261,3 +262,9 @@ def params_of(model) -> list[torch.Tensor]:
 
 def same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="session")
+def reward_model_dir(tmp_path_factory, tokenizer) -> Path:
+    """A random one-label reward model with the character tokenizer (pad token ``<pad>``, no chat template)."""
+    return save_reward_model(tmp_path_factory.mktemp("reward_model"), tokenizer, max_positions=512)

@@ -1,12 +1,11 @@
 """Tiny random reward models (``LlamaForSequenceClassification``, one label) saved like real ones, with
-the character tokenizer of ``conftest``; a test module imports the fixture it uses."""
+the character tokenizer of ``conftest`` (whose ``reward_model_dir`` fixture is one)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
@@ -34,9 +33,3 @@ def save_reward_model(path: Path, tokenizer, *, chat_template: str | None = None
     if chat_template is not None:
         (path / "chat_template.jinja").unlink(missing_ok=True)
     return path
-
-
-@pytest.fixture(scope="session")
-def reward_model_dir(tmp_path_factory, tokenizer) -> Path:
-    """A random one-label reward model with the character tokenizer (pad token ``<pad>``, no chat template)."""
-    return save_reward_model(tmp_path_factory.mktemp("reward_model"), tokenizer, max_positions=512)

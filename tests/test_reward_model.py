@@ -9,7 +9,7 @@ import torch
 from grpolab.models.reward_model import RewardModel, padded_batch
 from grpolab.tasks.reward_model_spec import reward_model_spec
 
-from reward_model_fixtures import CHAT_TEMPLATE, reward_model_dir, save_reward_model  # noqa: F401 (a fixture)
+from reward_model_fixtures import CHAT_TEMPLATE, save_reward_model
 
 TEXTS = ["1+2=<think> 1+2=3 </think> <answer> 3 </answer>", "9+9=", "a much longer text " * 5, "x",
          "4+4=<think> 4+4=8 </think> <answer> 8 </answer>"]

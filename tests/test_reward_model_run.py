@@ -17,7 +17,6 @@ from grpolab.run.trainer import Trainer, train
 from grpolab.tasks import build_task
 from grpolab.tasks.reward_model_spec import reward_model_spec
 
-from reward_model_fixtures import reward_model_dir  # noqa: F401 (a fixture)
 from test_dataset_run import write_problems
 
 STEPS = {"steps": 4, "checkpoint.every": 2, "eval.every": 2, "seed": 3}
@@ -125,3 +124,23 @@ def test_bad_reward_model_config_is_one_line_before_anything_is_written(warm_mod
         errors = [line for line in capsys.readouterr().out.splitlines() if "error" in line]
         assert len(errors) == 1 and message in errors[0], errors
         assert not out.exists()
+
+
+def test_the_readme_example_parses(reward_model_dir, tmp_path):
+    """The README's reward-model TOML, with its paths pointed at real files, is a valid config."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Learned rewards")[1]
+    example = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"{a}+{b}", "answer": a + b}) + "\n"
+                                                  for a in range(1, 10) for b in range(1, 10)))
+    example = example.replace("data/train.jsonl", str(tmp_path / "train.jsonl")).replace(
+        "models/my-reward-model", str(reward_model_dir)).replace("validation_size = 200", "validation_size = 20")
+    (tmp_path / "run.toml").write_text(example)
+    cfg = load_config(tmp_path / "run.toml", {"model.path": str(reward_model_dir)})
+    task = build_task(cfg.task)
+    (spec,) = task.reward_models
+    assert spec.name == "rm" and spec.options.normalize == "running" and spec.options.truncate == "left"
+    assert task.rewards.terms[0].weight == 0.0

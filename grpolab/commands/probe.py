@@ -4,9 +4,10 @@ Every sequence of the rollout batch is the longest training prompt followed by a
 ``max_new_tokens`` completion (random tokens, random +-1 advantages), so the update sees the largest
 tensors the run can produce. Update 1, a real generation of the whole rollout batch (``prompts_per_step``
 x ``group_size`` samples of the longest prompt, as a step generates them at once), update 2; then a
-JSON report of peak memory, tensor shapes, parameter tensors that received gradient, optimizer state,
-the rollout's key/value cache at its largest (counted from the model's shapes: sampled completions may
-stop before ``max_new_tokens``, so the measured peak can fall short of it) and seconds per phase.
+JSON report of peak memory, the bytes each part holds (the reward models' among them, and their total),
+tensor shapes, parameter tensors that received gradient, optimizer state, the rollout's key/value cache
+at its largest (counted from the model's shapes: sampled completions may stop before ``max_new_tokens``,
+so the measured peak can fall short of it) and seconds per phase.
 """
 
 from __future__ import annotations
@@ -46,17 +47,20 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                for t in state.values() if isinstance(t, torch.Tensor))
 
 
-def bytes_by_part(parts: RunParts) -> dict[str, int]:
+def bytes_by_part(parts: RunParts) -> dict[str, int | None]:
     """Bytes the run holds for each part: the frozen weights, the trained ones, their gradients (same dtype),
-    the optimizer's state, and the reference's own weights (0 when it is the policy, adapter off)."""
+    the optimizer's state, the reference's own weights (0 when it is the policy, adapter off), the reward
+    models' weights and buffers (None without a reward model) and ``total``, their sum."""
     def size(params) -> int:
         return sum(p.numel() * p.element_size() for p in params)
 
     model, reference = parts.model, parts.reference
     trained = size(parts.models.trainable())
-    return {"frozen_weights": size(p for p in model.parameters() if not p.requires_grad), "trained_weights": trained,
-            "gradients": trained, "optimizer_state": optimizer_state_bytes(parts.optimizer),
-            "reference_weights": 0 if reference is None or reference is model else size(reference.parameters())}
+    out = {"frozen_weights": size(p for p in model.parameters() if not p.requires_grad), "trained_weights": trained,
+           "gradients": trained, "optimizer_state": optimizer_state_bytes(parts.optimizer),
+           "reference_weights": 0 if reference is None or reference is model else size(reference.parameters()),
+           "reward_models": parts.reward_models.memory_bytes() if parts.reward_models is not None else None}
+    return {**out, "total": sum(v or 0 for v in out.values())}
 
 
 def worst_case_batch(parts: RunParts, generator: torch.Generator) -> tuple[TrainBatch, str]:

@@ -45,6 +45,9 @@ class RunRecord(BaseModel):
     data_dir: str | None = Field(None, description="the data snapshot folder holding those rows and the template")
     data_files_sha256: dict[str, str] = Field(default_factory=dict,
                                               description="a file-backed task's copied source files, by path")
+    reward_models: list[dict[str, Any]] = Field(default_factory=list, description="the reward model folders the "
+                                                "run reads (not copied): name, path, sha256 (over its files) and "
+                                                "files (each file's SHA-256, by relative path)")
     init_from: str | None = None
     factors: dict[str, str] = Field(default_factory=dict)
     world_size: int = Field(1, description="processes (devices) of the run: more than 1 runs under torchrun")

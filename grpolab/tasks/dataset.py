@@ -34,6 +34,7 @@ from grpolab.tasks.datasets import (
     source_records,
     text_sha256,
 )
+from grpolab.tasks.folder_hash import model_sha256
 from grpolab.tasks.extract import AnswerFormat, extract_answer, last_boxed
 from grpolab.tasks.prompts import PromptBuilder, PromptFormat, template_fields
 from grpolab.tasks.reward_model_spec import MODEL_PREFIX, RewardModelSpec, is_model_reward, reward_model_spec
@@ -172,7 +173,8 @@ class DatasetTask:
             return list(pool.map(lambda item: self.grade(*item), items))
 
     def data_fingerprint(self) -> dict[str, Any]:
-        """Row counts and SHA-256s of the rows used, the prompt and the reward functions, for the manifest."""
+        """Row counts and SHA-256s of the rows used, the prompt and the reward functions (a reward model: its
+        folder and the SHA-256 over its files), for the manifest."""
         rewards = []
         for r in self.cfg.rewards:
             entry = {"function": r.function, "name": r.name, "weight": r.weight, "options": r.options}
@@ -180,6 +182,9 @@ class DatasetTask:
                       if ":" in r.function and not is_model_reward(r.function) else None)
             if source:  # a user function: which file, and its exact text
                 entry.update(source=source, source_sha256=file_sha256(Path(source)))
+            if is_model_reward(r.function):  # a reward model: which folder, and its exact files
+                folder = Path(r.function[len(MODEL_PREFIX):]).resolve()
+                entry.update(model_dir=str(folder), model_sha256=model_sha256(folder))
             rewards.append(entry)
         return {
             "task": self.name, "train": self.cfg.train, "validation": self.cfg.validation,

@@ -1,7 +1,7 @@
 """Every number of a report, computed from the runs' files into plain dicts (written as report.json,
 rendered by ``markdown``): the run table, paired comparisons with a baseline, the 2x2 interaction,
-seed-level summaries, pass@k curves and failure examples. Seed groups and the 2x2 pool runs only at a
-common step on shared items (``common``), and say which runs stopped early."""
+seed-level summaries, pass@k curves, reward models (``reward_models``) and failure examples. Seed groups
+and the 2x2 pool runs only at a common step on shared items (``common``), and say which runs stopped early."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from grpolab.studies.report.common import Common, align, at_common_step, progress, steps_done  # noqa: F401 (align: re-exported)
+from grpolab.studies.report.reward_models import reward_models
 from grpolab.studies.report.runs import Outcomes, Run, outcomes, pair
 from grpolab.objectives.stats import holm, interaction, mcnemar_exact, pass_at_k_curve, paired_difference, seed_summary
 
@@ -225,4 +226,5 @@ def analyse(title: str, runs: list[Run], baseline: str | None, resamples: int, s
         "pass_at_k": {r.name: curves for r in runs if (curves := pass_curves(r))},
         "failures": {r.name: f for r in runs if (f := failures(r))},
         "tool_use": [found for r in runs if (found := tool_use(r))],
+        "reward_models": reward_models(runs),
     }

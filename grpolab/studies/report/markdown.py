@@ -157,6 +157,41 @@ def tool_section(rows: list[dict[str, Any]]) -> list[str]:
     return table(header, lines)
 
 
+REWARD_MODEL_NOTE = (
+    "Raw scores of each reward model over the training step's samples (the last step that scored them) and over "
+    "the final evaluation's greedy completions; corr: their Pearson correlation with the verifier's correctness "
+    "(- when either is constant), its change from the first to the last step with one. A correlation that falls "
+    "while the score rises is the first sign of reward hacking.")
+LENGTH_NOTE = (
+    "Items are ranked by completion length and cut into ten groups of near-equal size (equal lengths may fall in "
+    "two adjacent groups). A mean score that rises with length while accuracy does not is a length bias of the "
+    "reward model.")
+
+
+def _corr_change(row: dict[str, Any]) -> str:
+    if "corr_change" not in row:
+        return "-"
+    return f"{num(row['corr_change'], '+.3f')} ({row['corr_first_step']} -> {row['corr_last_step']})"
+
+
+def reward_model_section(rows: list[dict[str, Any]]) -> list[str]:
+    """The reward models' table and, per run and model, its score by completion length decile."""
+    header = ["run", "model", "step", "mean", "std", "min", "max", "corr", "corr change (steps)", "eval step",
+              "eval mean", "eval corr"]
+    stats = ("mean", "std", "min", "max", "corr_correct")
+    lines = ["", REWARD_MODEL_NOTE, "", *table(header, [
+        [r["run"], r["model"], str(r.get("step", "-")), *(num(r.get(k)) for k in stats), _corr_change(r),
+         str(r.get("eval_step", "-")), num(r.get("eval_mean")), num(r.get("eval_corr_correct"))] for r in rows])]
+    for r in rows:
+        if r.get("deciles"):
+            title = (f"**{r['run']} / {r['model']}**: score by completion length decile, evaluation at step "
+                     f"{r['length_step']} ({r['length_items']} items)")
+            lines += ["", title, "", *table(["decile", "length (tokens)", "items", "mean score", "accuracy"], [
+                [str(d["decile"]), f"{d['min_length']}-{d['max_length']}", str(d["items"]), num(d["mean_score"]),
+                 num(d["accuracy"])] for d in r["deciles"]])]
+    return lines + ["", LENGTH_NOTE]
+
+
 def _tool_note(record: dict[str, Any]) -> str:
     calls = record.get("tool_calls") or []
     if not calls:
@@ -211,6 +246,8 @@ def render(data: dict[str, Any], figures: list[tuple[str, str]]) -> str:
     if data.get("tool_use"):
         out += ["## Tool use", "", "Greedy validation trajectories at the first and last evaluation; accuracy split by "
                 "whether a trajectory made a valid tool call.", "", *tool_section(data["tool_use"]), ""]
+    if data.get("reward_models"):
+        out += ["## Reward models", *reward_model_section(data["reward_models"]), ""]
     if data["failures"]:
         out += ["## Failure examples (last evaluation)", "", *failure_section(data["failures"])]
     return "\n".join(out).rstrip() + "\n"

@@ -1,6 +1,7 @@
 """Making a suite: every run resolved and validated, the code and data frozen into the new suite directory,
-each run's config written and recorded (the config itself and its SHA-256), and the manifest of queued
-runs; or, for a dry run, the plan printed and nothing written."""
+the reward models' folders hashed (once each; the runs read them where they are), each run's config
+written and recorded (the config itself and its SHA-256), and the manifest of queued runs; or, for a dry
+run, the plan printed and nothing written."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ from typing import Any
 
 from rich.console import Console
 
+from grpolab.common.progress import Reporter
 from grpolab.config import RunConfig, config_sha256
 from grpolab.models.loading import absolute_model_spec, check_model_spec
 from grpolab.run.rundir import RunDirError
 from grpolab.studies.manifest import RunRecord, SuiteManifest
-from grpolab.studies.suite.snapshot import snapshot_code, snapshot_data, task_key
+from grpolab.studies.suite.snapshot import hash_reward_model, snapshot_code, snapshot_data, task_key
 from grpolab.studies.suite.placement import parse_devices
 from grpolab.studies.suite.spec import SuiteRun, SuiteSpec, load_suite, resolve_runs
+from grpolab.tasks.folder_hash import tree_sha256
+from grpolab.tasks.reward_model_spec import MODEL_PREFIX, is_model_reward
 
 
 def launch_prefix(world_size: int) -> list[str]:
@@ -79,6 +83,8 @@ def prepare_suite(suite_file: str | Path, root: Path, console: Console, dry_run:
     root.mkdir(parents=True, exist_ok=True)
     code = snapshot_code(root / "snapshot" / "src")
     data: dict[str, dict[str, Any]] = {}
+    hashed: dict[str, dict[str, str]] = {}  # reward model folder -> its files' SHA-256s, hashed once a suite
+    reporter = Reporter(console)
     records = []
     for run in spec.runs:
         cfg = configs[run.name]
@@ -86,23 +92,44 @@ def prepare_suite(suite_file: str | Path, root: Path, console: Console, dry_run:
         folder = root / "snapshot" / "data" / key
         if key not in data:
             data[key] = snapshot_data(cfg, folder)
-        records.append(write_run_config(run, frozen_config(cfg, data[key], run.init_from), root, folder, data[key]))
+        models = []
+        for model in data[key]["reward_models"]:
+            if model["path"] not in hashed:
+                hashed[model["path"]] = hash_reward_model(model["path"], reporter)
+            files = hashed[model["path"]]
+            models.append({**model, "sha256": tree_sha256(files), "files": files})
+        records.append(write_run_config(run, frozen_config(cfg, data[key], run.init_from), root, folder, data[key],
+                                        models))
     manifest = SuiteManifest(suite=spec.name, source_file=str(Path(suite_file).resolve()), code=code, placement=where,
                              runs=records)
     manifest.save(root)
     return manifest
 
 
+def absolute_reward_models(task: Any) -> dict[str, Any]:
+    """A task config update naming each ``model:DIR`` reward by its absolute folder (runs start elsewhere)."""
+    rewards = getattr(task, "rewards", None) or []
+    if not any(is_model_reward(r.function) for r in rewards):
+        return {}
+    return {"rewards": [r.model_copy(update={"function": MODEL_PREFIX + str(Path(r.function[len(MODEL_PREFIX):])
+                                                                          .resolve())})
+                        if is_model_reward(r.function) else r for r in rewards]}
+
+
 def frozen_config(cfg: RunConfig, data: dict[str, Any], init_from: str | None) -> RunConfig:
-    """The run's config reading the data snapshot's file copies, with an absolute start model."""
-    updates = {"task": cfg.task.model_copy(update={k.removeprefix("task."): v for k, v in data["task_paths"].items()})}
+    """The run's config reading the data snapshot's file copies, with an absolute start model and absolute
+    reward model folders."""
+    paths = {k.removeprefix("task."): v for k, v in data["task_paths"].items()}
+    updates = {"task": cfg.task.model_copy(update={**paths, **absolute_reward_models(cfg.task)})}
     if cfg.model.path and init_from is None:
         updates["model"] = cfg.model.model_copy(update={"path": absolute_model_spec(cfg.model.path)})
     return cfg.model_copy(update=updates)
 
 
-def write_run_config(run: SuiteRun, cfg: RunConfig, root: Path, folder: Path, data: dict[str, Any]) -> RunRecord:
-    """configs/NAME.json and the run's record: the config as it reads back, its SHA-256, its data snapshot."""
+def write_run_config(run: SuiteRun, cfg: RunConfig, root: Path, folder: Path, data: dict[str, Any],
+                     reward_models: list[dict[str, Any]] | None = None) -> RunRecord:
+    """configs/NAME.json and the run's record: the config as it reads back, its SHA-256, its data snapshot,
+    its reward models' folders and SHA-256s."""
     config = json.loads(json.dumps(cfg.model_dump(mode="json")))
     config_file = root / "configs" / f"{run.name}.json"
     config_file.parent.mkdir(exist_ok=True)
@@ -111,7 +138,7 @@ def write_run_config(run: SuiteRun, cfg: RunConfig, root: Path, folder: Path, da
                      config_sha256=config_sha256(config), init_from=run.init_from, factors=run.factors,
                      world_size=run.devices_per_run or 1,
                      data_sha256={k: data[f"{k}_sha256"] for k in ("train", "validation", "prompt")},
-                     data_dir=str(folder), data_files_sha256=data["files_sha256"])
+                     data_dir=str(folder), data_files_sha256=data["files_sha256"], reward_models=reward_models or [])
 
 
 def print_plan(spec: SuiteSpec, configs: dict[str, RunConfig], root: Path, console: Console,

@@ -5,7 +5,8 @@ already running are asked to stop after their step with a checkpoint. Nothing is
 and no setting changes; ``resume`` places the unfinished runs again (each from its newest verified
 checkpoint when it has one).
 
-Before anything moves, the suite's recorded configs, code and data are verified (``grpolab.studies.suite.verify``).
+Before anything moves, the suite's recorded configs, code and data are verified (``grpolab.studies.suite.verify``);
+before each attempt of a run starts, its reward models' folders are (a changed one fails the run).
 A run is judged from its directory alone (``grpolab.studies.suite.completion``), and never gets a second trainer:
 a process still training it (left by a runner that died) is waited for first (``grpolab.studies.suite.holder``),
 and a Slurm job still queued or running for it is followed, never submitted again.
@@ -22,7 +23,7 @@ from typing import Any
 
 from rich.console import Console
 
-from grpolab.config import load_config
+from grpolab.config import ConfigError, load_config
 from grpolab.common.progress import Reporter, format_seconds
 from grpolab.run.checkpoints import newest_verified
 from grpolab.run.rundir import RunDirError
@@ -37,7 +38,7 @@ from grpolab.studies.suite.placement import DevicePool, next_to_start, parse_dev
 from grpolab.studies.suite.prepare import prepare_suite, resume_command, train_command
 from grpolab.studies.suite.slurm_jobs import exit_file, submit_run
 from grpolab.studies.suite.status import status_table
-from grpolab.studies.suite.verify import verify_suite
+from grpolab.studies.suite.verify import reward_model_problem, verify_suite
 
 __all__ = ["SuiteRunner", "completion_problems", "last_error", "prepare_suite", "progress_of", "status_table"]
 
@@ -176,14 +177,22 @@ class SuiteRunner:
                                    lambda r: self.pool is None or len(self.pool.free()) >= self._need(r))
             if record is None:
                 return
-            cfg = load_config(record.config_file)
-            if not completion_problems(Path(record.run_dir), cfg):
+            try:
+                cfg = load_config(record.config_file)
+            except ConfigError:  # a changed reward model may not validate: said below as what changed
+                cfg = None
+            if cfg is not None and not completion_problems(Path(record.run_dir), cfg):
                 complete(record, cfg)
                 record.pid, record.ended = None, record.ended or now()
                 manifest.save(self.root)
                 self.reporter.line(f"run {record.name}: complete on disk "
                                    f"({progress_of(Path(record.run_dir)).describe(cfg.steps)}): completed, nothing started")
                 continue
+            problem = reward_model_problem(record, self.reporter)
+            if problem is not None:
+                self._refuse(manifest, record, problem)
+                return
+            cfg = cfg or load_config(record.config_file)
             devices = self.pool.take(record.name, self._need(record)) if self.pool is not None else None
             self._launch(manifest, record, cfg, devices if self.placed else None)
 
@@ -211,14 +220,30 @@ class SuiteRunner:
         manifest.save(self.root)
         self._progress_line(flight)
 
-    def _launch(self, manifest: SuiteManifest, record: RunRecord, cfg, devices: list[str] | None) -> None:
-        """Archive the previous attempt, choose the command and start it from the code snapshot on its
-        devices (or submit it to Slurm), its output appended to the run's log."""
+    @staticmethod
+    def _archive_attempt(record: RunRecord) -> None:
         if record.command:
             record.attempts.append({"command": record.command, "exit_code": record.exit_code, "state": record.state,
                                     "reason": record.reason, "started": record.started, "ended": record.ended,
                                     "devices": record.devices, "host": record.host, "job_id": record.job_id,
                                     "job_state": record.job_state})
+
+    def _refuse(self, manifest: SuiteManifest, record: RunRecord, reason: str) -> None:
+        """A run that must not start (its reward model changed): failed with ``reason``, nothing started or
+        moved, and the queue stopped as a failed run stops it."""
+        self._archive_attempt(record)
+        record.command, record.state, record.reason, record.ended = [], "failed", reason, now()
+        record.started = record.exit_code = record.pid = record.job_id = record.job_state = record.host = None
+        record.devices = None
+        self.reporter.line(f"run {record.name}: failed, not started ({reason})")
+        self.first_stop = self.first_stop or record.name
+        self._stop_all(f"stopped because run {record.name} failed")
+        manifest.save(self.root)
+
+    def _launch(self, manifest: SuiteManifest, record: RunRecord, cfg, devices: list[str] | None) -> None:
+        """Archive the previous attempt, choose the command and start it from the code snapshot on its
+        devices (or submit it to Slurm), its output appended to the run's log."""
+        self._archive_attempt(record)
         record.command = self._command(record)
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [manifest.code["path"], os.environ.get("PYTHONPATH")]))}
         if devices is not None:

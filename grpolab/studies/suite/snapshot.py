@@ -1,6 +1,8 @@
 """What a suite executes, frozen before its first run: the package source, the data rows and the
 prompt template. Runs import the package from the snapshot (``PYTHONPATH``), so later edits of the
-working tree cannot change a queued run."""
+working tree cannot change a queued run. A task's reward models (``model:DIR``) are snapshotted by hash,
+not copied: the runs read DIR, whose files' SHA-256s are recorded (``hash_reward_model``) and checked
+before each attempt of a run starts (``grpolab.studies.suite.verify``)."""
 
 from __future__ import annotations
 
@@ -12,29 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import grpolab
+from grpolab.common.progress import Reporter
 from grpolab.config import RunConfig
 from grpolab.tasks.base import Example
 from grpolab.tasks.configs import build_task
 from grpolab.tasks.datasets import file_sha256
-
-
-def is_bytecode(path: Path) -> bool:
-    """Python's compiled files, which importing the snapshot writes beside its sources (never hashed)."""
-    return "__pycache__" in path.parts or path.suffix == ".pyc"
-
-
-def tree_files(root: Path) -> dict[str, str]:
-    """SHA-256 of every file under ``root`` but bytecode, by relative path, in sorted order."""
-    return {path.relative_to(root).as_posix(): file_sha256(path)
-            for path in sorted(p for p in root.rglob("*") if p.is_file() and not is_bytecode(p.relative_to(root)))}
-
-
-def tree_sha256(files: dict[str, str]) -> str:
-    """One SHA-256 over ``tree_files``' relative paths and contents, in their order."""
-    h = hashlib.sha256()
-    for name, digest in files.items():
-        h.update(f"{name}\0{digest}\0".encode())
-    return h.hexdigest()
+from grpolab.tasks.folder_hash import model_bytes, model_files, tree_files, tree_sha256
 
 
 def git_state(folder: Path) -> dict[str, Any] | None:
@@ -63,7 +48,8 @@ def _write_rows(path: Path, examples: list[Example]) -> str:
 def snapshot_data(cfg: RunConfig, folder: Path) -> dict[str, Any]:
     """The rows a run trains and validates on, and its prompt template, written under ``folder``;
     GSM8K's source files are copied there too (the run reads those copies). Returns their SHA-256s and,
-    under ``task_paths``, the config fields that must point at the copies (``files_sha256``: the copies')."""
+    under ``task_paths``, the config fields that must point at the copies (``files_sha256``: the copies');
+    ``reward_models``: the task's reward models, {name, path (absolute)} each, hashed by the caller."""
     folder.mkdir(parents=True, exist_ok=True)
     task_paths: dict[str, str] = {}
     files_sha256: dict[str, str] = {}
@@ -82,7 +68,23 @@ def snapshot_data(cfg: RunConfig, folder: Path) -> dict[str, Any]:
     return {"train_sha256": _write_rows(folder / "train.jsonl", task.train_examples()),
             "validation_sha256": _write_rows(folder / "validation.jsonl", task.validation_examples()),
             "prompt_sha256": file_sha256(folder / "prompt_template.txt"), "task_paths": task_paths,
-            "files_sha256": files_sha256}
+            "files_sha256": files_sha256,
+            "reward_models": [{"name": spec.name, "path": str(Path(spec.path).resolve())}
+                              for spec in getattr(task, "reward_models", None) or []]}
+
+
+def hash_reward_model(path: str | Path, reporter: Reporter) -> dict[str, str]:
+    """A reward model folder's ``model_files`` (SHA-256 by relative path), with a progress bar (on a
+    terminal) or progress lines (in a log) when hashing takes more than a few seconds."""
+    folder = Path(path)
+    total, done = model_bytes(folder), [0]
+    with reporter.phase(f"hash reward model {folder}", total=max(1, -(-total // 2**20)), unit="MiB",
+                        done_note=None) as phase:
+        def advance(size: int) -> None:
+            done[0] += size
+            phase.advance(done[0] // 2**20 - phase.done)
+
+        return model_files(folder, on_file=advance)
 
 
 def snapshot_code(folder: Path) -> dict[str, Any]:

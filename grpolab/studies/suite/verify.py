@@ -1,14 +1,20 @@
 """Before a suite runs or resumes anything, what it is about to run is checked against what it recorded
 when it was made: each unfinished run's config file, the code snapshot and the data snapshot. A suite
-whose frozen inputs were edited is refused with one line per problem, before anything on disk moves."""
+whose frozen inputs were edited is refused with one line per problem, before anything on disk moves.
+
+A run's reward models are read where they are (hashed, not copied): before each attempt of the run starts,
+their folders are hashed again (``reward_model_problem``) and a changed one fails that run with one line."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from grpolab.common.progress import Reporter
 from grpolab.config import ConfigError, config_sha256, first_difference, read_config_json
 from grpolab.studies.manifest import RunRecord, SuiteManifest
-from grpolab.studies.suite.snapshot import file_sha256, tree_files, tree_sha256
+from grpolab.studies.suite.snapshot import hash_reward_model
+from grpolab.tasks.datasets import file_sha256
+from grpolab.tasks.folder_hash import tree_files, tree_sha256
 
 DATA_FILES = {"train": "train.jsonl", "validation": "validation.jsonl", "prompt": "prompt_template.txt"}
 
@@ -80,6 +86,25 @@ def data_problem(record: RunRecord, root: Path) -> str | None:
             return f"{path} is missing from the data snapshot; not run"
         if file_sha256(Path(path)) != digest:
             return f"{path} was edited after the suite was made (its SHA-256 differs); not run"
+    return None
+
+
+def reward_model_problem(record: RunRecord, reporter: Reporter) -> str | None:
+    """The run's reward model folders, hashed once each, against their recorded SHA-256s: the first changed one
+    as 'reward model DIR changed since the suite was prepared: model.safetensors was changed; ...'; None when
+    none changed."""
+    for path in dict.fromkeys(model["path"] for model in record.reward_models):  # a folder twice: hashed once
+        model = next(m for m in record.reward_models if m["path"] == path)
+        folder = Path(path)
+        if not folder.is_dir():
+            what = "the folder is missing"
+        else:
+            found = hash_reward_model(folder, reporter)
+            if tree_sha256(found) == model["sha256"]:
+                continue
+            what = first_changed_file(model["files"], found) if "files" in model else "its SHA-256 differs"
+        return (f"reward model {folder} changed since the suite was prepared: {what}; restore it and resume, "
+                "or make a new suite")
     return None
 
 

@@ -1,0 +1,187 @@
+"""Does a learned reward teach? A tiny reward model trained to prefer correct sums, then an RL run whose
+only reward is that model, with accuracy measured by the verifier (weight 0).
+
+    python benchmarks/reward_model_learning.py --out DIR --threads 1
+    python benchmarks/reward_model_learning.py --out DIR --threads 1 --steps 60 --verifier-run
+
+1. The demo's warm-started tiny policy (2-digit sums, r1_zero) samples ``--samples`` completions for each
+   of ``--rm-prompts`` train questions; the verifier labels them, and the worked solutions join as more
+   correct examples.
+2. A reward model starts from the policy's own weights (``AutoModelForSequenceClassification``, one label,
+   a new score head) and is trained ``--rm-steps`` steps with a logistic loss on correctness; its AUC on
+   completions of held-out questions is printed.
+3. RL (grpo): the same arithmetic rows as a dataset task whose rewards are ``numeric`` with weight 0 (it
+   still measures accuracy) and ``model:DIR`` with weight 1. The step-0 and final greedy evaluations are
+   paired item by item: the bootstrap CI of the accuracy gain is printed (``--verifier-run``: the same run
+   with the verifier as the reward, for reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from grpolab.config import load_config
+from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
+from grpolab.objectives.stats import paired_difference
+from grpolab.run.trainer import train
+from grpolab.tasks import ArithmeticTask
+from grpolab.tasks.base import Example
+
+
+def write_rows(path: Path, examples: list[Example]) -> Path:
+    path.write_text("".join(json.dumps({"question": e.question, "answer": e.answer}) + "\n" for e in examples))
+    return path
+
+
+@torch.no_grad()
+def sample_completions(policy_dir: Path, task: ArithmeticTask, examples: list[Example], samples: int,
+                       max_new_tokens: int, seed: int) -> list[tuple[str, float]]:
+    """(prompt + completion, correct) for ``samples`` sampled completions of each example, at temperature 1."""
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    torch.manual_seed(seed)
+    out = []
+    for start in range(0, len(examples), 64):
+        batch = examples[start:start + 64]
+        prompts = [task.prompt(e) for e in batch]
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+        generated = model.generate(**inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                   max_new_tokens=max_new_tokens, num_return_sequences=samples,
+                                   pad_token_id=tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        for i, text in enumerate(texts):
+            example = batch[i // samples]
+            grade = task.grade(text, example, truncated=False)
+            out.append((task.prompt(example) + text, grade.answer_reward))
+    return out
+
+
+def auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Probability that a correct text outscores an incorrect one (ties count half)."""
+    pos, neg = scores[labels > 0], scores[labels == 0]
+    if not len(pos) or not len(neg):
+        return float("nan")
+    greater = (pos[:, None] > neg[None, :]).mean()
+    return float(greater + 0.5 * (pos[:, None] == neg[None, :]).mean())
+
+
+def train_reward_model(policy_dir: Path, out: Path, data: list[tuple[str, float]], steps: int, batch_size: int = 32,
+                       lr: float = 1e-3, seed: int = 0) -> Path:
+    """A one-label classifier from the policy's weights, trained with a logistic loss on correctness; saved
+    with its tokenizer in ``out``."""
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_pretrained(policy_dir, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.padding_side = "right"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = np.random.default_rng(seed)
+    model.train()
+    for step in range(steps):
+        chosen = rng.choice(len(data), size=batch_size, replace=False)
+        inputs = tokenizer([data[i][0] for i in chosen], return_tensors="pt", padding=True)
+        labels = torch.tensor([data[i][1] for i in chosen], dtype=torch.float32)
+        logits = model(**inputs).logits[:, 0]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == steps - 1:
+            print(f"reward model step {step + 1}/{steps}: loss {loss.item():.3f}", flush=True)
+    model.eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@torch.no_grad()
+def reward_model_auc(rm_dir: Path, data: list[tuple[str, float]]) -> float:
+    tokenizer = AutoTokenizer.from_pretrained(rm_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    scores = []
+    for start in range(0, len(data), 64):
+        inputs = tokenizer([t for t, _ in data[start:start + 64]], return_tensors="pt", padding=True)
+        scores += model(**inputs).logits[:, 0].tolist()
+    return auc(np.array(scores), np.array([c for _, c in data]))
+
+
+def rl_config(policy_dir: Path, train_file: Path, val_file: Path, out: Path, rewards: list[dict], args) -> dict:
+    return {"model.path": str(policy_dir), "output_dir": str(out), "steps": args.steps, "seed": args.seed,
+            "threads": args.threads, "task.name": "dataset", "task.train": str(train_file),
+            "task.validation": str(val_file), "task.rewards": rewards, "rollout.prompts_per_step": args.prompts,
+            "rollout.group_size": 8, "rollout.max_new_tokens": 48, "optim.lr": args.lr,
+            "eval.every": args.steps, "checkpoint.every": args.steps}
+
+
+def accuracy_gain(run: Path, steps: int) -> tuple[float, float, tuple[float, float, float]]:
+    """(start accuracy, final accuracy, paired gain (estimate, low, high)) from the run's eval records."""
+    def correct(step: int) -> np.ndarray:
+        lines = (run / "eval" / f"step_{step:06d}.jsonl").read_text().splitlines()
+        return np.array([json.loads(line)["correct"] for line in lines], dtype=np.float64)
+
+    start, final = correct(0), correct(steps)
+    gain = paired_difference(final, start)
+    return start.mean(), final.mean(), (gain.estimate, gain.low, gain.high)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="a new folder for the models and runs")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=40, help="RL steps")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per RL step (x 8 samples)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n-val", type=int, default=200)
+    parser.add_argument("--rm-prompts", type=int, default=512, help="train questions sampled for the reward model")
+    parser.add_argument("--samples", type=int, default=4, help="completions per question for the reward model")
+    parser.add_argument("--rm-steps", type=int, default=300)
+    parser.add_argument("--normalize", default="none", choices=["none", "batch", "running"])
+    parser.add_argument("--warm-start", default="{}", help="JSON changes to the demo's warm-start recipe")
+    parser.add_argument("--verifier-run", action="store_true", help="also train with the verifier as the reward")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=False)
+    task = ArithmeticTask(n_val=args.n_val)
+    started = time.perf_counter()
+    policy = warm_start_model(task, WarmStartSettings(**json.loads(args.warm_start)), cache_dir=args.out / "cache")
+    print(f"warm-started policy: {time.perf_counter() - started:.0f} s", flush=True)
+
+    started = time.perf_counter()
+    train_examples = task.train_examples()
+    data = sample_completions(policy, task, train_examples[:args.rm_prompts], args.samples, 48, args.seed)
+    data += [(task.prompt(e) + e.solution, 1.0) for e in train_examples[:args.rm_prompts]]
+    held_out = sample_completions(policy, task, train_examples[-128:], args.samples, 48, args.seed + 1)
+    rm_dir = train_reward_model(policy, args.out / "reward_model", data, args.rm_steps, seed=args.seed)
+    share = np.mean([c for _, c in data[:len(data) - args.rm_prompts]])
+    print(f"reward model: {len(data)} texts ({share:.0%} of the samples correct), held-out AUC "
+          f"{reward_model_auc(rm_dir, held_out):.3f}, {time.perf_counter() - started:.0f} s", flush=True)
+
+    train_file = write_rows(args.out / "train.jsonl", train_examples)
+    val_file = write_rows(args.out / "val.jsonl", task.validation_examples())
+    runs = {"reward model": [{"function": "numeric", "name": "correct", "weight": 0.0},
+                             {"function": f"model:{rm_dir}", "name": "rm", "weight": 1.0,
+                              "options": {"normalize": args.normalize}}]}
+    if args.verifier_run:
+        runs["verifier"] = [{"function": "numeric", "name": "correct", "weight": 1.0}]
+    print(f"{'reward':<14} {'start':>6} {'final':>6} {'gain':>7} {'95% CI':>17} {'RL s':>6}", flush=True)
+    for name, rewards in runs.items():
+        run = args.out / f"run_{name.replace(' ', '_')}"
+        started = time.perf_counter()
+        train(load_config(None, rl_config(policy, train_file, val_file, run, rewards, args)))
+        start, final, (gain, low, high) = accuracy_gain(run, args.steps)
+        print(f"{name:<14} {start:6.3f} {final:6.3f} {gain:+7.3f} [{low:+.3f}, {high:+.3f}] "
+              f"{time.perf_counter() - started:6.0f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
