@@ -76,8 +76,10 @@ class RewardModels:
     def attach(self, task: Task, examples: list[Example], completions: list[list[Completion]],
                grades: list[list[Grade]]) -> list[list[Grade]]:
         """``grades`` [prompt][sample] with each model's raw score as a component; the RL reward unchanged."""
-        texts = {id(rm): [rm.render(prompt_messages(task, ex), task.prompt(ex), c.text)
-                          for ex, group in zip(examples, completions) for c in group] for rm in self.models}
+        prompts = [(prompt_messages(task, ex), task.prompt(ex)) for ex in examples]  # once per example
+        texts = {id(rm): [rm.render(messages, prompt, c.text)
+                          for (messages, prompt), group in zip(prompts, completions) for c in group]
+                 for rm in self.models}
         scores = {rm.spec.name: iter(rm.score(texts[id(rm)])) for rm in self.models}
         return [[replace(g, components=g.components + tuple((name, next(s)) for name, s in scores.items()))
                  for g in group] for group in grades]
