@@ -1,19 +1,20 @@
-"""Does a learned reward teach? A tiny reward model trained to prefer correct sums, then an RL run whose
+"""Does a learned reward teach? A tiny reward model trained to prefer correct sums, then RL runs whose
 only reward is that model, with accuracy measured by the verifier (weight 0).
 
-    python benchmarks/reward_model_learning.py --out DIR --threads 1
-    python benchmarks/reward_model_learning.py --out DIR --threads 1 --steps 60 --verifier-run
+    python benchmarks/reward_model_learning.py --out DIR --threads 1 --verifier-run
 
 1. The demo's warm-started tiny policy (2-digit sums, r1_zero) samples ``--samples`` completions for each
    of ``--rm-prompts`` train questions; the verifier labels them, and the worked solutions join as more
-   correct examples.
+   correct texts. Every (correct, incorrect) pair of texts of one question is a preference pair.
 2. A reward model starts from the policy's own weights (``AutoModelForSequenceClassification``, one label,
-   a new score head) and is trained ``--rm-steps`` steps with a logistic loss on correctness; its AUC on
-   completions of held-out questions is printed.
+   a new score head) and is trained ``--rm-steps`` steps with the Bradley-Terry loss on those pairs; how
+   often it ranks a correct completion of a held-out question above an incorrect one is printed.
 3. RL (grpo): the same arithmetic rows as a dataset task whose rewards are ``numeric`` with weight 0 (it
-   still measures accuracy) and ``model:DIR`` with weight 1. The step-0 and final greedy evaluations are
-   paired item by item: the bootstrap CI of the accuracy gain is printed (``--verifier-run``: the same run
-   with the verifier as the reward, for reference).
+   still measures accuracy) and ``model:DIR`` with weight 1, once with a KL penalty ``--beta`` to the start
+   policy ("rm + KL") and once without ("rm": the policy is free to find what the reward model misjudges,
+   and the final correlation of its score with correctness shows it). The step-0 and final greedy
+   evaluations are paired item by item: the bootstrap CI of the accuracy gain is printed
+   (``--verifier-run``: the verifier as the reward, for reference).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from grpolab.config import load_config
 from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
 from grpolab.objectives.stats import paired_difference
+from grpolab.run.rundir import read_metrics
 from grpolab.run.trainer import train
 from grpolab.tasks import ArithmeticTask
 from grpolab.tasks.base import Example
@@ -40,10 +42,14 @@ def write_rows(path: Path, examples: list[Example]) -> Path:
     return path
 
 
+Sample = tuple[int, str, float]  # (question index, prompt + completion, correct)
+
+
 @torch.no_grad()
 def sample_completions(policy_dir: Path, task: ArithmeticTask, examples: list[Example], samples: int,
-                       max_new_tokens: int, seed: int) -> list[tuple[str, float]]:
-    """(prompt + completion, correct) for ``samples`` sampled completions of each example, at temperature 1."""
+                       max_new_tokens: int, seed: int, solutions: bool) -> list[Sample]:
+    """``samples`` completions of each example at temperature 1, graded by the verifier; with ``solutions``,
+    each example's worked solution joins as one more correct text."""
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
@@ -60,23 +66,26 @@ def sample_completions(policy_dir: Path, task: ArithmeticTask, examples: list[Ex
         for i, text in enumerate(texts):
             example = batch[i // samples]
             grade = task.grade(text, example, truncated=False)
-            out.append((task.prompt(example) + text, grade.answer_reward))
+            out.append((start + i // samples, prompts[i // samples] + text, grade.answer_reward))
+        if solutions:
+            out += [(start + i, prompt + e.solution, 1.0) for i, (prompt, e) in enumerate(zip(prompts, batch))]
     return out
 
 
-def auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Probability that a correct text outscores an incorrect one (ties count half)."""
-    pos, neg = scores[labels > 0], scores[labels == 0]
-    if not len(pos) or not len(neg):
-        return float("nan")
-    greater = (pos[:, None] > neg[None, :]).mean()
-    return float(greater + 0.5 * (pos[:, None] == neg[None, :]).mean())
+def preference_pairs(data: list[Sample]) -> list[tuple[str, str]]:
+    """(correct text, incorrect text) for every such pair of completions of the same question."""
+    by_question: dict[int, list[Sample]] = {}
+    for sample in data:
+        by_question.setdefault(sample[0], []).append(sample)
+    return [(good, bad) for group in by_question.values()
+            for _, good, g in group if g > 0 for _, bad, b in group if b == 0]
 
 
-def train_reward_model(policy_dir: Path, out: Path, data: list[tuple[str, float]], steps: int, batch_size: int = 32,
-                       lr: float = 1e-3, seed: int = 0) -> Path:
-    """A one-label classifier from the policy's weights, trained with a logistic loss on correctness; saved
-    with its tokenizer in ``out``."""
+def train_reward_model(policy_dir: Path, out: Path, pairs: list[tuple[str, str]], steps: int, batch_size: int = 16,
+                       lr: float = 3e-4, seed: int = 0) -> Path:
+    """A one-label classifier from the policy's weights, trained with the Bradley-Terry loss
+    ``-log sigmoid(r(correct) - r(incorrect))`` on pairs of completions of the same question (only the ranking
+    within a group reaches a group-relative advantage); saved with its tokenizer in ``out``."""
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_pretrained(policy_dir, num_labels=1)
@@ -86,15 +95,14 @@ def train_reward_model(policy_dir: Path, out: Path, data: list[tuple[str, float]
     rng = np.random.default_rng(seed)
     model.train()
     for step in range(steps):
-        chosen = rng.choice(len(data), size=batch_size, replace=False)
-        inputs = tokenizer([data[i][0] for i in chosen], return_tensors="pt", padding=True)
-        labels = torch.tensor([data[i][1] for i in chosen], dtype=torch.float32)
-        logits = model(**inputs).logits[:, 0]
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        chosen = [pairs[i] for i in rng.choice(len(pairs), size=batch_size, replace=len(pairs) < batch_size)]
+        inputs = tokenizer([g for g, _ in chosen] + [b for _, b in chosen], return_tensors="pt", padding=True)
+        scores = model(**inputs).logits[:, 0]
+        loss = -torch.nn.functional.logsigmoid(scores[:batch_size] - scores[batch_size:]).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == steps - 1:
+        if step % 100 == 0 or step == steps - 1:
             print(f"reward model step {step + 1}/{steps}: loss {loss.item():.3f}", flush=True)
     model.eval()
     model.save_pretrained(out)
@@ -103,14 +111,17 @@ def train_reward_model(policy_dir: Path, out: Path, data: list[tuple[str, float]
 
 
 @torch.no_grad()
-def reward_model_auc(rm_dir: Path, data: list[tuple[str, float]]) -> float:
+def within_question_auc(rm_dir: Path, data: list[Sample]) -> float:
+    """How often the reward model ranks a correct completion above an incorrect one of the same question
+    (ties count half)."""
     tokenizer = AutoTokenizer.from_pretrained(rm_dir)
     model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
-    scores = []
+    score = {}
     for start in range(0, len(data), 64):
-        inputs = tokenizer([t for t, _ in data[start:start + 64]], return_tensors="pt", padding=True)
-        scores += model(**inputs).logits[:, 0].tolist()
-    return auc(np.array(scores), np.array([c for _, c in data]))
+        texts = [t for _, t, _ in data[start:start + 64]]
+        score.update(zip(texts, model(**tokenizer(texts, return_tensors="pt", padding=True)).logits[:, 0].tolist()))
+    wins = [float(np.sign(score[good] - score[bad])) * 0.5 + 0.5 for good, bad in preference_pairs(data)]
+    return float(np.mean(wins)) if wins else float("nan")
 
 
 def rl_config(policy_dir: Path, train_file: Path, val_file: Path, out: Path, rewards: list[dict], args) -> dict:
@@ -132,53 +143,63 @@ def accuracy_gain(run: Path, steps: int) -> tuple[float, float, tuple[float, flo
     return start.mean(), final.mean(), (gain.estimate, gain.low, gain.high)
 
 
+def final_eval(run: Path) -> dict:
+    """The run's last evaluation record of metrics.jsonl."""
+    return [r for r in read_metrics(run / "metrics.jsonl") if "val/accuracy" in r][-1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="a new folder for the models and runs")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=40, help="RL steps")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per RL step (x 8 samples)")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--beta", type=float, default=1.0, help="the KL penalty to the start policy of the rm + KL run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--n-val", type=int, default=200)
-    parser.add_argument("--rm-prompts", type=int, default=512, help="train questions sampled for the reward model")
+    parser.add_argument("--task", default='{"n_val": 200}', help="JSON settings of the arithmetic task")
+    parser.add_argument("--rm-prompts", type=int, default=2048, help="train questions sampled for the reward model")
     parser.add_argument("--samples", type=int, default=4, help="completions per question for the reward model")
-    parser.add_argument("--rm-steps", type=int, default=300)
+    parser.add_argument("--rm-steps", type=int, default=1500)
+    parser.add_argument("--rm-lr", type=float, default=3e-4)
     parser.add_argument("--normalize", default="none", choices=["none", "batch", "running"])
     parser.add_argument("--warm-start", default="{}", help="JSON changes to the demo's warm-start recipe")
     parser.add_argument("--verifier-run", action="store_true", help="also train with the verifier as the reward")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=False)
-    task = ArithmeticTask(n_val=args.n_val)
+    task = ArithmeticTask(**json.loads(args.task))
     started = time.perf_counter()
     policy = warm_start_model(task, WarmStartSettings(**json.loads(args.warm_start)), cache_dir=args.out / "cache")
     print(f"warm-started policy: {time.perf_counter() - started:.0f} s", flush=True)
 
     started = time.perf_counter()
     train_examples = task.train_examples()
-    data = sample_completions(policy, task, train_examples[:args.rm_prompts], args.samples, 48, args.seed)
-    data += [(task.prompt(e) + e.solution, 1.0) for e in train_examples[:args.rm_prompts]]
-    held_out = sample_completions(policy, task, train_examples[-128:], args.samples, 48, args.seed + 1)
-    rm_dir = train_reward_model(policy, args.out / "reward_model", data, args.rm_steps, seed=args.seed)
-    share = np.mean([c for _, c in data[:len(data) - args.rm_prompts]])
-    print(f"reward model: {len(data)} texts ({share:.0%} of the samples correct), held-out AUC "
-          f"{reward_model_auc(rm_dir, held_out):.3f}, {time.perf_counter() - started:.0f} s", flush=True)
+    data = sample_completions(policy, task, train_examples[:args.rm_prompts], args.samples, 48, args.seed, True)
+    pairs = preference_pairs(data)
+    held_out = sample_completions(policy, task, train_examples[args.rm_prompts:args.rm_prompts + 128], args.samples, 48,
+                                  args.seed + 1, False)
+    rm_dir = train_reward_model(policy, args.out / "reward_model", pairs, args.rm_steps, lr=args.rm_lr,
+                                seed=args.seed)
+    share = np.mean([c for _, _, c in held_out])
+    print(f"reward model: {len(pairs)} pairs; held out: {share:.0%} of the samples correct, within-question AUC "
+          f"{within_question_auc(rm_dir, held_out):.3f}; {time.perf_counter() - started:.0f} s", flush=True)
 
     train_file = write_rows(args.out / "train.jsonl", train_examples)
     val_file = write_rows(args.out / "val.jsonl", task.validation_examples())
-    runs = {"reward model": [{"function": "numeric", "name": "correct", "weight": 0.0},
-                             {"function": f"model:{rm_dir}", "name": "rm", "weight": 1.0,
-                              "options": {"normalize": args.normalize}}]}
+    rm_rewards = [{"function": "numeric", "name": "correct", "weight": 0.0},
+                  {"function": f"model:{rm_dir}", "name": "rm", "weight": 1.0, "options": {"normalize": args.normalize}}]
+    runs = {"rm + KL": (rm_rewards, {"reference": "frozen", "algorithm.beta": args.beta}), "rm": (rm_rewards, {})}
     if args.verifier_run:
-        runs["verifier"] = [{"function": "numeric", "name": "correct", "weight": 1.0}]
-    print(f"{'reward':<14} {'start':>6} {'final':>6} {'gain':>7} {'95% CI':>17} {'RL s':>6}", flush=True)
-    for name, rewards in runs.items():
-        run = args.out / f"run_{name.replace(' ', '_')}"
+        runs["verifier"] = ([{"function": "numeric", "name": "correct", "weight": 1.0}], {})
+    print(f"{'reward':<10} {'start':>6} {'final':>6} {'gain':>7} {'95% CI':>17} {'rm corr':>8} {'RL s':>6}", flush=True)
+    for name, (rewards, changes) in runs.items():
+        run = args.out / f"run_{name.replace(' + ', '_').replace(' ', '_')}"
         started = time.perf_counter()
-        train(load_config(None, rl_config(policy, train_file, val_file, run, rewards, args)))
+        train(load_config(None, {**rl_config(policy, train_file, val_file, run, rewards, args), **changes}))
         start, final, (gain, low, high) = accuracy_gain(run, args.steps)
-        print(f"{name:<14} {start:6.3f} {final:6.3f} {gain:+7.3f} [{low:+.3f}, {high:+.3f}] "
+        corr = final_eval(run).get("val/reward_model/rm/corr_correct", float("nan"))
+        print(f"{name:<10} {start:6.3f} {final:6.3f} {gain:+7.3f} [{low:+.3f}, {high:+.3f}] {corr:8.3f} "
               f"{time.perf_counter() - started:6.0f}", flush=True)
     return 0
 

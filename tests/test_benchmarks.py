@@ -108,3 +108,21 @@ def test_suite_placement_times_both_placements_and_finds_the_same_numbers(warm_m
     assert re.search(r"one at a time \d+ s, on devices 0,1 \d+ s: [\d.]+x faster \(1 thread\(s\) per run\)", out)
     assert re.search(r"^a .* 0\s+True\s+True$", out, re.M) and re.search(r"^b .* 1\s+True\s+True$", out, re.M)
     assert "threads = 1" in (tmp_path / "bench" / spec.name).read_text()
+
+
+def test_reward_model_learning_trains_a_reward_model_then_rl_on_its_scores(tmp_path, capsys):
+    import json
+
+    import reward_model_learning
+    from conftest import QUICK_WARM_START
+
+    assert reward_model_learning.main([
+        "--out", str(tmp_path / "bench"), "--task", json.dumps(TASK), "--warm-start", QUICK_WARM_START.model_dump_json(),
+        "--rm-prompts", "16", "--samples", "2", "--rm-steps", "2", "--steps", "1", "--prompts", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"reward model: \d+ pairs; held out: \d+% of the samples correct, within-question AUC \d\.\d{3}", out)
+    for name in ("rm + KL", "rm"):
+        assert re.search(rf"^{re.escape(name)}\s+\d\.\d{{3}}\s+\d\.\d{{3}}\s+[+-]\d\.\d{{3}} "
+                         r"\[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]\s+\S+\s+\d+$", out, re.M), out
+    metrics = (tmp_path / "bench" / "run_rm_KL" / "metrics.jsonl").read_text()
+    assert '"reward_model/rm/mean"' in metrics and '"kl_ref"' in metrics

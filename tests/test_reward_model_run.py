@@ -4,6 +4,7 @@ running normalizer, and the scores a run records against the model's own forward
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -101,6 +102,25 @@ def test_resume_with_the_running_normalizer_is_exact(warm_model_dir, reward_mode
     assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
 
 
+def test_a_reward_model_beside_the_colocated_vllm_engine(warm_model_dir, reward_model_dir, uninterrupted, tmp_path):
+    """The engine samples, the reward model scores on the trainer's device; the step-0 greedy evaluation (the
+    same weights) gets the same scores for the same completions as the transformers engine's run."""
+    pytest.importorskip("vllm")
+    run = tmp_path / "run"
+    train(rm_config(warm_model_dir, reward_model_dir, run, tmp_path, **{"rollout.engine": "vllm", "steps": 2}))
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if "reward_mean" in r]
+    assert len(steps) == 2 and all(r["sync/logprob_diff_max"] < 1e-4 and "reward_model/rm/mean" in r for r in steps)
+
+    def scores(folder):
+        return {(r["id"], r["completion"]): r["rewards"]["rm"]
+                for r in map(json.loads, (folder / "eval" / "step_000000.jsonl").read_text().splitlines())}
+
+    vllm_scores, hf_scores = scores(run), scores(uninterrupted)
+    shared = vllm_scores.keys() & hf_scores.keys()
+    assert len(shared) >= 0.9 * len(hf_scores)  # greedy: the same completions but for near-ties
+    assert all(vllm_scores[k] == pytest.approx(hf_scores[k], abs=1e-5) for k in shared)
+
+
 def test_bad_reward_model_config_is_one_line_before_anything_is_written(warm_model_dir, reward_model_dir, tmp_path,
                                                                         capsys, tiny_model_dirs):
     out = tmp_path / "run"
@@ -144,3 +164,34 @@ def test_the_readme_example_parses(reward_model_dir, tmp_path):
     (spec,) = task.reward_models
     assert spec.name == "rm" and spec.options.normalize == "running" and spec.options.truncate == "left"
     assert task.rewards.terms[0].weight == 0.0
+
+
+@pytest.mark.slow  # about 7 minutes on 2 cores: a warm start, 1500 reward-model steps, three 40-step RL runs
+def test_rl_whose_only_reward_is_a_trained_reward_model_raises_the_verifier_accuracy(tmp_path, capsys):
+    """The benchmark's recipe at its defaults: a reward model trained on the policy's own samples, then RL on its
+    score alone with a KL penalty; the paired CI on the verifier's accuracy excludes 0, and the report has the
+    reward-model section."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from grpolab.common.progress import Reporter
+    from grpolab.studies.report import write_report
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import reward_model_learning
+
+    try:
+        assert reward_model_learning.main(["--out", str(tmp_path / "bench"), "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(int(os.environ.get("GRPOLAB_TEST_THREADS", "1")))
+    out = capsys.readouterr().out
+    assert float(re.search(r"within-question AUC (\d\.\d+)", out).group(1)) > 0.65, out
+    low = re.search(r"^rm \+ KL\s+\S+\s+\S+\s+\S+ \[([+-]\d\.\d+), ", out, re.M).group(1)
+    assert float(low) > 0, out
+    run = tmp_path / "bench" / "run_rm_KL"
+    write_report(run, Reporter(Console()))
+    report = (run / "report" / "report.md").read_text()
+    assert "## Reward models" in report and "score by completion length decile" in report

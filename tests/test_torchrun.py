@@ -41,13 +41,17 @@ def blank_ids() -> list[str]:
     return [e.id for e in steps[1] + steps[2][PROMPTS // 2:]]
 
 
-def run_args(model_dir: Path, out: Path, algo: str, steps: int = 3, **task) -> list[str]:
+def run_args(model_dir: Path, out: Path, algo: str, steps: int = 3, task_args: list[str] | None = None,
+             **task) -> list[str]:
+    """A small run's arguments; its task is ``task_args``, else the arithmetic with blanks (``task`` changes)."""
     args = ["train", "--model", str(model_dir), "--output-dir", str(out), "--algo", algo, "--steps", str(steps),
-            "--task.name", "custom_task:ArithmeticWithBlanks", "--task.blank", json.dumps(blank_ids()),
             "--rollout.prompts_per_step", str(PROMPTS), "--rollout.group_size", str(GROUP),
             "--rollout.max_new_tokens", "40", "--rollout.max_batch_size", str(PROMPTS * GROUP // 2),
             "--optim.micro_batch_size", "6", "--optim.lr", "1e-4", "--eval.every", "2", "--checkpoint.every", "1",
             "--threads", "1"]
+    if task_args is not None:
+        return args + task_args
+    args += ["--task.name", "custom_task:ArithmeticWithBlanks", "--task.blank", json.dumps(blank_ids())]
     for key, value in {**TASK, **task}.items():
         args += [f"--task.{key}", json.dumps(value)]
     return args
@@ -156,6 +160,39 @@ def test_dynamic_sampling_keeps_the_same_groups_on_every_rank(warm_model_dir, tm
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert main(run_args(warm_model_dir, one, "dapo")) == 0
     assert max(r.get("rollout_rounds", 1) for r in read_metrics(one / "metrics.jsonl")) > 1
+    assert_same_run(two, one)
+
+
+def test_a_reward_model_over_two_processes_computes_the_one_process_run(warm_model_dir, reward_model_dir, tmp_path):
+    """Each rank scores its share of the completions with its own copy of the reward model; the running
+    normalizer sees the whole round on every rank, so the updates and the reward-model metrics are the
+    one-process run's."""
+    from test_dataset_run import write_problems
+
+    pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
+    config = tmp_path / "task.toml"
+    config.write_text(f"""[task]
+name = "dataset"
+train = "{write_problems(tmp_path / 'train.jsonl', pairs[:60])}"
+validation = "{write_problems(tmp_path / 'val.jsonl', pairs[60:76])}"
+question_field = "problem"
+answer_field = "result"
+[[task.rewards]]
+function = "numeric"
+name = "correct"
+weight = 0.0
+[[task.rewards]]
+function = "model:{reward_model_dir}"
+name = "rm"
+options = {{ normalize = "running", batch_size = 8 }}
+""")
+    args = ["--config", str(config)]
+    two, one = tmp_path / "two", tmp_path / "one"
+    done = torchrun(run_args(warm_model_dir, two, "grpo", task_args=args))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert main(run_args(warm_model_dir, one, "grpo", task_args=args)) == 0
+    records = read_metrics(one / "metrics.jsonl")
+    assert all("reward_model/rm/mean" in r for r in records if "loss" in r)
     assert_same_run(two, one)
 
 
