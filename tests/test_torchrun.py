@@ -163,10 +163,12 @@ def test_dynamic_sampling_keeps_the_same_groups_on_every_rank(warm_model_dir, tm
     assert_same_run(two, one)
 
 
-def test_a_reward_model_over_two_processes_computes_the_one_process_run(warm_model_dir, reward_model_dir, tmp_path):
-    """Each rank scores its share of the completions with its own copy of the reward model; the running
-    normalizer sees the whole round on every rank, so the updates and the reward-model metrics are the
-    one-process run's."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_reward_model_over_two_processes_computes_the_one_process_run(strategy, warm_model_dir, reward_model_dir,
+                                                                         tmp_path):
+    """Each rank scores its share of the completions with its own whole copy of the reward model (FSDP shards
+    the policy only); the running normalizer sees the whole round on every rank, so the updates and the
+    reward-model metrics are the one-process run's."""
     from test_dataset_run import write_problems
 
     pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
@@ -186,9 +188,9 @@ function = "model:{reward_model_dir}"
 name = "rm"
 options = {{ normalize = "running", batch_size = 8 }}
 """)
-    args = ["--config", str(config)]
+    args = ["--config", str(config)] + (["--optim.shared_prompts", "false"] if strategy == "fsdp" else [])
     two, one = tmp_path / "two", tmp_path / "one"
-    done = torchrun(run_args(warm_model_dir, two, "grpo", task_args=args))
+    done = torchrun(run_args(warm_model_dir, two, "grpo", task_args=args) + ["--dist.strategy", strategy])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert main(run_args(warm_model_dir, one, "grpo", task_args=args)) == 0
     records = read_metrics(one / "metrics.jsonl")
