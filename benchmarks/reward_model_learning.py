@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         runs["verifier"] = ([{"function": "numeric", "name": "correct", "weight": 1.0}], {})
     print(f"{'reward':<10} {'start':>6} {'final':>6} {'gain':>7} {'95% CI':>17} {'rm corr':>8} {'RL s':>6}", flush=True)
     for name, (rewards, changes) in runs.items():
-        run = args.out / f"run_{name.replace(' + ', '_').replace(' ', '_')}"
+        run = args.out / f"run_{name.replace(' + ', '_')}"
         started = time.perf_counter()
         train(load_config(None, {**rl_config(policy, train_file, val_file, run, rewards, args), **changes}))
         start, final, (gain, low, high) = accuracy_gain(run, args.steps)
