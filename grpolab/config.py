@@ -291,11 +291,18 @@ ALIASES = {"algo": "algorithm.name", "model": "model.path", "task": "task.name",
 
 
 def parse_value(text: str) -> Any:
-    """A command-line value as a TOML literal (numbers, booleans, lists, quoted strings), else a string."""
+    """A command-line value as a TOML literal (numbers, booleans, lists, inline tables, quoted strings), else
+    a JSON list or object (``[{"function": "numeric"}]``), else a string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        return text
+        pass
+    if text.lstrip().startswith(("[", "{")):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass
+    return text
 
 
 def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:

@@ -113,6 +113,18 @@ def test_toml_config_with_command_line_overrides(tmp_path):
     assert cfg.algorithm.aggregation == "token"  # the rest of the preset is kept
 
 
+def test_command_line_values_are_toml_literals_or_json_lists_and_objects():
+    from grpolab.config import parse_value
+
+    rewards = [{"function": "numeric", "weight": 0.0}, {"function": "model:rm", "options": {"clip": 3.0}}]
+    assert parse_value('[{function = "numeric", weight = 0.0}, {function = "model:rm", options = {clip = 3.0}}]') \
+        == rewards
+    assert parse_value(json.dumps(rewards)) == rewards  # JSON objects are not TOML inline tables
+    assert (parse_value("3e-4"), parse_value("true"), parse_value("[1, 2]"), parse_value("grpo")) == \
+        (3e-4, True, [1, 2], "grpo")
+    assert parse_value("[not json") == "[not json" and parse_value("") == ""
+
+
 def test_pass_at_k_matches_brute_force():
     from itertools import combinations
 
