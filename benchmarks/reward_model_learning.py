@@ -26,8 +26,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from grpolab.common.progress import Reporter
 from grpolab.config import load_config
 from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
 from grpolab.objectives.stats import paired_difference
@@ -47,7 +49,7 @@ Sample = tuple[int, str, float]  # (question index, prompt + completion, correct
 
 @torch.no_grad()
 def sample_completions(policy_dir: Path, task: ArithmeticTask, examples: list[Example], samples: int,
-                       max_new_tokens: int, seed: int, solutions: bool) -> list[Sample]:
+                       max_new_tokens: int, seed: int, solutions: bool, reporter: Reporter) -> list[Sample]:
     """``samples`` completions of each example at temperature 1, graded by the verifier; with ``solutions``,
     each example's worked solution joins as one more correct text."""
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
@@ -55,20 +57,28 @@ def sample_completions(policy_dir: Path, task: ArithmeticTask, examples: list[Ex
     model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
     torch.manual_seed(seed)
     out = []
-    for start in range(0, len(examples), 64):
-        batch = examples[start:start + 64]
-        prompts = [task.prompt(e) for e in batch]
-        inputs = tokenizer(prompts, return_tensors="pt", padding=True)
-        generated = model.generate(**inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                   max_new_tokens=max_new_tokens, num_return_sequences=samples,
-                                   pad_token_id=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        for i, text in enumerate(texts):
-            example = batch[i // samples]
-            grade = task.grade(text, example, truncated=False)
-            out.append((start + i // samples, prompts[i // samples] + text, grade.answer_reward))
-        if solutions:
-            out += [(start + i, prompt + e.solution, 1.0) for i, (prompt, e) in enumerate(zip(prompts, batch))]
+    with reporter.phase(f"sample {samples} completions per question", total=len(examples), unit="questions",
+                        every=512) as phase:
+        for start in range(0, len(examples), 64):
+            out += _sample_batch(model, tokenizer, task, examples[start:start + 64], start, samples, max_new_tokens,
+                                 solutions)
+            phase.advance(len(examples[start:start + 64]))
+    return out
+
+
+def _sample_batch(model, tokenizer, task: ArithmeticTask, batch: list[Example], start: int, samples: int,
+                  max_new_tokens: int, solutions: bool) -> list[Sample]:
+    """One generate call for ``batch`` (question indices from ``start``), graded."""
+    prompts = [task.prompt(e) for e in batch]
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+    generated = model.generate(**inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                               max_new_tokens=max_new_tokens, num_return_sequences=samples,
+                               pad_token_id=tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    out = [(start + i // samples, prompts[i // samples] + text,
+            task.grade(text, batch[i // samples], truncated=False).answer_reward) for i, text in enumerate(texts)]
+    if solutions:
+        out += [(start + i, prompt + e.solution, 1.0) for i, (prompt, e) in enumerate(zip(prompts, batch))]
     return out
 
 
@@ -169,16 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=False)
     task = ArithmeticTask(**json.loads(args.task))
-    started = time.perf_counter()
-    policy = warm_start_model(task, WarmStartSettings(**json.loads(args.warm_start)), cache_dir=args.out / "cache")
-    print(f"warm-started policy: {time.perf_counter() - started:.0f} s", flush=True)
+    reporter = Reporter(Console())
+    policy = warm_start_model(task, WarmStartSettings(**json.loads(args.warm_start)), cache_dir=args.out / "cache",
+                              reporter=reporter)
 
     started = time.perf_counter()
     train_examples = task.train_examples()
-    data = sample_completions(policy, task, train_examples[:args.rm_prompts], args.samples, 48, args.seed, True)
+    data = sample_completions(policy, task, train_examples[:args.rm_prompts], args.samples, 48, args.seed, True,
+                              reporter)
     pairs = preference_pairs(data)
     held_out = sample_completions(policy, task, train_examples[args.rm_prompts:args.rm_prompts + 128], args.samples, 48,
-                                  args.seed + 1, False)
+                                  args.seed + 1, False, reporter)
     rm_dir = train_reward_model(policy, args.out / "reward_model", pairs, args.rm_steps, lr=args.rm_lr,
                                 seed=args.seed)
     share = np.mean([c for _, _, c in held_out])

@@ -172,23 +172,13 @@ def test_a_reward_model_over_two_processes_computes_the_one_process_run(strategy
     from test_dataset_run import write_problems
 
     pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
-    config = tmp_path / "task.toml"
-    config.write_text(f"""[task]
-name = "dataset"
-train = "{write_problems(tmp_path / 'train.jsonl', pairs[:60])}"
-validation = "{write_problems(tmp_path / 'val.jsonl', pairs[60:76])}"
-question_field = "problem"
-answer_field = "result"
-[[task.rewards]]
-function = "numeric"
-name = "correct"
-weight = 0.0
-[[task.rewards]]
-function = "model:{reward_model_dir}"
-name = "rm"
-options = {{ normalize = "running", batch_size = 8 }}
-""")
-    args = ["--config", str(config)] + (["--optim.shared_prompts", "false"] if strategy == "fsdp" else [])
+    rewards = [{"function": "numeric", "name": "correct", "weight": 0.0},
+               {"function": f"model:{reward_model_dir}", "name": "rm", "options": {"normalize": "running",
+                                                                                  "batch_size": 8}}]
+    task = ["--task.name", "dataset", "--task.train", str(write_problems(tmp_path / "train.jsonl", pairs[:60])),
+            "--task.validation", str(write_problems(tmp_path / "val.jsonl", pairs[60:76])),
+            "--task.question_field", "problem", "--task.answer_field", "result", "--task.rewards", json.dumps(rewards)]
+    args = task + (["--optim.shared_prompts", "false"] if strategy == "fsdp" else [])
     two, one = tmp_path / "two", tmp_path / "one"
     done = torchrun(run_args(warm_model_dir, two, "grpo", task_args=args) + ["--dist.strategy", strategy])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
