@@ -166,10 +166,14 @@ def set_up(cfg: RunConfig, reporter_for: Callable[[Ranks], Reporter]) -> Setting
 
 
 def load_task(cfg: RunConfig, reporter: Reporter) -> tuple[Task, list[Example]]:
-    """The task and the validation examples the run evaluates on."""
+    """The task and the validation examples the run evaluates on; one line for a task without training or
+    validation examples (before a run directory exists)."""
     with reporter.phase(f"load task {cfg.task.name}", done_note=None):
         task = build_task(cfg.task)
         examples, wanted = task.validation_examples(), cfg.eval.n_examples
+        for split, count in (("training", len(task.train_examples())), ("validation", len(examples))):
+            if not count:  # a run could draw no prompt (it would wait forever) or evaluate nothing
+                raise ValueError(f"task {task.name!r} has no {split} examples")
         if wanted is not None and wanted > len(examples):
             raise ValueError(f"eval.n_examples {wanted} > the {len(examples)} validation examples of task "
                              f"{task.name!r}")

@@ -71,6 +71,14 @@ def seeded_split(n_rows: int, size: float, seed: int) -> tuple[list[int], list[i
     return [i for i in range(n_rows) if i not in chosen], sorted(chosen)
 
 
+def rows_of(source: str, split: str) -> list[tuple[str, Any]]:
+    """``source_records`` of a split's source; DataError when it has no rows (a run could draw no prompt)."""
+    records = source_records(source)
+    if not records:
+        raise DataError(f"{source}: no rows; a task needs at least one {split} example")
+    return records
+
+
 class DatasetTask:
     """A task from rows of your own (``task.name = "dataset"``); see the module docstring."""
 
@@ -86,9 +94,9 @@ class DatasetTask:
                                   for r in cfg.rewards if not is_model_reward(r.function)])
         self.reward_models: list[RewardModelSpec] = [reward_model_spec(r.function, r.name, r.weight, r.options)
                                                      for r in cfg.rewards if is_model_reward(r.function)]
-        train = source_records(cfg.train)
+        train = rows_of(cfg.train, "train")
         if cfg.validation is not None:
-            validation = source_records(cfg.validation)
+            validation = rows_of(cfg.validation, "validation")
             splits = {"train": (cfg.train, train, range(len(train))),
                       "validation": (cfg.validation, validation, range(len(validation)))}
         else:

@@ -12,6 +12,8 @@ class PromptStream:
     """Training examples in a fresh seeded shuffle each epoch, ``take(k)`` at a time."""
 
     def __init__(self, examples: list[Example], seed: int):
+        if not examples:
+            raise ValueError("no training examples to draw prompts from")
         self.examples, self.rng, self.queue = examples, random.Random(seed), []
 
     def take(self, k: int) -> list[Example]:
