@@ -92,8 +92,10 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(48, ge=1)
     max_prompt_tokens: int | None = Field(None, ge=1, description="longer prompts are an error, never truncated")
     temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0 = disabled")
+    top_p: float = Field(1.0, gt=0, le=1, description="training samples the untruncated policy: 1 only "
+                         "(eval.top_p for pass@k)")
+    top_k: int = Field(0, ge=0, description="training samples the untruncated policy: 0 (disabled) only "
+                       "(eval.top_k for pass@k)")
     stop_strings: list[str] = Field(default_factory=list)
     max_batch_size: int = Field(256, ge=1, description="sequences generated at once (hf engine)")
     pack_weights: bool = Field(True, description="hf engine on a CPU, float32: multiply by weights laid out "
@@ -109,6 +111,15 @@ class RolloutConfig(_Section):
                                               "trainer hold the same weights) records the noise floor, its mean "
                                               "|diff|; stop when a later step exceeds this multiple of it. "
                                               "None = absolute limits only")
+
+    @model_validator(mode="after")
+    def _untruncated_sampling(self) -> "RolloutConfig":
+        if self.top_p < 1 or self.top_k > 0:
+            raise ValueError("rollout.top_p / top_k: training samples with top_p = 1 and top_k = 0 only: a "
+                             "truncated sample is not from the policy whose log-probs the objective, the old "
+                             "policy and the sync check score, and no importance weight reaches the tokens it "
+                             "never samples; eval.top_p / eval.top_k set them for pass@k")
+        return self
 
     @model_validator(mode="after")
     def _vllm_python_means_vllm(self) -> "RolloutConfig":
@@ -162,6 +173,9 @@ class EvalConfig(_Section):
     n_examples: int | None = Field(None, ge=1, description="None = the whole validation split")
     pass_k: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, description="e.g. [1, 8]: sampled pass@k")
     pass_n: int = Field(8, ge=1, description="samples per problem for pass@k")
+    top_p: float = Field(1.0, gt=0, le=1, description="pass@k sampling's nucleus mass (1 = untruncated; "
+                         "the rollout's temperature); training always samples untruncated")
+    top_k: int = Field(0, ge=0, description="pass@k sampling's k most likely tokens (0 = disabled)")
 
 
 class CheckpointConfig(_Section):
@@ -240,8 +254,8 @@ class RunConfig(_Section):
             if r.temperature > VLLM_MAX_TEMPERATURE:
                 raise ValueError(f"rollout.temperature {r.temperature:g}: the vLLM engine samples at "
                                  f"temperatures up to {VLLM_MAX_TEMPERATURE:g}")
-            if r.top_p < 1 or r.top_k > 0:
-                raise ValueError("rollout.top_p / top_k: the vLLM engine samples with top_p = 1 and top_k = 0 "
+            if self.eval.top_p < 1 or self.eval.top_k > 0:
+                raise ValueError("eval.top_p / top_k: the vLLM engine samples with top_p = 1 and top_k = 0 "
                                  "only (vLLM reports log-probs renormalised over the truncated set)")
         if self.algorithm.routing_replay and self.algorithm.is_single_update and self.rollout.engine != "hf":
             raise ValueError("algorithm.routing_replay with one optimizer step per batch replays the engine's "

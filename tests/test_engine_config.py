@@ -94,3 +94,36 @@ def test_every_engine_the_config_accepts_is_registered_and_no_other():
     from grpolab.rollout.engines import ENGINES
 
     assert set(ENGINES) == set(get_args(RolloutConfig.model_fields["engine"].annotation))
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("setting", [{"rollout.top_p": 0.9}, {"rollout.top_k": 20}])
+def test_truncated_sampling_is_refused_in_training_on_every_engine(engine, setting):
+    """A top-p / top-k sample is not from the policy whose log-probs the objective, the old policy and the sync
+    check score, and no reweighting reaches the tokens it never samples: refused for every engine alike."""
+    with pytest.raises(ConfigError, match="top_p = 1 and top_k = 0"):
+        load_config(None, {"engine": engine, **setting})
+
+
+def test_truncated_training_sampling_is_one_line_and_leaves_no_run_dir(warm_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(warm_model_dir), "--output-dir", str(out), "--rollout.top_p", "0.9"]) == 2
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1 and "eval.top_p" in lines[0], lines
+    assert not out.exists()
+
+
+def test_pass_at_k_samples_with_the_eval_top_k(warm_model_dir, tmp_path):
+    """Evaluation keeps top-p / top-k (eval.top_p, eval.top_k): with top_k = 1 every pass@k sample of an item is
+    its most likely continuation, so an item's pass_n samples are all right or all wrong."""
+    cfg = quick_config(warm_model_dir, tmp_path / "run", **{"eval.pass_k": [1, 4], "eval.pass_n": 4, "eval.top_k": 1})
+    trainer = Trainer(cfg)
+    trainer.evaluate(0)
+    records = [json.loads(line) for line in (trainer.run_dir / "eval" / "step_000000.jsonl").read_text().splitlines()]
+    trainer.close()
+    assert len(records) == 16 and all(r["pass_correct"] in (0, 4) for r in records)
+
+
+def test_evaluation_top_p_top_k_on_vllm_is_refused():
+    with pytest.raises(ConfigError, match="eval.top_p / top_k"):
+        load_config(None, {"engine": "vllm", "eval.top_k": 5})

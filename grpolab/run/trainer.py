@@ -10,6 +10,7 @@ from __future__ import annotations
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from statistics import mean
 from typing import Any, Callable
@@ -163,7 +164,8 @@ class Trainer:
         with self.reporter.phase(f"eval step {step}", total=mine, unit="items") as phase:
             out, records = evaluate(parts.engine, parts.task, parts.val_examples,
                                     [parts.prompt_ids[e.id] for e in parts.val_examples],
-                                    parts.collector.sampling_params(0, 0), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
+                                    replace(parts.collector.sampling_params(0, 0), top_p=self.cfg.eval.top_p,
+                                            top_k=self.cfg.eval.top_k), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
                                     seed=self.cfg.seed + 7, chunk=chunk, on_items=phase.advance, ranks=self.ranks,
                                     measure=parts.learner.routing_of, reward_models=parts.reward_models)
             phase.info = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in out.items()
