@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from grpolab.models.gguf import GGUF_PREFIX, absolute_spec, gguf_file, gguf_model_dir, gguf_source
 from grpolab.models.like import LIKE_PREFIX, is_like_dir, like_model_dir
 from grpolab.models.fidelity import attention_implementation
+from grpolab.models.dropout import disable_dropout
 from grpolab.common.progress import Reporter
 from grpolab.tasks.base import Task
 from grpolab.models.tinymodel import warm_start_model, warm_start_settings
@@ -95,7 +96,8 @@ def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32, device: tor
     The attention kernel is ``attn_implementation`` unless the model needs another to compute as designed
     (``grpolab.models.fidelity.attention_implementation``). A ``like:`` folder has no weights: its model is
     built with ``from_config`` from seed 0 (the same weights every time), in a forked RNG so that the
-    caller's global torch RNG state is untouched.
+    caller's global torch RNG state is untouched. The model's own dropout is switched off for good
+    (``grpolab.models.dropout``).
     """
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
@@ -108,6 +110,7 @@ def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32, device: tor
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
+    disable_dropout(model)  # the update's train-mode forwards compute the policy that sampled
     return model.to(device), tokenizer
 
 
