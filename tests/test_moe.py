@@ -507,3 +507,53 @@ def test_the_engine_sync_writes_an_moes_experts_in_its_checkpoint_format(warm_mo
     on_disk = load_file(warm_moe_dir / "model.safetensors")
     assert written.keys() == on_disk.keys() and any(".experts.0.gate_proj." in k for k in on_disk)
     assert all(torch.equal(written[k], on_disk[k]) for k in on_disk)
+
+
+def _untested_family(family: str):
+    from transformers import Ernie4_5_MoeConfig, GraniteMoeConfig, PhimoeConfig, Qwen2MoeConfig
+
+    return {"granitemoe": lambda: GraniteMoeConfig(**COMMON, num_local_experts=8),
+            "phimoe": lambda: PhimoeConfig(**COMMON, num_local_experts=8),
+            "ernie4_5_moe": lambda: Ernie4_5_MoeConfig(**COMMON, moe_num_experts=8, moe_intermediate_size=16),
+            "qwen2_moe": lambda: Qwen2MoeConfig(**COMMON, num_experts=8, moe_intermediate_size=16)}[family]()
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "phimoe", "ernie4_5_moe", "qwen2_moe"])
+def test_an_moe_family_whose_router_layout_is_untested_is_refused(family):
+    """GraniteMoe's router returns (experts, weights, logits), PhiMoE's weights are sparsemixer's, Ernie-4.5 picks
+    its experts from bias-corrected probabilities: none is the layout the metrics and the replay compute, so a
+    family is recognised by name from an allow-list and any other MoE refused, never read by a class-name suffix."""
+    from grpolab.models.routing import check_router_layout
+
+    model = AutoModelForCausalLM.from_config(_untested_family(family))
+    assert routers(model) == []
+    with pytest.raises(ValueError, match=f"{family}: a Mixture-of-Experts family whose router"):
+        check_router_layout(model)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_tested_moe_families_and_dense_models_are_accepted(family, make_tiny_model):
+    from grpolab.models.routing import check_router_layout
+
+    model = tiny_moe(family)
+    check_router_layout(model)
+    assert len(routers(model)) == 2
+    check_router_layout(make_tiny_model("llama"))
+
+
+def test_a_granite_moe_run_is_refused_in_one_line_before_its_run_dir(tmp_path, tokenizer, capsys):
+    """It crashed at its first step ("bincount_cpu" not implemented for 'Float'), after the run folder was made."""
+    from grpolab.commands.cli import main
+
+    config = _untested_family("granitemoe")
+    config.vocab_size, config.pad_token_id = len(tokenizer), tokenizer.pad_token_id
+    config.eos_token_id, config.max_position_embeddings = tokenizer.eos_token_id, 1024
+    path, out = tmp_path / "granite", tmp_path / "run"
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    assert main(["train", "--model", str(path), "--output-dir", str(out), "--steps", "1", "--task.n_train", "60",
+                 "--task.n_val", "16", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+                 "--rollout.max_new_tokens", "8"]) == 2
+    errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "granitemoe: a Mixture-of-Experts family" in errors[0], errors
+    assert not out.exists()

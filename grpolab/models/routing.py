@@ -1,10 +1,14 @@
 """Mixture-of-Experts routing: the routers of a transformers MoE model, what they chose in a forward, and
 the router metrics of that choice.
 
-The transformers MoE families (Qwen3-MoE, OLMoE, Mixtral, ...) route through one router module per layer
-(``*TopKRouter``) whose forward takes the flattened hidden states [T, H] and returns ``(router_logits [T, E],
-routing weights [T, k], selected experts [T, k])``. ``RouterRecorder`` hooks those modules and keeps what
-each returned; ``router_metrics`` summarises one layer's choice over the real (unpadded) tokens.
+The MoE families whose router layout is tested (``ROUTED_FAMILIES``: Qwen3-MoE, OLMoE, Mixtral) route through
+one router module per layer whose forward takes the flattened hidden states [T, H] and returns
+``(router_logits [T, E], routing weights [T, k], selected experts [T, k])``, the weights the softmax of the
+logits at the top-k experts (renormalised where the router says so). ``RouterRecorder`` hooks those modules
+and keeps what each returned; ``router_metrics`` summarises one layer's choice over the real (unpadded) tokens.
+Other MoE families share the router's class-name suffix, not its layout (GraniteMoe returns ``(experts,
+weights, logits)``, PhiMoE weighs by sparsemixer, Ernie-4.5 picks by bias-corrected probabilities):
+``check_router_layout`` refuses them.
 """
 
 from __future__ import annotations
@@ -16,13 +20,36 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RouterRecorder", "RouterTally", "RoutingTable", "load_balancing_loss", "router_metrics", "router_sums",
-           "routers"]
+__all__ = ["ROUTED_FAMILIES", "RouterRecorder", "RouterTally", "RoutingTable", "check_router_layout",
+           "load_balancing_loss", "router_metrics", "router_sums", "routers"]
+
+# model_type -> its router class: the families whose router layout the metrics, the load-balancing loss and the
+# routing replay are tested on (tests/test_moe.py)
+ROUTED_FAMILIES = {"qwen3_moe": "Qwen3MoeTopKRouter", "olmoe": "OlmoeTopKRouter", "mixtral": "MixtralTopKRouter"}
+# config fields by which a transformers family declares its experts
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
-    """The model's router modules, in layer order (empty for a dense model)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    """The model's router modules, in layer order (empty for a dense model or an untested MoE family)."""
+    names = set(ROUTED_FAMILIES.values())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def check_router_layout(model: nn.Module) -> None:
+    """Raise ValueError (one line) when ``model`` is a Mixture-of-Experts family other than ``ROUTED_FAMILIES``:
+    experts declared in its config, or a module whose class names a router or an MoE block."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    model_type = getattr(config, "model_type", type(model).__name__)
+    if model_type in ROUTED_FAMILIES:
+        return
+    declared = [f"{f} {v}" for f in EXPERT_FIELDS if isinstance(v := getattr(config, f, None), int) and v > 1]
+    modules = sorted({type(m).__name__ for m in model.modules()
+                      if "router" in type(m).__name__.lower() or "moe" in type(m).__name__.lower()})
+    if declared or modules:
+        raise ValueError(f"{model_type}: a Mixture-of-Experts family whose router layout grpolab has not tested "
+                         f"({(declared or modules)[0]}); its router metrics, load-balancing loss and routing replay "
+                         f"would not be its own formula. Tested: {', '.join(ROUTED_FAMILIES)}")
 
 
 def router_sums(logits: Tensor, selected: Tensor, mask: Tensor, num_experts: int) -> Tensor:
