@@ -201,7 +201,9 @@ class DistConfig(_Section):
 
 
 class RunConfig(_Section):
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32, description="every RNG of the run derives from it (sampling seeds mix it "
+                      "with the step, and a seed must fit the libraries' 64-bit and NumPy's 32-bit seeds): "
+                      "0 <= seed < 2**32")
     steps: int = Field(100, ge=1)
     output_dir: str | None = None
     reference: Literal["none", "frozen"] = Field("none", description="frozen copy of the start policy for KL")

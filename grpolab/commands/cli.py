@@ -10,6 +10,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from rich.console import Console
@@ -205,6 +206,10 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
     resume = getattr(args, "resume", None)
     if resume and args.config:
         raise ConfigError("--resume takes the run's own config; drop --config")
+    if resume:  # a checkpoint folder, a run stopped before its config: one line saying what to give instead
+        from grpolab.run.resume import check_target
+
+        check_target(Path(resume))
     cfg = load_run_config(resume, parse_overrides(extra)) if resume else load_config(getattr(args, "config", None),
                                                                                       parse_overrides(extra))
     if args.command == "probe":
@@ -234,8 +239,10 @@ class _Interrupts:
     the current step with a resumable checkpoint; otherwise (or the second time) they raise
     KeyboardInterrupt. vLLM's engine processes share the terminal's process group, die of the same
     Ctrl-C, and the library may catch the trainer's own KeyboardInterrupt while it raises an engine
-    error instead; the run is still an interrupted one. A SIGTERM after the stop was asked for changes
-    nothing (torchrun's agent and a Slurm cancel may both pass one on); a second Ctrl-C ends the run."""
+    error instead; the run is still an interrupted one. A SIGTERM within ``REPEATED_SIGTERM_S`` of the
+    stop's request changes nothing (torchrun's agent and a Slurm cancel may both pass one on); a later
+    one ends the run at once, like a second Ctrl-C: a step that cannot end (a stuck engine, a reward
+    function that never returns) must not make a run deaf to ``kill``, ``timeout`` or a suite's stop."""
 
     received = False
     stop = StopRequest()
@@ -244,11 +251,14 @@ class _Interrupts:
     def handler(cls, signum: int, frame: Any) -> None:
         cls.received = True
         if cls.stop.armed and not cls.stop.requested:
-            cls.stop.requested = True
+            cls.stop.requested, cls.stop.requested_at = True, time.monotonic()
             return
-        if cls.stop.armed and signum == signal.SIGTERM:
+        if cls.stop.armed and signum == signal.SIGTERM and time.monotonic() - cls.stop.requested_at < REPEATED_SIGTERM_S:
             return
         raise KeyboardInterrupt
+
+
+REPEATED_SIGTERM_S = 5.0  # SIGTERMs this close to the first are one request passed on twice
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from grpolab.config import config_sha256, read_config_json
-from grpolab.run.rundir import write_json
+from grpolab.run.rundir import CONFIG_FILE, write_json
 
-CONFIG, MANIFEST = "config.json", "manifest.json"
+CONFIG, MANIFEST = CONFIG_FILE, "manifest.json"
 
 
 def now() -> str:
@@ -63,11 +63,13 @@ class RunJournal:
     def config_on_disk(self) -> dict[str, Any]:
         return read_config_json(self.run_dir / CONFIG)
 
-    def record_resume(self, checkpoint: Path, step: int, changes: dict[str, Any], damaged: list[tuple[Path, str]],
-                      removed_temps: list[Path]) -> None:
-        """A resume from ``checkpoint`` (its ``step``) with top-level config ``changes`` (a grown ``steps``:
-        config.json is rewritten with them), the damaged checkpoints set aside and the temp folders removed."""
-        entry: dict[str, Any] = {"from_checkpoint": str(checkpoint), "step": step, "command": sys.argv, "at": now()}
+    def record_resume(self, checkpoint: Path | None, step: int, changes: dict[str, Any],
+                      damaged: list[tuple[Path, str]], removed_temps: list[Path]) -> None:
+        """A resume from ``checkpoint`` (its ``step``; None: a run with no checkpoint yet, started again from step
+        0) with top-level config ``changes`` (a grown ``steps``: config.json is rewritten with them), the
+        damaged checkpoints set aside and the temp folders removed."""
+        entry: dict[str, Any] = {"from_checkpoint": None if checkpoint is None else str(checkpoint), "step": step,
+                                 "command": sys.argv, "at": now()}
         before = self.data["config"]
         changed = {k: {"from": before.get(k), "to": v} for k, v in changes.items() if before.get(k) != v}
         if changed:

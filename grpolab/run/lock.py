@@ -11,9 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from grpolab.run.rundir import RunDirError
-
-LOCK_FILE = ".grpolab.lock"
+from grpolab.run.rundir import LOCK_FILE, RunDirError
 
 
 class RunLocked(RunDirError):

@@ -1,42 +1,96 @@
 """What a resume may continue, decided before anything on disk moves: the run's config as it started
 (config.json against the SHA-256 in manifest.json), ``steps`` that only grow, the newest checkpoint whose
-checksums hold (newer damaged ones are named), a run not already complete, the same data."""
+checksums hold (newer damaged ones are named), a run not already complete, the same data.
+
+A run stopped before its first checkpoint (killed while loading, in its first steps, or between its
+config.json and its manifest.json) is continued from step 0 in place: its config verified as above (or,
+without a manifest, config.json read back as a whole config that nothing followed), what it wrote set
+aside as a resume sets aside the records after its checkpoint."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from grpolab.run.checkpoints import newest_verified
-from grpolab.config import ConfigError, RunConfig, config_sha256, first_difference
+from grpolab.run.checkpoints import MANIFEST as CHECKPOINT_MANIFEST
+from grpolab.run.checkpoints import newest_verified, step_folders
+from grpolab.config import ConfigError, RunConfig, config_sha256, first_difference, read_config_json, validate_config
 from grpolab.run.journal import CONFIG, MANIFEST, RunJournal
 from grpolab.run.state import STATE_FILE
-from grpolab.run.rundir import RunDirError
+from grpolab.run.rundir import LOCK_FILE, RunDirError, start_leftovers
 
 
 @dataclass(frozen=True)
 class ResumePlan:
     """Continue ``journal``'s run from ``checkpoint`` (after ``step``); ``damaged``: newer checkpoints whose
-    checksums failed, with why; ``changes``: the top-level config fields the resume changes."""
+    checksums failed, with why; ``changes``: the top-level config fields the resume changes. A run with no
+    checkpoint yet starts again from step 0 in place: ``checkpoint`` None, and ``journal`` None when it
+    was stopped before its manifest (``config``: its config.json, which the new manifest records)."""
 
-    journal: RunJournal
-    checkpoint: Path
+    journal: RunJournal | None
+    checkpoint: Path | None
     step: int
     damaged: list[tuple[Path, str]]
     changes: dict[str, Any]
+    config: dict[str, Any] | None = None
+    stale: tuple[Path, ...] = ()  # temp files of that start's config.json and manifest.json writes
+
+    @property
+    def kept_step(self) -> int:
+        """Records of steps up to this one are kept; later ones (from step 0's evaluation on, without a
+        checkpoint) are set aside and redone."""
+        return self.step if self.checkpoint is not None else -1
 
 
 def step_of(checkpoint: Path) -> int:
     return int(checkpoint.name.removeprefix("step_"))
 
 
+def check_target(run_dir: Path) -> None:
+    """One line for a folder that ``--resume`` cannot take: a checkpoint (it takes the run directory), a
+    folder without config.json (a run stopped before writing it trained nothing: start it again)."""
+    run_dir = Path(run_dir)
+    if (run_dir / CHECKPOINT_MANIFEST).is_file() or (run_dir.parent.name == "checkpoints"
+                                                    and run_dir.name.startswith("step_")):
+        raise ConfigError(f"--resume {run_dir} is a checkpoint; give its run directory: grpolab train --resume "
+                          f"{run_dir.parent.parent} (a run continues from its newest complete checkpoint)")
+    if (run_dir / CONFIG).is_file():
+        return
+    if run_dir.is_dir() and start_leftovers(run_dir) is not None:
+        raise FileNotFoundError(f"nothing to resume in {run_dir}: no {CONFIG} (a run stopped before writing it "
+                                "trained nothing); start it again with its own command: a new run takes this folder")
+    raise FileNotFoundError(f"nothing to resume in {run_dir}: no {CONFIG}")
+
+
+def _unfollowed_config(run_dir: Path) -> tuple[dict[str, Any], tuple[Path, ...]]:
+    """The config.json of a run stopped between writing it and its manifest: a whole config as a run writes
+    it (it reads back to itself), beside nothing but the lock and temp files (returned). One line otherwise."""
+    found = read_config_json(run_dir / CONFIG)
+    temps = tuple(p for p in run_dir.iterdir() if p.name.startswith((f".{CONFIG}-", f".{MANIFEST}-")))
+    others = sorted(p.name for p in run_dir.iterdir() if p.name not in (CONFIG, LOCK_FILE) and p not in temps)
+    try:
+        whole = json.loads(json.dumps(validate_config(found).model_dump(mode="json"))) == found
+    except ConfigError:
+        whole = False
+    if others or not whole:
+        raise FileNotFoundError(f"nothing to resume in {run_dir}: no {MANIFEST}, and "
+                                + (f"it holds {', '.join(others)}" if others else f"its {CONFIG} is not a run's config"))
+    return found, temps
+
+
 def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: None) -> ResumePlan:
     """Every check of a resume of the run in ``cfg.output_dir`` (``cfg``: its config with the resume's
     overrides); raises one line for the first that fails."""
     run_dir = Path(cfg.output_dir or "")
-    if not (run_dir / CONFIG).is_file():
-        raise FileNotFoundError(f"nothing to resume in {run_dir}: no {CONFIG}")
+    check_target(run_dir)
+    if not (run_dir / MANIFEST).is_file():
+        found, temps = _unfollowed_config(run_dir)
+        if cfg.steps < found["steps"]:
+            raise ConfigError(f"--steps {cfg.steps}: the run is set to {found['steps']} steps, and --steps may only grow")
+        changes = {k: v for k, v in (("steps", cfg.steps), ("log_every", cfg.log_every)) if found.get(k) != v}
+        return ResumePlan(None, None, 0, [], changes, {**found, **changes}, temps)
     journal = RunJournal.load(run_dir)
     found = journal.config_on_disk()
     if config_sha256(found) != journal.data["config_sha256"]:
@@ -45,6 +99,9 @@ def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: Non
                           "a resumed run keeps its config (only --steps and --log_every may change)")
     if cfg.steps < found["steps"]:
         raise ConfigError(f"--steps {cfg.steps}: the run is set to {found['steps']} steps, and --steps may only grow")
+    changes = {k: v for k, v in (("steps", cfg.steps), ("log_every", cfg.log_every)) if found.get(k) != v}
+    if not step_folders(run_dir):  # stopped before its first checkpoint: from step 0, in place
+        return ResumePlan(journal, None, 0, [], changes)
     verified = newest_verified(run_dir, (STATE_FILE,), on_check)
     if verified.checkpoint is None:
         problems = "; ".join(f"{p.name}: {why}" for p, why in verified.damaged)
@@ -57,7 +114,6 @@ def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: Non
             " (killed while finishing: no summary.json, but its metrics and final checkpoint are complete)"
         raise RunDirError(f"run {run_dir} is already complete at step {step}{unfinished}; nothing to resume "
                           f"(extend it with --steps N, N > {step})")
-    changes = {k: v for k, v in (("steps", cfg.steps), ("log_every", cfg.log_every)) if found.get(k) != v}
     return ResumePlan(journal, verified.checkpoint, step, verified.damaged, changes)
 
 

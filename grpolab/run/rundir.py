@@ -17,11 +17,29 @@ class RunDirError(FileExistsError):
     """The output directory already holds something; nothing was written."""
 
 
+LOCK_FILE = ".grpolab.lock"  # grpolab.run.lock's
+CONFIG_FILE = "config.json"
+
+
+def start_leftovers(run_dir: Path) -> list[Path] | None:
+    """What a new run stopped before it wrote its config leaves in ``run_dir``: its lock file and a temp file of
+    config.json (an empty list for an empty directory); None when ``run_dir`` holds anything else. Such a
+    directory takes a new run (the lock decides whether its first start is still alive)."""
+    found = list(run_dir.iterdir())
+    if all(p.name == LOCK_FILE or p.name.startswith(f".{CONFIG_FILE}-") for p in found):
+        return found
+    return None
+
+
 def resolve_run_dir(output_dir: str | None, label: str, root: str = "runs") -> Path:
-    """Where a new run goes (not created yet): ``output_dir``, which may exist only if empty, or
-    runs/<time>-<label>. Raises RunDirError for a directory that already holds something."""
+    """Where a new run goes (not created yet): ``output_dir``, which may exist only if empty (or holding what a
+    start stopped before its config leaves, ``start_leftovers``), or runs/<time>-<label>. Raises RunDirError
+    for a directory that already holds something (a run: how to continue it)."""
     run_dir = Path(output_dir) if output_dir else Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}"
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+    if run_dir.exists() and (not run_dir.is_dir() or start_leftovers(run_dir) is None):
+        if (run_dir / CONFIG_FILE).is_file():
+            raise RunDirError(f"output directory {run_dir} holds a run (its {CONFIG_FILE}): continue it with "
+                              f"grpolab train --resume {run_dir}, or choose another --output-dir")
         raise RunDirError(f"output directory already exists and is not empty: {run_dir} (choose another --output-dir)")
     return run_dir
 
@@ -53,14 +71,14 @@ def summary_writer():
 
 class MetricsLog:
     """Appends one JSON object per line to ``metrics.jsonl``; with ``tensorboard_dir`` also writes each
-    record's numbers as TensorBoard scalars at its step (events from ``first_step`` on are purged first,
-    so a resumed run does not show the redone steps twice)."""
+    record's numbers as TensorBoard scalars at its step (a resumed run's ``first_step``: events from it on are
+    purged first, so a resumed run does not show the redone steps twice; 0 for a run redone from the start)."""
 
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None, first_step: int = 0):
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, first_step: int | None = None):
         self.path = path
         self.tensorboard = None
         if tensorboard_dir is not None:
-            self.tensorboard = summary_writer()(str(tensorboard_dir), purge_step=first_step or None)
+            self.tensorboard = summary_writer()(str(tensorboard_dir), purge_step=first_step)
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:

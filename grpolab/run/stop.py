@@ -9,10 +9,11 @@ from dataclasses import dataclass
 class StopRequest:
     """A graceful stop: while ``armed`` (the training loop runs), a signal handler sets ``requested``
     instead of raising, and the loop ends the current step, writes a resumable checkpoint and raises
-    ``RunStopped``."""
+    ``RunStopped``; ``requested_at``: when (``time.monotonic``)."""
 
     armed: bool = False
     requested: bool = False
+    requested_at: float = 0.0
 
 
 class RunStopped(Exception):

@@ -32,12 +32,13 @@ from grpolab.run.checkpoints import prune, remove_temp_folders, save_checkpoint,
 from grpolab.run.journal import RunJournal
 from grpolab.run.lock import LOCK_FILE, RunLock
 from grpolab.run.parts import RunParts, build_parts, load_task, set_up
-from grpolab.run.resume import ResumePlan, check_data, plan_resume
+from grpolab.run.resume import ResumePlan, check_data, check_target, plan_resume
 from grpolab.run.rundir import (
     MetricsLog,
     RunDirError,
     resolve_run_dir,
     rewind_metrics,
+    start_leftovers,
     summary_writer,
     write_eval_records,
     write_json,
@@ -80,16 +81,17 @@ class Trainer:
         task, val_examples = load_task(cfg, self.reporter)
         fingerprint = getattr(task, "data_fingerprint", None)
         if resume:
-            self.ranks.run_on_main(lambda: check_data(self.plan.journal, fingerprint() if fingerprint else None))
+            self.ranks.run_on_main(lambda: self.plan.journal is None or
+                                   check_data(self.plan.journal, fingerprint() if fingerprint else None))
         self.parts = build_parts(cfg, setting, task, val_examples, self.resumed_from)
-        if resume:
+        if self.resumed_from is not None:
             self.parts.state.load(self.resumed_from)
         # the metrics of the steps before a resume
         self.records: list[dict[str, Any]] = self.ranks.run_on_main(lambda: self._prepare_run_dir(resume))
         if self.ranks.is_main:
             self.log = MetricsLog(self.run_dir / "metrics.jsonl",
                                   self.run_dir / "tensorboard" if cfg.log.tensorboard else None,
-                                  first_step=self.parts.state.step + 1 if resume else 0)
+                                  first_step=self.plan.kept_step + 1 if resume else None)
 
     def _run_dir(self, resume: bool) -> tuple[Path, Path | None]:
         """(run directory, checkpoint resumed from). A new run refuses a used directory; a resume takes the
@@ -97,12 +99,15 @@ class Trainer:
         if not resume:
             return resolve_run_dir(self.cfg.output_dir, self.spec.name), None
         run_dir = Path(self.cfg.output_dir or "")
-        if (run_dir / "config.json").is_file():
-            self.lock = RunLock(run_dir).acquire()
+        check_target(run_dir)
+        self.lock = RunLock(run_dir).acquire()
         self.plan = plan_resume(self.cfg, on_check=lambda folder: self.reporter.line(f"verify checkpoint {folder}"))
         for folder, why in self.plan.damaged:
             self.reporter.line(f"checkpoint {folder.name} is damaged ({why}): set aside into checkpoints/damaged/; "
                                f"continuing from {self.plan.checkpoint.name}")
+        if self.plan.checkpoint is None:
+            self.reporter.line(f"run {run_dir} was stopped before its first checkpoint: starting it again from "
+                               "step 0 in place (what it wrote is set aside)")
         return run_dir, self.plan.checkpoint
 
     def _prepare_run_dir(self, resume: bool) -> list[dict[str, Any]]:
@@ -112,15 +117,25 @@ class Trainer:
         if not resume:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.lock = RunLock(self.run_dir).acquire()
-            if any(p.name != LOCK_FILE for p in self.run_dir.iterdir()):
+            leftovers = start_leftovers(self.run_dir)
+            if leftovers is None:
                 raise RunDirError(f"output directory {self.run_dir} was filled by another process meanwhile")
+            for path in leftovers:  # a temp config.json of a start killed before it wrote its config
+                if path.name != LOCK_FILE:
+                    path.unlink()
             self.journal = RunJournal.create(self.run_dir, self.cfg.model_dump(mode="json"), self._manifest_record())
             return []
-        plan, self.journal = self.plan, self.plan.journal
+        plan = self.plan
+        if plan.journal is None:  # stopped between config.json and manifest.json: this start is its first
+            for path in plan.stale:
+                path.unlink(missing_ok=True)
+            self.journal = RunJournal.create(self.run_dir, plan.config, self._manifest_record())
+            return []
+        self.journal = plan.journal
         removed = remove_temp_folders(self.run_dir)
         for folder, _ in plan.damaged:
             set_aside(folder)
-        records = rewind_metrics(self.run_dir / "metrics.jsonl", plan.step, session=plan.journal.session_number + 1)
+        records = rewind_metrics(self.run_dir / "metrics.jsonl", plan.kept_step, session=plan.journal.session_number + 1)
         plan.journal.record_resume(plan.checkpoint, plan.step, plan.changes, plan.damaged, removed)
         return records
 

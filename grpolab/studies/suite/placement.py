@@ -7,16 +7,25 @@ starved by small ones), while a run waiting for its source does not (the devices
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 
+DEVICE_ID = re.compile(r"\d+|(GPU|MIG)-[0-9A-Za-z-]+")  # what CUDA_VISIBLE_DEVICES selects a device by
+
+
 def parse_devices(text: str | Sequence[str | int]) -> list[str]:
-    """'0,1,2,3' (or [0, 1, 2, 3]) -> ['0', '1', '2', '3']; one-line errors for an empty list or a repeat."""
+    """'0,1,2,3' (or [0, 1, 2, 3]) -> ['0', '1', '2', '3']; one-line errors for an empty list, an id that is
+    not a device index or a GPU-/MIG- UUID (-1 would hide every device from the run), or a repeat."""
     items = text.split(",") if isinstance(text, str) else [str(item) for item in text]
     devices = [item.strip() for item in items]
     if not devices or any(not device for device in devices):
         raise ValueError(f"devices {text!r}: give a comma-separated list of device ids, such as 0,1,2,3")
+    bad = [device for device in devices if not DEVICE_ID.fullmatch(device)]
+    if bad:
+        raise ValueError(f"devices {text!r}: {', '.join(bad)} is not a device id (an index 0, 1, ... or a GPU- or "
+                         "MIG- UUID, as CUDA_VISIBLE_DEVICES takes them)")
     repeated = sorted({device for device in devices if devices.count(device) > 1})
     if repeated:
         raise ValueError(f"devices {text!r}: {', '.join(repeated)} listed more than once")

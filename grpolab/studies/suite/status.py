@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from rich.table import Table
+from rich.text import Text
 
 from grpolab.common.progress import format_seconds
 from grpolab.config import load_config
@@ -28,7 +29,7 @@ def where_of(record) -> str:
 def status_table(root: Path) -> Table:
     """Each run's state, step (and unreadable metrics lines), last validation accuracy, time, where and reason."""
     manifest = SuiteManifest.load(root)
-    table = Table(title=f"suite {manifest.suite} ({root})")
+    table = Table(title=Text(f"suite {manifest.suite} ({root})"))
     for column in ("run", "state", "step", "val acc", "time", "where", "reason"):
         table.add_column(column)
     for record in manifest.runs:
@@ -41,7 +42,8 @@ def status_table(root: Path) -> Table:
         if record.started:
             end = time.mktime(time.strptime(record.ended, "%Y-%m-%dT%H:%M:%S%z")) if record.ended else time.time()
             seconds = format_seconds(end - time.mktime(time.strptime(record.started, "%Y-%m-%dT%H:%M:%S%z")))
-        table.add_row(record.name, state, f"{progress.step}/{cfg.steps}{progress.skipped_note()}",
-                      "" if progress.accuracy is None else f"{progress.accuracy:.3f}", seconds, where_of(record),
-                      record.reason or "")
+        cells = (record.name, state, f"{progress.step}/{cfg.steps}{progress.skipped_note()}",
+                 "" if progress.accuracy is None else f"{progress.accuracy:.3f}", seconds, where_of(record),
+                 record.reason or "")
+        table.add_row(*map(Text, cells))  # as written: a reason's [brackets] are not markup
     return table
