@@ -248,6 +248,16 @@ class RunConfig(_Section):
         if n % spec.steps_per_epoch:
             raise ValueError(f"rollout batch of {n} completions cannot be split into {spec.steps_per_epoch} "
                              f"optimizer steps (algorithm {spec.name})")
+        if spec.normalizer == "mean":  # MaxRL's (r - mean) / mean: its sign flips with a negative group mean
+            shaping = [f"reward.{name} {value:g}" for name, value in (
+                ("truncation_penalty", self.reward.truncation_penalty),
+                ("overlong_buffer", self.reward.overlong_buffer)) if value]
+            nonbinary = shaping + getattr(self.task, "nonbinary_rewards", list)()
+            if nonbinary:
+                raise ValueError(f"algorithm {spec.name} (normalizer 'mean') needs RL rewards in {{0, 1}} (its "
+                                 "advantage (r - mean) / mean changes sign when a group's mean is negative): "
+                                 f"{nonbinary[0]} can give other values; for such rewards use another "
+                                 "normalizer (e.g. --algo grpo or dr_grpo)")
         if spec.baseline == "mean" and self.rollout.group_size < 2:
             raise ValueError(f"rollout.group_size 1 with the group-mean baseline of {spec.name}: every "
                              "advantage would be 0 and nothing would train; use group_size >= 2")

@@ -127,6 +127,20 @@ def routing_mismatch(table: RoutingTable, ranks: Ranks) -> dict[str, float]:
     return {"router/mismatch": float(counts[0] / counts[1])} if counts[1] > 0 else {}
 
 
+def refuse_nonbinary_rewards(rollout: RolloutBatch) -> None:
+    """MaxRL's advantage (normalizer 'mean') is defined for RL rewards in {0, 1}: refuse, in one line naming its
+    reward terms, the first other reward (the config refuses the settings known to give one; a user function or
+    task class shows its values only here)."""
+    for example, grades in zip(rollout.examples, rollout.grades):
+        for j, grade in enumerate(grades):
+            if grade.reward not in (0.0, 1.0):
+                terms = ", ".join(f"{n} {v:g}" for n, v in grade.components) or f"answer_reward {grade.answer_reward:g}"
+                raise ValueError(f"normalizer 'mean' (MaxRL) needs RL rewards in {{0, 1}}: example {example.id} "
+                                 f"sample {j} got {grade.reward:g} (its reward terms: {terms}), and (r - mean) / mean "
+                                 "changes sign when a group's mean is negative; make that term 0 or 1, or use "
+                                 "another normalizer (e.g. --algo grpo)")
+
+
 class PolicyLearner:
     """Updates ``model`` with ``optimizer`` from rollout batches (the reference policy is ``reference``,
     computed within ``reference_context``: with LoRA the policy itself with its adapter off); ``updates``
@@ -175,6 +189,8 @@ class PolicyLearner:
 
     def learn(self, rollout: RolloutBatch) -> dict[str, Any]:
         """Advantages, sync check and the update schedule over one rollout batch; returns its metrics."""
+        if self.spec.normalizer == "mean":
+            refuse_nonbinary_rewards(rollout)
         rewards = rollout.rewards()  # [B, G], all groups
         advantages = group_advantages(rewards, self.spec.baseline, self.spec.normalizer, self.spec.adv_eps)
         groups, group_size = self.ranks.groups(len(rollout.completions)), rewards.shape[1]

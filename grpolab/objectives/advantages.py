@@ -15,7 +15,8 @@ def group_advantages(rewards: Tensor, baseline: str, normalizer: str, eps: float
     rewards: [B, G]. Returns [B, G] in the rewards' dtype.
     baseline:   "mean" -> r - mean_i ; "none" -> r
     normalizer: "std"  -> / (unbiased std_i + eps)
-                "mean" -> / (mean_i + eps), and 0 for a group whose mean is 0 (MaxRL)
+                "mean" -> / (mean_i + eps), and 0 for a group whose mean is 0 (MaxRL); defined for
+                          rewards in {0, 1} only (with a negative mean the sign flips): others raise
                 "none" -> unchanged
     With baseline "mean", a group whose rewards are all equal gets advantage exactly 0.
     """
@@ -24,6 +25,13 @@ def group_advantages(rewards: Tensor, baseline: str, normalizer: str, eps: float
     group_size = rewards.shape[1]
     if normalizer == "std" and group_size < 2:
         raise ValueError("normalizer 'std' needs a group size of at least 2")
+    if normalizer == "mean":
+        outside = ((rewards != 0) & (rewards != 1)).nonzero()
+        if len(outside):
+            b, g = outside[0].tolist()
+            raise ValueError(f"normalizer 'mean' (MaxRL) needs rewards in {{0, 1}}: group {b} sample {g} has "
+                             f"{rewards[b, g].item():g} (the advantage (r - mean) / mean changes sign when a "
+                             "group's mean is negative)")
     mean = rewards.mean(dim=1, keepdim=True)
     if baseline == "mean":
         centered = rewards - mean

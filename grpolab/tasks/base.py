@@ -111,3 +111,9 @@ class TaskSettings(BaseModel):
     (``name`` its tag, ``FILES`` the fields naming data files, ``build()`` the task)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    def nonbinary_rewards(self) -> list[str]:
+        """The terms of the RL reward these settings say can take values other than 0 and 1, each named by its
+        setting (an objective defined for rewards in {0, 1} refuses them up front). The built-in tasks' reward
+        is their correctness: none."""
+        return []

@@ -295,5 +295,21 @@ class DatasetTaskConfig(TaskSettings):
             raise ValueError("task.prompt.template names {tools} but task.tools.enabled is empty")
         return self
 
+    def nonbinary_rewards(self) -> list[str]:
+        """Reward models, verifiers (0 or 1 each) weighted other than 0 or 1, and a second term with a weight
+        (two correct terms add up to 2); a user function's values are known only when it runs."""
+        terms, weighted = [], [(i, r) for i, r in enumerate(self.rewards) if r.weight != 0]
+        for i, r in weighted:
+            label = f"task.rewards[{i}] ({r.name or r.function}, weight {r.weight:g})"
+            if is_model_reward(r.function):
+                terms.append(f"task.rewards[{i}] ({r.function}), a reward model's score,")
+            elif r.function in VERIFIERS and r.weight != 1:
+                terms.append(label)
+        if len(weighted) > 1:
+            i, r = weighted[1]
+            terms.append(f"task.rewards[{i}] ({r.name or r.function}), a second weighted term added to "
+                         f"task.rewards[{weighted[0][0]}],")
+        return terms
+
     def build(self) -> DatasetTask:
         return DatasetTask(self)
