@@ -71,8 +71,11 @@ class AlgorithmSpec(BaseModel):
     # the behaviour log-probs were computed (the hf engine's generation, else the old-log-prob forward; the
     # weights stay live)
     routing_replay: bool = False
-    # rollout-side behaviour
+    # rollout-side behaviour: DAPO's dynamic sampling keeps the groups whose correctness (the task's answer
+    # reward) is not all equal, 0 < #correct < G as in the paper, or with "reward" whose RL rewards (length
+    # shaping and reward models included) are not all equal
     dynamic_sampling: bool = False
+    dynamic_sampling_filter: Literal["correct", "reward"] = "correct"
     max_resample_rounds: int = Field(3, ge=0)
     prune_zero_advantage: bool = True
 

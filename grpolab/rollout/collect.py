@@ -1,6 +1,12 @@
 """Collecting rollouts: G completions per prompt from the rollout engine, graded by the task (steps 1-2
 of the loop), with length shaping when configured and DAPO's dynamic sampling when the algorithm asks
-for it (it keeps groups whose RL rewards, shaping included, are not all equal)."""
+for it (it keeps groups with 0 < #correct < G, or with ``dynamic_sampling_filter = "reward"`` those whose
+RL rewards, shaping and reward models included, are not all equal).
+
+A task's reward models add their normalized term to the RL reward of the batch that trains, once, at the
+end: their running moments see the scores of exactly the groups that train (kept ones, and dropped ones
+only where they top up a short batch), not of every round sampled. The "reward" filter needs that term
+to decide, so there it is added round by round, and the moments see every round's scores."""
 
 from __future__ import annotations
 
@@ -39,6 +45,13 @@ class RolloutBatch:
         return [c for group in self.completions for c in group]
 
 
+def kept_groups(grades: list[list[Grade]], on: str) -> torch.Tensor:
+    """[B] bool: the groups dynamic sampling keeps. ``on`` "correct": 0 < #correct < G (the groups whose
+    correctness, ``answer_reward``, is not all equal); "reward": the groups whose RL rewards are not all equal."""
+    value = (lambda g: g.answer_reward) if on == "correct" else (lambda g: g.reward)
+    return informative_groups(torch.tensor([[value(g) for g in group] for group in grades], dtype=torch.float64))
+
+
 class RolloutCollector:
     """Draws prompts from ``prompts`` (token ids in ``prompt_ids``), samples with ``engine`` and grades.
     Every generation is seeded from (seed, step, round), so a collector holds no sampling state."""
@@ -70,13 +83,17 @@ class RolloutCollector:
                               seed=self.seed * 1_000_003 + step * 1_009 + round_)
 
     def collect(self, step: int) -> RolloutBatch:
-        """G completions for each of B prompts, graded. With dynamic sampling, groups whose rewards are
-        all equal are dropped and more prompts sampled, up to ``max_resample_rounds`` extra rounds; a
+        """G completions for each of B prompts, graded. With dynamic sampling, groups that ``kept_groups``
+        drops are set aside and more prompts sampled, up to ``max_resample_rounds`` extra rounds; a
         batch still short is topped up with dropped groups so its size never changes."""
         want, group = self.rollout.prompts_per_step, self.rollout.group_size
+        spec = self.spec
+        # the reward models' term is needed round by round only by a filter on the RL reward
+        per_round = (self.reward_models is not None and spec.dynamic_sampling
+                     and spec.dynamic_sampling_filter == "reward")
         kept, dropped, rounds = RolloutBatch([], [], []), RolloutBatch([], [], []), 0
         seconds = {"generate": 0.0, "reward": 0.0}
-        while len(kept.examples) < want and rounds <= self.spec.max_resample_rounds:
+        while len(kept.examples) < want and rounds <= spec.max_resample_rounds:
             examples = self.prompts.take(want - len(kept.examples))
             mine = self.ranks.share_chunks(len(examples), self.rank_chunk)  # this rank's prompts of the round
             t0 = time.perf_counter()
@@ -88,16 +105,21 @@ class RolloutCollector:
             seconds["reward"] += time.perf_counter() - t1
             if self.ranks.parallel:  # every rank gets the round's groups, in prompt order
                 completions, grades = map(list, zip(*self.ranks.concat(list(zip(completions, grades)))))
-            if self.reward_models is not None:  # the whole round's scores, normalized alike on every rank
+            if per_round:  # the whole round's scores, normalized alike on every rank
                 grades = self.reward_models.reward(grades)
             rounds += 1
-            batch = RolloutBatch(examples, completions, grades)
-            keep = informative_groups(batch.rewards()) if self.spec.dynamic_sampling else torch.ones(len(examples), dtype=torch.bool)
+            keep = (kept_groups(grades, spec.dynamic_sampling_filter) if spec.dynamic_sampling
+                    else torch.ones(len(examples), dtype=torch.bool))
             for i, k in enumerate(keep.tolist()):
                 target = kept if k else dropped
                 target.examples.append(examples[i])
                 target.completions.append(completions[i])
                 target.grades.append(grades[i])
         short = want - len(kept.examples)
+        grades = kept.grades + dropped.grades[:short]
+        if self.reward_models is not None and not per_round:  # the batch that trains, alike on every rank
+            t0 = time.perf_counter()
+            grades = self.reward_models.reward(grades)
+            seconds["reward"] += time.perf_counter() - t0
         return RolloutBatch(kept.examples + dropped.examples[:short], kept.completions + dropped.completions[:short],
-                            kept.grades + dropped.grades[:short], rounds, seconds)
+                            grades, rounds, seconds)

@@ -3,8 +3,9 @@ normalized terms in the RL reward.
 
 Two phases, so that data-parallel ranks agree: ``attach`` scores this rank's completions and records
 each raw score as a component of the grade (``reward/<name>``; evaluation records carry it too);
-``reward`` runs on the whole round's grades (every rank holds them after the gather) and adds
-``weight x normalize(raw)`` to each RL reward, updating running moments the same way on every rank.
+``reward`` runs on the grades of the batch that trains (every rank holds them after the gather; see
+``grpolab.rollout.collect`` for dynamic sampling) and adds ``weight x normalize(raw)`` to each RL reward,
+updating running moments the same way on every rank.
 """
 
 from __future__ import annotations
