@@ -207,7 +207,7 @@ def test_a_lora_checkpoint_exports_to_a_model_loaded_without_peft(lora_run, tmp_
     assert main(["export", str(checkpoint), str(out)]) == 2
     assert "exists and is not empty; not overwritten" in capsys.readouterr().out
     assert main(["export", str(lora_run / "checkpoints"), str(tmp_path / "x")]) == 2
-    assert "no checkpoint.json; not exported" in capsys.readouterr().out
+    assert "no checkpoint.json; not loaded" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")

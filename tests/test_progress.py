@@ -56,6 +56,14 @@ def test_plain_phase_prints_every_n_units_heartbeats_and_an_end_line():
     assert out.getvalue().splitlines()[-1].endswith("x" * 200)  # never wrapped at the console width
 
 
+def test_a_phase_that_fails_ends_without_a_done_line():
+    """Its error is the last word (an export refused inside its phase printed 'done in 3 s' before)."""
+    console, out = plain_console()
+    with pytest.raises(ValueError), Reporter(console, interval=30).phase("export x"):
+        raise ValueError("refused")
+    assert "done in" not in out.getvalue()
+
+
 def test_an_instant_phase_prints_only_its_end_line_and_a_slow_one_announces_itself():
     console, out = plain_console()
     reporter = Reporter(console, interval=30)

@@ -60,6 +60,40 @@ def test_vllm_serves_the_synced_adapter_exactly_and_reloads_it_in_place(vllm_mod
         engine.close()
 
 
+def test_a_tied_models_trained_head_is_served_untied_by_the_merged_sync(vllm_model_dir, tokenizer):
+    """LoRA with modules_to_save = ["lm_head"] on a tied model: the policy's head trains apart from its embedding.
+    vLLM builds a tied model's head as its embedding (and skips lm_head.* when loading); the engine the run
+    builds serves it untied, so its log-probs stay the trainer's as the head drifts from the embedding."""
+    from grpolab.models.lora import MergedWeights, trains_tied_head
+    from grpolab.models.precision import resolve_precision
+    from grpolab.rollout.engines import build_engine
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
+    assert model.config.tie_word_embeddings
+    adapter = add_adapter(model, LoraSettings(rank=4, alpha=8, modules_to_save=["lm_head"]), seed=0,
+                          base_dir=vllm_model_dir)
+    assert trains_tied_head(adapter.model) and not trains_tied_head(
+        AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32))
+    base = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
+    cfg = load_config(None, {"rollout.engine": "vllm", "rollout.vllm.kv_cache_gib": 0.0625})
+    engine = build_engine(cfg.rollout, adapter.model, tokenizer, vllm_model_dir, seed=0, max_model_len=256,
+                          precision=resolve_precision("float32", torch.float32))
+    prompts = [tokenizer.encode(p) for p in ("12+34=", "7+8=<think>")]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=5)
+    try:
+        for seed in (1, 2):  # the head drifts further from the embedding at each step
+            _move_adapter(adapter, seed)
+            with torch.no_grad():
+                head = adapter.model.get_output_embeddings().modules_to_save["default"].weight
+                head.add_(0.5 * torch.randn(head.shape, generator=torch.Generator().manual_seed(seed)))
+            engine.sync_weights(MergedWeights(adapter.model))
+            completions = [c for g in engine.generate(prompts, 3, params) for c in g]
+            assert _diff(adapter.model, completions, tokenizer.pad_token_id).max_abs_diff < TOL
+            assert _diff(base, completions, tokenizer.pad_token_id).mean_abs_diff > 1e-2, "not the base"
+    finally:
+        engine.close()
+
+
 def test_an_engine_without_lora_refuses_an_adapter(vllm_model_dir):
     from grpolab.rollout.vllm.engine import VLLMEngine
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import signal
 import sys
 import time
@@ -261,6 +263,20 @@ class _Interrupts:
 REPEATED_SIGTERM_S = 5.0  # SIGTERMs this close to the first are one request passed on twice
 
 
+def os_error_line(err: OSError) -> str:
+    """An OSError as one line: the path(s) and what went wrong (disk full, read-only, a name too long, ...);
+    one raised with a message of its own (no errno) keeps its message."""
+    if isinstance(err, shutil.Error) and err.args and isinstance(err.args[0], list) and err.args[0]:
+        source, copy, why = err.args[0][0]  # a copy of a folder: each file that failed, with why
+        more = len(err.args[0]) - 1
+        why = re.sub(r"^\[Errno \d+\] ([^:]+).*", r"\1", str(why))
+        return f"{copy}: {why} (copying {source}{f', and {more} more files' if more else ''})"
+    if err.errno is None or not err.strerror:
+        return str(err)
+    paths = " -> ".join(str(p) for p in (err.filename, err.filename2) if p is not None)
+    return f"{paths}: {err.strerror}" if paths else f"{err.strerror} (errno {err.errno})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -287,10 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         from grpolab.objectives.losses import NonFiniteError  # here, so that report and compare never load torch
         from grpolab.rollout.sync_check import WeightSyncError
 
-        if not isinstance(err, (FileNotFoundError, FileExistsError, ValueError, NonFiniteError, WeightSyncError,
-                                NotADirectoryError)):
+        if not isinstance(err, (OSError, ValueError, NonFiniteError, WeightSyncError)):
             raise
-        for line in str(err).splitlines():
+        for line in (os_error_line(err) if isinstance(err, OSError) else str(err)).splitlines():
             console.print(f"[red]error:[/red] {escape(line)}", highlight=False, soft_wrap=True)
         return 2
     finally:

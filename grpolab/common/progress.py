@@ -108,8 +108,10 @@ class Reporter:
               done_note: bool | None = True, done: int = 0) -> Iterator[Phase]:
         """A phase of ``total`` units (None: unknown). Plain output gets a 'running' line after a few
         seconds, a line every ``every`` units (None: by time only), heartbeats and an end line: always
-        with ``done_note`` True, never with False, with None only when the phase printed a line."""
+        with ``done_note`` True, never with False, with None only when the phase printed a line; never when the
+        phase ends in an exception (its error is the last word, not a 'done')."""
         phase = Phase(self, title, total, unit, every, done)
+        finished = False
         self._open.append(phase)
         stop = threading.Event()
         if self.plain:
@@ -124,6 +126,7 @@ class Reporter:
             phase.task_id = self._live.add_task(title, total=total, completed=done, text=phase.text())
         try:
             yield phase
+            finished = True
         finally:
             stop.set()
             self._open.remove(phase)
@@ -132,7 +135,7 @@ class Reporter:
                 if not self._open:
                     self._live.stop()
                     self._live = None
-            if done_note or (done_note is None and phase.lines):
+            if finished and (done_note or (done_note is None and phase.lines)):
                 self.line(f"{title}: done in {format_seconds(phase.elapsed())}" + (f" ({phase.info})" if phase.info else ""))
 
     def _heartbeat(self, phase: Phase, stop: threading.Event) -> None:

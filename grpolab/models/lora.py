@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from grpolab.common.atomic import atomic_folder
 from grpolab.models.routing import routers
 from grpolab.parallel.fsdp import whole
 
@@ -210,6 +211,8 @@ def export_merged(checkpoint: Path, out: Path) -> dict[str, Any]:
     # a throwaway float32 copy: peft's own merge is the same W + (alpha / r) B A as ``MergedWeights``
     plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                                       checkpoint).merge_and_unload()
-    plain.save_pretrained(out)
-    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_folder(out) as tmp:  # whole or absent: a killed export leaves nothing in ``out``
+        plain.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(checkpoint).save_pretrained(tmp)
     return {"checkpoint": str(checkpoint), "base": str(base), "out": str(out)}

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from grpolab.config import RolloutConfig
+from grpolab.models.lora import trains_tied_head
 from grpolab.models.precision import TrainingPrecision
 from grpolab.models.routing import routers
 from grpolab.rollout.base import RolloutEngine
@@ -84,7 +85,8 @@ def vllm_engine(r: EngineRequest) -> RolloutEngine:
     """vLLM, in this process or under the interpreter ``rollout.vllm.python`` names. It starts from the
     checkpoint in ``model_dir`` (the trainer's starting weights) in the trainer's compute dtype, so that
     engine and trainer log-probs can be compared; ``max_model_len`` bounds its KV cache. With ``adapter_rank``
-    it serves the base with vLLM's LoRA, and the syncs move only the adapter."""
+    it serves the base with vLLM's LoRA, and the syncs move only the adapter. A tied model whose head LoRA
+    trains in full (``modules_to_save``) is served untied (``VLLMEngine``'s ``untie_head``)."""
     if routers(r.model) and next(r.model.parameters()).device.type == "cpu":
         raise ValueError(VLLM_CPU_MOE)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
@@ -93,6 +95,8 @@ def vllm_engine(r: EngineRequest) -> RolloutEngine:
               "gpu_memory_utilization": v.gpu_memory_utilization, "sleep_level": v.sleep_level or None,
               "kv_cache_bytes": None if v.kv_cache_gib is None else int(v.kv_cache_gib * 2**30),
               "lora_rank": r.adapter_rank}
+    if trains_tied_head(r.model):  # its merged weights carry a trained head beside the base's embedding
+        kwargs["untie_head"] = True
     if v.python is not None:
         from grpolab.rollout.vllm.server import VLLMSubprocessEngine
 

@@ -10,10 +10,11 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from grpolab.common.atomic import atomic_folder, fsync_path
 
 MANIFEST = "checkpoint.json"
 TEMP_PREFIX = ".step_"
@@ -21,11 +22,7 @@ DAMAGED_DIR = "damaged"
 
 
 def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def _sha256_and_sync(path: Path) -> str:
@@ -49,8 +46,7 @@ def save_checkpoint(model, tokenizer, run_dir: Path, step: int, state: Callable[
     with its SHA-256 in checkpoint.json (written last); then renamed into place."""
     target = step_folder(run_dir, step)
     target.parent.mkdir(exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-    try:
+    with atomic_folder(target, sync=lambda path: _fsync(path)) as tmp:  # _fsync looked up at each call
         model.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         if state is not None:
@@ -58,13 +54,6 @@ def save_checkpoint(model, tokenizer, run_dir: Path, step: int, state: Callable[
         files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256_and_sync(p)}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
-        _fsync(tmp / MANIFEST)
-        for folder in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
-            _fsync(folder)
-        os.replace(tmp, target)
-        _fsync(target.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

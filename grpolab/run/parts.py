@@ -42,6 +42,7 @@ from grpolab.rollout.lockstep import LockstepEngine
 from grpolab.rollout.multiturn import MultiTurnEngine
 from grpolab.rollout.reward_models import RewardModels
 from grpolab.rollout.sync_check import MIN_NOISE_FLOOR, SyncMonitor
+from grpolab.run.checkpoints import is_checkpoint, verify
 from grpolab.run.state import RunState
 from grpolab.tasks import build_task
 from grpolab.tasks.base import Example, Task
@@ -188,6 +189,9 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
     ranks, reporter, device = setting.ranks, setting.reporter, setting.device
     if is_sharded_run(cfg, ranks) and cfg.rollout.engine == "hf" and getattr(task, "toolset", None) is not None:
         raise ValueError(FSDP_TOOLS)
+    start = _checkpoint_path(cfg.model.path)
+    if start is not None:  # another run's checkpoint (a suite's init_from): every file it lists checks out first
+        ranks.run_on_main(lambda: verify(start))
     check_model_spec(cfg.model.path)
     reporter.line(setting.threads.note)
     if ranks.parallel:
@@ -238,6 +242,14 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
         for m in {id(m): m for m in (model, reference) if m is not None}.values():  # with LoRA one model
             shard_fsdp(m, {SHARDED_FORWARD: unit_logprobs})
     return Models(model_dir, precision, model, tokenizer, reference, adapter, reference_context, started_from)
+
+
+def _checkpoint_path(path: str | None) -> Path | None:
+    """``model.path`` when it names a folder a grpolab run wrote as a checkpoint, else None."""
+    if not path or path.startswith((LIKE_PREFIX, GGUF_PREFIX)):
+        return None
+    folder = Path(path).expanduser()
+    return folder if folder.is_dir() and is_checkpoint(folder) else None
 
 
 def _policy(cfg: RunConfig, model_dir: Path, weights_dir: Path, started_from: Path | None,

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
+
+from grpolab.common.atomic import atomic_file, named, write_file
 
 
 class RunDirError(FileExistsError):
@@ -52,11 +53,9 @@ def _clean(value: Any) -> Any:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` atomically (temp file in the same folder, then rename)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    with os.fdopen(fd, "w") as f:
+    """Write ``data`` atomically (temp file in the same folder, fsynced, renamed; the folder fsynced)."""
+    with atomic_file(path) as f:
         json.dump({k: _clean(v) for k, v in data.items()}, f, indent=2, default=str)
-    os.replace(tmp, path)
 
 
 def summary_writer():
@@ -81,8 +80,11 @@ class MetricsLog:
             self.tensorboard = summary_writer()(str(tensorboard_dir), purge_step=first_step)
 
     def write(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        except OSError as err:
+            raise named(err, self.path) from None
         if self.tensorboard is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -136,16 +138,33 @@ def write_eval_records(run_dir: Path, step: int, records: list[dict[str, Any]]) 
     """One JSON line per evaluated item in eval/step_NNNNNN.jsonl, written atomically."""
     path = eval_records_path(run_dir, step)
     path.parent.mkdir(exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    with os.fdopen(fd, "w") as f:
-        f.write("".join(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n" for r in records))
-    os.replace(tmp, path)
+    write_file(path, "".join(json.dumps({k: _clean(v) for k, v in r.items()}) + "\n" for r in records))
     return path
 
 
 def eval_record_steps(run_dir: Path) -> list[int]:
     """The steps that have evaluation records, in order."""
     return sorted(int(p.stem.removeprefix("step_")) for p in (run_dir / EVAL_DIR).glob("step_*.jsonl"))
+
+
+def _append_once(path: Path, text: str) -> None:
+    """Append ``text`` to ``path`` (fsynced), unless the file already ends with it: a rewind killed after
+    this append and before ``metrics.jsonl`` was rewritten finds its records there and appends nothing."""
+    data = text.encode()
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - len(data)))
+            if f.read() == data:
+                return
+    except FileNotFoundError:
+        pass
+    try:
+        with path.open("ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise named(err, path) from None
 
 
 def rewind_metrics(path: Path, step: int, session: int) -> list[dict[str, Any]]:
@@ -163,13 +182,19 @@ def rewind_metrics(path: Path, step: int, session: int) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         (kept if isinstance(record, dict) and record.get("step", 0) <= step else dropped).append(line)
-    if dropped:
-        with (path.parent / "metrics.discarded.jsonl").open("a") as f:
-            f.write("".join(line + "\n" for line in dropped))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    with os.fdopen(fd, "w") as f:
-        f.write("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    discarded = path.parent / "metrics.discarded.jsonl"
+    existed = discarded.is_file()
+    size = discarded.stat().st_size if existed else 0
+    try:
+        if dropped:
+            _append_once(discarded, "".join(line + "\n" for line in dropped))
+        write_file(path, "".join(line + "\n" for line in kept))
+    except BaseException:  # the discarded file as it was, so that a retry appends these records once
+        if existed:
+            os.truncate(discarded, size)
+        else:
+            discarded.unlink(missing_ok=True)
+        raise
     later = [eval_records_path(path.parent, s) for s in eval_record_steps(path.parent) if s > step]
     if later:
         aside = path.parent / EVAL_DIR / "discarded" / f"session_{session:03d}"

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from grpolab.common.atomic import RecordingWriter
+
 from grpolab.parallel.fsdp import full_optimizer_state, is_sharded, load_optimizer_state
 from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.reward_models import RewardModels
@@ -79,7 +81,14 @@ class RunState:
 
     @staticmethod
     def save(state: dict[str, Any], folder: Path) -> None:
-        torch.save(state, folder / STATE_FILE)
+        with open(folder / STATE_FILE, "wb") as f:
+            out = RecordingWriter(f)
+            try:
+                torch.save(state, out)
+            except RuntimeError:
+                if out.error is not None:  # the disk is full (torch words it "unexpected pos")
+                    raise out.error from None
+                raise
 
     def load(self, folder: Path) -> None:
         # our own file, written by save(): it holds python and numpy RNG states, hence weights_only=False

@@ -155,6 +155,9 @@ class VLLMEngine:
     weight_sync: "file", "cuda_ipc" or "auto" (cuda_ipc on a CUDA platform, else file).
     eos_token_ids: ids that end generation; default tokenizer EOS + generation_config EOS.
     lora_rank: serve one LoRA adapter of this rank with vLLM's LoRA (synced with ``AdapterWeights``).
+    untie_head: serve a tied model with an output layer of its own (a LoRA policy that trains its head in full:
+    its merged weights carry ``lm_head.weight`` beside the base's embedding); it starts on placeholder
+    weights, so sync before generating.
     llm_kwargs: passed on to ``vllm.LLM``.
     """
 
@@ -162,7 +165,8 @@ class VLLMEngine:
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.3,
                  kv_cache_bytes: int | None = None, sleep_level: int | None = None, enforce_eager: bool = True,
                  weight_sync: WeightSync = "auto", eos_token_ids: Sequence[int] | None = None,
-                 sync_dir: str | Path | None = None, lora_rank: int | None = None, **llm_kwargs: Any):
+                 sync_dir: str | Path | None = None, lora_rank: int | None = None, untie_head: bool = False,
+                 **llm_kwargs: Any):
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -205,6 +209,13 @@ class VLLMEngine:
         llm_kwargs.setdefault("use_tqdm_on_load", False)  # no progress bar per weight sync
         if lora_rank is not None:
             llm_kwargs.update(lora_engine_kwargs(self.model_dir, lora_rank))
+        if untie_head:
+            # vLLM builds a tied model's head as its embedding and skips ``lm_head.*`` when loading: a policy
+            # whose head trained apart (LoRA's modules_to_save) needs a head of its own. The base's files hold
+            # no lm_head weight, so the engine starts on placeholders and serves nothing until the first sync.
+            llm_kwargs["hf_overrides"] = {**llm_kwargs.get("hf_overrides", {}), "tie_word_embeddings": False}
+            llm_kwargs["load_format"] = "dummy"
+        self._placeholders = untie_head  # no weights of the policy yet: generate refuses until a sync
         self.lora_rank = lora_rank
         self._adapter = None  # the LoRARequest of the synced adapter, once there is one
         self._ipc = None  # CudaIPCWeightSender, built on the first cuda_ipc sync
@@ -246,6 +257,9 @@ class VLLMEngine:
             raise ValueError("empty prompt")
         if not prompts:
             return []
+        if self._placeholders:
+            raise RuntimeError("this vLLM engine was started untied (untie_head) on placeholder weights: "
+                               "sync_weights before generating")
         k = 1 if params.greedy else n  # vLLM refuses greedy n > 1: sample once, copy (deterministic)
         requests = [self.sampling_params(params, k, request_seed(params.seed, params.prompt_offset + i, n))
                     for i in range(len(prompts))]
@@ -322,7 +336,7 @@ class VLLMEngine:
         restore = restore or push
         self._wake_weights()
         (restore if self._weights_lost else push)()  # after a level-2 sleep ``push`` alone may not be enough
-        self._push_latest, self._weights_lost = restore, False
+        self._push_latest, self._weights_lost, self._placeholders = restore, False, False
         self.llm.reset_prefix_cache()  # its KV was computed with the old weights
 
     def _sync_cuda_ipc(self, model: nn.Module) -> None:

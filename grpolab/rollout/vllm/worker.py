@@ -27,7 +27,17 @@ class WorkerExtension:
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
         from vllm.platforms import current_platform
 
-        self.reload_weights(weights_path=weights_path)
+        if self.vllm_config.load_config.load_format == "dummy":
+            # started on placeholders (an untied head, ``VLLMEngine(untie_head=True)``): that loader reads no
+            # files, so the folder's safetensors are read here
+            from pathlib import Path
+
+            from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+            files = sorted(str(p) for p in Path(weights_path).glob("*.safetensors"))
+            self.reload_weights(weights_iterator=safetensors_weights_iterator(files, use_tqdm_on_load=False))
+        else:
+            self.reload_weights(weights_path=weights_path)
         if current_platform.is_cpu():
             for module in self.model_runner.get_model().modules():
                 if isinstance(module, ParallelLMHead):
