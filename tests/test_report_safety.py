@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 
 from test_report import md_table
 from grpolab.commands.cli import main
+from grpolab.common.atomic import temp_path
 from grpolab.studies.report.runs import find_runs
 from grpolab.studies.manifest import RunRecord, SuiteManifest
 
@@ -130,16 +133,20 @@ def test_the_report_marks_its_folder_replaces_only_that_and_is_not_a_run(folder)
     assert sorted(p.name for p in folder.iterdir()) == ["a", "b", "report"]
 
 
-def test_leftovers_of_a_killed_report_go_only_when_marked(folder):
-    for name in (".report-abc123", ".report-old"):  # a killed report's temp folder and its moved-aside one
-        (folder / name).mkdir()
-        (folder / name / MARKER).write_text(json.dumps({"kind": "grpolab report"}))
-    for name in (".report-old-mine", ".report-keep"):  # someone else's, unmarked
+def test_leftovers_of_a_killed_report_go_only_when_its_process_is_gone(folder):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    mine = temp_path(folder / "report")
+    killed = mine.with_name(mine.name.replace(f"-{os.getpid()}-", f"-{dead}-"))  # a killed report's temp folder
+    for path in (mine, killed):  # ``mine``: a report still being written by a live process
+        path.mkdir()
+        (path / MARKER).write_text(json.dumps({"kind": "grpolab report"}))
+    for name in (".report-old-mine", ".report-keep"):  # someone else's, not named by a writer
         (folder / name).mkdir()
         (folder / name / "data.txt").write_text("mine")
-    (folder / ".report-old").joinpath("x").write_text("old")
     assert main(["report", str(folder)]) == 0
-    assert sorted(p.name for p in folder.iterdir()) == [".report-keep", ".report-old-mine", "a", "b", "report"]
+    assert sorted(p.name for p in folder.iterdir()) == sorted([".report-keep", ".report-old-mine", mine.name, "a",
+                                                               "b", "report"])
     assert (folder / ".report-keep" / "data.txt").read_text() == "mine"
 
 

@@ -1,13 +1,13 @@
-"""Folders built once and cached (the demo's warm start, ``like:`` and ``gguf:`` models): written to a
-temporary sibling and renamed into place, so a half-written folder is never used."""
+"""Folders built once and cached (the demo's warm start, ``like:`` and ``gguf:`` models): written by
+``grpolab.common.atomic`` to a temporary sibling and renamed into place, so a half-written folder is never
+used, and the temporaries a killed build left are removed by the next build."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from grpolab.common.atomic import atomic_folder
 
 
 def cached_folder(target: Path, marker: str, write: Callable[[Path], None]) -> Path:
@@ -17,13 +17,10 @@ def cached_folder(target: Path, marker: str, write: Callable[[Path], None]) -> P
     if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        write(tmp)
-        os.replace(tmp, target)
+        with atomic_folder(target) as tmp:
+            write(tmp)
     except OSError:
         if not (target / marker).is_file():
             raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target

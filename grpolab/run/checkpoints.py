@@ -46,7 +46,7 @@ def save_checkpoint(model, tokenizer, run_dir: Path, step: int, state: Callable[
     with its SHA-256 in checkpoint.json (written last); then renamed into place."""
     target = step_folder(run_dir, step)
     target.parent.mkdir(exist_ok=True)
-    with atomic_folder(target, sync=lambda path: _fsync(path)) as tmp:  # _fsync looked up at each call
+    with atomic_folder(target, sync=lambda path: _fsync(path), files_synced=True) as tmp:  # _fsync: at each call
         model.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         if state is not None:
@@ -54,6 +54,7 @@ def save_checkpoint(model, tokenizer, run_dir: Path, step: int, state: Callable[
         files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256_and_sync(p)}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+        _fsync(tmp / MANIFEST)
     return target
 
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, ValidationError
 from grpolab.run.rundir import write_json
 
 MANIFEST = "suite_manifest.json"
+PREPARING = ".preparing"  # in a suite's root from the start of its preparation until its manifest is written
 RunState = Literal["queued", "running", "completed", "failed", "stopped"]
 
 
@@ -88,6 +89,10 @@ class SuiteManifest(BaseModel):
         """The manifest of the suite in ``root``; one-line errors when it is missing or unreadable."""
         path = root / MANIFEST
         if not path.is_file():
+            if (root / PREPARING).is_file():
+                raise FileNotFoundError(f"{root}: the suite's preparation was stopped before its {MANIFEST} was "
+                                        "written; run grpolab suite run SUITE.toml --output-root with this folder "
+                                        "again (it starts over)")
             raise FileNotFoundError(f"not a suite directory (no {MANIFEST}): {root}")
         try:
             return cls.model_validate(json.loads(path.read_text()))

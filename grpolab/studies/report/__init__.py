@@ -7,13 +7,13 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 from grpolab.common.progress import Reporter
 from grpolab.studies.report.analysis import analyse, comparison
-from grpolab.studies.report.folder import REPORT_DIR, check_replaceable, new_report_folder, put_in_place, remove_leftovers
+from grpolab.common.atomic import atomic_folder
+from grpolab.studies.report.folder import REPORT_DIR, check_replaceable, mark
 from grpolab.studies.report.runs import ReportError, Run, find_runs
 from grpolab.objectives.stats import RESAMPLES
 
@@ -33,17 +33,13 @@ def write_report(directory: Path, reporter: Reporter, baseline: str | None = Non
     check_replaceable(target)
     with reporter.phase(f"report: statistics of {len(runs)} runs ({resamples:,} resamples)"):
         data = analyse(title, runs, baseline, resamples, seed)
-    tmp = new_report_folder(directory)
-    try:
-        remove_leftovers(directory, keep=tmp)
+    with atomic_folder(target, replace=check_replaceable) as tmp:  # checked again: something may have appeared
+        mark(tmp)
         with reporter.phase("report: figures") as phase:
             figures = all_figures(runs, data, tmp) + load_heatmaps(runs, tmp)
             phase.info = f"{len(figures)} figures"
         (tmp / "report.md").write_text(render(data, figures))
         (tmp / "report.json").write_text(json.dumps(data, indent=2, default=str))
-        put_in_place(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target / "report.md"
 
 

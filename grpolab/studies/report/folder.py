@@ -1,13 +1,13 @@
 """The report's own folder, DIR/report: marked by a file inside it, so that a report replaces only what an
-earlier report wrote, never a run directory, a user's folder or a file that happens to be named ``report``."""
+earlier report wrote, never a run directory, a user's folder or a file that happens to be named ``report``.
+It is written by ``grpolab.common.atomic``'s folder writer: concurrent reports on one folder each write their
+own temporary folder and all succeed (the last one's stays); a killed report's temporary goes with the next
+report, a running one's never."""
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
-import tempfile
 from pathlib import Path
 
 
@@ -18,7 +18,6 @@ class ReportError(ValueError):
 REPORT_DIR = "report"
 MARKER = ".grpolab-report"
 MARKER_KIND = "grpolab report"
-TEMP_PREFIX = f".{REPORT_DIR}-"  # temporary folders being written, and an earlier report moved aside
 
 
 def is_report(path: Path) -> bool:
@@ -40,29 +39,6 @@ def check_replaceable(target: Path) -> None:
                           "report into another folder")
 
 
-def new_report_folder(directory: Path) -> Path:
-    """A fresh temporary folder in ``directory``, marked as the report's before anything else is written."""
-    tmp = Path(tempfile.mkdtemp(dir=directory, prefix=TEMP_PREFIX))
-    (tmp / MARKER).write_text(json.dumps({"kind": MARKER_KIND}) + "\n")
-    return tmp
-
-
-def remove_leftovers(directory: Path, keep: Path) -> None:
-    """Remove the marked temporary folders of an earlier report that was killed (all but ``keep``);
-    unmarked ones are someone else's and stay."""
-    for path in Path(directory).glob(f"{TEMP_PREFIX}*"):
-        if path != keep and is_report(path):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def put_in_place(tmp: Path, target: Path) -> None:
-    """Move the finished folder ``tmp`` to ``target``, replacing an earlier report there (checked again
-    here: something may have appeared at ``target`` while the report was being made)."""
-    check_replaceable(target)
-    old = None
-    if os.path.lexists(target):
-        old = target.parent / f"{TEMP_PREFIX}old-{secrets.token_hex(8)}"  # a name nobody else uses
-        os.rename(target, old)
-    os.rename(tmp, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def mark(folder: Path) -> None:
+    """Mark ``folder`` as the report's own (first, before anything else is written into it)."""
+    (folder / MARKER).write_text(json.dumps({"kind": MARKER_KIND}) + "\n")

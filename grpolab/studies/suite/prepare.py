@@ -17,7 +17,8 @@ from grpolab.common.progress import Reporter
 from grpolab.config import RunConfig, config_sha256
 from grpolab.models.loading import absolute_model_spec, check_model_spec
 from grpolab.run.rundir import RunDirError
-from grpolab.studies.manifest import RunRecord, SuiteManifest
+from grpolab.common.atomic import write_file
+from grpolab.studies.manifest import MANIFEST, PREPARING, RunRecord, SuiteManifest
 from grpolab.studies.suite.snapshot import hash_reward_model, snapshot_code, snapshot_data, task_key
 from grpolab.studies.suite.placement import parse_devices
 from grpolab.studies.suite.spec import SuiteRun, SuiteSpec, load_suite, resolve_runs
@@ -72,7 +73,7 @@ def prepare_suite(suite_file: str | Path, root: Path, console: Console, dry_run:
     root = root.resolve()
     configs = resolve_runs(spec, root)
     where = placement_of(spec, **(placement or {}))
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+    if root.exists() and (not root.is_dir() or any(root.iterdir())) and not unfinished(root):
         raise RunDirError(f"suite output root already exists and is not empty: {root} (choose a new --output-root)")
     if dry_run:
         print_plan(spec, configs, root, console, where)
@@ -80,7 +81,35 @@ def prepare_suite(suite_file: str | Path, root: Path, console: Console, dry_run:
     for run in spec.runs:  # a start model that cannot load is refused now, not hours into the queue
         if run.init_from is None:
             check_model_spec(configs[run.name].model.path)
+    if root.exists():  # empty, or what an unfinished preparation left
+        _empty(root)
     root.mkdir(parents=True, exist_ok=True)
+    write_file(root / PREPARING, f"a suite is being prepared here; it is one once {MANIFEST} exists\n")
+    try:
+        manifest = _prepare(spec, suite_file, root, configs, where, console)
+    except BaseException:
+        _empty(root)  # as it was: a retry into it starts clean
+        raise
+    (root / PREPARING).unlink()
+    return manifest
+
+
+def _empty(root: Path) -> None:
+    for path in root.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def unfinished(root: Path) -> bool:
+    """Whether ``root`` holds a suite whose preparation was stopped (killed) before its manifest was written."""
+    return (root / PREPARING).is_file() and not (root / MANIFEST).exists()
+
+
+def _prepare(spec: SuiteSpec, suite_file: str | Path, root: Path, configs: dict[str, RunConfig],
+             where: dict[str, Any], console: Console) -> SuiteManifest:
+    """The snapshot, each run's config and the manifest (written last) in ``root``."""
     code = snapshot_code(root / "snapshot" / "src")
     data: dict[str, dict[str, Any]] = {}
     hashed: dict[str, dict[str, str]] = {}  # reward model folder -> its files' SHA-256s, hashed once a suite
@@ -133,7 +162,7 @@ def write_run_config(run: SuiteRun, cfg: RunConfig, root: Path, folder: Path, da
     config = json.loads(json.dumps(cfg.model_dump(mode="json")))
     config_file = root / "configs" / f"{run.name}.json"
     config_file.parent.mkdir(exist_ok=True)
-    config_file.write_text(json.dumps(config, indent=2))
+    write_file(config_file, json.dumps(config, indent=2))
     return RunRecord(name=run.name, run_dir=str(cfg.output_dir), config_file=str(config_file), config=config,
                      config_sha256=config_sha256(config), init_from=run.init_from, factors=run.factors,
                      world_size=run.devices_per_run or 1,

@@ -41,7 +41,9 @@ from grpolab.config import ConfigError, RunConfig, apply_override, validate_conf
 class SuiteRun(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+    name: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$", max_length=200,
+                      description="names the run's folder, config, log and job files: at most 200 characters, so "
+                      "that each fits a file name (255 bytes) with its suffix")
     algo: str
     seed: int = 0
     devices_per_run: int | None = Field(None, ge=1, description="devices of this run (default: [base]'s, else 1); "
