@@ -107,10 +107,14 @@ class RolloutConfig(_Section):
                                         "exceeds this; None = 1e-3 in float32, off in bfloat16")
     sync_mean_diff: float | None = Field(None, gt=0, description="stop when the mean |diff| exceeds this; "
                                          "None = 1e-4 in float32, 0.1 in bfloat16")
-    sync_noise_multiple: float | None = Field(3.0, gt=1, description="the first checked rollout (engine and "
-                                              "trainer hold the same weights) records the noise floor, its mean "
-                                              "|diff|; stop when a later step exceeds this multiple of it. "
-                                              "None = absolute limits only")
+    sync_noise_multiple: float | None = Field(3.0, gt=1, description="the first sync_calibration_steps checked "
+                                              "rollouts (engine and trainer in sync) record the noise floor, their "
+                                              "largest mean |diff|; stop when a step exceeds this multiple of the "
+                                              "floor so far. None = absolute limits only")
+    sync_calibration_steps: int = Field(3, ge=1, description="checked rollouts whose largest mean |diff| is the "
+                                        "noise floor (one step alone can sit far below the next one's noise)")
+    sync_warn_margin: float = Field(0.5, gt=0, le=1, description="one log line when a step's sync margin (its "
+                                    "|diff| over the stop limit, logged as sync/margin) passes this; 1 = never")
 
     @model_validator(mode="after")
     def _untruncated_sampling(self) -> "RolloutConfig":

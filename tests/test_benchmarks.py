@@ -126,3 +126,12 @@ def test_reward_model_learning_trains_a_reward_model_then_rl_on_its_scores(tmp_p
                          r"\[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]\s+\S+\s+\d+$", out, re.M), out
     metrics = (tmp_path / "bench" / "run_rm_KL" / "metrics.jsonl").read_text()
     assert '"reward_model/rm/mean"' in metrics and '"kl_ref"' in metrics
+
+
+def test_sync_margins_benchmark_runs_in_sync_and_stale(warm_model_dir, capsys):
+    import sync_margins
+
+    assert sync_margins.main(["--steps", "3", "--windows", "1", "--stale-from", "2", "--model.path",
+                              str(warm_model_dir), "--rollout.prompts_per_step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "window 1        in sync" in out and "window 1   stale from 2" in out

@@ -91,3 +91,77 @@ def test_a_broken_sync_in_bf16_is_caught_by_the_calibrated_limit(warm_model_dir,
             record = trainer.train_step(step)
             assert record["sync/logprob_diff_mean"] < limit  # the absolute limit alone never fires
     assert step <= 14, "caught within ten stale steps at lr 1e-5"
+
+
+def _shifted(diff: float, n=4, t=6):
+    """Engine log-probs ``diff`` above the trainer's on every response token: mean and max |diff| = diff."""
+    trainer = -torch.rand(n, t, generator=torch.Generator().manual_seed(0), dtype=torch.float64).float()
+    mask = torch.zeros(n, t)
+    mask[:, 2:] = 1
+    return (trainer.double() + diff).float(), trainer, mask
+
+
+def test_the_noise_floor_is_the_largest_of_a_window_of_checks():
+    """Calibrated on the first check alone (1e-3), a limit of 3e-3 stops the in-sync noise of a later step (5e-3);
+    over a window of three checks the floor is their largest (2e-3) and the stop 6e-3. A check within the window
+    is already held to the limit of the checks before it."""
+    monitor = SyncMonitor(None, None, noise_multiple=3.0, min_floor=1e-9, calibration_steps=3)
+    for diff in (1e-3, 2e-3, 1.5e-3):
+        monitor.check(*_shifted(diff))
+    assert monitor.noise_floor == pytest.approx(2e-3, rel=1e-4) and monitor.calibrated == 3
+    assert monitor.check(*_shifted(5e-3))["sync/noise_floor_mean"] == pytest.approx(2e-3, rel=1e-4)
+    with pytest.raises(WeightSyncError, match="mean"):
+        monitor.check(*_shifted(7e-3))
+    early = SyncMonitor(None, None, noise_multiple=3.0, min_floor=1e-9, calibration_steps=3)
+    early.check(*_shifted(1e-3))
+    with pytest.raises(WeightSyncError):
+        early.check(*_shifted(3.5e-3))  # within the window: above 3 x the floor so far
+
+
+def test_the_margin_is_the_observed_difference_over_the_stop_limit_every_step():
+    """margin = max over the limits in force of observed / limit (1 = the run stops): mean 3e-3 of a calibrated
+    6e-3 is 0.5, max 3e-3 of an absolute 1e-2 is 0.3."""
+    monitor = SyncMonitor(1e-2, 0.1, noise_multiple=3.0, min_floor=1e-9, calibration_steps=1)
+    first = monitor.check(*_shifted(2e-3))
+    assert first["sync/margin"] == pytest.approx(0.2, rel=1e-4)  # before calibration: max 2e-3 of 1e-2
+    record = monitor.check(*_shifted(3e-3))
+    assert record["sync/mean_limit"] == pytest.approx(6e-3, rel=1e-4)
+    assert record["sync/margin"] == pytest.approx(0.5, rel=1e-4)
+
+
+def test_a_margin_past_the_warn_level_is_one_line_until_it_falls_back():
+    lines: list[str] = []
+    monitor = SyncMonitor(None, None, noise_multiple=3.0, min_floor=1e-9, calibration_steps=1, warn_margin=0.6,
+                          warn=lines.append)
+    monitor.check(*_shifted(1e-3))  # limit 3e-3 from here on
+    monitor.check(*_shifted(1.5e-3))  # margin 0.5
+    assert lines == []
+    monitor.check(*_shifted(2.1e-3))  # 0.7
+    monitor.check(*_shifted(2.4e-3))  # 0.8: still the same excursion
+    assert len(lines) == 1 and "0.70" in lines[0] and "stops at 1" in lines[0]
+    monitor.check(*_shifted(1e-3))
+    monitor.check(*_shifted(2.1e-3))
+    assert len(lines) == 2
+
+
+def test_the_calibration_window_survives_a_resume():
+    monitor = SyncMonitor(None, None, noise_multiple=3.0, min_floor=1e-9, calibration_steps=3)
+    monitor.check(*_shifted(1e-3))
+    resumed = SyncMonitor(None, None, noise_multiple=3.0, min_floor=1e-9, calibration_steps=3)
+    resumed.load_state_dict(monitor.state_dict())
+    for m in (monitor, resumed):
+        m.check(*_shifted(2e-3))
+        m.check(*_shifted(1e-3))
+    assert resumed.state_dict() == monitor.state_dict() and resumed.calibrated == 3
+    resumed.load_state_dict({"noise_floor": 1e-3})  # a checkpoint from before the window: calibrated on one check
+    assert resumed.calibrated == 1
+
+
+def test_a_run_records_its_sync_margin_and_calibrates_over_its_window(warm_model_dir, tmp_path):
+    cfg = quick_config(warm_model_dir, tmp_path / "run", **{"rollout.sync_calibration_steps": 2})
+    trainer = Trainer(cfg, Console(quiet=True))
+    records = [trainer.train_step(step) for step in (1, 2, 3)]
+    trainer.close()
+    means = [r["sync/logprob_diff_mean"] for r in records]
+    assert records[2]["sync/noise_floor_mean"] == max(means[:2])
+    assert all(0 < r["sync/margin"] < 1 for r in records)

@@ -6,13 +6,17 @@ tokens agree up to numerics; a missed, partial or corrupted sync shows up as a l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from grpolab.rollout.base import Completion
+
+logger = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
@@ -91,19 +95,28 @@ MIN_NOISE_FLOOR = {"float32": 1e-5, "bfloat16": 1e-3}
 class SyncMonitor:
     """The per-step sync check of a run: absolute limits plus a limit calibrated on the run itself.
 
-    The first checked rollout comes from an engine and a trainer holding identical weights, so its
-    mean |diff| is the numerical noise floor of that pair (kernels, dtype, KV-cached decoding). Every
-    later step must stay within ``noise_multiple`` x that floor (and within the absolute limits). In
-    bf16 an engine whose sync broke drifts past it within a few stale steps (measured at lr 1e-5: 2.3x
-    the floor after 5, 4x after 10), where the absolute limit never fires; one missed sync alone
-    stays within the noise (most lr 1e-5 updates do not change a bf16 weight).
+    The first ``calibration_steps`` checked rollouts come from an engine and a trainer holding the same
+    weights up to the sync, so their largest mean |diff| is the numerical noise floor of that pair (kernels,
+    dtype, KV-cached decoding): one step alone can sit far below the noise of the next. Every later step must
+    stay within ``noise_multiple`` x that floor (and within the absolute limits); a step inside the window is
+    already held to the multiple of the floor so far. In bf16 an engine whose sync broke drifts past it within
+    a few stale steps (measured at lr 1e-5: 2.3x the floor after 5, 4x after 10), where the absolute limit
+    never fires; one missed sync alone stays within the noise (most lr 1e-5 updates do not change a bf16 weight).
+
+    Each check's margin is the observed difference over its stop limit, the largest over the limits in force
+    (mean and max; 1 = the run stops); past ``warn_margin`` one line goes to ``warn``, once until the margin
+    falls back below it.
     """
 
     def __init__(self, max_abs_diff: float | None, mean_abs_diff: float | None, noise_multiple: float | None,
-                 min_floor: float = MIN_NOISE_FLOOR["float32"]):
+                 min_floor: float = MIN_NOISE_FLOOR["float32"], calibration_steps: int = 1,
+                 warn_margin: float | None = None, warn: Callable[[str], None] = logger.warning):
         self.max_abs_diff, self.mean_abs_diff = max_abs_diff, mean_abs_diff
         self.noise_multiple, self.min_floor = noise_multiple, min_floor
+        self.calibration_steps, self.warn_margin, self.warn = calibration_steps, warn_margin, warn
         self.noise_floor: float | None = None
+        self.calibrated = 0  # checks the floor has seen
+        self._warned = False
 
     def calibrated_limit(self) -> float | None:
         """The mean |diff| limit from the noise floor (None before calibration or when off)."""
@@ -117,9 +130,29 @@ class SyncMonitor:
         mean_limit = min(limits) if limits else None
         found = verify_weight_sync(engine, trainer, response_mask, max_abs_diff=self.max_abs_diff,
                                    mean_abs_diff=mean_limit if mean_limit is not None else float("inf"))
-        if self.noise_floor is None and found.num_tokens:
-            self.noise_floor = found.mean_abs_diff
         out = {"sync/logprob_diff_mean": found.mean_abs_diff, "sync/logprob_diff_max": found.max_abs_diff}
+        margins = [value / limit for value, limit in ((found.mean_abs_diff, mean_limit),
+                                                      (found.max_abs_diff, self.max_abs_diff)) if limit]
+        if margins:
+            out["sync/margin"] = margin = max(margins)
+            if self.warn_margin is not None and margin > self.warn_margin and not self._warned:
+                self.warn(f"sync check: engine and trainer log-probs are at {margin:.2f} of the stop limit (mean "
+                          f"|diff| {found.mean_abs_diff:.3g}, limit {mean_limit or float('inf'):.3g}; max |diff| "
+                          f"{found.max_abs_diff:.3g}); warned past {self.warn_margin:g}, the run stops at 1")
+            self._warned = self.warn_margin is not None and margin > self.warn_margin
+        if mean_limit is not None:
+            out["sync/mean_limit"] = mean_limit
+        if self.calibrated < self.calibration_steps and found.num_tokens:
+            self.noise_floor = max(self.noise_floor or 0.0, found.mean_abs_diff)
+            self.calibrated += 1
         if self.noise_floor is not None:
             out["sync/noise_floor_mean"] = self.noise_floor
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"noise_floor": self.noise_floor, "calibrated": self.calibrated}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A state from before the window (a noise floor alone) was calibrated on one check."""
+        self.noise_floor = state["noise_floor"]
+        self.calibrated = state.get("calibrated", 0 if self.noise_floor is None else 1)

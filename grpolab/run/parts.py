@@ -325,7 +325,8 @@ def build_parts(cfg: RunConfig, setting: Setting, task: Task, val_examples: list
     minibatch_gen = torch.Generator().manual_seed(cfg.seed)
     compute = dtype_name(models.precision.compute)
     sync_monitor = SyncMonitor(*cfg.rollout.sync_limits(compute), noise_multiple=cfg.rollout.sync_noise_multiple,
-                               min_floor=MIN_NOISE_FLOOR[compute])
+                               min_floor=MIN_NOISE_FLOOR[compute], calibration_steps=cfg.rollout.sync_calibration_steps,
+                               warn_margin=cfg.rollout.sync_warn_margin, warn=setting.reporter.line)
     ranks = setting.ranks
     state = RunState(optimizer, prompts, minibatch_gen, sync_monitor, ranks, models.model, reward_models)
     # an engine of its own starts from weight files: with LoRA the base's, then the merged policy's

@@ -43,8 +43,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class RunState:
     """The mutable parts of a run the weights do not hold, as one ``state_dict``: the step reached,
     update counters, the optimizer, the prompt order, the mini-batch shuffle generator, the global
-    RNGs (of every data-parallel rank), the sync check's calibrated noise floor and the reward models'
-    running moments. Under data
+    RNGs (of every data-parallel rank), the sync check's calibration (noise floor, checks seen) and the
+    reward models' running moments. Under data
     parallelism every other part is the same on every rank (the ranks step alike)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, prompts: PromptStream, minibatch_gen: torch.Generator,
@@ -63,7 +63,7 @@ class RunState:
         optimizer = full_optimizer_state(self.model, self.optimizer) if sharded else self.optimizer.state_dict()
         return {"step": self.step, "updates": dict(self.updates), "optimizer": optimizer,
                 "prompts": self.prompts.state_dict(), "minibatch_gen": self.minibatch_gen.get_state(),
-                "rng": rngs[0], "rng_by_rank": rngs, "sync_noise_floor": self.sync_monitor.noise_floor,
+                "rng": rngs[0], "rng_by_rank": rngs, "sync_monitor": self.sync_monitor.state_dict(),
                 "reward_models": self.reward_models.state_dict() if self.reward_models is not None else {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -75,7 +75,7 @@ class RunState:
         self.minibatch_gen.set_state(state["minibatch_gen"])
         by_rank = state.get("rng_by_rank") or [state["rng"]]
         set_rng_state(by_rank[self.ranks.rank] if len(by_rank) == self.ranks.world else state["rng"])
-        self.sync_monitor.noise_floor = state["sync_noise_floor"]
+        self.sync_monitor.load_state_dict(state.get("sync_monitor") or {"noise_floor": state["sync_noise_floor"]})
         if self.reward_models is not None:
             self.reward_models.load_state_dict(state.get("reward_models", {}))
 
