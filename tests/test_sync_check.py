@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -158,10 +159,14 @@ def test_the_calibration_window_survives_a_resume():
 
 
 def test_a_run_records_its_sync_margin_and_calibrates_over_its_window(warm_model_dir, tmp_path):
-    cfg = quick_config(warm_model_dir, tmp_path / "run", **{"rollout.sync_calibration_steps": 2})
-    trainer = Trainer(cfg, Console(quiet=True))
+    """Every step logs its margin; a warn level every step passes gives one line for the whole excursion."""
+    cfg = quick_config(warm_model_dir, tmp_path / "run", **{"rollout.sync_calibration_steps": 2,
+                                                             "rollout.sync_warn_margin": 1e-9})
+    out = io.StringIO()
+    trainer = Trainer(cfg, Console(file=out, width=400))
     records = [trainer.train_step(step) for step in (1, 2, 3)]
     trainer.close()
     means = [r["sync/logprob_diff_mean"] for r in records]
     assert records[2]["sync/noise_floor_mean"] == max(means[:2])
     assert all(0 < r["sync/margin"] < 1 for r in records)
+    assert out.getvalue().count("sync check: engine and trainer log-probs are at") == 1
