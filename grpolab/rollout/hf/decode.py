@@ -41,7 +41,8 @@ def sample_step(logits: Tensor, uniform: Tensor | None, temperature: float, top_
     uniform: [A] float64 draws in [0, 1), one per row; unused (may be None) when greedy.
     temperature: 0 = greedy (argmax; the log-prob at temperature 1).
     top_k, top_p: truncation of the sampling distribution (transformers' warpers, top-k then top-p),
-        never of the returned log-prob.
+        never of the returned log-prob (pass@k evaluation only: training refuses them, its samples must
+        come from the policy whose log-probs it scores).
     Returns (tokens LongTensor[A], logprobs FloatTensor[A]).
 
     Sampling is by inverse CDF: row a takes the first token whose float64 cumulative probability exceeds
