@@ -87,7 +87,8 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
     strings, so completions are cut and graded exactly as in training; the pass@k samples also use
     its temperature, and the top-p / top-k it carries (the run's ``eval.top_p`` / ``eval.top_k``),
     with ``seed``. Greedy completions are generated ``chunk`` prompts at a time (None: all at once; the
-    hf engine's own batch size leaves its batches, and so its results, unchanged), and ``on_items(k)`` is called as k more items finish. Data parallel
+    hf engine's own batch size leaves its batches, and so its results, unchanged), and ``on_items(k)``
+    is called as k more items finish. Data parallel
     (``ranks``): each rank generates and grades its ``share_chunks`` and the results are gathered, so
     every rank returns the metrics and records of all items. ``measure``: more metrics (``val/``-prefixed)
     from all greedy completions, on every rank (e.g. an MoE policy's routing of them). ``reward_models``
