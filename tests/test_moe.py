@@ -557,10 +557,3 @@ def test_a_granite_moe_run_is_refused_in_one_line_before_its_run_dir(tmp_path, t
     errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "granitemoe: a Mixture-of-Experts family" in errors[0], errors
     assert not out.exists()
-
-
-def test_every_moe_arch_a_warm_start_builds_is_a_tested_router_family():
-    from grpolab.models.routing import ROUTED_FAMILIES
-    from grpolab.models.tinymodel import MOE_ARCHS
-
-    assert set(MOE_ARCHS) <= set(ROUTED_FAMILIES)

@@ -187,12 +187,10 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         from transformers.utils import logging as hf_logging
 
         from grpolab.models.lora import export_merged
-        from grpolab.run.checkpoints import problem
+        from grpolab.run.checkpoints import verify
 
         hf_logging.disable_progress_bar()
-        damaged = problem(Path(args.checkpoint))
-        if damaged:
-            raise ValueError(f"{args.checkpoint}: {damaged}; not exported")
+        verify(Path(args.checkpoint))  # before anything is loaded: one line for a damaged checkpoint
         from grpolab.common.progress import Reporter
 
         with Reporter(console).phase(f"export {args.checkpoint}"):  # loading and merging a large base takes a while

@@ -29,9 +29,14 @@ from torch import nn
 from grpolab.common.atomic import atomic_folder
 from grpolab.models.routing import routers
 from grpolab.parallel.fsdp import whole
+from grpolab.tasks.folder_hash import model_sha256
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+BASE_RECORD = "base_model.json"  # beside the adapter: the base it was trained on, its folder and SHA-256
+# what makes an adapter the policy it is, beyond its weights: peft's adapter_config.json fields
+SETTINGS = ("r", "lora_alpha", "use_rslora", "use_dora", "target_modules", "modules_to_save", "rank_pattern",
+            "alpha_pattern", "bias")
 
 
 def is_adapter_folder(folder: Path) -> bool:
@@ -41,6 +46,44 @@ def is_adapter_folder(folder: Path) -> bool:
 def adapter_base(folder: Path) -> Path:
     """The base model folder a LoRA checkpoint's adapter was trained on."""
     return Path(json.loads((Path(folder) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+
+
+def _setting(value: Any) -> Any:
+    """A peft setting as JSON holds it, lists (peft keeps target modules as a set) in sorted order."""
+    if isinstance(value, (set, list, tuple)):
+        return sorted(value) or None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # alpha 32 and 32.0 are one scale
+    return None if value in (None, False, {}, "") else value  # unset, off and empty read alike
+
+
+def settings_mismatch(config: dict[str, Any], folder: Path) -> str | None:
+    """The first of ``SETTINGS`` in which peft's adapter ``config`` (a ``to_dict()``, or adapter_config.json)
+    differs from the adapter saved in ``folder``, as 'FIELD X (the checkpoint's: Y)'; None when all agree."""
+    saved = json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
+    for field in SETTINGS:
+        ours, theirs = _setting(config.get(field)), _setting(saved.get(field))
+        if ours != theirs:
+            return f"{field} {ours} (the checkpoint's: {theirs})"
+    return None
+
+
+def base_mismatch(folder: Path, base_sha256: str | None = None) -> str | None:
+    """Why the base model a LoRA checkpoint in ``folder`` names is not the one its adapter was trained on
+    (its SHA-256, ``base_sha256`` when known, against the one the checkpoint recorded); None when it is, or
+    when the checkpoint recorded none (written before the record existed)."""
+    record_path = Path(folder) / BASE_RECORD
+    if not record_path.is_file():
+        return None
+    record = json.loads(record_path.read_text())
+    base = adapter_base(folder)
+    if not (base / "config.json").is_file():
+        return f"its base model {base} is not a model folder any more"
+    found = base_sha256 or model_sha256(base)
+    if found != record["sha256"]:
+        return (f"its base model {base} changed since the adapter was trained on it (SHA-256 {found[:12]}, "
+                f"recorded {record['sha256'][:12]})")
+    return None
 
 
 def linear_module_names(model: nn.Module) -> list[str]:
@@ -65,11 +108,38 @@ def _target_modules(model: nn.Module, targets: list[str] | str) -> list[str] | s
     return list(targets)
 
 
+def trains_tied_head(model: nn.Module) -> bool:
+    """``model``'s config ties its output layer to its input embedding, yet LoRA trains the output layer in full
+    beside the adapter (``modules_to_save = ["lm_head"]``: peft's trainable copy of it): the policy's head is
+    then no longer its embedding, and what serves the policy must hold the two apart."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(config, "tie_word_embeddings", False):
+        return False
+    from peft.utils import ModulesToSaveWrapper
+
+    return isinstance(model.get_output_embeddings(), ModulesToSaveWrapper)
+
+
 class Adapter:
     """The policy's LoRA adapter: peft's model around the policy, and what the run does with it."""
 
-    def __init__(self, peft_model):
+    def __init__(self, peft_model, base_dir: Path | None = None):
         self.peft_model = peft_model
+        self.base_dir = base_dir
+        self._base_sha256: str | None = None
+
+    @property
+    def base_sha256(self) -> str:
+        """SHA-256 of the base model's folder (``grpolab.tasks.folder_hash.model_sha256``), computed once."""
+        if self._base_sha256 is None:
+            self._base_sha256 = model_sha256(Path(self.base_dir))
+        return self._base_sha256
+
+    def save_pretrained(self, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """peft's files of the adapter and ``base_model.json``: the base it adapts, by folder and SHA-256 (a
+        load verifies it: an adapter applied to another base is another policy)."""
+        self.peft_model.save_pretrained(folder, state_dict=state_dict)
+        (Path(folder) / BASE_RECORD).write_text(json.dumps({"path": str(self.base_dir), "sha256": self.base_sha256}))
 
     @property
     def model(self) -> nn.Module:
@@ -86,10 +156,19 @@ class Adapter:
         return {f"base_model.model.{name}": tensor for name, tensor in weights.items()}
 
     def load(self, folder: Path) -> None:
-        """The adapter weights of a checkpoint folder, into this adapter (same settings)."""
+        """The adapter weights of a checkpoint folder, into this adapter; refused in one line unless the
+        checkpoint's settings are this adapter's (rank, alpha, rsLoRA, DoRA, targets, saved modules) and its
+        base is the one this adapter's weights came from."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
+        mismatch = settings_mismatch(self.peft_model.peft_config["default"].to_dict(), folder)
+        if mismatch:
+            raise ValueError(f"{folder}: a LoRA checkpoint loads only with its own settings, and [model.lora] "
+                             f"gives {mismatch}")
+        mismatch = base_mismatch(folder, self.base_sha256)
+        if mismatch:
+            raise ValueError(f"{folder}: {mismatch}; not loaded")
         result = set_peft_model_state_dict(self.peft_model, load_file(Path(folder) / ADAPTER_WEIGHTS))
         missing = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
         if missing or result.unexpected_keys:
@@ -109,7 +188,7 @@ def add_adapter(model: nn.Module, settings, seed: int, base_dir: Path) -> Adapte
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
-    return Adapter(peft_model)
+    return Adapter(peft_model, Path(base_dir))
 
 
 def lora_delta(layer: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -206,8 +285,9 @@ def export_merged(checkpoint: Path, out: Path) -> dict[str, Any]:
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; not overwritten")
     base = adapter_base(checkpoint)
-    if not (base / "config.json").is_file():
-        raise ValueError(f"{checkpoint}: its base model {base} is not a model folder any more")
+    mismatch = base_mismatch(checkpoint)
+    if mismatch or not (base / "config.json").is_file():
+        raise ValueError(f"{checkpoint}: {mismatch or f'its base model {base} is not a model folder any more'}")
     # a throwaway float32 copy: peft's own merge is the same W + (alpha / r) B A as ``MergedWeights``
     plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                                       checkpoint).merge_and_unload()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from grpolab.common.atomic import atomic_folder, fsync_path
+from grpolab.run.state import STATE_FILE
 
 MANIFEST = "checkpoint.json"
 TEMP_PREFIX = ".step_"
@@ -68,6 +69,10 @@ def listed_files(folder: Path) -> dict[str, dict[str, Any]]:
         raise ValueError(f"{MANIFEST} is unreadable ({type(err).__name__})") from None
     if not isinstance(files, dict):
         raise ValueError(f"{MANIFEST} is unreadable (no file list)")
+    for name, entry in files.items():  # it parses, yet an entry may not be one this code wrote
+        if not (isinstance(entry, dict) and type(entry.get("bytes")) is int and isinstance(entry.get("sha256"), str)
+                and name and not name.startswith("/") and ".." not in Path(name).parts):
+            raise ValueError(f"{MANIFEST} is unreadable (its entry for {name!r} is not a size and a SHA-256)")
     return files
 
 
@@ -94,6 +99,21 @@ def problem(folder: Path, needs: tuple[str, ...] = ()) -> str | None:
         if h.hexdigest() != entry["sha256"]:
             return f"{name} does not match its SHA-256 (damaged)"
     return None
+
+
+def is_checkpoint(folder: Path) -> bool:
+    """A folder a grpolab run wrote as a checkpoint (its listing, or a trainer state): one ``verify`` must pass
+    before anything in it is read, whoever reads it (a resume, ``model.path``, a suite's init_from, export)."""
+    return (Path(folder) / MANIFEST).is_file() or (Path(folder) / STATE_FILE).is_file()
+
+
+def verify(folder: Path, needs: tuple[str, ...] = ()) -> Path:
+    """``folder`` when every file its checkpoint.json lists checks out (``problem``); else one line naming it
+    and why, before a byte of its weights is loaded."""
+    why = problem(Path(folder), needs)
+    if why is not None:
+        raise ValueError(f"checkpoint {folder}: {why}; not loaded (a damaged or incomplete checkpoint)")
+    return Path(folder)
 
 
 def weights_sha256(folder: Path) -> str:

@@ -80,8 +80,9 @@ class Models:
 
     @property
     def saved(self):
-        """What a checkpoint saves with ``save_pretrained``: the model, or its adapter in peft's format."""
-        return self.adapter.peft_model if self.adapter is not None else self.model
+        """What a checkpoint saves with ``save_pretrained``: the model, or its adapter in peft's format with the
+        record of its base."""
+        return self.adapter if self.adapter is not None else self.model
 
     def saved_state(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The ``state_dict`` that ``saved.save_pretrained`` takes, from the policy's gathered ``weights``."""
