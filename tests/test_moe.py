@@ -527,8 +527,9 @@ def test_an_moe_family_whose_router_layout_is_untested_is_refused(family):
 
     model = AutoModelForCausalLM.from_config(_untested_family(family))
     assert routers(model) == []
-    with pytest.raises(ValueError, match=f"{family}: a Mixture-of-Experts family whose router"):
-        check_router_layout(model)
+    for args in ((model.config,), (model.config, model)):  # the config alone decides before a weight is read
+        with pytest.raises(ValueError, match=f"{family}: a Mixture-of-Experts family whose router"):
+            check_router_layout(*args)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -536,9 +537,10 @@ def test_the_tested_moe_families_and_dense_models_are_accepted(family, make_tiny
     from grpolab.models.routing import check_router_layout
 
     model = tiny_moe(family)
-    check_router_layout(model)
+    check_router_layout(model.config, model)
     assert len(routers(model)) == 2
-    check_router_layout(make_tiny_model("llama"))
+    dense = make_tiny_model("llama")
+    check_router_layout(dense.config, dense)
 
 
 def test_a_granite_moe_run_is_refused_in_one_line_before_its_run_dir(tmp_path, tokenizer, capsys):
@@ -557,3 +559,10 @@ def test_a_granite_moe_run_is_refused_in_one_line_before_its_run_dir(tmp_path, t
     errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "granitemoe: a Mixture-of-Experts family" in errors[0], errors
     assert not out.exists()
+
+
+def test_every_moe_arch_a_warm_start_builds_is_a_tested_router_family():
+    from grpolab.models.routing import ROUTED_FAMILIES
+    from grpolab.models.tinymodel import MOE_ARCHS
+
+    assert set(MOE_ARCHS) <= set(ROUTED_FAMILIES)

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from grpolab.models.gguf import GGUF_PREFIX, absolute_spec, gguf_file, gguf_model_dir, gguf_source
 from grpolab.models.like import LIKE_PREFIX, is_like_dir, like_model_dir
+from grpolab.models.routing import check_router_layout
 from grpolab.models.fidelity import attention_implementation
 from grpolab.models.dropout import disable_dropout
 from grpolab.common.progress import Reporter
@@ -103,6 +104,7 @@ def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32, device: tor
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     config = AutoConfig.from_pretrained(model_dir)
+    check_router_layout(config)  # an MoE family whose routers grpolab does not read: before any weight is read
     attn_implementation = attention_implementation(config, attn_implementation)
     if is_like_dir(model_dir):
         with torch.random.fork_rng(devices=[]):  # initialisation runs on the CPU
@@ -111,6 +113,7 @@ def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32, device: tor
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
     disable_dropout(model)  # the update's train-mode forwards compute the policy that sampled
+    check_router_layout(config, model)
     return model.to(device), tokenizer
 
 

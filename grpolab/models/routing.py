@@ -36,15 +36,16 @@ def routers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def check_router_layout(model: nn.Module) -> None:
-    """Raise ValueError (one line) when ``model`` is a Mixture-of-Experts family other than ``ROUTED_FAMILIES``:
-    experts declared in its config, or a module whose class names a router or an MoE block."""
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    model_type = getattr(config, "model_type", type(model).__name__)
+def check_router_layout(config, model: nn.Module | None = None) -> None:
+    """Raise ValueError (one line) when a transformers ``config`` (and its ``model``, once loaded) is a
+    Mixture-of-Experts family other than ``ROUTED_FAMILIES``: experts declared in the config, or a module whose
+    class names a router or an MoE block. The config alone decides before any weight is read."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    model_type = getattr(config, "model_type", "")
     if model_type in ROUTED_FAMILIES:
         return
     declared = [f"{f} {v}" for f in EXPERT_FIELDS if isinstance(v := getattr(config, f, None), int) and v > 1]
-    modules = sorted({type(m).__name__ for m in model.modules()
+    modules = sorted({type(m).__name__ for m in (model.modules() if model is not None else ())
                       if "router" in type(m).__name__.lower() or "moe" in type(m).__name__.lower()})
     if declared or modules:
         raise ValueError(f"{model_type}: a Mixture-of-Experts family whose router layout grpolab has not tested "

@@ -32,7 +32,7 @@ from grpolab.models.logprobs import enable_gradient_checkpointing
 from grpolab.models.lora import Adapter, AdapterWeights, MergedWeights, adapter_base, add_adapter, is_adapter_folder
 from grpolab.models.precision import TrainingPrecision, resolve_precision
 from grpolab.models.prompt_tokens import tokenize_prompts
-from grpolab.models.routing import check_router_layout, routers
+from grpolab.models.routing import routers
 from grpolab.parallel.fsdp import FullWeights, shard_fsdp
 from grpolab.parallel.ranks import Ranks, init_from_env
 from grpolab.rollout.base import RolloutEngine
@@ -224,7 +224,6 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         phase.info = (f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}"
                       + (f", {trainable / 1e6:.2f}M of them trained (LoRA rank {lora.rank})" if lora else ""))
-    check_router_layout(model)  # an MoE family whose router grpolab does not read: one line, before the run folder
     if cfg.model.router_aux_loss_coef and not routers(model):
         raise ValueError(f"model.router_aux_loss_coef needs a Mixture-of-Experts model; {model_dir} has no routers")
     bind_tokenizer = getattr(task, "bind_tokenizer", None)
