@@ -85,7 +85,7 @@ class VLLMConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm"] = Field("hf", description="hf: transformers generate on the training model; "
+    engine: Literal["hf", "vllm"] = Field("hf", description="hf: grpolab's decoding loop on the training model; "
                                           "vllm: colocated vLLM, weights synced every step")
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)

@@ -14,7 +14,7 @@ EXPECTED = {  # GUIDE section 2: baseline, normalizer, weight, eps_low, eps_high
     "dr_grpo": ("mean", "none", "clip", 0.2, 0.2, "constant", 1, 1),
     "rft": ("none", "none", "none", 0.2, 0.2, "constant", 1, 1),
     "maxrl": ("mean", "mean", "clip", 0.2, 0.2, "constant", 1, 1),
-    "gspo": ("mean", "std", "gspo", 3e-4, 3e-4, "sequence", 4, 1),
+    "gspo": ("mean", "std", "gspo", 3e-4, 4e-4, "sequence", 1, 4),  # the paper's sec. 5.1
     "cispo": ("mean", "std", "cispo", 0.2, 5.0, "token", 4, 1),
     "dapo": ("mean", "std", "clip", 0.2, 0.28, "token", 1, 1),
     "offpolicy_naive": ("mean", "std", "none", 0.2, 0.2, "sequence", 1, 32),

@@ -79,7 +79,7 @@ def test_every_index_of_an_update_lives_on_the_device_it_indexes(algo, warm_mode
 @pytest.mark.parametrize("algo", ["grpo", "gspo"])
 def test_a_learning_step_reads_the_device_per_optimizer_step_not_per_micro_batch(algo, warm_model_dir, tmp_path):
     """Micro-batches of one row read as many values back from the device as micro-batches of 16 (GSPO: 4
-    epochs with frozen old and reference log-probs)."""
+    optimizer steps with frozen old and reference log-probs)."""
     reads = []
     for micro in (16, 1):
         cfg = quick_config(warm_model_dir, tmp_path / str(micro), algo=algo, reference="frozen",

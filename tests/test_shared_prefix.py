@@ -134,7 +134,7 @@ def test_planner_partitions_rows_within_the_limits(rows, share, max_sequences, m
     {"optim.shared_prompts": False, "optim.micro_batch_tokens": 300},
 ])
 def test_rl_steps_end_in_the_same_parameters(warm_model_dir, tmp_path, overrides):
-    """GSPO (4 epochs: frozen old log-probs, shuffled minibatches) with a KL reference, 2 steps: the
+    """GSPO (4 minibatches: frozen old log-probs, shuffled) with a KL reference, 2 steps: the
     parameters and metrics agree with shared prompts and token budgets off."""
     common = {"algorithm.name": "gspo", "algorithm.beta": 0.04, "reference": "frozen", "steps": 2,
               "eval.every": 100, "checkpoint.every": 100}

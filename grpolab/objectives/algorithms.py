@@ -112,7 +112,9 @@ PRESETS: dict[str, AlgorithmSpec] = {
                       aggregation="constant", reference="Rejection-sampling fine-tuning (RAFT / STaR style)"),
         AlgorithmSpec(name="maxrl", normalizer="mean", aggregation="constant",
                       reference="MaxRL (Tajwar et al., 2026, arXiv 2602.02710)"),
-        AlgorithmSpec(name="gspo", weight="gspo", eps_low=3e-4, eps_high=3e-4, epochs=4,
+        # the paper (sec. 5.1): each rollout batch partitioned into four minibatches, one optimizer step each;
+        # left and right clipping ranges 3e-4 and 4e-4
+        AlgorithmSpec(name="gspo", weight="gspo", eps_low=3e-4, eps_high=4e-4, steps_per_epoch=4,
                       reference="Group Sequence Policy Optimization (Zheng et al., 2025)"),
         AlgorithmSpec(name="cispo", weight="cispo", eps_high=5.0, aggregation="token", epochs=4,
                       reference="MiniMax-M1 (MiniMax, 2025)"),
