@@ -60,7 +60,7 @@ def test_train_mode_forward_equals_eval_mode_once_dropout_is_off(family):
 
 def test_first_update_of_a_multi_update_preset_has_ratio_exactly_one(warm_model_dir, tmp_path):
     """A warm-started model with attention_dropout 0.1, one GSPO step (4 optimizer steps): the first
-    update's logged ratios are exactly 1 (with dropout on in the update: 0.59-1.19)."""
+    update's logged ratios are exactly 1 (with dropout on in the update: 0.38-1.12, mean 0.82)."""
     model_dir = tmp_path / "model"
     shutil.copytree(warm_model_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
@@ -71,7 +71,6 @@ def test_first_update_of_a_multi_update_preset_has_ratio_exactly_one(warm_model_
         record = trainer.train_step(1)
     finally:
         trainer.close()
-    print({k: v for k, v in record.items() if "ratio" in k})
     assert record["attempted_updates"] == 4 and record["actual_updates"] >= 1
     assert record["first_update/ratio_min"] == 1.0 and record["first_update/ratio_max"] == 1.0
     assert record["first_update/ratio_mean"] == 1.0

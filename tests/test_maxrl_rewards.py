@@ -88,4 +88,3 @@ def test_maxrl_run_refuses_a_user_function_reward_outside_zero_one(tmp_path, war
     err = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
     assert code == 2 and len(err) == 1, err
     assert "penalty -0.5" in err[0] and "{0, 1}" in err[0], err
-    print(err[0])
