@@ -169,12 +169,20 @@ def flip_a_bit(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def bad_entry(path: Path) -> None:
+    """checkpoint.json still parses, but an entry is not a size and a SHA-256 (a TypeError in resume before)."""
+    listing = json.loads(path.read_text())
+    listing["files"]["model.safetensors"] = 3
+    path.write_text(json.dumps(listing))
+
+
 DAMAGES = {
     "truncated weights": ("model.safetensors", truncate),
     "bit-flipped weights": ("model.safetensors", flip_a_bit),
     "empty state": ("trainer_state.pt", lambda p: p.write_bytes(b"")),
     "truncated state": ("trainer_state.pt", truncate),
     "no checkpoint manifest": (MANIFEST, Path.unlink),
+    "a bad manifest entry": (MANIFEST, bad_entry),
 }
 
 
