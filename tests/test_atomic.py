@@ -184,18 +184,17 @@ def test_a_report_on_a_full_disk_ends_in_one_line(tmp_path):
 def test_a_failed_suite_preparation_leaves_a_root_a_retry_accepts(warm_model_dir, tmp_path):
     from rich.console import Console
 
-    from grpolab.studies.manifest import PREPARING
     from grpolab.studies.suite.prepare import prepare_suite
 
     suite, root = suite_file(tmp_path, warm_model_dir), tmp_path / "out"
     long = tmp_path / "long.toml"
-    long.write_text(suite.read_text().replace('"a"', '"' + "a" * 240 + '"'))
+    long.write_text(suite.read_text().replace('"a"', '"' + "a" * 252 + '"'))
     one_error_line(grpolab("suite", "run", str(long), "--output-root", str(root)), "at most 200 characters")
     assert not root.exists()
     one_error_line(grpolab("suite", "run", str(suite), "--output-root", str(root), max_bytes=20_000),
                    str(root / "snapshot"), "File too large")
     assert list(root.iterdir()) == []
-    (root / PREPARING).write_text("")  # a preparation killed midway: its marker and part of a snapshot
+    (root / ".preparing").write_text("")  # a preparation killed midway: its marker and part of a snapshot
     (root / "snapshot").mkdir()
     one_error_line(grpolab("suite", "resume", str(root)), "preparation was stopped", "suite run")
     assert prepare_suite(suite, root, Console()) is not None

@@ -39,6 +39,13 @@ if os.environ.get("GRPOLAB_TEST_KILL_AT_FSYNC"):
             os.kill(os.getpid(), signal.SIGKILL)
         return _fsync(path)
     checkpoints._fsync = fsync
+if os.environ.get("GRPOLAB_TEST_KILL_AFTER_WEIGHTS"):  # killed once a model's weights are written
+    import safetensors.torch
+    _save_file = safetensors.torch.save_file
+    def save_file(*args, **kwargs):
+        _save_file(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+    safetensors.torch.save_file = save_file
 """
 
 
@@ -166,3 +173,24 @@ def test_fifty_random_kills_then_resumes_match_the_uninterrupted_run(warm_model_
     landed = kill_and_resume(warm_model_dir, run, steps=20, kills=50, seed=1, hook=hook)
     assert len(landed) == 50 and "checkpoint write" in landed and "mid-step" in landed, landed
     check_against_uninterrupted(warm_model_dir, run, tmp_path / "reference", steps=20)
+
+def test_an_export_killed_midway_leaves_nothing_and_the_next_export_matches(warm_model_dir, hook, tmp_path):
+    """``grpolab export`` killed after it wrote the merged weights (config.json already beside them) leaves no
+    part of the export in its folder; the next export into it succeeds and equals an uninterrupted one."""
+    train(quick_config(warm_model_dir, tmp_path / "run", steps=1, **{"checkpoint.every": 1, **LORA}))
+    checkpoint, out, reference = tmp_path / "run/checkpoints/step_000001", tmp_path / "out", tmp_path / "reference"
+
+    def export(folder: Path, **env: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]), **env}
+        return subprocess.run([sys.executable, "-m", "grpolab.commands.cli", "export", str(checkpoint), str(folder)],
+                              env=env, capture_output=True, text=True, timeout=300)
+
+    assert export(out, GRPOLAB_TEST_KILL_AFTER_WEIGHTS="1").returncode == -signal.SIGKILL
+    assert not out.exists() or not any(out.iterdir())
+    done = export(out)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert export(reference).returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "reference", "run"]  # no temp folder left
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
+    got, want = load_file(out / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
