@@ -174,6 +174,7 @@ def test_fifty_random_kills_then_resumes_match_the_uninterrupted_run(warm_model_
     assert len(landed) == 50 and "checkpoint write" in landed and "mid-step" in landed, landed
     check_against_uninterrupted(warm_model_dir, run, tmp_path / "reference", steps=20)
 
+
 def test_an_export_killed_midway_leaves_nothing_and_the_next_export_matches(warm_model_dir, hook, tmp_path):
     """``grpolab export`` killed after it wrote the merged weights (config.json already beside them) leaves no
     part of the export in its folder; the next export into it succeeds and equals an uninterrupted one."""
