@@ -93,6 +93,28 @@ def test_a_checkpoint_json_with_a_bad_entry_is_a_damaged_checkpoint(warm_model_d
     assert "done in" not in out and "Traceback" not in out and not (tmp_path / "out").exists()
 
 
+def test_a_suite_run_starts_only_from_the_checkpoint_recorded_when_its_source_completed(full_checkpoint, tmp_path):
+    from grpolab.run.checkpoints import weights_sha256
+    from grpolab.studies.manifest import RunRecord, SuiteManifest
+    from grpolab.studies.suite.verify import start_checkpoint_problem
+
+    def record(name, **fields):
+        return RunRecord(name=name, run_dir=str(tmp_path / name), config_file="c.json", config_sha256="0", **fields)
+
+    source = record("grpo", state="completed", final_checkpoint=str(full_checkpoint),
+                    final_checkpoint_sha256=weights_sha256(full_checkpoint))
+    follower = record("next", init_from="grpo")
+    manifest = SuiteManifest(suite="s", source_file="s.toml", runs=[source, follower])
+    assert start_checkpoint_problem(follower, manifest) is None
+    assert start_checkpoint_problem(source, manifest) is None
+    source.final_checkpoint_sha256 = "0" * 64  # another checkpoint now stands where the recorded one was
+    assert start_checkpoint_problem(follower, manifest) == (
+        f"init_from grpo: its final checkpoint {full_checkpoint} is not the one recorded when it completed "
+        "(its weights' SHA-256 differs); not run")
+    (full_checkpoint / "checkpoint.json").unlink()
+    assert "(no checkpoint.json); not run" in start_checkpoint_problem(follower, manifest)
+
+
 # ---- LoRA: the checkpoint's own settings, on its own base ----
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ from grpolab.studies.suite.placement import DevicePool, next_to_start, parse_dev
 from grpolab.studies.suite.prepare import prepare_suite, resume_command, train_command
 from grpolab.studies.suite.slurm_jobs import exit_file, submit_run
 from grpolab.studies.suite.status import status_table
-from grpolab.studies.suite.verify import reward_model_problem, verify_suite
+from grpolab.studies.suite.verify import reward_model_problem, start_checkpoint_problem, verify_suite
 
 __all__ = ["SuiteRunner", "completion_problems", "last_error", "prepare_suite", "progress_of", "status_table"]
 
@@ -188,7 +188,7 @@ class SuiteRunner:
                 self.reporter.line(f"run {record.name}: complete on disk "
                                    f"({progress_of(Path(record.run_dir)).describe(cfg.steps)}): completed, nothing started")
                 continue
-            problem = reward_model_problem(record, self.reporter)
+            problem = start_checkpoint_problem(record, manifest) or reward_model_problem(record, self.reporter)
             if problem is not None:
                 self._refuse(manifest, record, problem)
                 return
@@ -229,7 +229,8 @@ class SuiteRunner:
                                     "job_state": record.job_state})
 
     def _refuse(self, manifest: SuiteManifest, record: RunRecord, reason: str) -> None:
-        """A run that must not start (its reward model changed): failed with ``reason``, nothing started or
+        """A run that must not start (its reward model changed, or the checkpoint it starts from): failed with
+        ``reason``, nothing started or
         moved, and the queue stopped as a failed run stops it."""
         self._archive_attempt(record)
         record.command, record.state, record.reason, record.ended = [], "failed", reason, now()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from grpolab.common.progress import Reporter
 from grpolab.config import ConfigError, config_sha256, first_difference, read_config_json
+from grpolab.run.checkpoints import weights_sha256
 from grpolab.studies.manifest import RunRecord, SuiteManifest
 from grpolab.studies.suite.snapshot import hash_reward_model
 from grpolab.tasks.datasets import file_sha256
@@ -106,6 +107,22 @@ def reward_model_problem(record: RunRecord, reporter: Reporter) -> str | None:
         return (f"reward model {folder} changed since the suite was prepared: {what}; restore it and resume, "
                 "or make a new suite")
     return None
+
+
+def start_checkpoint_problem(record: RunRecord, manifest: SuiteManifest) -> str | None:
+    """A run that starts from an earlier run's final checkpoint (``init_from``): that checkpoint's weights must
+    be the ones recorded when the earlier run completed (their SHA-256s as its checkpoint.json lists them; the
+    run itself checks every file against that list before loading it, ``grpolab.run.checkpoints.verify``)."""
+    source = next((r for r in manifest.runs if r.name == record.init_from), None)
+    if source is None or source.final_checkpoint is None or source.final_checkpoint_sha256 is None:
+        return None
+    checkpoint = Path(source.final_checkpoint)
+    try:
+        why = None if weights_sha256(checkpoint) == source.final_checkpoint_sha256 else "its weights' SHA-256 differs"
+    except (ValueError, OSError) as err:
+        why = str(err)
+    return (None if why is None else f"init_from {source.name}: its final checkpoint {checkpoint} is not the one "
+            f"recorded when it completed ({why}); not run")
 
 
 def verify_suite(root: Path, manifest: SuiteManifest) -> None:
