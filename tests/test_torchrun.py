@@ -28,7 +28,8 @@ TESTS = Path(__file__).resolve().parent
 TASK = {"n_train": 60, "n_val": 16, "digits": 1}
 PROMPTS, GROUP = 4, 8
 # numbers that depend on wall time or on each rank's padding width, not on the maths
-NOT_COMPARED = ("time/", "tokens_per_s", "tokens/masked_padding")
+# sync/margin is a ratio of two float32 noise floors (~1e-7 each): it is not reproducible across process counts
+NOT_COMPARED = ("time/", "tokens_per_s", "tokens/masked_padding", "sync/margin")
 
 
 def blank_ids() -> list[str]:
