@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -77,21 +76,22 @@ def sessions_of(run: Path) -> int:
 
 
 def kill_and_resume(model_dir: Path, run: Path, steps: int, kills: int, seed: int, hook: Path,
-                    extra: dict | None = None) -> list[str]:
-    """Kill the run ``kills`` times at random moments, resuming after each; returns how each kill landed."""
+                    extra: dict | None = None, plan: list[str] | None = None) -> list[str]:
+    """Kill the run ``kills`` times at random moments (or as ``plan`` says), resuming after each; returns how
+    each kill landed. A run killed before its first checkpoint resumes from step 0 in place; one killed before
+    it wrote its config.json is started again, into the same folder, with its own command."""
     rng, landed = random.Random(seed), []
     args = [f"--{k}={v}" for k, v in settings(model_dir, run, steps, extra).items()]
     while True:
         checkpoint = newest_verified(run, (STATE_FILE,)).checkpoint if run.exists() else None
-        if run.exists() and checkpoint is None:  # killed before its first checkpoint: nothing to resume, start again
-            shutil.rmtree(run)
         start = int(checkpoint.name.removeprefix("step_")) if checkpoint else 0
         if start == steps:  # killed after its final checkpoint (while finishing): complete, nothing to resume
             return landed
-        command = ["train", "--resume", str(run)] if checkpoint else ["train", *args]
+        command = ["train", "--resume", str(run)] if (run / "config.json").is_file() else ["train", *args]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
-        how = None if len(landed) == kills else rng.choice(["startup", "mid-step", "mid-step", "checkpoint write"])
-        if how is not None and start >= steps - 4:
+        how = None if len(landed) == kills else plan[len(landed)] if plan else \
+            rng.choice(["startup", "mid-step", "mid-step", "checkpoint write"])
+        if how is not None and not plan and start >= steps - 4:
             how = "startup"  # the last steps (a fraction of a second each) could end before a later kill
         if how == "checkpoint write":  # in this session's first checkpoint write (about 10 fsyncs)
             env["GRPOLAB_TEST_KILL_AT_FSYNC"] = str(rng.randint(1, 10))
@@ -165,6 +165,21 @@ def test_a_lora_run_killed_and_resumed_matches_the_uninterrupted_run(warm_model_
     landed = kill_and_resume(warm_model_dir, run, steps=4, kills=2, seed=2, hook=hook, extra=LORA)
     assert len(landed) == 2, landed
     check_against_uninterrupted(warm_model_dir, run, tmp_path / "reference", steps=4, extra=LORA)
+
+
+def test_kills_before_the_first_checkpoint_resume_from_step_0_in_place_to_the_uninterrupted_run(warm_model_dir,
+                                                                                                  hook, tmp_path):
+    """Killed in its first steps, inside its first checkpoint write and while starting again, a run with no
+    complete checkpoint yet resumes from step 0 in place (it was a dead end: 'no complete checkpoint' to
+    --resume, 'not empty' to a new run)."""
+    run, extra = tmp_path / "run", {"checkpoint.every": 4}
+    landed = kill_and_resume(warm_model_dir, run, steps=6, kills=4, seed=3, hook=hook, extra=extra,
+                             plan=["mid-step", "checkpoint write", "startup", "mid-step"])
+    assert len(landed) == 4, landed
+    resumes = json.loads((run / "manifest.json").read_text()).get("resumes", [])
+    assert sum(r["from_checkpoint"] is None for r in resumes) >= 2, resumes  # from step 0, twice at least
+    assert (run / "metrics.discarded.jsonl").is_file()  # what the killed sessions wrote, set aside
+    check_against_uninterrupted(warm_model_dir, run, tmp_path / "reference", steps=6, extra=extra)
 
 
 @pytest.mark.slow

@@ -30,7 +30,9 @@ def test_an_empty_data_file_is_refused_before_the_run_directory_exists(empty, ti
     out = tmp_path / "run"
     assert main(["train", "--model.path", str(tiny_model_dirs["qwen2"]), "--output_dir", str(out), "--threads", "1",
                  "--task.name", "dataset", "--task.train", str(files["train"]),
-                 "--task.validation", str(files["validation"]), "--steps", "1"]) == 2
+                 "--task.validation", str(files["validation"]), "--steps", "1", "--rollout.max_new_tokens", "40",
+                 "--task.prompt.format", "template", "--task.prompt.template", "{question}=",
+                 "--task.prompt.answer", "last_number"]) == 2
     assert error_lines(capsys) == [f"error: {files[empty]}: no rows; a task needs at least one {empty} example"]
     assert not out.exists()
 
