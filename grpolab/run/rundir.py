@@ -147,17 +147,9 @@ def eval_record_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.stem.removeprefix("step_")) for p in (run_dir / EVAL_DIR).glob("step_*.jsonl"))
 
 
-def _append_once(path: Path, text: str) -> None:
-    """Append ``text`` to ``path`` (fsynced), unless the file already ends with it: a rewind killed after
-    this append and before ``metrics.jsonl`` was rewritten finds its records there and appends nothing."""
+def _append(path: Path, text: str) -> None:
+    """Append ``text`` to ``path``, fsynced (the rewritten metrics.jsonl may only follow it)."""
     data = text.encode()
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - len(data)))
-            if f.read() == data:
-                return
-    except FileNotFoundError:
-        pass
     try:
         with path.open("ab") as f:
             f.write(data)
@@ -187,7 +179,7 @@ def rewind_metrics(path: Path, step: int, session: int) -> list[dict[str, Any]]:
     size = discarded.stat().st_size if existed else 0
     try:
         if dropped:
-            _append_once(discarded, "".join(line + "\n" for line in dropped))
+            _append(discarded, "".join(line + "\n" for line in dropped))
         write_file(path, "".join(line + "\n" for line in kept))
     except BaseException:  # the discarded file as it was, so that a retry appends these records once
         if existed:
