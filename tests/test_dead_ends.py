@@ -149,12 +149,11 @@ def test_a_run_stopped_before_its_config_says_to_start_again_and_a_new_run_takes
     assert main(["train", "--resume", str(run)]) == 2
     assert error_lines(capsys) == [f"error: nothing to resume in {run}: no config.json (a run stopped before writing "
                                    "it trained nothing); start it again with its own command: a new run takes this folder"]
-    args = [f"--{k}={v}" for k, v in {"model.path": warm_model_dir, "output_dir": run, "steps": 3, "task.n_train": 60,
-                                      "task.n_val": 16, "task.digits": 1, "rollout.prompts_per_step": 4,
-                                      "rollout.group_size": 8, "rollout.max_new_tokens": 40,
-                                      "optim.micro_batch_size": 16, "optim.lr": 1e-3, "eval.every": 2,
-                                      "checkpoint.every": 3}.items()]
-    assert main(["train", *args]) == 0
+    from conftest import quick_config
+
+    args = quick_config(warm_model_dir, run, **STEPS).model_dump(mode="json")  # the same run, as a config file
+    (tmp_path / "run.json").write_text(json.dumps(args))
+    assert main(["train", "--config", str(tmp_path / "run.json")]) == 0
     assert_same_run(run, uninterrupted)
 
 
