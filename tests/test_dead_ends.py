@@ -37,6 +37,14 @@ def test_an_empty_data_file_is_refused_before_the_run_directory_exists(empty, ti
     assert not out.exists()
 
 
+def test_any_task_without_training_examples_is_refused_at_task_load(tiny_model_dirs, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--model.path", str(tiny_model_dirs["qwen2"]), "--output_dir", str(out), "--threads", "1",
+                 "--task.name", "custom_task:CountdownTask", "--task.n", "1", "--rollout.max_new_tokens", "40"]) == 2
+    assert error_lines(capsys) == ["error: task 'countdown' has no training examples"]
+    assert not out.exists()
+
+
 def test_a_prompt_stream_without_examples_refuses_instead_of_looping():
     from grpolab.tasks.stream import PromptStream
 
