@@ -109,13 +109,14 @@ _RUST_IO = re.compile(r"\(os error (\d+)\)")
 
 
 def as_os_error(err: BaseException) -> OSError | None:
-    """The OSError behind ``err``: itself, one it was raised from, or the errno of a library that words it
-    in its own error (safetensors: "... (os error 28)"); None for anything else."""
-    seen = err
+    """The OSError behind ``err``: itself, one it was raised from (``raise ... from``; not one it was merely
+    raised while handling: that error has its own say), or the errno of a library that words it in its own
+    error (safetensors: "... (os error 28)"); None for anything else."""
+    seen: BaseException | None = err
     while seen is not None:
         if isinstance(seen, OSError):
             return seen
-        seen = seen.__cause__ or seen.__context__
+        seen = seen.__cause__
     match = _RUST_IO.search(str(err))
     if match:
         number = int(match[1])
