@@ -142,6 +142,10 @@ def test_a_new_run_on_a_full_disk_and_a_name_too_long_end_in_one_line(two_step_r
     result = grpolab("train", *args, f"--output_dir={run}", max_bytes=200_000)  # the checkpoint does not fit
     one_error_line(result, str(run / "checkpoints" / "step_000001"), "File too large")
     assert not temporaries(run) and not list((run / "checkpoints").iterdir())
+    run = tmp_path / "run2"  # the weights fit, the optimizer state (torch.save words it "unexpected pos") does not
+    result = grpolab("train", *args, f"--output_dir={run}", max_bytes=600_000)
+    one_error_line(result, str(run / "checkpoints" / "step_000001" / "trainer_state.pt"), "File too large")
+    assert not temporaries(run) and not list((run / "checkpoints").iterdir())
     long = tmp_path / ("x" * 300)
     one_error_line(grpolab("train", *args, f"--output_dir={long}"), str(long), "File name too long")
 

@@ -139,7 +139,8 @@ class RecordingWriter(io.RawIOBase):
         try:
             return self.f.write(data)
         except OSError as err:
-            self.error = err
+            name = getattr(self.f, "name", None)
+            self.error = named(err, Path(name)) if isinstance(name, str) else err
             raise
 
 
