@@ -82,9 +82,8 @@ def _unfollowed_config(run_dir: Path) -> tuple[dict[str, Any], tuple[Path, ...]]
 
 def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: None) -> ResumePlan:
     """Every check of a resume of the run in ``cfg.output_dir`` (``cfg``: its config with the resume's
-    overrides); raises one line for the first that fails."""
+    overrides; ``check_target`` passed before its lock was taken); raises one line for the first that fails."""
     run_dir = Path(cfg.output_dir or "")
-    check_target(run_dir)
     if not (run_dir / MANIFEST).is_file():
         found, temps = _unfollowed_config(run_dir)
         if cfg.steps < found["steps"]:

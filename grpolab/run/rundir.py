@@ -18,7 +18,7 @@ class RunDirError(FileExistsError):
     """The output directory already holds something; nothing was written."""
 
 
-LOCK_FILE = ".grpolab.lock"  # grpolab.run.lock's
+LOCK_FILE = ".grpolab.lock"  # the file grpolab.run.lock locks
 CONFIG_FILE = "config.json"
 
 
