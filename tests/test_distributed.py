@@ -14,8 +14,9 @@ import torch.multiprocessing as mp
 from test_update import ToyPolicy, make_data
 
 from grpolab.objectives.algorithms import PRESETS
-from grpolab.parallel.ranks import Ranks, no_sync, wrap_ddp
-from grpolab.learning.update import DataParallelShare, UpdateData, run_update
+from grpolab.learning.lockstep import UpdateLockstep
+from grpolab.parallel.ranks import Ranks, wrap_ddp
+from grpolab.learning.update import UpdateData, run_update
 
 GROUPS, G, T = 4, 4, 9
 # per rollout batch, the groups whose rewards are all equal: batch 2 has no signal anywhere (skipped on
@@ -41,9 +42,10 @@ def updates(name: str, ranks: Ranks, **overrides) -> dict:
     module = _ToyModule(policy)
     forward = wrap_ddp(module, torch.device("cpu")) if ranks.parallel else module
     optimizer = torch.optim.AdamW([policy.weight], lr=0.05)
-    mine = range(ranks.groups(GROUPS).start * G, ranks.groups(GROUPS).stop * G)
-    rows = torch.tensor(list(mine))
-    dp = DataParallelShare(ranks, mine, GROUPS * G, lambda: no_sync(forward)) if ranks.parallel else None
+    lockstep = UpdateLockstep(ranks, forward, sharded=False)  # as the learner agrees with the other ranks
+    part = lockstep.part(GROUPS, G)
+    rows = torch.tensor(list(part.rows))
+    dp = lockstep.share(part)
     out = {"actual": [], "grad_norms": [], "metrics": []}
     gen = torch.Generator().manual_seed(3)
     for batch, zero in enumerate(ZERO_GROUPS):
@@ -97,6 +99,31 @@ def test_groups_are_whole_and_even():
     assert [list(Ranks(r, 2).share_chunks(3, 4)) for r in range(2)] == [[0, 1, 2], []]
     with pytest.raises(ValueError, match="cannot be split evenly"):
         Ranks(0, 2).groups(3)
+
+
+def test_the_lockstep_part_gives_each_rank_whole_groups_and_its_share_of_the_update():
+    """Rank 1 of 2 (no process group: nothing here is a collective): its groups, its rows of the global batch,
+    and the share the update runs as; FSDP pads every forward to the busiest rank's; one process has no share."""
+    module = torch.nn.Linear(2, 2)
+    lockstep = UpdateLockstep(Ranks(1, 2), module, sharded=False)
+    part = lockstep.part(4, 8)
+    assert (part.groups, part.rows, part.n_rows) == (range(2, 4), range(16, 32), 32)
+    assert part.of(["a", "b", "c", "d"]) == ["c", "d"]
+    assert part.of(torch.arange(8).view(4, 2)).tolist() == [[4, 5], [6, 7]]
+    share = lockstep.share(part)
+    assert (share.rows, share.n_rows, share.lockstep, lockstep.forwards) == (range(16, 32), 32, False, None)
+    assert share.local(torch.tensor([3, 16, 31, 17])).tolist() == [0, 15, 1]
+    # DDP: a rank with nothing to backpropagate still joins the all-reduce with one backward
+    assert share.forwards(0, 2, backward=True) == (1, 2) and share.forwards(0, 2, backward=False) == (0, 2)
+    sharded = UpdateLockstep(Ranks(1, 2), module, sharded=True)
+    assert sharded.share(part).lockstep and sharded.forwards == Ranks(1, 2)
+    alone = UpdateLockstep(Ranks(), module, sharded=False)
+    assert alone.share(alone.part(4, 8)) is None and alone.part(4, 8).rows == range(32)
+    assert alone.sum_counts({"tokens": 3}) == {"tokens": 3} and alone.total(torch.ones(2)).tolist() == [1.0, 1.0]
+    rows = torch.ones(2, 3)
+    assert alone.global_rows(rows)[0] is rows
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        lockstep.part(3, 8)
 
 
 def test_torchrun_on_gpus_joins_nccl_on_the_local_device(monkeypatch):

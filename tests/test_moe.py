@@ -377,6 +377,48 @@ def test_router_aux_loss_coef_adds_the_models_own_load_balancing_loss_to_the_gra
         torch.testing.assert_close(with_aux - without, coef * ref, rtol=1e-3, atol=1e-6)
 
 
+def test_the_probe_update_is_the_learners_own_with_the_load_balancing_loss(moe_dir, tmp_path):
+    """``grpolab probe`` steps through ``PolicyLearner.update``: an MoE policy's training forwards are watched as in
+    a run, so the load-balancing loss is in the probe's gradient (its own copy of the step left it out)."""
+    from grpolab.commands.probe import run_probe
+
+    norms = {}
+    for coef in (0.0, 0.5):
+        cfg = quick_config(moe_dir, tmp_path / "unused", **{"model.router_aux_loss_coef": coef,
+                                                             "rollout.max_new_tokens": 8})
+        report = run_probe(cfg, tmp_path / f"probe{coef}.json")
+        norms[coef] = [update["grad_norm"] for update in report["updates"]]
+        assert all(u["parameter_tensors_with_nonzero_grad"] == u["parameter_tensors"] for u in report["updates"])
+    assert norms[0.0][0] != norms[0.5][0]
+
+
+def test_a_batchs_routing_part_follows_the_policy_and_the_schedule(make_tiny_model):
+    """A dense policy's part watches nothing; an MoE policy's keeps a record when the engine made one or the
+    schedule has an old-log-prob forward to make it, and adds the load-balancing loss only with a coefficient."""
+    from grpolab.learning.moe_routing import DenseRouting, MoeRouting, batch_routing
+    from grpolab.objectives.algorithms import PRESETS
+
+    grpo, two_epochs = PRESETS["grpo"], PRESETS["grpo"].override(epochs=2)
+    dense = batch_routing(make_tiny_model("llama"), grpo, 0.0, (2, 10), [None, None])
+    assert type(dense) is DenseRouting and dense.metrics(lambda t: t) == {} and not dense.extra_loss
+
+    def policy(indices):
+        return indices, None
+
+    assert dense.with_aux_loss(policy) is policy and dense.old_watch is dense.counted is None
+    model = tiny_moe("qwen3_moe")
+    engine = [torch.zeros(10, 2, 2, dtype=torch.int16)] * 2  # each row's tokens took experts 0, 0 in both layers
+    unrecorded = batch_routing(model, grpo, 0.0, (2, 10), [None, None])
+    assert isinstance(unrecorded, MoeRouting) and unrecorded.table is None and unrecorded.old_watch is None
+    assert unrecorded.with_aux_loss(policy) is policy
+    recorded = batch_routing(model, grpo, 0.01, (2, 10), engine)
+    assert recorded.engine_routed and (recorded.table.choices == 0).all() and recorded.extra_loss
+    assert recorded.old_watch is recorded.uncounted
+    by_old_forward = batch_routing(model, two_epochs, 0.0, (2, 10), [engine[0], None])
+    assert not by_old_forward.engine_routed and (by_old_forward.table.choices == -1).all()
+    assert by_old_forward.old_watch is not None
+
+
 def test_router_aux_loss_coef_on_a_dense_model_is_refused(tiny_model_dirs, tmp_path):
     with pytest.raises(ValueError, match="router_aux_loss_coef needs a Mixture-of-Experts model"):
         Trainer(quick_config(tiny_model_dirs["llama"], tmp_path / "run", **{"model.router_aux_loss_coef": 0.01}))

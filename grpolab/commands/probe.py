@@ -22,13 +22,12 @@ import torch
 from grpolab.learning.batching import TrainBatch, collate
 from grpolab.config import RunConfig
 from grpolab.learning.learner import PolicyLearner
-from grpolab.objectives.losses import NonFiniteError
 from grpolab.models.loading import model_record
 from grpolab.models.precision import memory_table
 from grpolab.rollout.base import Completion
 from grpolab.run.rundir import write_json
 from grpolab.run.parts import RunParts, assemble
-from grpolab.learning.update import UpdateData, accumulate_gradients
+from grpolab.learning.update import UpdateData
 
 
 def peak_memory_mb(device: torch.device, reset: bool = False) -> float:
@@ -88,29 +87,21 @@ def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
 
 
 def probe_update(learner: PolicyLearner, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, Any]:
-    """One optimizer step over the whole batch, as the learner does it; counts the gradients it produced."""
+    """One optimizer step over the whole batch by the learner's own update; counts the gradients it produced."""
     started = time.perf_counter()
     data = UpdateData(advantages=advantages, response_mask=batch.response_mask, old_logprobs=None)
-    learner.model.train()
-    learner.optimizer.zero_grad(set_to_none=True)
-    spec = learner.spec.override(epochs=1, steps_per_epoch=1)
-    forward = learner.forward(batch)
-    step = accumulate_gradients(spec, data, torch.arange(len(batch), device=batch.input_ids.device),
-                                lambda idx: forward.logprobs(learner.train_forward, idx, True),
-                                learner.cfg.optim.micro_batch_size, learner.cfg.rollout.max_new_tokens,
-                                plan=forward.planner.plan)
-    with_grad = sum(1 for p in learner.params if p.grad is not None and bool(p.grad.abs().sum() > 0))
-    grad_norm = torch.nn.utils.clip_grad_norm_(learner.params, learner.cfg.optim.max_grad_norm)
-    if not torch.isfinite(grad_norm):
-        raise NonFiniteError(f"non-finite gradient norm ({grad_norm.item()}) in the probe update")
-    learner.optimizer.step()
-    learner.optimizer.zero_grad(set_to_none=True)
-    learner.model.eval()
+    with_grad: list[int] = []
+    counting = learner.optimizer.register_step_pre_hook(lambda *_: with_grad.append(
+        sum(1 for p in learner.params if p.grad is not None and bool(p.grad.abs().sum() > 0))))
+    try:
+        result = learner.update(data, learner.forward(batch), spec=learner.spec.override(epochs=1, steps_per_epoch=1))
+    finally:
+        counting.remove()
     if learner.device.type == "cuda":
         torch.cuda.synchronize()
-    return {"seconds": time.perf_counter() - started, "grad_norm": float(grad_norm),
-            "parameter_tensors_with_nonzero_grad": with_grad, "parameter_tensors": len(learner.params),
-            "trained_tokens": step.metrics.on_host().tokens}
+    return {"seconds": time.perf_counter() - started, "grad_norm": result.grad_norms[0],
+            "parameter_tensors_with_nonzero_grad": with_grad[0], "parameter_tensors": len(learner.params),
+            "trained_tokens": result.tokens.tokens}
 
 
 def run_probe(cfg: RunConfig, report_path: Path) -> dict[str, Any]:

@@ -1,15 +1,19 @@
-"""Learning from a rollout batch (steps 3-4 of the loop): group advantages, the frozen log-probs the
-objective needs (old policy, reference), the per-step sync check, and the update schedule.
+"""Learning from a rollout batch (steps 3-4 of the loop). ``PolicyLearner.learn`` reads as the loop: group
+advantages, this rank's part of the batch, the frozen log-probs the objective needs (old policy, reference),
+the per-step sync check, the update (``PolicyLearner.update``: per optimizer step its forwards, loss, backward
+and step), the batch's metrics.
 
-Data parallel: the rollout batch is the global one on every rank; a rank computes the advantages of all
-groups, trains on its own block of whole groups through the DDP-wrapped forward, and checks the sync
-and reports metrics over the global batch."""
+Two parts work around it: the batch's routing (``grpolab.learning.moe_routing``: an MoE policy's routing record,
+replay, router metrics and load-balancing loss; nothing for a dense policy) and the data-parallel ranks'
+lockstep (``grpolab.learning.lockstep``): the rollout batch is the global one on every rank; a rank computes the
+advantages of all groups, trains on its own block of whole groups through the DDP-wrapped forward, and checks
+the sync and reports metrics over the global batch."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -21,15 +25,17 @@ from grpolab.learning.batching import TrainBatch, collate
 from grpolab.rollout.base import Completion
 from grpolab.rollout.collect import RolloutBatch
 from grpolab.config import RunConfig
-from grpolab.parallel.ranks import Ranks, no_sync, wrap_ddp
+from grpolab.parallel.ranks import Ranks, wrap_ddp
 from grpolab.parallel.fsdp import drop_stale_weights, is_sharded
 from grpolab.learning.packing import MicroBatchPlanner, prompt_keys
 from grpolab.models.precision import TrainingPrecision
 from grpolab.rollout.sync_check import SyncMonitor
 from grpolab.models.fidelity import forward_fidelity
-from grpolab.models.routing import RouterTally, RoutingTable, routers
+from grpolab.objectives.algorithms import AlgorithmSpec
+from grpolab.learning.lockstep import RankPart, UpdateLockstep
+from grpolab.learning.moe_routing import DenseRouting, batch_routing, completion_routing, is_moe
 from grpolab.learning.shared_prefix import UnitLayout, layout_units, unit_logprobs
-from grpolab.learning.update import DataParallelShare, UpdateData, run_update
+from grpolab.learning.update import StepCheck, UpdateData, UpdateResult, run_update
 
 
 # the name under which an FSDP-sharded model carries ``unit_logprobs`` as a weight-gathering method
@@ -107,26 +113,6 @@ class BatchForward:
         return out
 
 
-@contextmanager
-def watch_routing(tally: RouterTally | None, table: RoutingTable | None, layout: UnitLayout):
-    """Around a training forward of an MoE policy: its routing of the completion tokens tallied, and compared
-    with (or replaying) the old forward's record in ``table``. Without ``tally`` (a data-parallel filler row's
-    forward) nothing counts; the record is still replayed."""
-    counted = layout.completion_masks() if tally is not None else [
-        torch.zeros(len(places[0]), dtype=torch.bool) for places in layout.token_places()]
-    if table is not None:
-        table.at(layout.token_places(), counted)
-    with tally.forward(counted) if tally is not None else nullcontext():
-        yield
-
-
-def routing_mismatch(table: RoutingTable, ranks: Ranks) -> dict[str, float]:
-    """``router/mismatch``: the share of (completion token, layer) expert choices of the training forwards that
-    differed from the old forward's, over every rank."""
-    counts = ranks.sum_(torch.stack([table.differing, table.compared]))
-    return {"router/mismatch": float(counts[0] / counts[1])} if counts[1] > 0 else {}
-
-
 def refuse_nonbinary_rewards(rollout: RolloutBatch) -> None:
     """MaxRL's advantage (normalizer 'mean') is defined for RL rewards in {0, 1}: refuse, in one line naming its
     reward terms, the first other reward (the config refuses the settings known to give one; a user function or
@@ -139,6 +125,20 @@ def refuse_nonbinary_rewards(rollout: RolloutBatch) -> None:
                                  f"sample {j} got {grade.reward:g} (its reward terms: {terms}), and (r - mean) / mean "
                                  "changes sign when a group's mean is negative; make that term 0 or 1, or use "
                                  "another normalizer (e.g. --algo grpo)")
+
+
+class SyncCheck:
+    """The per-step sync check over one batch: the engine's log-probs against the trainer's at the rows they
+    cover, read over the global batch (so that every rank takes the same decision); its ``sync/...`` metrics
+    in ``metrics``. ``enabled`` with ``rollout.sync_check``."""
+
+    def __init__(self, monitor: SyncMonitor, lockstep: UpdateLockstep, batch: TrainBatch, enabled: bool):
+        self.monitor, self.lockstep, self.batch, self.enabled = monitor, lockstep, batch, enabled
+        self.metrics: dict[str, float] = {}
+
+    def __call__(self, trainer: torch.Tensor, covered: torch.Tensor) -> None:
+        mask = self.batch.response_mask * covered.unsqueeze(1).to(self.batch.response_mask.dtype)
+        self.metrics.update(self.monitor.check(*self.lockstep.global_rows(self.batch.engine_logprobs, trainer, mask)))
 
 
 class PolicyLearner:
@@ -161,6 +161,7 @@ class PolicyLearner:
         self.train_forward = PolicyForward(model)
         if ranks.parallel and not self.sharded:
             self.train_forward = wrap_ddp(self.train_forward, device)
+        self.lockstep = UpdateLockstep(ranks, self.train_forward, self.sharded)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.precision, self.device, self.pad_token_id = precision, device, pad_token_id
         self.minibatch_gen, self.sync_monitor, self.updates = minibatch_gen, sync_monitor, updates
@@ -173,95 +174,97 @@ class PolicyLearner:
         self.sharing_note = None if blocker is None else f"shared prompts off: {blocker}"
 
     def forward(self, batch: TrainBatch) -> BatchForward:
-        return BatchForward(self.cfg, batch, self.precision, self.device, self.share_prompts,
-                            self.ranks if self.sharded else None)
+        return BatchForward(self.cfg, batch, self.precision, self.device, self.share_prompts, self.lockstep.forwards)
+
+    def routing(self, batch: TrainBatch, completions: list[Completion] | None = None,
+                spec: AlgorithmSpec | None = None) -> DenseRouting:
+        """The routing part of an update of ``spec`` (None: the run's algorithm) over ``batch``, whose rows are
+        ``completions`` (the engine's routing record is followed where every row has one; None: no record)."""
+        routed = [c.routed_experts for c in completions] if completions is not None else [None]
+        return batch_routing(self.model, spec or self.spec, self.cfg.model.router_aux_loss_coef,
+                             tuple(batch.input_ids.shape), routed)
 
     def routing_of(self, completions: list[Completion]) -> dict[str, float]:
         """An MoE policy's ``router/...`` metrics over the completion tokens of ``completions`` (one forward
         without gradients; every rank passes the same completions, so FSDP ranks run the same forwards);
         nothing for a dense policy."""
-        if not routers(self.model) or not completions:
+        if not is_moe(self.model) or not completions:
             return {}
-        tally = RouterTally(self.model)
         forward = self.forward(collate(completions, self.pad_token_id).to(self.device))
-        forward.frozen(self.model, lambda layout: tally.forward(layout.completion_masks()))
-        return tally.metrics()
+        return completion_routing(self.model, partial(forward.frozen, self.model))
 
     def learn(self, rollout: RolloutBatch) -> dict[str, Any]:
         """Advantages, sync check and the update schedule over one rollout batch; returns its metrics."""
-        if self.spec.normalizer == "mean":
-            refuse_nonbinary_rewards(rollout)
-        rewards = rollout.rewards()  # [B, G], all groups
-        advantages = group_advantages(rewards, self.spec.baseline, self.spec.normalizer, self.spec.adv_eps)
-        groups, group_size = self.ranks.groups(len(rollout.completions)), rewards.shape[1]
-        mine = [c for group in rollout.completions[groups.start:groups.stop] for c in group]
+        rewards, advantages = self.advantages(rollout)  # [B, G], all groups
+        part = self.lockstep.part(len(rollout.completions), rewards.shape[1])  # this rank's groups
+        mine = [c for group in part.of(rollout.completions) for c in group]
         batch = collate(mine, self.pad_token_id).to(self.device)
-        # With one optimizer step the policy is still the sampling policy: old = current, detached
-        # (exactly the log-probs frozen before the update, without a second forward pass), and the sync
-        # check reads the update's own forward before its optimizer step.
-        forward = self.forward(batch)
-        moe = bool(routers(self.model))
-        # an MoE policy: its routing in the training forwards, compared with (or replaying) the record of the
-        # engine that generated the batch where it made one, else the old-log-prob forward's
-        engine_routed = moe and all(c.routed_experts is not None for c in mine)
-        table = None
-        if moe and (engine_routed or not self.spec.is_single_update):
-            table = RoutingTable(self.model, tuple(batch.input_ids.shape))
-        balance = self.cfg.model.router_aux_loss_coef
-        routing = RouterTally(self.model, balance=balance > 0) if moe else None
-        if engine_routed:
-            table.fill([c.routed_experts for c in mine])
-        if self.spec.is_single_update:
-            old = None
-        elif engine_routed:  # the old log-probs follow the engine's routing too (with replay)
-            with table.attach(self.spec.routing_replay):
-                old = forward.frozen(self.model, partial(watch_routing, None, table))
-        else:
-            old = forward.frozen(self.model, (lambda layout: table.record(layout.token_places())) if table is not None
-                                 else None)
-        sync: dict[str, float] = {}
-
-        def check_sync(trainer: torch.Tensor, covered: torch.Tensor) -> None:
-            # over the global batch, so that every rank takes the same decision
-            mask = batch.response_mask * covered.unsqueeze(1).to(batch.response_mask.dtype)
-            sync.update(self.sync_monitor.check(*map(self.ranks.stack_rows, (batch.engine_logprobs, trainer, mask))))
-
-        check = self.cfg.rollout.sync_check
-        if check and old is not None:
-            check_sync(old, torch.ones(len(batch), dtype=torch.bool, device=old.device))
-        ref = None
-        if self.reference is not None:
-            with self.reference_context():
-                ref = forward.frozen(self.reference)
-        data = UpdateData(advantages=advantages[groups.start:groups.stop].flatten().to(self.device),
+        forward, routing = self.forward(batch), self.routing(batch, mine)
+        old = self.old_logprobs(forward, routing)
+        sync = SyncCheck(self.sync_monitor, self.lockstep, batch, self.cfg.rollout.sync_check)
+        if sync.enabled and old is not None:
+            sync(old, torch.ones(len(batch), dtype=torch.bool, device=old.device))
+        ref = self.reference_logprobs(forward)
+        data = UpdateData(advantages=part.of(advantages).flatten().to(self.device),
                           response_mask=batch.response_mask, old_logprobs=old, ref_logprobs=ref,
                           engine_logprobs=batch.engine_logprobs)
-        rows = range(groups.start * group_size, groups.stop * group_size)
-        around = partial(watch_routing, routing, table) if moe else None
-        filler = partial(watch_routing, None, table) if moe else None
-        dp = DataParallelShare(self.ranks, rows, rewards.numel(), lambda: no_sync(self.train_forward),
-                               lockstep=self.sharded,
-                               filler_logprobs=lambda idx: forward.logprobs(self.train_forward, idx, True, filler)
-                               ) if self.ranks.parallel else None
-        self.model.train()
-        try:
-            with table.attach(self.spec.routing_replay) if table is not None else nullcontext():
-                def policy(indices: torch.Tensor):
-                    logprobs, entropy = forward.logprobs(self.train_forward, indices, True, around)
-                    return (logprobs, entropy, balance * routing.balance_sum) if balance else (logprobs, entropy)
-
-                result = run_update(self.spec, data, policy, self.optimizer, self.params, plan=forward.plan,
-                                    micro_batch_size=self.cfg.optim.micro_batch_size,
-                                    max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                    max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen,
-                                    full_metrics=self.cfg.optim.full_metrics, dp=dp,
-                                    first_step_check=check_sync if check and old is None else None,
-                                    extra_loss=balance > 0)
-        finally:
-            self.model.eval()
+        # with one optimizer step the sync check reads the update's own forward, before its optimizer step
+        result = self.update(data, forward, routing, part=part,
+                             first_step_check=sync if sync.enabled and old is None else None)
         self.updates["attempted"] += result.attempted
         self.updates["actual"] += result.actual
-        return {**advantage_metrics(rewards, advantages), **result.metrics(), **sync,
-                **self.ranks.sum_counts(batch.token_counts()),
-                **(routing.metrics(self.ranks.sum_) if routing is not None else {}),
-                **(routing_mismatch(table, self.ranks) if table is not None else {})}
+        return {**advantage_metrics(rewards, advantages), **result.metrics(), **sync.metrics,
+                **self.lockstep.sum_counts(batch.token_counts()), **routing.metrics(self.lockstep.total)}
+
+    def advantages(self, rollout: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rewards, advantages) [B, G] of every group of ``rollout``."""
+        if self.spec.normalizer == "mean":
+            refuse_nonbinary_rewards(rollout)
+        rewards = rollout.rewards()
+        return rewards, group_advantages(rewards, self.spec.baseline, self.spec.normalizer, self.spec.adv_eps)
+
+    def old_logprobs(self, forward: BatchForward, routing: DenseRouting) -> torch.Tensor | None:
+        """[N, T] log-probs of the policy before the update, frozen; None with one optimizer step: the policy is
+        still the sampling policy, so the update's own forward detached is exactly them, without a second pass."""
+        if self.spec.is_single_update:
+            return None
+        with routing.old_forward():
+            return forward.frozen(self.model, routing.old_watch)
+
+    def reference_logprobs(self, forward: BatchForward) -> torch.Tensor | None:
+        """[N, T] log-probs of the reference policy (None without one)."""
+        if self.reference is None:
+            return None
+        with self.reference_context():
+            return forward.frozen(self.reference)
+
+    def update(self, data: UpdateData, forward: BatchForward, routing: DenseRouting | None = None, *,
+               spec: AlgorithmSpec | None = None, part: RankPart | None = None,
+               first_step_check: StepCheck | None = None) -> UpdateResult:
+        """The optimizer steps of ``spec``'s schedule (None: the run's algorithm) over the batch of ``forward``
+        (``grpolab.learning.update.run_update``: per step its forwards, loss, backward, clipped optimizer step),
+        ``data`` its rows' advantages and log-probs, the model in training mode meanwhile. ``routing``: the
+        batch's routing part (None: ``routing(batch, spec=spec)``, no engine record); ``part``: this rank's part
+        of a data-parallel batch (None: the whole batch is this process's); ``first_step_check``: as
+        ``run_update``'s. The run's counters are the caller's to update."""
+        spec = spec or self.spec
+        routing = routing if routing is not None else self.routing(forward.batch, spec=spec)
+
+        def policy(indices: torch.Tensor):
+            return forward.logprobs(self.train_forward, indices, True, routing.counted)
+
+        def filler(indices: torch.Tensor):  # a row that only joins the busiest rank's collectives
+            return forward.logprobs(self.train_forward, indices, True, routing.uncounted)
+
+        share = self.lockstep.share(part, filler) if part is not None else None
+        self.model.train()
+        try:
+            with routing.training():
+                return run_update(spec, data, routing.with_aux_loss(policy), self.optimizer, self.params,
+                                  plan=forward.plan, micro_batch_size=self.cfg.optim.micro_batch_size,
+                                  max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                  max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen,
+                                  full_metrics=self.cfg.optim.full_metrics, dp=share,
+                                  first_step_check=first_step_check, extra_loss=routing.extra_loss)
+        finally:
+            self.model.eval()

@@ -48,6 +48,15 @@ class DataParallelShare:
         inside = (indices >= self.rows.start) & (indices < self.rows.stop)
         return indices[inside] - self.rows.start
 
+    def forwards(self, n_grad: int, n_metric: int, backward: bool) -> tuple[int, int]:
+        """How many forwards with and without a backward pass this rank runs in a step where it has ``n_grad``
+        and ``n_metric`` micro-batches (``backward``: some rank backpropagates): in lockstep the busiest rank's
+        counts; else at least one backward while any rank backpropagates, to join the gradients' all-reduce."""
+        if self.lockstep:
+            counts = self.ranks.gather((n_grad, n_metric))
+            return max(c[0] for c in counts), max(c[1] for c in counts)
+        return (max(n_grad, 1) if backward and self.ranks.parallel else n_grad), n_metric
+
 
 @dataclass
 class UpdateData:
@@ -179,11 +188,8 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
     metric_micros = split(rest) if full_metrics and len(rest) else []
     accumulate = dp.accumulate if dp is not None else contextlib.nullcontext
     n_grad, n_metric = len(grad_micros), len(metric_micros)
-    if dp is not None and dp.lockstep:
-        counts = ranks.gather((n_grad, n_metric))
-        n_grad, n_metric = max(c[0] for c in counts), max(c[1] for c in counts)
-    elif backward and ranks.parallel:
-        n_grad = max(n_grad, 1)
+    if dp is not None:
+        n_grad, n_metric = dp.forwards(n_grad, n_metric, backward)
     filler = torch.zeros(1, dtype=torch.long, device=indices.device)  # a row of this rank's, for a zero loss
     filler_logprobs = dp.filler_logprobs if dp is not None and dp.filler_logprobs else policy_logprobs
     merged = TokenMetrics()
