@@ -96,3 +96,48 @@ def test_a_lora_checkpoint_as_the_start_is_refused_without_its_settings(warm_mod
     saved = add_adapter(load_policy(warm_model_dir)[0], LORA, 0, warm_model_dir).model
     assert all(torch.equal(p, dict(saved.named_parameters())[n]) for n, p in policy.model.named_parameters()
                if "lora_A" in n)
+
+
+def test_vllm_takes_each_kind_of_weights_the_way_it_always_did(warm_model_dir, tmp_path):
+    """A call-recording stand-in for the GPU transfer (CUDA IPC does not run here): the training model's own
+    weights go as the module itself (its one sender kept), merged weights as they are, weights on the CPU
+    through a folder of safetensors, an adapter through peft's files."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from grpolab.rollout.vllm.engine import VLLMEngine
+
+    class OnCuda:  # what the engine checks before it sends over CUDA IPC
+        def parameters(self):
+            return iter([SimpleNamespace(is_cuda=True)])
+
+    class CudaModelWeights(OnCuda, ModelWeights):
+        pass
+
+    class CudaMergedWeights(OnCuda, MergedWeights):
+        pass
+
+    calls = []
+    engine = VLLMEngine.__new__(VLLMEngine)  # no engine processes: its pushes are recorded
+    engine.weight_sync, engine.dtype, engine._sync_dir = "cuda_ipc", None, tmp_path
+    engine._reload = lambda push, restore=None: push()
+    engine._sync_cuda_ipc = lambda source: calls.append(("ipc", source))
+    engine.sync_from_folder = lambda folder: calls.append(("folder", str(folder)))
+    engine.sync_adapter_from_folder = lambda folder: calls.append(("adapter", str(folder)))
+
+    full = load_run_policy(warm_model_dir, warm_model_dir, FP32, CPU, lora=None, seed=0, sharded=False)
+    engine.sync_weights(CudaModelWeights(full.model, 1))
+    assert calls.pop() == ("ipc", full.model)
+    engine.sync_weights(full.weights("full", 1))  # on the CPU: a folder
+    assert calls.pop() == ("folder", str(tmp_path))
+    written = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(written[n], p) for n, p in full.model.named_parameters())
+
+    lora = load_run_policy(warm_model_dir, warm_model_dir, FP32, CPU, lora=LORA, seed=0, sharded=False)
+    merged = CudaMergedWeights(lora.model, 2)
+    engine.sync_weights(merged)
+    assert calls.pop() == ("ipc", merged)
+    engine.sync_weights(lora.weights("adapter", 2))
+    assert calls.pop() == ("adapter", str(tmp_path / "adapter"))
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file() and not calls
