@@ -98,6 +98,23 @@ def test_refusals_follow_the_capabilities_not_the_name(fake_engine):
                                                                                         "version": "0"}
 
 
+@pytest.mark.parametrize("overrides,message", [
+    ({"rollout.temperature": 2.5}, "config: rollout.temperature 2.5: the vLLM engine samples at temperatures up to 2"),
+    ({"eval.top_k": 5}, "config: eval.top_p / top_k: the vLLM engine samples with top_p = 1 and top_k = 0 only (vLLM "
+                        "reports log-probs renormalised over the truncated set)"),
+    ({"algorithm.routing_replay": True}, "config: algorithm.routing_replay with one optimizer step per batch replays "
+     "the engine's record, which only the hf engine makes (vllm does not): use rollout.engine 'hf' or more than one "
+     "step (algorithm.epochs x steps_per_epoch > 1)"),
+    ({"model": "like:qwen3-0.6b"}, "config: a like:NAME model has random weights and no weight files for vLLM to load; "
+                                   "use rollout.engine 'hf'"),
+])
+def test_the_refusals_read_as_the_configs_did(overrides, message):
+    """Word for word what validating the config said when it held these rules."""
+    with pytest.raises(ConfigError) as refused:
+        check_settings(load_config(None, {"engine": "vllm", **overrides}))
+    assert str(refused.value) == message
+
+
 def test_the_engine_record_of_the_manifest():
     assert engine_record(load_config(None, {}).rollout) == {"engine": "hf"}
     cfg = load_config(None, {"vllm_python": "/opt/py/bin/python"})

@@ -105,29 +105,34 @@ def _engines_that(can: Callable[[EngineCapabilities], bool]) -> list[str]:
     return [name for name, kind in ENGINES.items() if can(kind.capabilities)]
 
 
+def _refused(problem: str) -> ConfigError:
+    return ConfigError(f"config: {problem}")
+
+
 def check_settings(cfg: RunConfig) -> None:
     """Refuse, in one line (a ``ConfigError``) and before anything is loaded or written, settings the chosen
     engine cannot run: a temperature above its limit, truncated evaluation sampling it cannot report, MoE
     routing replay from a record it does not make, a model without weight files for an engine that loads
-    its own. Every command that runs a config calls it after loading it."""
+    its own. Every command that runs a config calls it after loading it. The message reads as the config's own
+    refusals do (``config: ...``)."""
     kind = ENGINES[cfg.rollout.engine]
     can, label = kind.capabilities, kind.label
     if can.max_temperature is not None and cfg.rollout.temperature > can.max_temperature:
-        raise ConfigError(f"rollout.temperature {cfg.rollout.temperature:g}: the {label} engine samples at "
-                          f"temperatures up to {can.max_temperature:g}")
+        raise _refused(f"rollout.temperature {cfg.rollout.temperature:g}: the {label} engine samples at "
+                       f"temperatures up to {can.max_temperature:g}")
     if not can.truncated_sampling and (cfg.eval.top_p < 1 or cfg.eval.top_k > 0):
-        raise ConfigError(f"eval.top_p / top_k: the {label} engine samples with top_p = 1 and top_k = 0 only "
-                          f"({label} reports log-probs renormalised over the truncated set)")
+        raise _refused(f"eval.top_p / top_k: the {label} engine samples with top_p = 1 and top_k = 0 only "
+                       f"({label} reports log-probs renormalised over the truncated set)")
     if cfg.algorithm.routing_replay and cfg.algorithm.is_single_update and not can.records_routing:
         makers = _engines_that(lambda c: c.records_routing)
-        raise ConfigError("algorithm.routing_replay with one optimizer step per batch replays the engine's "
-                          f"record, which only the {' and '.join(makers)} engine makes ({cfg.rollout.engine} does "
-                          f"not): use rollout.engine {' or '.join(repr(m) for m in makers)} or more than one step "
-                          "(algorithm.epochs x steps_per_epoch > 1)")
+        raise _refused("algorithm.routing_replay with one optimizer step per batch replays the engine's "
+                       f"record, which only the {' and '.join(makers)} engine makes ({cfg.rollout.engine} does "
+                       f"not): use rollout.engine {' or '.join(repr(m) for m in makers)} or more than one step "
+                       "(algorithm.epochs x steps_per_epoch > 1)")
     if (cfg.model.path or "").startswith("like:") and not can.shares_training_model:
         sharing = _engines_that(lambda c: c.shares_training_model)
-        raise ConfigError(f"a like:NAME model has random weights and no weight files for {label} to load; "
-                          f"use rollout.engine {' or '.join(repr(m) for m in sharing)}")
+        raise _refused(f"a like:NAME model has random weights and no weight files for {label} to load; "
+                       f"use rollout.engine {' or '.join(repr(m) for m in sharing)}")
 
 
 def weight_kind(cfg: RunConfig, offered: tuple[WeightKind, ...]) -> WeightKind:
@@ -181,8 +186,9 @@ def vllm_engine(r: EngineRequest) -> RolloutEngine:
     """vLLM, in this process or under the interpreter ``rollout.vllm.python`` names. It starts from the
     checkpoint in ``model_dir`` (the trainer's starting weights) in the trainer's compute dtype, so that
     engine and trainer log-probs can be compared; ``max_model_len`` bounds its KV cache. With ``adapter_rank``
-    and ``rollout.vllm.lora_sync = "adapter"`` it serves the base with vLLM's LoRA, and the syncs move only the adapter. A tied model whose head LoRA
-    trains in full (``modules_to_save``) is served untied (``VLLMEngine``'s ``untie_head``)."""
+    and ``rollout.vllm.lora_sync = "adapter"`` it serves the base with vLLM's LoRA, and the syncs move only the
+    adapter. A tied model whose head LoRA trains in full (``modules_to_save``) is served untied (``VLLMEngine``'s
+    ``untie_head``)."""
     if routers(r.model) and next(r.model.parameters()).device.type == "cpu":
         raise ValueError(VLLM_CPU_MOE)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output

@@ -155,7 +155,8 @@ def prepare_policy(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Pa
     both sharded before the optimizer is made."""
     ranks, reporter, device = setting.ranks, setting.reporter, setting.device
     sharded = is_sharded_run(cfg, ranks)
-    if sharded and capabilities(cfg.rollout.engine).shares_training_model and getattr(task, "toolset", None) is not None:
+    shares = capabilities(cfg.rollout.engine).shares_training_model  # a sharded model generates in lockstep
+    if sharded and shares and getattr(task, "toolset", None) is not None:
         raise ValueError(FSDP_TOOLS)
     start = _checkpoint_path(cfg.model.path)
     if start is not None:  # another run's checkpoint (a suite's init_from): every file it lists checks out first

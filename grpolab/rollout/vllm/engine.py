@@ -7,12 +7,12 @@ log-softmax(logits / temperature) of the sampled token, untruncated). vLLM runs 
 disabled that is the contract, so top-k/top-p sampling is refused rather than reported with
 renormalised log-probs (vLLM's "raw" modes are at temperature 1).
 
-``sync_weights(weights)`` (a ``grpolab.models.weights.PolicyWeights``): "file" (CPU, any device) writes the parameters as safetensors into a
-private folder and reloads them in the workers (``vllm_worker.WorkerExtension``, which also
-fixes the CPU backend's stale packed lm_head with tied embeddings); "cuda_ipc" (GPU only, not
-run here) uses vLLM's CUDA-IPC weight transfer. With ``lora_rank`` the engine serves the base with vLLM's
-own LoRA, and a LoRA run's sync (weights of kind ``adapter``) moves only the adapter, reloaded in place under one
-adapter id. The prefix cache is reset after a sync. Sleep
+``sync_weights(weights)`` (a ``grpolab.models.weights.PolicyWeights``): "file" (CPU, any device) writes the
+parameters as safetensors into a private folder and reloads them in the workers
+(``grpolab.rollout.vllm.worker.WorkerExtension``, which also fixes the CPU backend's stale packed lm_head with
+tied embeddings); "cuda_ipc" (GPU only, not run here) uses vLLM's CUDA-IPC weight transfer. With ``lora_rank``
+the engine serves the base with vLLM's own LoRA, and a LoRA run's sync (weights of kind ``adapter``) moves only
+the adapter, reloaded in place under one adapter id. The prefix cache is reset after a sync. Sleep
 mode (``sleep_level`` 1/2, CUDA/ROCm/XPU only; skipped with a logged note elsewhere) frees the
 accelerator between rollouts; level 2 discards the weights, so the engine pushes the latest ones
 again (last sync, else the checkpoint) whenever it wakes to generate (see ``VLLMEngine._wake``).
