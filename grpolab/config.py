@@ -11,7 +11,7 @@ import hashlib
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -20,12 +20,6 @@ from grpolab.models.precision import PrecisionName
 from grpolab.models.tinymodel import WarmStartSettings
 from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec
 from grpolab.tasks.configs import TASK_KINDS, TINY_MODEL_TASKS, ArithmeticTaskConfig, TaskConfig
-
-VLLM_MAX_TEMPERATURE = 2.0
-"""Highest sampling temperature vLLM accepts: above it ``SamplingParams._verify_args``
-(vllm/sampling_params.py, vLLM 0.32) raises ``VLLMValidationError`` (not a ValueError) "temperature
-must be in [0, 2], got ..."."""
-
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message has one line per problem."""
@@ -68,7 +62,9 @@ class ModelConfig(_Section):
 
 
 class VLLMConfig(_Section):
-    """The vLLM engine's settings (used when rollout.engine is "vllm")."""
+    """The vLLM engine's settings (used when rollout.engine is ``engine``)."""
+
+    engine: ClassVar[str] = "vllm"  # the rollout.engine choice these settings belong to
 
     python: str | None = Field(None, description="run vLLM under this interpreter, in its own process "
                                "(e.g. a venv that pins vLLM's torch); None = in this process")
@@ -86,7 +82,9 @@ class VLLMConfig(_Section):
 
 class RolloutConfig(_Section):
     engine: Literal["hf", "vllm"] = Field("hf", description="hf: grpolab's decoding loop on the training model; "
-                                          "vllm: colocated vLLM, weights synced every step")
+                                          "vllm: colocated vLLM, weights synced every step (the engines, "
+                                          "what each can do and the settings each refuses: grpolab.rollout."
+                                          "engines)")
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(48, ge=1)
@@ -127,10 +125,10 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _vllm_python_means_vllm(self) -> "RolloutConfig":
-        if self.vllm.python is not None and self.engine != "vllm":
+        if self.vllm.python is not None and self.engine != self.vllm.engine:
             if "engine" in self.model_fields_set:
-                raise ValueError("rollout.vllm.python (--vllm-python) needs rollout.engine 'vllm'")
-            self.engine = "vllm"
+                raise ValueError(f"rollout.vllm.python (--vllm-python) needs rollout.engine '{self.vllm.engine}'")
+            self.engine = self.vllm.engine
         return self
 
     def sync_limits(self, dtype: str) -> tuple[float | None, float | None]:
@@ -265,18 +263,6 @@ class RunConfig(_Section):
         if spec.baseline == "mean" and self.rollout.group_size < 2:
             raise ValueError(f"rollout.group_size 1 with the group-mean baseline of {spec.name}: every "
                              "advantage would be 0 and nothing would train; use group_size >= 2")
-        if self.rollout.engine == "vllm":
-            r = self.rollout
-            if r.temperature > VLLM_MAX_TEMPERATURE:
-                raise ValueError(f"rollout.temperature {r.temperature:g}: the vLLM engine samples at "
-                                 f"temperatures up to {VLLM_MAX_TEMPERATURE:g}")
-            if self.eval.top_p < 1 or self.eval.top_k > 0:
-                raise ValueError("eval.top_p / top_k: the vLLM engine samples with top_p = 1 and top_k = 0 "
-                                 "only (vLLM reports log-probs renormalised over the truncated set)")
-        if self.algorithm.routing_replay and self.algorithm.is_single_update and self.rollout.engine != "hf":
-            raise ValueError("algorithm.routing_replay with one optimizer step per batch replays the engine's "
-                             f"record, which only the hf engine makes ({self.rollout.engine} does not): use "
-                             "rollout.engine 'hf' or more than one step (algorithm.epochs x steps_per_epoch > 1)")
         if self.model.warm_start:
             if self.model.path is not None:
                 raise ValueError("model.warm_start changes the demo's tiny model: it applies only without model.path")
@@ -291,9 +277,6 @@ class RunConfig(_Section):
         if like and getattr(getattr(self.task, "prompt", None), "format", None) == "chat":
             raise ValueError("a like:NAME model's tokenizer has no chat template; use task.prompt.format "
                              "'r1_zero' or 'template'")
-        if like and self.rollout.engine == "vllm":
-            raise ValueError("a like:NAME model has random weights and no weight files for vLLM to load; "
-                             "use rollout.engine 'hf'")
         if self.model.path is None and self.task.name not in TINY_MODEL_TASKS:
             raise ValueError(f"model.path (--model DIR) is required for task {self.task.name!r} (the demo's tiny "
                              f"model is warm-started for {' and '.join(TINY_MODEL_TASKS)} only)")

@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from grpolab.commands.cli import main
 from grpolab.config import ConfigError, load_config
+from grpolab.rollout.engines import check_settings
 from grpolab.rollout.evaluation import grade_completions, greedy
 from grpolab.run.trainer import Trainer
 
@@ -27,8 +28,8 @@ from grpolab.run.trainer import Trainer
     ({"model": "like:qwen3-0.6b", "engine": "vllm"}, "random weights"),
 ])
 def test_configurations_that_cannot_run_or_learn_are_refused(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+    with pytest.raises(ConfigError, match=message):  # the config's own rules, then the chosen engine's
+        check_settings(load_config(None, overrides))
 
 
 def test_refusals_are_one_line_with_exit_2_and_write_nothing(warm_model_dir, tmp_path, capsys):

@@ -13,6 +13,7 @@ from conftest import TASK, quick_config
 from grpolab.commands.cli import main
 from grpolab.config import ConfigError, load_config
 from grpolab.learning.learner import BatchForward
+from grpolab.models.weights import ModelWeights
 from grpolab.rollout.sync_check import WeightSyncError
 from grpolab.run.trainer import Trainer
 
@@ -60,7 +61,7 @@ def test_hf_engine_checks_its_own_logprobs_by_default_from_the_update_forward(wa
     stale = copy.deepcopy(trainer.parts.model)
     with torch.no_grad():
         stale.get_output_embeddings().weight.mul_(1.05)
-    trainer.parts.engine.sync_weights(stale)
+    trainer.parts.engine.sync_weights(ModelWeights(stale))
     before = {k: v.clone() for k, v in trainer.parts.model.state_dict().items()}
     with pytest.raises(WeightSyncError):
         trainer.train_step(2)
@@ -125,5 +126,7 @@ def test_pass_at_k_samples_with_the_eval_top_k(warm_model_dir, tmp_path):
 
 
 def test_evaluation_top_p_top_k_on_vllm_is_refused():
+    from grpolab.rollout.engines import check_settings
+
     with pytest.raises(ConfigError, match="eval.top_p / top_k"):
-        load_config(None, {"engine": "vllm", "eval.top_k": 5})
+        check_settings(load_config(None, {"engine": "vllm", "eval.top_k": 5}))

@@ -278,11 +278,13 @@ def test_an_moe_run_with_two_epochs_measures_the_routing_mismatch(moe_dir, tmp_p
 
 def test_replay_with_one_step_needs_the_hf_engines_record():
     from grpolab.config import load_config
+    from grpolab.rollout.engines import check_settings
 
     with pytest.raises(ValueError, match="replays the engine's record, which only the hf engine makes"):
-        load_config(None, {"algorithm.routing_replay": True, "rollout.engine": "vllm"})
-    assert load_config(None, {"algorithm.routing_replay": True}).algorithm.routing_replay
-    assert load_config(None, {"algo": "gspo", "algorithm.routing_replay": True, "rollout.engine": "vllm"})
+        check_settings(load_config(None, {"algorithm.routing_replay": True, "rollout.engine": "vllm"}))
+    check_settings(cfg := load_config(None, {"algorithm.routing_replay": True}))
+    assert cfg.algorithm.routing_replay
+    check_settings(load_config(None, {"algo": "gspo", "algorithm.routing_replay": True, "rollout.engine": "vllm"}))
 
 
 @pytest.mark.parametrize("shared_prefill", [True, False])

@@ -10,6 +10,7 @@ import torch
 from conftest import assert_engine_contract
 from grpolab.learning.batching import collate
 from grpolab.models.logprobs import token_logprobs
+from grpolab.models.weights import ModelWeights
 from grpolab.rollout import Completion, HFEngine, RolloutEngine, SamplingParams
 
 PROMPTS = ["12+34=", "7+8=<think>", "a"]
@@ -189,7 +190,7 @@ def test_mode_restored_and_sync_is_noop(model, tokenizer, prompts):
     model.eval()
     engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=3, seed=0))
     assert not model.training
-    engine.sync_weights(model)
+    engine.sync_weights(ModelWeights(model))
     assert engine.model is model
     engine.close()
 

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from grpolab.learning.batching import collate
 from grpolab.models.logprobs import token_logprobs
+from grpolab.models.weights import ModelWeights
 from grpolab.rollout import Completion, HFEngine, RolloutEngine, SamplingParams
 from grpolab.rollout.sync_check import (
     SyncCheck,
@@ -195,7 +196,7 @@ def test_weight_sync_is_verified(engine, model, tokenizer, prompts):
         verify_weight_sync(batch.engine_logprobs, lp, batch.response_mask, max_abs_diff=TOL)
     assert logprob_diff(stale, lp, batch.response_mask).mean_abs_diff > 1e-2
 
-    engine.sync_weights(model)
+    engine.sync_weights(ModelWeights(model))
     synced = _flat(engine.generate(prompts, 4, params))  # same prompts: prefix cache must be stale-free
     batch, lp = _trainer_logprobs(model, synced, tokenizer.pad_token_id, 1.0)
     verify_weight_sync(synced, lp, batch.response_mask, max_abs_diff=TOL)
@@ -241,7 +242,7 @@ def test_subprocess_engine(model_dir, model, tokenizer, prompts):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
-        engine.sync_weights(model)
+        engine.sync_weights(ModelWeights(model))
         flat = _flat(engine.generate(prompts, 3, params))
         batch, lp = _trainer_logprobs(model, flat, tokenizer.pad_token_id, 0.7)
         verify_weight_sync(batch.engine_logprobs, lp, batch.response_mask, max_abs_diff=TOL)

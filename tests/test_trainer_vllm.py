@@ -55,7 +55,7 @@ def test_rl_steps_sync_checked_every_step_and_a_skipped_sync_is_caught(warm_mode
             assert step < 10, "no step with an update"
         with pytest.raises(WeightSyncError, match="not sampling from the trainer's current weights"):
             trainer.train_step(step + 1)
-        sync(trainer.parts.model)  # a real sync repairs it
+        sync(trainer.parts.sync_source())  # a real sync repairs it
         assert trainer.train_step(step + 2)["sync/logprob_diff_max"] < TOL
     finally:
         trainer.close()

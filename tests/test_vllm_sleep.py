@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.commands.bench import time_rollout
+from grpolab.models.weights import ModelWeights
 from grpolab.rollout import HFEngine, SamplingParams
 from grpolab.rollout.vllm.engine import _SEED_STRIDE, VLLM_MAX_TEMPERATURE, VLLMEngine, request_seed
 from grpolab.run.trainer import Trainer
@@ -295,7 +296,7 @@ def test_sync_while_asleep_then_generate(warm_model_dir, fake_vllm, fake_cuda, l
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01)
-        engine.sync_weights(model)
+        engine.sync_weights(ModelWeights(model))
         folder = str(engine._sync_dir)
         assert fake.calls[-5:] == [("sleep", level), ("empty_cache",), ("wake_up", ("weights",)),
                                    ("collective_rpc", "grpolab_reload_weights", {"weights_path": folder}),

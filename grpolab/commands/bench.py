@@ -12,7 +12,6 @@ Each engine gets its own run parts (``grpolab.run.parts``: model, optimizer, eng
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import statistics
 import time
@@ -26,12 +25,6 @@ from grpolab.common.progress import Reporter
 from grpolab.config import RunConfig
 
 PHASES = ("generate", "reward", "train", "sync", "step")
-
-
-def available_engines(cfg: RunConfig) -> list[str]:
-    """hf always; vllm when this interpreter has vLLM or rollout.vllm.python names one that does."""
-    has_vllm = cfg.rollout.vllm.python is not None or importlib.util.find_spec("vllm") is not None
-    return ["hf", "vllm"] if has_vllm else ["hf"]
 
 
 def _parts(cfg: RunConfig, engine: str):

@@ -159,12 +159,13 @@ def bench_command(args: argparse.Namespace, cfg, console: Console) -> None:
     import json
     from pathlib import Path
 
-    from grpolab.commands.bench import available_engines, run_bench
+    from grpolab.commands.bench import run_bench
+    from grpolab.rollout.engines import ENGINES, available_engines
 
-    engines = args.engines.split(",") if args.engines else available_engines(cfg)
-    unknown = sorted(set(engines) - {"hf", "vllm"})
+    engines = args.engines.split(",") if args.engines else available_engines(cfg.rollout)
+    unknown = sorted(set(engines) - set(ENGINES))
     if unknown or args.repeats < 1:
-        raise ValueError(f"unknown engine(s) {', '.join(unknown)}; choose from hf, vllm" if unknown
+        raise ValueError(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}" if unknown
                          else "--repeats must be >= 1")
     if args.json and Path(args.json).exists():
         raise FileExistsError(f"--json {args.json} already exists; not overwritten")
@@ -212,6 +213,9 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         check_target(Path(resume))
     cfg = load_run_config(resume, parse_overrides(extra)) if resume else load_config(getattr(args, "config", None),
                                                                                       parse_overrides(extra))
+    from grpolab.rollout.engines import check_settings
+
+    check_settings(cfg)  # what the chosen engine cannot run: one line, before anything is written
     if args.command == "probe":
         from grpolab.commands.probe import run_probe
 

@@ -15,7 +15,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpolab.config import RunConfig
+from grpolab.config import RolloutConfig, RunConfig
 from grpolab.models.loading import check_model_spec
 from grpolab.common.progress import Reporter, format_seconds
 from grpolab.run.rundir import resolve_run_dir
@@ -68,7 +68,9 @@ def print_demo_plan(cfg: RunConfig, reporter: Reporter) -> None:
     rl = tuple(cfg.steps * r * step * shape for r in RL_STEP_RATIO)
     ev = tuple(evals * r * step * n_val / 500 for r in EVAL_RATIO)
     cache = default_cache_root() / warm_start_key(task, settings)
-    engine = "" if cfg.rollout.engine == "hf" else f" (estimates for the hf engine; {cfg.rollout.engine} differs)"
+    calibrated = RolloutConfig.model_fields["engine"].default  # the estimates' ratios were measured on it
+    engine = ("" if cfg.rollout.engine == calibrated
+              else f" (estimates for the {calibrated} engine; {cfg.rollout.engine} differs)")
     lines = [f"grpolab demo: {cfg.algorithm.name} on {task.name} with a {parameters / 1e6:.1f}M-parameter "
              f"{settings.arch} model, {torch.get_num_threads()} cpu thread(s). Estimated on this machine{engine}:"]
     if cfg.model.path is None and not (cache / "warm_start.json").exists():

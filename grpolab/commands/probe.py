@@ -25,6 +25,7 @@ from grpolab.learning.learner import PolicyLearner
 from grpolab.models.loading import model_record
 from grpolab.models.precision import memory_table
 from grpolab.rollout.base import Completion
+from grpolab.rollout.engines import capabilities
 from grpolab.run.rundir import write_json
 from grpolab.run.parts import RunParts, assemble
 from grpolab.learning.update import UpdateData
@@ -54,7 +55,7 @@ def bytes_by_part(parts: RunParts) -> dict[str, int | None]:
         return sum(p.numel() * p.element_size() for p in params)
 
     model, reference = parts.model, parts.reference
-    trained = size(parts.models.trainable())
+    trained = size(parts.policy.trainable())
     out = {"frozen_weights": size(p for p in model.parameters() if not p.requires_grad), "trained_weights": trained,
            "gradients": trained, "optimizer_state": optimizer_state_bytes(parts.optimizer),
            "reference_weights": 0 if reference is None or reference is model else size(reference.parameters()),
@@ -137,7 +138,7 @@ def _probe(parts: RunParts) -> dict[str, Any]:
                                      parts.collector.sampling_params(0, 0))
     parts.engine.sync_weights(parts.sync_source())
     rows = r.prompts_per_step * r.group_size
-    cache_rows = min(rows, r.max_batch_size) if r.engine == "hf" else rows
+    cache_rows = min(rows, r.max_batch_size) if capabilities(r.engine).bounded_batch else rows
     generation = {"seconds": time.perf_counter() - started, "completions": rows,
                   "tokens": sum(len(c.completion_ids) for g in groups for c in g),
                   "kv_cache_rows": cache_rows,
@@ -165,7 +166,7 @@ def _probe(parts: RunParts) -> dict[str, Any]:
                    "logits_chunk": [mb, min(chunk, length - 1), vocab], "full_logits_avoided": [mb, length, vocab]},
         "updates": [first, second],
         "generation": generation,
-        "parameters": {"total": n_params, "trained": sum(p.numel() for p in parts.models.trainable()),
+        "parameters": {"total": n_params, "trained": sum(p.numel() for p in parts.policy.trainable()),
                        "bytes": bytes_by_part(parts),
                        "lora_rank": cfg.model.lora.rank if cfg.model.lora else None,
                        "reference": ("none" if parts.reference is None else "the policy, adapter off (no copy)"

@@ -28,6 +28,7 @@ from torch import nn
 
 from grpolab.common.atomic import atomic_folder
 from grpolab.models.routing import routers
+from grpolab.models.weights import PolicyWeights
 from grpolab.parallel.fsdp import whole
 from grpolab.tasks.folder_hash import model_sha256
 
@@ -210,15 +211,17 @@ def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
 
 
-class MergedWeights:
-    """The policy's weights as a plain model has them (its parameter names, base + scaled adapter product
-    ``(alpha / r) B A``, each computed in float32 from the unmodified base and cast to the base's dtype), seen
-    the way an engine's weight sync reads a model: ``named_parameters()`` (tied weights once) and
-    ``parameters()``; ``hf_model``: the model they are of. A sharded policy's weights are gathered whole first:
-    every rank builds it."""
+class MergedWeights(PolicyWeights):
+    """The policy's weights as a plain model has them (kind ``merged``: its parameter names, base + scaled
+    adapter product ``(alpha / r) B A``, each computed in float32 from the unmodified base and cast to the
+    base's dtype), seen the way an engine's weight sync reads a model: ``named_parameters()`` (tied weights
+    once) and ``parameters()``; ``model``: the model they are of. A sharded policy's weights are gathered whole
+    first: every rank builds it."""
 
-    def __init__(self, model: nn.Module):
-        self.hf_model = model
+    kind = "merged"
+
+    def __init__(self, model: nn.Module, version: int = 0):
+        self.model, self.version = model, version
         layers = _lora_layers(model)
         with torch.no_grad():
             params = {name: whole(p).detach() for name, p in model.named_parameters()}
@@ -247,14 +250,17 @@ class MergedWeights:
         return iter(self.weights.values())
 
 
-class AdapterWeights:
-    """The policy's adapter as an engine with LoRA of its own loads it: peft's files, written on demand
-    (``save``) in the given dtype. What a LoRA run's weight sync hands such an engine instead of the weights.
-    A sharded adapter is gathered whole: every rank builds it."""
+class AdapterWeights(PolicyWeights):
+    """The policy's adapter as an engine with LoRA of its own loads it (kind ``adapter``): peft's files,
+    written on demand (``save``) in the given dtype. What a LoRA run's weight sync hands such an engine instead
+    of the weights. A sharded adapter is gathered whole: every rank builds it."""
 
-    def __init__(self, adapter: Adapter):
+    kind = "adapter"
+
+    def __init__(self, adapter: Adapter, version: int = 0):
         from peft import get_peft_model_state_dict
 
+        self.model, self.version = adapter.model, version
         self.config = adapter.peft_model.peft_config["default"]
         with torch.no_grad():
             self.state = {k: whole(v).detach() for k, v in get_peft_model_state_dict(adapter.peft_model).items()}

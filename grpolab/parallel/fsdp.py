@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FullWeights", "drop_stale_weights", "full_optimizer_state", "full_state_dict", "is_sharded", "load_optimizer_state",
+__all__ = ["drop_stale_weights", "full_optimizer_state", "full_state_dict", "is_sharded", "load_optimizer_state",
            "shard_fsdp", "whole"]
 
 
@@ -103,20 +103,3 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-
-
-class FullWeights:
-    """A sharded model's whole weights, gathered on every rank (every rank calls it) and held on the CPU
-    (so an engine syncs through its weight files, as it does from a CPU model), seen the way an engine's
-    weight sync reads a model: ``named_parameters()`` (tied weights once) and ``parameters()``; ``hf_model``:
-    the model they are of."""
-
-    def __init__(self, model: nn.Module):
-        self.hf_model = model
-        self.weights = full_state_dict(model, on_every_rank=True)
-
-    def named_parameters(self):
-        return iter(self.weights.items())
-
-    def parameters(self):
-        return iter(self.weights.values())

@@ -23,9 +23,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from torch import Tensor, nn
+from torch import Tensor
 
-__all__ = ["SamplingParams", "Completion", "RolloutEngine", "FinishReason", "collect_eos_ids",
+from grpolab.models.weights import PolicyWeights
+
+__all__ = ["SamplingParams", "Completion", "EngineCapabilities", "RolloutEngine", "FinishReason", "collect_eos_ids",
            "let_an_interrupt_land"]
 
 FinishReason = Literal["stop", "length"]
@@ -131,9 +133,40 @@ class Completion:
         return len(self.completion_ids) if self.policy_mask is None else sum(self.policy_mask)
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do, declared by its class (``capabilities``) and looked up by the config's engine
+    choice (``grpolab.rollout.engines.capabilities``): code outside ``rollout/`` asks these, never an
+    engine's name.
+
+    shares_training_model: it samples from the training model object itself (sharded too, then in lockstep
+        over the ranks); otherwise it holds weights of its own, loaded from weight files and synced by copy.
+    max_temperature: the highest sampling temperature it takes (None: no limit).
+    truncated_sampling: it samples with top_p < 1 or top_k > 0 and still reports the contract's untruncated
+        log-probs (evaluation's pass@k sampling).
+    graceful_stop: it outlives the terminal's Ctrl-C, so a signal may let the run finish its step and save a
+        checkpoint (an engine whose processes die of the same signal is stopped at once).
+    records_routing: an MoE policy's completions carry the experts its routers chose (``routed_experts``).
+    serves_adapters: it can serve a LoRA adapter of its own, synced alone (``PolicyWeights`` kind ``adapter``).
+    batch_refill: it starts new sequences as others finish, within one call.
+    bounded_batch: it generates at most ``rollout.max_batch_size`` sequences at once (its KV cache holds as
+        many rows); otherwise the whole call's.
+    """
+
+    shares_training_model: bool
+    max_temperature: float | None = None
+    truncated_sampling: bool = True
+    graceful_stop: bool = True
+    records_routing: bool = False
+    serves_adapters: bool = False
+    batch_refill: bool = False
+    bounded_batch: bool = False
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """A sampler of completions from the current policy."""
+    """A sampler of completions from the current policy. An engine class also declares what it can do as
+    ``capabilities`` (an ``EngineCapabilities``)."""
 
     def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams
@@ -141,8 +174,8 @@ class RolloutEngine(Protocol):
         """``n`` completions for each prompt; outer list in prompt order, inner of length n."""
         ...
 
-    def sync_weights(self, model: nn.Module) -> None:
-        """Make the engine sample from ``model``'s current weights."""
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Make the engine sample from the policy ``weights`` hold (of the kind its capabilities select)."""
         ...
 
     def close(self) -> None:

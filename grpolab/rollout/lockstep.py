@@ -3,8 +3,7 @@ engine on an FSDP-sharded model: every forward gathers the weights from all rank
 
 from __future__ import annotations
 
-from torch import nn
-
+from grpolab.models.weights import PolicyWeights
 from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
 
@@ -25,8 +24,8 @@ class LockstepEngine:
         padded = list(prompts) + [prompts[0] if prompts else self.filler] * (most - len(prompts))
         return self.engine.generate(padded, n, params)[:len(prompts)]
 
-    def sync_weights(self, model: nn.Module) -> None:
-        self.engine.sync_weights(model)
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        self.engine.sync_weights(weights)
 
     def close(self) -> None:
         self.engine.close()

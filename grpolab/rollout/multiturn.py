@@ -18,8 +18,7 @@ from dataclasses import dataclass, field, replace
 from statistics import mean
 from typing import Any
 
-from torch import nn
-
+from grpolab.models.weights import PolicyWeights
 from grpolab.rollout.base import Completion, FinishReason, RolloutEngine, SamplingParams
 from grpolab.tools.protocol import ToolCall, Toolset
 
@@ -58,8 +57,8 @@ class MultiTurnEngine:
         self.engine, self.toolset, self.tokenizer = engine, toolset, tokenizer
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else getattr(engine, "eos_token_ids", []))
 
-    def sync_weights(self, model: nn.Module) -> None:
-        self.engine.sync_weights(model)
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        self.engine.sync_weights(weights)
 
     def close(self) -> None:
         self.engine.close()

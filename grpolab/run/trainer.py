@@ -26,7 +26,7 @@ from grpolab.config import RunConfig
 from grpolab.models.loading import model_record
 from grpolab.parallel.fsdp import full_state_dict
 from grpolab.parallel.ranks import end_process_group
-from grpolab.rollout.engines import dtype_name
+from grpolab.rollout.engines import capabilities, dtype_name, engine_record
 from grpolab.rollout.evaluation import evaluate
 from grpolab.run.checkpoints import prune, remove_temp_folders, save_checkpoint, set_aside
 from grpolab.run.journal import RunJournal
@@ -151,25 +151,14 @@ class Trainer:
             "cpu": {"threads": threads.threads, "cores": threads.cores, "busy_at_start": threads.busy},
             "model": model_record(parts.model, parts.model_dir), "task": parts.task.name,
             # a start from another run's checkpoint: its weights only, with a fresh optimizer and this seed
-            "warm_start_from": (str(parts.models.started_from) if parts.models.started_from is not None
+            "warm_start_from": (str(parts.policy.started_from) if parts.policy.started_from is not None
                                 else str(parts.model_dir) if (parts.model_dir / STATE_FILE).is_file() else None),
             "data": fingerprint() if fingerprint else None, "train_examples": len(parts.task.train_examples()),
             "val_examples": len(parts.val_examples), "algorithm": self.spec.model_dump(),
             "precision": {"setting": parts.precision.name, "weights": dtype_name(parts.precision.storage),
                           "compute": dtype_name(parts.precision.compute)},
-            "rollout_engine": self._engine_record(),
+            "rollout_engine": engine_record(self.cfg.rollout),
         }
-
-    def _engine_record(self) -> dict[str, Any]:
-        r = self.cfg.rollout
-        record: dict[str, Any] = {"engine": r.engine}
-        if r.engine == "vllm":
-            record["python"] = r.vllm.python or sys.executable
-            if r.vllm.python is None:
-                import vllm
-
-                record["vllm"] = vllm.__version__
-        return record
 
     # ---- evaluation, the loop, the summary ------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
@@ -203,10 +192,10 @@ class Trainer:
         rewards = [r["reward_mean"] for r in self.records if "reward_mean" in r]
         log_every = cfg.log_every or (1 if self.reporter.plain else None)
         with self.reporter.phase("train", total=cfg.steps, unit="steps", done_note=False, done=first - 1) as bar:
-            # vLLM's engine processes share the terminal's process group and die of the same Ctrl-C, so a
-            # graceful stop could wait on a dead engine: with vLLM a signal still stops the run at once.
-            # Under torchrun the ranks agree at each step's end whether any of them was asked to stop.
-            stop.armed = cfg.rollout.engine == "hf"
+            # an engine whose processes share the terminal's process group dies of the same Ctrl-C, so a
+            # graceful stop could wait on a dead engine: with such an engine a signal still stops the run at
+            # once. Under torchrun the ranks agree at each step's end whether any of them was asked to stop.
+            stop.armed = capabilities(cfg.rollout.engine).graceful_stop
             for step in range(first, cfg.steps + 1):
                 record = self.train_step(step, bar.set_status)
                 self.parts.state.step = step
@@ -237,11 +226,11 @@ class Trainer:
         """Rank 0 writes the checkpoint of ``step`` (whole weights, every rank's RNGs in its state) and, with
         checkpoint.keep_last, removes the oldest once it verifies; the others gather what it needs and
         wait for it. Returns what was done, for the progress line."""
-        weights = self.parts.models.saved_state(full_state_dict(self.parts.model)) if self.parts.sharded else None
+        weights = self.parts.policy.saved_state(full_state_dict(self.parts.model)) if self.parts.sharded else None
         state = self.parts.state.state_dict()
 
         def write() -> str:
-            folder = save_checkpoint(self.parts.models.saved, self.parts.tokenizer, self.run_dir, step,
+            folder = save_checkpoint(self.parts.policy.saved, self.parts.tokenizer, self.run_dir, step,
                                      lambda tmp: RunState.save(state, tmp), weights)
             keep = self.cfg.checkpoint.keep_last
             removed = prune(self.run_dir, keep, (STATE_FILE,)) if keep else []

@@ -31,7 +31,8 @@ from torch import nn
 
 from grpolab.models.logprobs import backbone_and_head
 from grpolab.models.routing import routers
-from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
+from grpolab.models.weights import PolicyWeights
+from grpolab.rollout.base import Completion, EngineCapabilities, SamplingParams, collect_eos_ids
 from grpolab.rollout.hf.decode import decode
 from grpolab.rollout.hf.grouped_attention import grouped_kv_attention
 from grpolab.rollout.hf.packed_linear import packed_linears
@@ -68,6 +69,10 @@ class HFEngine:
     (``Completion.routed_experts``; ``grpolab.rollout.hf.routing_capture``).
     """
 
+    capabilities = EngineCapabilities(shares_training_model=True, max_temperature=None, truncated_sampling=True,
+                                      graceful_stop=True, records_routing=True, serves_adapters=False,
+                                      batch_refill=False, bounded_batch=True)
+
     def __init__(self, model: nn.Module, tokenizer, max_batch_size: int = 64,
                  eos_token_ids: Sequence[int] | None = None,
                  compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
@@ -86,10 +91,10 @@ class HFEngine:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
 
-    def sync_weights(self, model: nn.Module) -> None:
-        """No-op for the model it was built with (it samples from the training model itself);
-        given another model object, generates with that one from now on."""
-        self.model = model
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """No-op for the model it was built with (it samples from the training model itself, kind ``full``);
+        weights of another model object: generates with that one from now on."""
+        self.model = weights.model
 
     def close(self) -> None:
         pass

@@ -7,12 +7,12 @@ log-softmax(logits / temperature) of the sampled token, untruncated). vLLM runs 
 disabled that is the contract, so top-k/top-p sampling is refused rather than reported with
 renormalised log-probs (vLLM's "raw" modes are at temperature 1).
 
-``sync_weights(model)``: "file" (CPU, any device) writes the parameters as safetensors into a
-private folder and reloads them in the workers (``vllm_worker.WorkerExtension``, which also
-fixes the CPU backend's stale packed lm_head with tied embeddings); "cuda_ipc" (GPU only, not
-run here) uses vLLM's CUDA-IPC weight transfer. With ``lora_rank`` the engine serves the base with vLLM's
-own LoRA, and a LoRA run's sync (``AdapterWeights``) moves only the adapter, reloaded in place under one
-adapter id. The prefix cache is reset after a sync. Sleep
+``sync_weights(weights)`` (a ``grpolab.models.weights.PolicyWeights``): "file" (CPU, any device) writes the
+parameters as safetensors into a private folder and reloads them in the workers
+(``grpolab.rollout.vllm.worker.WorkerExtension``, which also fixes the CPU backend's stale packed lm_head with
+tied embeddings); "cuda_ipc" (GPU only, not run here) uses vLLM's CUDA-IPC weight transfer. With ``lora_rank``
+the engine serves the base with vLLM's own LoRA, and a LoRA run's sync (weights of kind ``adapter``) moves only
+the adapter, reloaded in place under one adapter id. The prefix cache is reset after a sync. Sleep
 mode (``sleep_level`` 1/2, CUDA/ROCm/XPU only; skipped with a logged note elsewhere) frees the
 accelerator between rollouts; level 2 discards the weights, so the engine pushes the latest ones
 again (last sync, else the checkpoint) whenever it wakes to generate (see ``VLLMEngine._wake``).
@@ -37,12 +37,22 @@ from typing import Any, Literal
 
 from torch import nn
 
-from grpolab.config import VLLM_MAX_TEMPERATURE
-from grpolab.models.lora import AdapterWeights
 from grpolab.models.routing import routers
-from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids, let_an_interrupt_land
+from grpolab.models.weights import PolicyWeights
+from grpolab.rollout.base import Completion, EngineCapabilities, SamplingParams, collect_eos_ids, let_an_interrupt_land
 
-__all__ = ["VLLM_MAX_TEMPERATURE", "VLLMEngine", "request_seed", "save_weights"]
+__all__ = ["VLLM_CAPABILITIES", "VLLM_MAX_TEMPERATURE", "VLLMEngine", "request_seed", "save_weights"]
+
+VLLM_MAX_TEMPERATURE = 2.0
+"""Highest sampling temperature vLLM accepts: above it ``SamplingParams._verify_args``
+(vllm/sampling_params.py, vLLM 0.32) raises ``VLLMValidationError`` (not a ValueError) "temperature
+must be in [0, 2], got ..."."""
+VLLM_CAPABILITIES = EngineCapabilities(
+    shares_training_model=False, max_temperature=VLLM_MAX_TEMPERATURE,
+    truncated_sampling=False,  # it reports log-probs renormalised over the truncated set
+    graceful_stop=False,  # its engine processes share the terminal's process group and die of the same Ctrl-C
+    records_routing=False, serves_adapters=True, batch_refill=False, bounded_batch=False)
+"""What vLLM can do, in this process or under another interpreter (``VLLMSubprocessEngine``)."""
 
 logger = logging.getLogger(__name__)
 WeightSync = Literal["auto", "file", "cuda_ipc"]
@@ -71,15 +81,15 @@ def checkpoint_tensors(model: nn.Module, tensors: dict) -> dict:
     """``tensors`` (``model``'s parameters by name) as its checkpoint files name and shape them: transformers 5
     loads some families converted (an MoE's per-expert weights fused into one [E, ...] tensor) and saves them
     reverted (``revert_weight_conversion``); vLLM's loaders read the checkpoint format. ``model``: a transformers
-    model, or weights that carry theirs as ``hf_model``; others are left as they are."""
+    model, or ``PolicyWeights`` of one; others are left as they are."""
     from transformers import PreTrainedModel
     from transformers.core_model_loading import revert_weight_conversion
 
-    source = getattr(model, "hf_model", model)
+    source = model.model if isinstance(model, PolicyWeights) else model
     return revert_weight_conversion(source, tensors) if isinstance(source, PreTrainedModel) else tensors
 
 
-def save_weights(model: nn.Module, folder: str | Path, dtype: str | None = None) -> Path:
+def save_weights(model: nn.Module | PolicyWeights, folder: str | Path, dtype: str | None = None) -> Path:
     """Write ``model``'s parameters (tied ones once, as named_parameters lists them) as safetensors in its
     checkpoint format (``checkpoint_tensors``), cast to ``dtype`` (the engine's, e.g. "bfloat16" from float32
     master weights) when given."""
@@ -160,6 +170,8 @@ class VLLMEngine:
     weights, so sync before generating.
     llm_kwargs: passed on to ``vllm.LLM``.
     """
+
+    capabilities = VLLM_CAPABILITIES
 
     def __init__(self, model_dir: str | Path, tokenizer=None, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.3,
@@ -288,16 +300,18 @@ class VLLMEngine:
                           text=self.tokenizer.decode(ids, skip_special_tokens=True))
 
     # ---- weights ----
-    def sync_weights(self, model: nn.Module) -> None:
-        """Load ``model``'s current parameters into the engine (asleep, its weights wake; its KV
-        cache wakes at the next ``generate``); ``AdapterWeights``: only the adapter."""
-        if isinstance(model, AdapterWeights):
-            self.sync_adapter_from_folder(model.save(self._sync_dir / "adapter", self.dtype))
-        elif self.weight_sync == "cuda_ipc" and next(model.parameters()).is_cuda and not routers(getattr(model, "hf_model", model)):
-            # (an MoE's fused experts reach vLLM under their checkpoint names, through the folder below)
-            self._reload(lambda: self._sync_cuda_ipc(model))
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Load the policy's current ``weights`` into the engine (asleep, its weights wake; its KV cache wakes
+        at the next ``generate``); kind ``adapter``: only the adapter."""
+        if weights.kind == "adapter":
+            self.sync_adapter_from_folder(weights.save(self._sync_dir / "adapter", self.dtype))
+        elif self.weight_sync == "cuda_ipc" and next(weights.parameters()).is_cuda and not routers(weights.model):
+            # (an MoE's fused experts reach vLLM under their checkpoint names, through the folder below); the
+            # training model itself is sent as a module, the one sender kept for it
+            source = weights.model if weights.kind == "full" else weights
+            self._reload(lambda: self._sync_cuda_ipc(source))
         else:
-            self.sync_from_folder(save_weights(model, self._sync_dir, self.dtype).parent)
+            self.sync_from_folder(save_weights(weights, self._sync_dir, self.dtype).parent)
 
     def sync_from_folder(self, folder: str | Path) -> None:
         """Reload the weights from a folder of checkpoint-format safetensors (HF parameter names).

@@ -25,11 +25,10 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from torch import nn
 
-from grpolab.models.lora import AdapterWeights
+from grpolab.models.weights import PolicyWeights
 from grpolab.rollout.base import Completion, SamplingParams, let_an_interrupt_land
-from grpolab.rollout.vllm.engine import VLLMEngine, save_weights
+from grpolab.rollout.vllm.engine import VLLM_CAPABILITIES, VLLMEngine, save_weights
 
 __all__ = ["VLLMSubprocessEngine", "serve"]
 
@@ -118,6 +117,8 @@ class VLLMSubprocessEngine:
     engine_kwargs: keyword arguments of ``VLLMEngine`` (JSON values only).
     """
 
+    capabilities = VLLM_CAPABILITIES
+
     def __init__(self, model_dir: str | Path, tokenizer=None, *, python: str, start_timeout: float = 120.0,
                  **engine_kwargs: Any):
         self._engine_kwargs = engine_kwargs
@@ -176,14 +177,14 @@ class VLLMSubprocessEngine:
                 c.text = self.tokenizer.decode(c.completion_ids, skip_special_tokens=True)
         return groups
 
-    def sync_weights(self, model: nn.Module) -> None:
-        """Write ``model``'s parameters (``AdapterWeights``: the adapter) to this engine's folder; the server
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Write the policy's ``weights`` (kind ``adapter``: the adapter) to this engine's folder; the server
         reloads them."""
         dtype = self._engine_kwargs.get("dtype")
-        if isinstance(model, AdapterWeights):
-            self._call({"op": "sync_adapter", "folder": str(model.save(self._dir / "adapter", dtype))})
+        if weights.kind == "adapter":
+            self._call({"op": "sync_adapter", "folder": str(weights.save(self._dir / "adapter", dtype))})
         else:
-            self._call({"op": "sync", "folder": str(save_weights(model, self._dir, dtype).parent)})
+            self._call({"op": "sync", "folder": str(save_weights(weights, self._dir, dtype).parent)})
 
     def close(self, timeout: float = 30.0) -> None:
         """Ask the server to shut its engine down and exit; idempotent. Within ``timeout`` s in all: a

@@ -158,7 +158,10 @@ def shared_directory_problems(configs: dict[str, RunConfig]) -> list[str]:
 
 
 def resolve_runs(spec: SuiteSpec, root: Path) -> dict[str, RunConfig]:
-    """Every run's validated config, by name; problems are reported together, one line each."""
+    """Every run's validated config, by name (the settings its engine cannot run refused too, as the run
+    itself would); problems are reported together, one line each."""
+    from grpolab.rollout.engines import check_settings
+
     problems = output_dir_problems(spec, root)
     if problems:
         raise ConfigError("\n".join(problems))
@@ -175,6 +178,7 @@ def resolve_runs(spec: SuiteSpec, root: Path) -> dict[str, RunConfig]:
             for dotted, value in run.overrides.items():
                 apply_override(data, dotted, value)
             configs[run.name] = validate_config(data)
+            check_settings(configs[run.name])
         except ConfigError as err:
             problems += [f"run {run.name}: {line}" for line in str(err).splitlines()]
     problems += shared_directory_problems(configs)

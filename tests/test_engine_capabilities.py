@@ -1,0 +1,138 @@
+"""Engines by capability: each registered engine declares everything it can do, code outside ``rollout/`` asks
+those capabilities and never an engine's name, and the settings an engine cannot run are refused from its
+capabilities (``grpolab.rollout.engines``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+import grpolab
+from grpolab.config import ConfigError, load_config
+from grpolab.rollout.base import EngineCapabilities
+from grpolab.rollout.engines import (ENGINES, EngineKind, available_engines, capabilities, check_settings,
+                                     engine_record, weight_kind)
+from grpolab.rollout.hf.engine import HFEngine
+from grpolab.rollout.vllm.engine import VLLMEngine
+from grpolab.rollout.vllm.server import VLLMSubprocessEngine
+
+PACKAGE = Path(grpolab.__file__).parent
+NAME = re.compile(r'"(hf|vllm)"')
+
+
+def test_every_registered_engine_declares_every_capability():
+    fields = {f.name for f in dataclasses.fields(EngineCapabilities)}
+    assert fields >= {"shares_training_model", "max_temperature", "truncated_sampling", "graceful_stop",
+                      "records_routing", "serves_adapters", "batch_refill", "bounded_batch"}
+    for name, kind in ENGINES.items():
+        assert isinstance(kind.capabilities, EngineCapabilities), name
+        assert capabilities(name) is kind.capabilities
+    # the registry's record is the one each engine class declares (vLLM's twice: in this process or another)
+    assert capabilities("hf") is HFEngine.capabilities
+    assert capabilities("vllm") is VLLMEngine.capabilities is VLLMSubprocessEngine.capabilities
+    assert not any(kind.capabilities.batch_refill for kind in ENGINES.values())  # neither refills a batch today
+
+
+ALLOWED = {  # the config's list of choices, and the vLLM settings section saying which choice it belongs to
+    ("config.py", 'engine: Literal["hf", "vllm"] = Field("hf", description="hf: grpolab\'s decoding loop on the '
+     'training model; "'),
+    ("config.py", 'engine: ClassVar[str] = "vllm"  # the rollout.engine choice these settings belong to'),
+}
+
+
+def engine_names(package: Path) -> list[str]:
+    """Every line outside ``rollout/`` that names an engine as a string (``"hf"``, ``"vllm"``), but those allowed."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package).as_posix()
+        if relative.startswith("rollout/"):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if NAME.search(line) and (relative, line.strip()) not in ALLOWED:
+                found.append(f"{relative}:{number}: {line.strip()}")
+    return found
+
+
+def test_no_module_outside_rollout_names_an_engine():
+    """Like the layer contract, over the package's source: code outside ``grpolab/rollout/`` asks an engine's
+    capabilities (``grpolab.rollout.engines.capabilities``), never its name."""
+    assert not engine_names(PACKAGE), "\n".join(engine_names(PACKAGE))
+
+
+def test_a_branch_on_an_engine_name_is_found(tmp_path):
+    (tmp_path / "rollout").mkdir()
+    (tmp_path / "rollout" / "engines.py").write_text('ENGINE = "vllm"\n')  # rollout/ may name its engines
+    (tmp_path / "trainer.py").write_text('armed = cfg.rollout.engine == "hf"\n')
+    assert engine_names(tmp_path) == ['trainer.py:1: armed = cfg.rollout.engine == "hf"']
+
+
+def _with_engine(cfg, name):
+    """``cfg`` with ``rollout.engine`` set, unvalidated (a name the config's choices need not list)."""
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": name})})
+
+
+@pytest.fixture
+def fake_engine():
+    """An engine registered for the test only, with vLLM's limits under another name."""
+    ENGINES["fake"] = EngineKind("fake", lambda request: None, dataclasses.replace(
+        capabilities("vllm"), max_temperature=1.5), "Fake", lambda cfg: False, lambda cfg: {"version": "0"})
+    yield "fake"
+    del ENGINES["fake"]
+
+
+def test_refusals_follow_the_capabilities_not_the_name(fake_engine):
+    with pytest.raises(ConfigError, match="rollout.temperature 1.8: the Fake engine samples at temperatures up to 1.5"):
+        check_settings(_with_engine(load_config(None, {"rollout.temperature": 1.8}), fake_engine))
+    with pytest.raises(ConfigError, match="eval.top_p / top_k: the Fake engine .* \\(Fake reports"):
+        check_settings(_with_engine(load_config(None, {"eval.top_p": 0.9}), fake_engine))
+    with pytest.raises(ConfigError, match="which only the hf engine makes \\(fake does not\\)"):
+        check_settings(_with_engine(load_config(None, {"algorithm.routing_replay": True}), fake_engine))
+    with pytest.raises(ConfigError, match="no weight files for Fake to load; use rollout.engine 'hf'"):
+        check_settings(_with_engine(load_config(None, {"model": "like:qwen3-0.6b"}), fake_engine))
+    check_settings(load_config(None, {"rollout.temperature": 1.8, "eval.top_p": 0.9}))  # hf takes them all
+    assert "fake" not in available_engines(load_config(None, {}).rollout)
+    assert engine_record(_with_engine(load_config(None, {}), fake_engine).rollout) == {"engine": "fake",
+                                                                                        "version": "0"}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"rollout.temperature": 2.5}, "config: rollout.temperature 2.5: the vLLM engine samples at temperatures up to 2"),
+    ({"eval.top_k": 5}, "config: eval.top_p / top_k: the vLLM engine samples with top_p = 1 and top_k = 0 only (vLLM "
+                        "reports log-probs renormalised over the truncated set)"),
+    ({"algorithm.routing_replay": True}, "config: algorithm.routing_replay with one optimizer step per batch replays "
+     "the engine's record, which only the hf engine makes (vllm does not): use rollout.engine 'hf' or more than one "
+     "step (algorithm.epochs x steps_per_epoch > 1)"),
+    ({"model": "like:qwen3-0.6b"}, "config: a like:NAME model has random weights and no weight files for vLLM to load; "
+                                   "use rollout.engine 'hf'"),
+])
+def test_the_refusals_read_as_the_configs_did(overrides, message):
+    """Word for word what validating the config said when it held these rules."""
+    with pytest.raises(ConfigError) as refused:
+        check_settings(load_config(None, {"engine": "vllm", **overrides}))
+    assert str(refused.value) == message
+
+
+def test_the_engine_record_of_the_manifest():
+    assert engine_record(load_config(None, {}).rollout) == {"engine": "hf"}
+    cfg = load_config(None, {"vllm_python": "/opt/py/bin/python"})
+    assert engine_record(cfg.rollout) == {"engine": "vllm", "python": "/opt/py/bin/python"}
+    assert available_engines(cfg.rollout) == ["hf", "vllm"]  # an interpreter named for it: offered
+
+
+@pytest.mark.parametrize("engine,offered,lora_sync,kind", [
+    ("hf", ("full",), "merged", "full"),                  # the training model itself, whatever the policy
+    ("hf", ("gathered",), "merged", "full"),              # sharded too: it generates with the shards in lockstep
+    ("hf", ("merged", "adapter"), "adapter", "full"),
+    ("vllm", ("full",), "merged", "full"),                # a copy of the whole weights, read from the model
+    ("vllm", ("gathered",), "merged", "gathered"),        # ... gathered from the shards
+    ("vllm", ("merged", "adapter"), "merged", "merged"),  # a LoRA policy: base + adapter product
+    ("vllm", ("merged", "adapter"), "adapter", "adapter"),  # ... or its adapter alone, vLLM's LoRA serving it
+])
+def test_the_engines_capabilities_select_the_kind_of_weights(engine, offered, lora_sync, kind):
+    overrides = {"engine": engine, "rollout.vllm.lora_sync": lora_sync}
+    if lora_sync == "adapter":
+        overrides["model.lora.rank"] = 4
+    assert weight_kind(load_config(None, overrides), offered) == kind
