@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from grpolab.common.validation import describe_validation_error
 from grpolab.models.precision import PrecisionName
 from grpolab.models.tinymodel import WarmStartSettings
-from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec
+from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec, get_algorithm
 from grpolab.tasks.configs import TASK_KINDS, TINY_MODEL_TASKS, ArithmeticTaskConfig, TaskConfig
 
 VLLM_MAX_TEMPERATURE = 2.0
@@ -241,9 +241,7 @@ class RunConfig(_Section):
             return value
         fields = dict(value)
         name = fields.pop("name", "grpo")
-        if name not in PRESETS:
-            raise ValueError(f"unknown algorithm {name!r}; choose one of: {', '.join(PRESETS)}")
-        return {**PRESETS[name].model_dump(), **fields, "name": name}
+        return {**get_algorithm(name).model_dump(), **fields, "name": name}
 
     @model_validator(mode="after")
     def _check_batch_shapes(self) -> "RunConfig":

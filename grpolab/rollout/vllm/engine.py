@@ -8,7 +8,7 @@ disabled that is the contract, so top-k/top-p sampling is refused rather than re
 renormalised log-probs (vLLM's "raw" modes are at temperature 1).
 
 ``sync_weights(model)``: "file" (CPU, any device) writes the parameters as safetensors into a
-private folder and reloads them in the workers (``vllm_worker.WorkerExtension``, which also
+private folder and reloads them in the workers (``grpolab.rollout.vllm.worker.WorkerExtension``, which also
 fixes the CPU backend's stale packed lm_head with tied embeddings); "cuda_ipc" (GPU only, not
 run here) uses vLLM's CUDA-IPC weight transfer. With ``lora_rank`` the engine serves the base with vLLM's
 own LoRA, and a LoRA run's sync (``AdapterWeights``) moves only the adapter, reloaded in place under one
