@@ -131,7 +131,7 @@ class RunParts:
 
     @property
     def toolset(self) -> Toolset | None:
-        return getattr(self.task, "toolset", None)
+        return self.task.toolset
 
     def sync_source(self):
         """What the engine's weight sync reads: the model itself for the hf engine; for an engine of its own
@@ -188,7 +188,7 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
     tokenizer, and the frozen reference (the start policy) when the objective needs one; under FSDP
     both sharded before the optimizer is made."""
     ranks, reporter, device = setting.ranks, setting.reporter, setting.device
-    if is_sharded_run(cfg, ranks) and cfg.rollout.engine == "hf" and getattr(task, "toolset", None) is not None:
+    if is_sharded_run(cfg, ranks) and cfg.rollout.engine == "hf" and task.toolset is not None:
         raise ValueError(FSDP_TOOLS)
     start = _checkpoint_path(cfg.model.path)
     if start is not None:  # another run's checkpoint (a suite's init_from): every file it lists checks out first
@@ -226,9 +226,7 @@ def load_models(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Path 
                       + (f", {trainable / 1e6:.2f}M of them trained (LoRA rank {lora.rank})" if lora else ""))
     if cfg.model.router_aux_loss_coef and not routers(model):
         raise ValueError(f"model.router_aux_loss_coef needs a Mixture-of-Experts model; {model_dir} has no routers")
-    bind_tokenizer = getattr(task, "bind_tokenizer", None)
-    if bind_tokenizer is not None:  # chat-template prompts render with the model's own tokenizer
-        bind_tokenizer(tokenizer)
+    task.bind_tokenizer(tokenizer)  # chat-template prompts render with the model's own tokenizer
     if cfg.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model.eval()
@@ -300,7 +298,7 @@ def rollout_engine(cfg: RunConfig, setting: Setting, task: Task, models: Models,
                               adapter_rank=adapter_rank)
         if sharded and cfg.rollout.engine == "hf":  # it generates with the sharded model
             engine = LockstepEngine(engine, setting.ranks, filler=[models.tokenizer.pad_token_id])
-    toolset = getattr(task, "toolset", None)
+    toolset = task.toolset
     if toolset is not None:
         engine = MultiTurnEngine(engine, toolset, models.tokenizer)
     return engine

@@ -23,7 +23,6 @@ from grpolab.studies.suite.snapshot import hash_reward_model, snapshot_code, sna
 from grpolab.studies.suite.placement import parse_devices
 from grpolab.studies.suite.spec import SuiteRun, SuiteSpec, load_suite, resolve_runs
 from grpolab.tasks.folder_hash import tree_sha256
-from grpolab.tasks.reward_model_spec import MODEL_PREFIX, is_model_reward
 
 
 def launch_prefix(world_size: int) -> list[str]:
@@ -135,21 +134,11 @@ def _prepare(spec: SuiteSpec, suite_file: str | Path, root: Path, configs: dict[
     return manifest
 
 
-def absolute_reward_models(task: Any) -> dict[str, Any]:
-    """A task config update naming each ``model:DIR`` reward by its absolute folder (runs start elsewhere)."""
-    rewards = getattr(task, "rewards", None) or []
-    if not any(is_model_reward(r.function) for r in rewards):
-        return {}
-    return {"rewards": [r.model_copy(update={"function": MODEL_PREFIX + str(Path(r.function[len(MODEL_PREFIX):])
-                                                                          .resolve())})
-                        if is_model_reward(r.function) else r for r in rewards]}
-
-
 def frozen_config(cfg: RunConfig, data: dict[str, Any], init_from: str | None) -> RunConfig:
     """The run's config reading the data snapshot's file copies, with an absolute start model and absolute
     reward model folders."""
     paths = {k.removeprefix("task."): v for k, v in data["task_paths"].items()}
-    updates = {"task": cfg.task.model_copy(update={**paths, **absolute_reward_models(cfg.task)})}
+    updates = {"task": cfg.task.model_copy(update={**paths, **cfg.task.absolute_reward_models()})}
     if cfg.model.path and init_from is None:
         updates["model"] = cfg.model.model_copy(update={"path": absolute_model_spec(cfg.model.path)})
     return cfg.model_copy(update=updates)
