@@ -202,7 +202,8 @@ class SuiteRunner:
         if job is not None:
             self.flights[record.name] = Flight(record, cfg, job, since=time.monotonic())
             if job.poll() is None:
-                self.reporter.line(f"run {record.name}: following Slurm job {job.ident} ({job.where().get('job_state')}), "
+                state = job.where().get("job_state")
+                self.reporter.line(f"run {record.name}: following Slurm job {job.ident} ({state}), "
                                    "submitted by an earlier runner")
             return
         pid = run_holder(record)
