@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from grpolab.common.validation import describe_validation_error
 from grpolab.models.precision import PrecisionName
 from grpolab.models.tinymodel import WarmStartSettings
-from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec
+from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec, get_algorithm
 from grpolab.tasks.configs import TASK_KINDS, TINY_MODEL_TASKS, ArithmeticTaskConfig, TaskConfig
 
 class ConfigError(ValueError):
@@ -239,30 +239,46 @@ class RunConfig(_Section):
             return value
         fields = dict(value)
         name = fields.pop("name", "grpo")
-        if name not in PRESETS:
-            raise ValueError(f"unknown algorithm {name!r}; choose one of: {', '.join(PRESETS)}")
-        return {**PRESETS[name].model_dump(), **fields, "name": name}
+        return {**get_algorithm(name).model_dump(), **fields, "name": name}
 
     @model_validator(mode="after")
-    def _check_batch_shapes(self) -> "RunConfig":
+    def _check_rules(self) -> "RunConfig":
+        """The rules between sections, in this order (the first one broken is the error)."""
+        for rule in (self._batch_splits_into_steps, self._mean_normalizer_has_binary_rewards,
+                     self._group_baseline_has_a_group, self._warm_start_is_for_the_demo,
+                     self._like_model_settings, self._task_has_a_model, self._pass_k_within_pass_n,
+                     self._lora_dropout_keeps_the_sync_check, self._adapter_sync_has_an_adapter):
+            rule()
+        return self
+
+    def _batch_splits_into_steps(self) -> None:
         spec = self.algorithm
         n = self.rollout.prompts_per_step * self.rollout.group_size
         if n % spec.steps_per_epoch:
             raise ValueError(f"rollout batch of {n} completions cannot be split into {spec.steps_per_epoch} "
                              f"optimizer steps (algorithm {spec.name})")
-        if spec.normalizer == "mean":  # MaxRL's (r - mean) / mean: its sign flips with a negative group mean
+
+    def _mean_normalizer_has_binary_rewards(self) -> None:
+        """MaxRL's (r - mean) / mean: its sign flips with a negative group mean."""
+        spec = self.algorithm
+        if spec.normalizer == "mean":
             shaping = [f"reward.{name} {value:g}" for name, value in (
                 ("truncation_penalty", self.reward.truncation_penalty),
                 ("overlong_buffer", self.reward.overlong_buffer)) if value]
-            nonbinary = shaping + getattr(self.task, "nonbinary_rewards", list)()
+            nonbinary = shaping + self.task.nonbinary_rewards()
             if nonbinary:
                 raise ValueError(f"algorithm {spec.name} (normalizer 'mean') needs RL rewards in {{0, 1}} (its "
                                  "advantage (r - mean) / mean changes sign when a group's mean is negative): "
                                  f"{nonbinary[0]} can give other values; for such rewards use another "
                                  "normalizer (e.g. --algo grpo or dr_grpo)")
+
+    def _group_baseline_has_a_group(self) -> None:
+        spec = self.algorithm
         if spec.baseline == "mean" and self.rollout.group_size < 2:
             raise ValueError(f"rollout.group_size 1 with the group-mean baseline of {spec.name}: every "
                              "advantage would be 0 and nothing would train; use group_size >= 2")
+
+    def _warm_start_is_for_the_demo(self) -> None:
         if self.model.warm_start:
             if self.model.path is not None:
                 raise ValueError("model.warm_start changes the demo's tiny model: it applies only without model.path")
@@ -271,29 +287,39 @@ class RunConfig(_Section):
             except ValidationError as err:
                 raise ValueError("; ".join(f"model.warm_start.{line}" for line in describe_validation_error(err, "")
                                            ).replace("model.warm_start.: ", "model.warm_start: ")) from None
+
+    def _like_model_settings(self) -> None:
         like = (self.model.path or "").startswith("like:")
         if self.model.like_overrides and not like:
             raise ValueError("model.like_overrides applies only to a like:NAME model")
-        if like and getattr(getattr(self.task, "prompt", None), "format", None) == "chat":
+        if like and self.task.prompt_format() == "chat":
             raise ValueError("a like:NAME model's tokenizer has no chat template; use task.prompt.format "
                              "'r1_zero' or 'template'")
+
+    def _task_has_a_model(self) -> None:
         if self.model.path is None and self.task.name not in TINY_MODEL_TASKS:
             raise ValueError(f"model.path (--model DIR) is required for task {self.task.name!r} (the demo's tiny "
                              f"model is warm-started for {' and '.join(TINY_MODEL_TASKS)} only)")
+
+    def _pass_k_within_pass_n(self) -> None:
         if any(k > self.eval.pass_n for k in self.eval.pass_k):
             raise ValueError(f"eval.pass_k {self.eval.pass_k} needs eval.pass_n >= the largest k")
+
+    def _lora_dropout_keeps_the_sync_check(self) -> None:
         lora = self.model.lora
         if lora is not None and lora.dropout > 0 and self.rollout.sync_check:
             raise ValueError(f"model.lora.dropout {lora.dropout:g}: the update's forward would differ from the "
                              "policy that sampled and the per-step sync check would stop the run; use dropout 0 "
                              "or rollout.sync_check false")
+
+    def _adapter_sync_has_an_adapter(self) -> None:
+        lora = self.model.lora
         if self.rollout.vllm.lora_sync == "adapter":
             if lora is None:
                 raise ValueError("rollout.vllm.lora_sync 'adapter' needs [model.lora]")
             if lora.modules_to_save:
                 raise ValueError(f"rollout.vllm.lora_sync 'adapter': vLLM's LoRA cannot serve model.lora."
                                  f"modules_to_save {lora.modules_to_save}; use lora_sync 'merged'")
-        return self
 
     def needs_reference(self) -> bool:
         return self.reference == "frozen" or self.algorithm.beta > 0

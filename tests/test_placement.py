@@ -77,3 +77,24 @@ def test_a_dry_run_says_where_the_runs_go(tmp_path, capsys):
     path.write_text('[slurm]\npartition = "gpu"\n[base]\nsteps = 3\n[[runs]]\nname = "a"\nalgo = "grpo"\n')
     assert main(["suite", "run", str(path), "--output-root", str(tmp_path / "out"), "--dry-run", "--devices", "0,1"]) == 0
     assert "placement: devices 0,1, as many runs at once as fit" in capsys.readouterr().out
+
+
+def test_the_placement_names_the_launcher_the_runner_uses():
+    """Each launcher a suite file may name is registered; the manifest's placement picks its object, which
+    says whether the runner places runs on its own devices (local) or the launcher's scheduler does (Slurm)."""
+    from typing import get_args
+
+    from grpolab.studies.suite.launch import LAUNCHERS, LocalLauncher, SlurmLauncher, suite_launcher
+    from grpolab.studies.suite.spec import SuiteSection
+
+    assert set(get_args(SuiteSection.model_fields["launcher"].annotation)) == set(LAUNCHERS)
+    alone = suite_launcher({})  # a manifest without a launcher: local, one run at a time
+    assert isinstance(alone, LocalLauncher) and alone.devices is None
+    assert alone.device_pool().free() == ["(one at a time)"]
+    local = suite_launcher({"launcher": "local", "devices": ["0", "1"], "slurm": None})
+    assert local.devices == ["0", "1"] and local.device_pool().free() == ["0", "1"]
+    local.refuse_device_list()  # a device list is the local launcher's to place on
+    slurm = suite_launcher({"launcher": "slurm", "devices": None, "slurm": {}})
+    assert isinstance(slurm, SlurmLauncher) and slurm.devices is None and slurm.device_pool() is None
+    with pytest.raises(ValueError, match="devices are placed by Slurm with the slurm launcher: leave out --devices$"):
+        slurm.refuse_device_list()

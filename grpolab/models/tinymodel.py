@@ -176,8 +176,8 @@ class WarmStartSettings(BaseModel):
 
 
 def warm_start_settings(task: Task, changes: dict[str, Any] | None = None) -> WarmStartSettings:
-    """The demo's recipe with the task's ``warm_start_overrides`` (an optional member), then ``changes``."""
-    return WarmStartSettings(**{**getattr(task, "warm_start_overrides", {}), **(changes or {})})
+    """The demo's recipe with the task's ``warm_start_overrides``, then ``changes``."""
+    return WarmStartSettings(**{**task.warm_start_overrides, **(changes or {})})
 
 
 def settings_config(settings: WarmStartSettings) -> PretrainedConfig:
@@ -193,8 +193,7 @@ def default_cache_root() -> Path:
 
 
 def _tags(task: Task) -> tuple[str, ...]:
-    toolset = getattr(task, "toolset", None)
-    return TAGS + (toolset.tags() if toolset is not None else ())
+    return TAGS + (task.toolset.tags() if task.toolset is not None else ())
 
 
 def _whole(text: str) -> list[tuple[str, bool]]:
@@ -204,8 +203,7 @@ def _whole(text: str) -> list[tuple[str, bool]]:
 
 def _segments(task: Task) -> Callable[[str], list[tuple[str, bool]]]:
     """Splits a solution into (text, is_observation): a tool task's observations are not trained on."""
-    toolset = getattr(task, "toolset", None)
-    return toolset.segments if toolset is not None else _whole
+    return task.toolset.segments if task.toolset is not None else _whole
 
 
 def _solved(task: Task, settings: WarmStartSettings) -> list[tuple[str, str]]:

@@ -4,8 +4,6 @@ record per item so that two runs on the same frozen items can be compared item b
 from __future__ import annotations
 
 import hashlib
-import logging
-import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from statistics import mean
@@ -15,40 +13,21 @@ from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
 from grpolab.rollout.reward_models import RewardModels
 from grpolab.objectives.stats import pass_at_k
-from grpolab.tasks.base import Example, Grade, Task
+from grpolab.tasks.base import Example, Grade, Task, grade_safely
 from grpolab.rollout.multiturn import tool_metrics
-
-
-logger = logging.getLogger(__name__)
-_reported: set[str] = set()
-
-
-def _safe_grade(task: Task, completion: str, example: Example, truncated: bool) -> Grade:
-    """``task.grade``, or a zero grade counted as failed (``reward/grade_failed``) when it raises: a task
-    class of the user's must not end the run. The first traceback per task is logged."""
-    try:
-        return task.grade(completion, example, truncated)
-    except Exception:
-        if task.name not in _reported:
-            _reported.add(task.name)
-            logger.warning("task %r: grade raised on item %s (it scores 0; later failures are only counted in "
-                           "reward/grade_failed):\n%s", task.name, example.id, traceback.format_exc())
-        return Grade(0.0, 0.0, failed=("grade",))
 
 
 def grade_completions(task: Task, examples: list[Example], completions: list[list[Completion]],
                       reward_models: RewardModels | None = None) -> list[list[Grade]]:
-    """Grades [prompt][sample] of the completions of each example (with the task's ``grade_batch`` when it
-    has one), with ``reward_models``' raw scores as components."""
+    """Grades [prompt][sample] of the completions of each example (with the task's ``grade_batch``), with
+    ``reward_models``' raw scores as components."""
     items = [(c.text, ex, c.truncated) for ex, group in zip(examples, completions) for c in group]
-    flat = None
-    if getattr(task, "grade_batch", None) is not None:
-        try:
-            flat = task.grade_batch(items)
-        except Exception:
-            flat = None  # graded one by one below, each failure counted
+    try:
+        flat = task.grade_batch(items)
+    except Exception:
+        flat = None  # graded one by one below, each failure counted
     if flat is None or len(flat) != len(items):
-        flat = [_safe_grade(task, *item) for item in items]
+        flat = [grade_safely(task, *item) for item in items]
     out, start = [], 0
     for group in completions:
         out.append(flat[start:start + len(group)])
@@ -126,7 +105,7 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
         out.update(reward_models.metrics(grades, prefix="val/"))
     if measure is not None:
         out.update({f"val/{k}": v for k, v in measure([c[0] for c in completions]).items()})
-    if getattr(task, "toolset", None) is not None:
+    if task.toolset is not None:
         out.update(tool_metrics([c[0] for c in completions], [g.answer_reward > 0 for g in grades], prefix="val/tool/"))
     if pass_k:
         for k in pass_k:

@@ -23,18 +23,12 @@ from grpolab.rollout.base import Completion
 from grpolab.tasks.base import Example, Grade, Task
 
 
-def prompt_messages(task: Task, example: Example) -> list[dict[str, str]]:
-    """The prompt as chat messages: the task's own (an optional member), else its prompt as one user turn."""
-    messages = getattr(task, "messages", None)
-    return messages(example) if messages is not None else [{"role": "user", "content": task.prompt(example)}]
-
-
 def component(grade: Grade, name: str) -> float:
     return dict(grade.components)[name]
 
 
 class RewardModels:
-    """The loaded reward models of a task (``task.reward_models``, an optional member) and their running moments."""
+    """The loaded reward models of a task (``task.reward_models``) and their running moments."""
 
     def __init__(self, models: list[RewardModel]):
         self.models = models
@@ -42,7 +36,7 @@ class RewardModels:
 
     @classmethod
     def load(cls, task: Task, device: torch.device, reporter: Reporter) -> "RewardModels | None":
-        specs = getattr(task, "reward_models", None) or []
+        specs = task.reward_models
         if not specs:
             return None
         models = []
@@ -67,7 +61,7 @@ class RewardModels:
         for rm in self.models:
             if rm.spec.options.truncate == "left":
                 continue
-            longest = max(len(rm.encode(rm.render(prompt_messages(task, e), task.prompt(e), "")))
+            longest = max(len(rm.encode(rm.render(task.messages(e), task.prompt(e), "")))
                           for e in examples)
             if longest + max_new_tokens > rm.max_length:
                 raise ValueError(f"reward model {rm.spec.name!r}: the longest prompt ({longest} of its tokens) plus "
@@ -77,7 +71,7 @@ class RewardModels:
     def attach(self, task: Task, examples: list[Example], completions: list[list[Completion]],
                grades: list[list[Grade]]) -> list[list[Grade]]:
         """``grades`` [prompt][sample] with each model's raw score as a component; the RL reward unchanged."""
-        prompts = [(prompt_messages(task, ex), task.prompt(ex)) for ex in examples]  # once per example
+        prompts = [(task.messages(ex), task.prompt(ex)) for ex in examples]  # once per example
         texts = {id(rm): [rm.render(messages, prompt, c.text)
                           for (messages, prompt), group in zip(prompts, completions) for c in group]
                  for rm in self.models}

@@ -100,7 +100,7 @@ class RunParts:
 
     @property
     def toolset(self) -> Toolset | None:
-        return getattr(self.task, "toolset", None)
+        return self.task.toolset
 
     def sync_source(self) -> PolicyWeights:
         """The policy's weights as the engine's sync takes them (``grpolab.models.weights``), of the kind the
@@ -156,7 +156,7 @@ def prepare_policy(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Pa
     ranks, reporter, device = setting.ranks, setting.reporter, setting.device
     sharded = is_sharded_run(cfg, ranks)
     shares = capabilities(cfg.rollout.engine).shares_training_model  # a sharded model generates in lockstep
-    if sharded and shares and getattr(task, "toolset", None) is not None:
+    if sharded and shares and task.toolset is not None:
         raise ValueError(FSDP_TOOLS)
     start = _checkpoint_path(cfg.model.path)
     if start is not None:  # another run's checkpoint (a suite's init_from): every file it lists checks out first
@@ -185,9 +185,7 @@ def prepare_policy(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Pa
     model = policy.model
     if cfg.model.router_aux_loss_coef and not routers(model):
         raise ValueError(f"model.router_aux_loss_coef needs a Mixture-of-Experts model; {model_dir} has no routers")
-    bind_tokenizer = getattr(task, "bind_tokenizer", None)
-    if bind_tokenizer is not None:  # chat-template prompts render with the model's own tokenizer
-        bind_tokenizer(policy.tokenizer)
+    task.bind_tokenizer(policy.tokenizer)  # chat-template prompts render with the model's own tokenizer
     if cfg.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model.eval()
@@ -236,7 +234,7 @@ def rollout_engine(cfg: RunConfig, setting: Setting, task: Task, policy: Policy,
                               adapter_rank=policy.adapter_rank)
         if sharded and shares:  # it generates with the sharded model
             engine = LockstepEngine(engine, setting.ranks, filler=[policy.tokenizer.pad_token_id])
-    toolset = getattr(task, "toolset", None)
+    toolset = task.toolset
     if toolset is not None:
         engine = MultiTurnEngine(engine, toolset, policy.tokenizer)
     return engine

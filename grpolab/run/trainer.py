@@ -79,10 +79,9 @@ class Trainer:
         if cfg.log.tensorboard:
             summary_writer()
         task, val_examples = load_task(cfg, self.reporter)
-        fingerprint = getattr(task, "data_fingerprint", None)
         if resume:
             self.ranks.run_on_main(lambda: self.plan.journal is None or
-                                   check_data(self.plan.journal, fingerprint() if fingerprint else None))
+                                   check_data(self.plan.journal, task.data_fingerprint()))
         self.parts = build_parts(cfg, setting, task, val_examples, self.resumed_from)
         if self.resumed_from is not None:
             self.parts.state.load(self.resumed_from)
@@ -142,7 +141,6 @@ class Trainer:
     def _manifest_record(self) -> dict[str, Any]:
         """What manifest.json records about a new run's start (``RunJournal`` adds the config and sessions)."""
         parts, threads = self.parts, self.parts.setting.threads
-        fingerprint = getattr(parts.task, "data_fingerprint", None)
         return {
             "grpolab": grpolab.__version__, "grpolab_source": str(Path(grpolab.__file__).resolve().parent),
             "torch": torch.__version__, "transformers": transformers.__version__,
@@ -153,7 +151,7 @@ class Trainer:
             # a start from another run's checkpoint: its weights only, with a fresh optimizer and this seed
             "warm_start_from": (str(parts.policy.started_from) if parts.policy.started_from is not None
                                 else str(parts.model_dir) if (parts.model_dir / STATE_FILE).is_file() else None),
-            "data": fingerprint() if fingerprint else None, "train_examples": len(parts.task.train_examples()),
+            "data": parts.task.data_fingerprint(), "train_examples": len(parts.task.train_examples()),
             "val_examples": len(parts.val_examples), "algorithm": self.spec.model_dump(),
             "precision": {"setting": parts.precision.name, "weights": dtype_name(parts.precision.storage),
                           "compute": dtype_name(parts.precision.compute)},

@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from grpolab.tasks.base import Example, Grade, TaskSettings
+from grpolab.tasks.base import Example, Grade, Task, TaskSettings
 from grpolab.tasks.r1_zero import grade_r1_zero, r1_zero_prompt
 
 
@@ -37,7 +37,7 @@ def column_addition_solution(operands: list[int]) -> str:
 
 
 @dataclass(frozen=True)
-class ArithmeticTask:
+class ArithmeticTask(Task):
     """Sum ``operands`` numbers of exactly ``digits`` digits each, in the r1_zero format.
 
     Args:

@@ -7,11 +7,21 @@ with several weighted rewards, their total), the format reward is reported separ
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import traceback
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, runtime_checkable
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
+
+from grpolab.tasks.reward_model_spec import RewardModelSpec
+from grpolab.tools.protocol import Toolset
+
+logger = logging.getLogger(__name__)
+_reported: set[str] = set()  # tasks whose grade raised: the first traceback is logged
 
 
 @dataclass(frozen=True)
@@ -66,44 +76,113 @@ class Grade:
         return replace(self, components=self.components + ((name, value),), total=self.reward + value)
 
 
-@runtime_checkable
-class Task(Protocol):
-    """A verifiable-reward task.
+class Task(ABC):
+    """A verifiable-reward task: the base every task inherits (a task class of your own may too, or be a
+    plain class with the same members: ``PlainTask`` gives it the defaults).
 
-    Implementations must be deterministic: the same construction arguments give the same examples
-    in the same order, and ``grade`` is a pure function that never raises.
+    Required: ``name``, ``train_examples``, ``validation_examples``, ``prompt`` and ``grade``.
+    Implementations must be deterministic: the same construction arguments give the same examples in
+    the same order, and ``grade`` is a pure function that never raises (one that raises scores 0 and
+    is counted in ``reward/grade_failed``).
+
+    The other members have defaults a task overrides when it has more to say:
+
+    Attributes:
+        toolset: tools the model may call (rollouts become multi-turn); None: single-turn.
+        reward_models: reward models scored beside ``grade`` (their weighted terms join the RL reward).
+        warm_start_overrides: ``WarmStartSettings`` fields for the demo's tiny model on this task.
     """
 
     name: str
+    toolset: Toolset | None = None
+    reward_models: Sequence[RewardModelSpec] = ()
+    warm_start_overrides: Mapping[str, Any] = MappingProxyType({})
 
+    @abstractmethod
     def train_examples(self) -> list[Example]:
         """Examples used for rollouts (and for the warm start)."""
-        ...
 
+    @abstractmethod
     def validation_examples(self) -> list[Example]:
         """Held-out examples for evaluation; no question is shared with the train split."""
-        ...
 
+    @abstractmethod
     def prompt(self, example: Example) -> str:
         """The full prompt string the model continues."""
-        ...
 
+    @abstractmethod
     def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
         """Grade ``completion`` (the generated text after the prompt, special tokens removed).
 
         ``truncated`` is True when generation stopped at the token limit instead of at EOS/stop.
         """
-        ...
+
+    def grade_batch(self, items: list[tuple[str, Example, bool]]) -> list[Grade]:
+        """``grade`` over (completion, example, truncated) items, in order; a task may grade many at once
+        (e.g. in parallel). By default one by one, a grade that raises scoring 0 (``grade_safely``)."""
+        return [grade_safely(self, *item) for item in items]
+
+    def bind_tokenizer(self, tokenizer: Any) -> None:
+        """Called once the model's tokenizer is loaded, before any prompt (chat-template prompts need it);
+        by default nothing."""
+
+    def messages(self, example: Example) -> list[dict[str, str]]:
+        """The prompt as chat messages before any chat template (what a reward model's own template
+        renders); by default the prompt as one user turn."""
+        return [{"role": "user", "content": self.prompt(example)}]
+
+    def prompt_template(self) -> str:
+        """How prompts are made, for the suite snapshot; by default the prompt of a question ``{question}``."""
+        return self.prompt(Example(id="", question="{question}", answer=""))
+
+    def data_fingerprint(self) -> dict[str, Any] | None:
+        """Row counts and SHA-256s of its data and prompt, for the run's manifest (and checked on resume);
+        None (the default): the manifest records no data fingerprint."""
+        return None
 
 
-# Optional members a task may have (looked up with getattr by the trainer, the suite and reports):
-#   data_fingerprint() -> dict      row counts and SHA-256s of its data and prompt, for the manifest
-#   prompt_template() -> str        how prompts are made, for the suite snapshot
-#   bind_tokenizer(tokenizer)       called once the model's tokenizer is loaded, before any prompt
-#                                   (chat-template prompts need it)
-#   grade_batch(items) -> [Grade]   grade many (completion, example, truncated) at once, e.g. in parallel
-#   toolset: grpolab.tools.Toolset  tools the model may call: rollouts become multi-turn
-#   warm_start_overrides: dict      WarmStartSettings fields for the demo's tiny model
+def grade_safely(task: Task, completion: str, example: Example, truncated: bool) -> Grade:
+    """``task.grade``, or a zero grade counted as failed (``reward/grade_failed``) when it raises: a task
+    class of the user's must not end the run. The first traceback per task is logged."""
+    try:
+        return task.grade(completion, example, truncated)
+    except Exception:
+        if task.name not in _reported:
+            _reported.add(task.name)
+            logger.warning("task %r: grade raised on item %s (it scores 0; later failures are only counted in "
+                           "reward/grade_failed):\n%s", task.name, example.id, traceback.format_exc())
+        return Grade(0.0, 0.0, failed=("grade",))
+
+
+REQUIRED_MEMBERS = ("name", "train_examples", "validation_examples", "prompt", "grade")
+OPTIONAL_MEMBERS = ("toolset", "reward_models", "warm_start_overrides", "grade_batch", "bind_tokenizer", "messages",
+                    "prompt_template", "data_fingerprint")
+
+
+class PlainTask(Task):
+    """A task class of your own that does not inherit ``Task``, as a ``Task``: its required members, and
+    each optional one it has (not None) in place of the default, read once here.
+
+    ``own`` must have every member of ``REQUIRED_MEMBERS``."""
+
+    def __init__(self, own: Any):
+        self.own, self.name = own, own.name
+        for member in OPTIONAL_MEMBERS:
+            value = getattr(own, member, None)
+            if value is not None:  # None, as absent: the default
+                setattr(self, member, value)
+
+    def train_examples(self) -> list[Example]:
+        return self.own.train_examples()
+
+    def validation_examples(self) -> list[Example]:
+        return self.own.validation_examples()
+
+    def prompt(self, example: Example) -> str:
+        return self.own.prompt(example)
+
+    def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
+        return self.own.grade(completion, example, truncated)
 
 
 class TaskSettings(BaseModel):
@@ -112,8 +191,24 @@ class TaskSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    FILES: ClassVar[tuple[str, ...]] = ()  # fields naming data files (the suite snapshot copies them)
+
+    def file_sources(self) -> dict[str, Any]:
+        """Each field of ``FILES`` and the data source it names (a file, a hub source, or None)."""
+        return {name: getattr(self, name) for name in self.FILES}
+
     def nonbinary_rewards(self) -> list[str]:
         """The terms of the RL reward these settings say can take values other than 0 and 1, each named by its
         setting (an objective defined for rewards in {0, 1} refuses them up front). The built-in tasks' reward
         is their correctness: none."""
         return []
+
+    def prompt_format(self) -> str | None:
+        """The ``task.prompt.format`` these settings choose (``r1_zero``, ``template``, ``chat``); None for the
+        kinds without that setting."""
+        return None
+
+    def absolute_reward_models(self) -> dict[str, Any]:
+        """An update of these settings that names each reward model folder absolutely (a suite's runs start
+        in another folder); empty when they name none."""
+        return {}

@@ -23,7 +23,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from grpolab.tasks.base import Example, Grade, TaskSettings
+from grpolab.tasks.base import Example, Grade, Task, TaskSettings
 from grpolab.tasks.r1_zero import grade_r1_zero, r1_zero_prompt
 from grpolab.tools.calculator import calculate
 from grpolab.tools.protocol import ToolsConfig, Toolset
@@ -44,7 +44,7 @@ def tool_solution(toolset: Toolset, expression: str, answer: str) -> str:
 
 
 @dataclass(frozen=True)
-class CalculatorTask:
+class CalculatorTask(Task):
     """``a*b+c`` problems (each number of ``digits`` digits) answered with the calculator's help.
 
     Args:

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from grpolab.tasks.base import Example, Grade, TaskSettings
+from grpolab.tasks.base import Example, Grade, Task, TaskSettings
 from grpolab.tasks.datasets import text_sha256
 from grpolab.tasks.prompts import PromptBuilder
 
@@ -40,7 +40,7 @@ def stated_answer(completion: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class ChatArithmeticTask:
+class ChatArithmeticTask(Task):
     """``a op b`` for every ``op`` in ``operations`` and ``low <= a, b <= high`` (``-``: only a >= b),
     as chat prompts; ``n_val`` of them for validation, the next ``n_train`` (None: all the rest) for training."""
 

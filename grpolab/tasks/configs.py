@@ -4,18 +4,19 @@ Each built-in task module declares its settings class (a ``TaskSettings`` with `
 and ``build()``); this module registers them. ``task.name`` picks the kind: ``arithmetic`` (built
 in), ``gsm8k``, ``calculator`` (the built-in tool task), ``chat_arithmetic``, ``dataset`` (your own
 data, prompt format and rewards), or ``"package.module:Class"``, a task class of your own that follows
-the ``grpolab.tasks.base.Task`` contract and takes the table's other keys as keyword arguments.
+the ``grpolab.tasks.base.Task`` contract (inheriting it, or a plain class with its members) and takes
+the table's other keys as keyword arguments.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, field_validator
+from pydantic import ConfigDict, Discriminator, Tag, field_validator
 
 from grpolab.common.validation import describe_validation_error
 from grpolab.tasks.arithmetic import ArithmeticTaskConfig
-from grpolab.tasks.base import Task, TaskSettings
+from grpolab.tasks.base import REQUIRED_MEMBERS, PlainTask, Task, TaskSettings
 from grpolab.tasks.calculator import CalculatorTaskConfig
 from grpolab.tasks.chat_arithmetic import ChatArithmeticTaskConfig
 from grpolab.tasks.dataset import DatasetTaskConfig
@@ -27,8 +28,9 @@ SETTINGS: tuple[type[TaskSettings], ...] = (ArithmeticTaskConfig, GSM8KTaskConfi
 """The built-in kinds, registered: each class's ``name`` default is its tag."""
 
 
-class ImportedTaskConfig(BaseModel):
-    """A task class of your own, ``name = "package.module:Class"``; the other keys are its keyword arguments."""
+class ImportedTaskConfig(TaskSettings):
+    """A task class of your own, ``name = "package.module:Class"``; the other keys are its keyword arguments.
+    A class that does not inherit ``Task`` is built as a ``PlainTask`` (the defaults for what it lacks)."""
 
     model_config = ConfigDict(extra="allow")
     name: str
@@ -48,15 +50,14 @@ class ImportedTaskConfig(BaseModel):
         except Exception as err:
             raise ValueError(f"task {self.name!r} cannot be imported: {type(err).__name__}: {err}") from None
         try:
-            task = cls(**(self.model_extra or {}))
+            made = cls(**(self.model_extra or {}))
         except TypeError as err:
             raise ValueError(f"task {self.name!r}: {err}") from None
-        missing = [m for m in ("name", "train_examples", "validation_examples", "prompt", "grade")
-                   if not hasattr(task, m)]
+        missing = [m for m in REQUIRED_MEMBERS if not hasattr(made, m)]
         if missing:
             raise ValueError(f"task {self.name!r} does not follow the Task contract (grpolab.tasks.base.Task): "
                              f"missing {', '.join(missing)}")
-        return task
+        return made if isinstance(made, Task) else PlainTask(made)
 
 
 BUILT_IN = {cls.model_fields["name"].default: cls for cls in SETTINGS}

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from grpolab.tasks.base import Example, Grade, TaskSettings
+from grpolab.tasks.base import Example, Grade, Task, TaskSettings
 from grpolab.tasks.datasets import (
     DataError,
     canonical_json,
@@ -79,7 +79,7 @@ def rows_of(source: str, split: str) -> list[tuple[str, Any]]:
     return records
 
 
-class DatasetTask:
+class DatasetTask(Task):
     """A task from rows of your own (``task.name = "dataset"``); see the module docstring."""
 
     name = "dataset"
@@ -310,6 +310,16 @@ class DatasetTaskConfig(TaskSettings):
             terms.append(f"task.rewards[{i}] ({r.name or r.function}), a second weighted term added to "
                          f"task.rewards[{weighted[0][0]}],")
         return terms
+
+    def prompt_format(self) -> str | None:
+        return self.prompt.format
+
+    def absolute_reward_models(self) -> dict[str, Any]:
+        if not any(is_model_reward(r.function) for r in self.rewards):
+            return {}
+        return {"rewards": [r.model_copy(update={"function": MODEL_PREFIX + str(Path(r.function[len(MODEL_PREFIX):])
+                                                                              .resolve())})
+                            if is_model_reward(r.function) else r for r in self.rewards]}
 
     def build(self) -> DatasetTask:
         return DatasetTask(self)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from grpolab.tasks.answers import plain_number
-from grpolab.tasks.base import Example, Grade, TaskSettings
+from grpolab.tasks.base import Example, Grade, Task, TaskSettings
 from grpolab.tasks.datasets import DataError, first_n, load_source, rows_sha256, text_sha256
 from grpolab.tasks.r1_zero import R1_ZERO_TEMPLATE, grade_r1_zero, r1_zero_prompt
 from grpolab.tools.protocol import ToolsConfig, Toolset
@@ -61,7 +61,7 @@ def gsm8k_examples(rows: list[dict[str, str]], split: str, source: str) -> list[
 
 
 @dataclass(frozen=True)
-class GSM8KTask:
+class GSM8KTask(Task):
     """GSM8K from local ``.jsonl`` (or ``.parquet``) copies of the official train and test files.
 
     Args:

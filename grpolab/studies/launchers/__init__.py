@@ -7,6 +7,10 @@ from __future__ import annotations
 from typing import Protocol
 
 
+class LaunchError(RuntimeError):
+    """A launcher could not start, stop or follow a job; the message is its one-line reason."""
+
+
 class Job(Protocol):
     """A started run: ``ident`` is a pid or a Slurm job id."""
 

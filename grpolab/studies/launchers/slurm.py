@@ -16,13 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from grpolab.studies.launchers import LaunchError
+
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "STAGE_OUT",
           "SIGNALING", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "STOPPED"}
 LOOK_SECONDS = 2.0  # squeue at most this often per job (every poll of many jobs would burden slurmctld)
 ENDED_BY_SLURM = {"CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "DEADLINE", "BOOT_FAIL"}
 
 
-class SlurmError(RuntimeError):
+class SlurmError(LaunchError):
     """A Slurm client command failed; the message is its one-line reason."""
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 
+ONE_AT_A_TIME = "(one at a time)"  # the one "device" of a pool that places runs one at a time on what each sees
 DEVICE_ID = re.compile(r"\d+|(GPU|MIG)-[0-9A-Za-z-]+")  # what CUDA_VISIBLE_DEVICES selects a device by
 
 

@@ -20,10 +20,10 @@ from grpolab.run.rundir import RunDirError
 from grpolab.common.atomic import write_file
 from grpolab.studies.manifest import MANIFEST, PREPARING, RunRecord, SuiteManifest
 from grpolab.studies.suite.snapshot import hash_reward_model, snapshot_code, snapshot_data, task_key
+from grpolab.studies.suite.launch import LAUNCHERS, suite_launcher
 from grpolab.studies.suite.placement import parse_devices
 from grpolab.studies.suite.spec import SuiteRun, SuiteSpec, load_suite, resolve_runs
 from grpolab.tasks.folder_hash import tree_sha256
-from grpolab.tasks.reward_model_spec import MODEL_PREFIX, is_model_reward
 
 
 def launch_prefix(world_size: int) -> list[str]:
@@ -47,21 +47,9 @@ def placement_of(spec: SuiteSpec, devices: str | None = None, launcher: str | No
                  slurm: dict[str, Any] | None = None) -> dict[str, Any]:
     """Where the runs go: the launcher, the device list (None: one run at a time on what each run sees)
     and the Slurm settings; the command line's values win over the suite file's. One-line errors."""
-    launcher = launcher or spec.suite.launcher
     listed = devices if devices is not None else spec.suite.devices
     placed = parse_devices(listed) if listed is not None else None
-    widest = max(spec.runs, key=lambda run: run.devices_per_run or 1)
-    if launcher == "slurm":
-        if placed is not None:
-            raise ValueError("devices are placed by Slurm with the slurm launcher: leave out --devices ([suite] devices)")
-        if shutil.which("sbatch") is None:
-            raise ValueError("the slurm launcher needs Slurm's client commands (sbatch, squeue, scancel) on PATH")
-        settings = spec.slurm.model_copy(update={k: v for k, v in (slurm or {}).items() if v is not None})
-        return {"launcher": launcher, "devices": None, "slurm": settings.model_dump()}
-    if placed is not None and (widest.devices_per_run or 1) > len(placed):
-        raise ValueError(f"run {widest.name} needs {widest.devices_per_run} devices; only {len(placed)} are listed "
-                         f"({','.join(placed)})")
-    return {"launcher": launcher, "devices": placed, "slurm": None}
+    return LAUNCHERS[launcher or spec.suite.launcher].place(spec, placed, slurm)
 
 
 def prepare_suite(suite_file: str | Path, root: Path, console: Console, dry_run: bool = False,
@@ -135,21 +123,11 @@ def _prepare(spec: SuiteSpec, suite_file: str | Path, root: Path, configs: dict[
     return manifest
 
 
-def absolute_reward_models(task: Any) -> dict[str, Any]:
-    """A task config update naming each ``model:DIR`` reward by its absolute folder (runs start elsewhere)."""
-    rewards = getattr(task, "rewards", None) or []
-    if not any(is_model_reward(r.function) for r in rewards):
-        return {}
-    return {"rewards": [r.model_copy(update={"function": MODEL_PREFIX + str(Path(r.function[len(MODEL_PREFIX):])
-                                                                          .resolve())})
-                        if is_model_reward(r.function) else r for r in rewards]}
-
-
 def frozen_config(cfg: RunConfig, data: dict[str, Any], init_from: str | None) -> RunConfig:
     """The run's config reading the data snapshot's file copies, with an absolute start model and absolute
     reward model folders."""
     paths = {k.removeprefix("task."): v for k, v in data["task_paths"].items()}
-    updates = {"task": cfg.task.model_copy(update={**paths, **absolute_reward_models(cfg.task)})}
+    updates = {"task": cfg.task.model_copy(update={**paths, **cfg.task.absolute_reward_models()})}
     if cfg.model.path and init_from is None:
         updates["model"] = cfg.model.model_copy(update={"path": absolute_model_spec(cfg.model.path)})
     return cfg.model_copy(update=updates)
@@ -178,11 +156,7 @@ def print_plan(spec: SuiteSpec, configs: dict[str, RunConfig], root: Path, conso
     total = 0
     console.print(f"suite {spec.name}: {len(configs)} runs into {root} (dry run: nothing written)", highlight=False,
                   soft_wrap=True)
-    if where["launcher"] == "slurm":
-        console.print(f"placement: one Slurm batch job per run, {where['slurm']}", highlight=False, soft_wrap=True)
-    else:
-        console.print("placement: " + (f"devices {','.join(where['devices'])}, as many runs at once as fit"
-                                       if where["devices"] else "one run at a time"), highlight=False)
+    suite_launcher(where).print_placement(console)
     for run in spec.runs:
         cfg = configs[run.name]
         size = checkpoint_bytes(cfg, configs)

@@ -28,15 +28,14 @@ from grpolab.common.progress import Reporter, format_seconds
 from grpolab.run.checkpoints import newest_verified
 from grpolab.run.rundir import RunDirError
 from grpolab.run.state import STATE_FILE
-from grpolab.studies.launchers.local import start_local
-from grpolab.studies.launchers.slurm import SlurmError, SlurmJob
+from grpolab.studies.launchers import LaunchError
 from grpolab.studies.manifest import RunRecord, SuiteManifest, now, pid_alive
 from grpolab.studies.suite.completion import completion_problems, last_error, last_session_where, progress_of
 from grpolab.studies.suite.flight import Flight, classify, complete
 from grpolab.studies.suite.holder import run_holder
-from grpolab.studies.suite.placement import DevicePool, next_to_start, parse_devices
+from grpolab.studies.suite.launch import LocalLauncher, SuiteLauncher, suite_launcher
+from grpolab.studies.suite.placement import ONE_AT_A_TIME, DevicePool, next_to_start, parse_devices
 from grpolab.studies.suite.prepare import prepare_suite, resume_command, train_command
-from grpolab.studies.suite.slurm_jobs import exit_file, submit_run
 from grpolab.studies.suite.status import status_table
 from grpolab.studies.suite.verify import reward_model_problem, start_checkpoint_problem, verify_suite
 
@@ -44,7 +43,6 @@ __all__ = ["SuiteRunner", "completion_problems", "last_error", "prepare_suite", 
 
 POLL_SECONDS = 0.5
 ATTEMPTS_DIR = "attempts"
-ONE_AT_A_TIME = "(one at a time)"
 
 
 class SuiteRunner:
@@ -56,7 +54,8 @@ class SuiteRunner:
         self.signals = 0
         self.flights: dict[str, Flight] = {}
         self.stopping: str | None = None
-        self.pool: DevicePool | None = None  # None: Slurm places the runs
+        self.launcher: SuiteLauncher | None = None  # the manifest's, once the loop starts
+        self.pool: DevicePool | None = None  # None: the launcher's scheduler (Slurm) places the runs
         self.placed = False  # runs on listed devices (else one at a time on whatever each run sees)
         self.first_stop: str | None = None  # the run whose end stopped the queue
 
@@ -87,7 +86,7 @@ class SuiteRunner:
                 flight.stop_asked = why
                 try:
                     flight.job.stop()
-                except SlurmError as err:
+                except LaunchError as err:
                     self.reporter.line(f"run {name}: {err}")
 
     def execute(self) -> int:
@@ -122,20 +121,18 @@ class SuiteRunner:
                               f"{manifest.runner_host} (it wrote {time.time() - manifest.runner_seen:.0f} s ago)")
 
     def _replace_devices(self, manifest: SuiteManifest) -> None:
-        if manifest.placement.get("launcher") == "slurm":
-            raise ValueError("devices are placed by Slurm with the slurm launcher: leave out --devices")
+        suite_launcher(manifest.placement).refuse_device_list()
         devices = parse_devices(self.devices)
         widest = max(manifest.runs, key=lambda record: record.world_size)
         if widest.world_size > len(devices):
             raise ValueError(f"run {widest.name} needs {widest.world_size} devices; only {len(devices)} are listed")
-        manifest.placement = {**manifest.placement, "launcher": "local", "devices": devices}
+        manifest.placement = {**manifest.placement, "launcher": LocalLauncher.name, "devices": devices}
 
     # ---- the loop: start what fits, land what ended, a progress line per run at a steady interval ------
     def _loop(self, manifest: SuiteManifest) -> None:
-        placement = manifest.placement or {"launcher": "local"}
-        if placement.get("launcher", "local") == "local":
-            self.placed = bool(placement.get("devices"))
-            self.pool = DevicePool(placement["devices"] if self.placed else [ONE_AT_A_TIME])
+        self.launcher = suite_launcher(manifest.placement)
+        self.placed = bool(self.launcher.devices)
+        self.pool = self.launcher.device_pool()
         for record in manifest.runs:
             if record.state == "running":
                 self._adopt(manifest, record)
@@ -201,11 +198,12 @@ class SuiteRunner:
         local process still training it is waited for (holding its devices); otherwise it is judged when
         placed again."""
         cfg = load_config(record.config_file)
-        if record.job_id is not None and manifest.placement.get("launcher") == "slurm":
-            job = SlurmJob(record.job_id, exit_file(self.root, record.name, record.job_id))
+        job = self.launcher.follow(self.root, record)
+        if job is not None:
             self.flights[record.name] = Flight(record, cfg, job, since=time.monotonic())
             if job.poll() is None:
-                self.reporter.line(f"run {record.name}: following Slurm job {job.ident} ({job.state}), "
+                state = job.where().get("job_state")
+                self.reporter.line(f"run {record.name}: following Slurm job {job.ident} ({state}), "
                                    "submitted by an earlier runner")
             return
         pid = run_holder(record)
@@ -254,15 +252,8 @@ class SuiteRunner:
         record.state, record.started, record.ended, record.devices = "running", now(), None, devices
         record.exit_code = record.reason = record.pid = record.job_id = record.job_state = record.host = None
         try:
-            if manifest.placement.get("launcher") == "slurm":
-                job = submit_run(self.root, manifest.suite, record, env, manifest.placement["slurm"])
-                record.job_id, started = job.ident, f"submitted as Slurm job {job.ident}"
-            else:
-                with log.open("a") as out:
-                    out.write(f"# {now()} {' '.join(record.command)}\n")
-                job = start_local(record.command, {**os.environ, **env}, log, self.root)
-                record.pid, record.host, started = int(job.ident), socket.gethostname(), f"started (pid {job.ident})"
-        except SlurmError as err:
+            job, started = self.launcher.start(self.root, manifest.suite, record, env, log)
+        except LaunchError as err:
             if self.pool is not None:
                 self.pool.release(record.name)
             record.state, record.reason, record.ended = "failed", str(err), now()

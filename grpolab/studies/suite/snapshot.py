@@ -53,8 +53,7 @@ def snapshot_data(cfg: RunConfig, folder: Path) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     task_paths: dict[str, str] = {}
     files_sha256: dict[str, str] = {}
-    for field in cfg.task.FILES:  # file-backed tasks read the frozen copies (hub sources are not files)
-        source = getattr(cfg.task, field, None)
+    for field, source in cfg.task.file_sources().items():  # the task reads the frozen copies (hub sources: not files)
         if source is not None and Path(source).is_file():
             copy = folder / "files" / f"{field.removesuffix('_path')}{Path(source).suffix}"  # apart from the rows below
             copy.parent.mkdir(exist_ok=True)
@@ -62,15 +61,13 @@ def snapshot_data(cfg: RunConfig, folder: Path) -> dict[str, Any]:
             task_paths[f"task.{field}"] = str(copy)
             files_sha256[str(copy)] = file_sha256(copy)
     task = build_task(cfg.task)
-    describe = getattr(task, "prompt_template", None)
-    template = describe() if describe else task.prompt(Example(id="", question="{question}", answer=""))
-    (folder / "prompt_template.txt").write_text(template)
+    (folder / "prompt_template.txt").write_text(task.prompt_template())
     return {"train_sha256": _write_rows(folder / "train.jsonl", task.train_examples()),
             "validation_sha256": _write_rows(folder / "validation.jsonl", task.validation_examples()),
             "prompt_sha256": file_sha256(folder / "prompt_template.txt"), "task_paths": task_paths,
             "files_sha256": files_sha256,
             "reward_models": [{"name": spec.name, "path": str(Path(spec.path).resolve())}
-                              for spec in getattr(task, "reward_models", None) or []]}
+                              for spec in task.reward_models]}
 
 
 def hash_reward_model(path: str | Path, reporter: Reporter) -> dict[str, str]:
