@@ -40,6 +40,15 @@ ARCHS = ("llama", "qwen2", "qwen3", "olmo2")
 torch.set_num_threads(int(os.environ.get("GRPOLAB_TEST_THREADS", "1")))
 
 
+def pytest_runtest_logreport(report) -> None:
+    """With ``GRPOLAB_TEST_TIMES=FILE``: one line per test phase (node id, phase, seconds) appended as it ends, so
+    a profile of the suite survives an interrupted run (``tests/README.md``: keeping the tiers in budget)."""
+    path = os.environ.get("GRPOLAB_TEST_TIMES")
+    if path:
+        with open(path, "a") as out:
+            out.write(f"{report.nodeid}\t{report.when}\t{report.duration:.3f}\n")
+
+
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
     """Char-level WordLevel tokenizer: printable ASCII + the 4 tags as single tokens (107 ids)."""
     chars = list(dict.fromkeys(string.printable))
