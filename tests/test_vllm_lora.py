@@ -68,6 +68,7 @@ def test_vllm_serves_the_synced_adapter_exactly_and_reloads_it_in_place(vllm_mod
         engine.close()
 
 
+@pytest.mark.slow  # its own engine (~25 s); default tier: test_lora.py's merged weights give the peft model's log-probs
 def test_a_tied_models_trained_head_is_served_untied_by_the_merged_sync(vllm_model_dir, tokenizer):
     """LoRA with modules_to_save = ["lm_head"] on a tied model: the policy's head trains apart from its embedding.
     vLLM builds a tied model's head as its embedding (and skips lm_head.* when loading); the engine the run
