@@ -5,9 +5,10 @@ Each rank generates its own prompt groups; with ``rollout.max_batch_size`` equal
 generation batches are exactly those of the one-process run (engines seed a batch by its global
 position), so the two runs see the same samples and must compute the same update.
 
-Each case starts interpreters for two ranks (20-100 s on 2 cores): the default tier keeps one DDP run, one FSDP run that continues a two-process checkpoint (LoRA, DAPO's
-resampling, a KL penalty) and one failing rank; the other cases are ``slow``. The update's exactness over
-ranks for each loss aggregation is proven in seconds by test_distributed.py (the ranks as threads)."""
+Each case starts interpreters for two ranks (20-100 s on 2 cores): the default tier keeps one DDP run, one
+FSDP run that continues a two-process checkpoint (LoRA, DAPO's resampling, a KL penalty) and one failing rank;
+the other cases are ``slow``. The update's exactness over ranks for each loss aggregation is proven in
+seconds by test_distributed.py (the ranks as threads)."""
 
 from __future__ import annotations
 
