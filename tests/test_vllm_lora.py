@@ -34,32 +34,41 @@ def _diff(model, completions, pad_id: int):
     return logprob_diff(batch.engine_logprobs, lp, batch.response_mask)
 
 
+def assert_serves_the_synced_adapter_exactly(engine, model_dir, tokenizer) -> None:
+    """``engine`` (on ``model_dir``'s weights, started with ``lora_rank=4``) serves each adapter synced into it,
+    reloaded under the same id; not the base's log-probs, and not an adapter that moved after its sync."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    adapter = add_adapter(model, LoraSettings(rank=4, alpha=8), seed=0, base_dir=model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [tokenizer.encode(p) for p in ("12+34=", "7+8=<think>", "9+9=18;" * 30)]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=5)
+
+    def sampled():
+        return [c for g in engine.generate(prompts, 3, params) for c in g]
+
+    for seed in (1, 2):  # the second sync reloads the adapter under the same id
+        _move_adapter(adapter, seed)
+        engine.sync_weights(AdapterWeights(adapter))
+        completions = sampled()
+        assert _diff(adapter.model, completions, tokenizer.pad_token_id).max_abs_diff < TOL
+        assert _diff(base, completions, tokenizer.pad_token_id).mean_abs_diff > 1e-2, "not the base"
+    _move_adapter(adapter, 3)  # not synced: the engine still serves the last adapter
+    assert _diff(adapter.model, sampled(), tokenizer.pad_token_id).mean_abs_diff > 1e-2
+
+
+@pytest.mark.slow  # its own engine (~25 s); default tier: test_rollout_vllm.py's shared engine runs the same check
 def test_vllm_serves_the_synced_adapter_exactly_and_reloads_it_in_place(vllm_model_dir, tokenizer):
     from grpolab.rollout.vllm.engine import VLLMEngine
 
-    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
-    adapter = add_adapter(model, LoraSettings(rank=4, alpha=8), seed=0, base_dir=vllm_model_dir)
-    base = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
-    prompts = [tokenizer.encode(p) for p in ("12+34=", "7+8=<think>", "9+9=18;" * 30)]
-    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=5)
     engine = VLLMEngine(vllm_model_dir, tokenizer, dtype="float32", seed=0, max_model_len=256,
                         kv_cache_bytes=64 << 20, lora_rank=4)
     try:
-        def sampled():
-            return [c for g in engine.generate(prompts, 3, params) for c in g]
-
-        for seed in (1, 2):  # the second sync reloads the adapter under the same id
-            _move_adapter(adapter, seed)
-            engine.sync_weights(AdapterWeights(adapter))
-            completions = sampled()
-            assert _diff(adapter.model, completions, tokenizer.pad_token_id).max_abs_diff < TOL
-            assert _diff(base, completions, tokenizer.pad_token_id).mean_abs_diff > 1e-2, "not the base"
-        _move_adapter(adapter, 3)  # not synced: the engine still serves the last adapter
-        assert _diff(adapter.model, sampled(), tokenizer.pad_token_id).mean_abs_diff > 1e-2
+        assert_serves_the_synced_adapter_exactly(engine, vllm_model_dir, tokenizer)
     finally:
         engine.close()
 
 
+@pytest.mark.slow  # its own engine (~25 s); default tier: test_lora.py's merged weights give the peft model's log-probs
 def test_a_tied_models_trained_head_is_served_untied_by_the_merged_sync(vllm_model_dir, tokenizer):
     """LoRA with modules_to_save = ["lm_head"] on a tied model: the policy's head trains apart from its embedding.
     vLLM builds a tied model's head as its embedding (and skips lm_head.* when loading); the engine the run
