@@ -14,64 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TASK, descendants
+from conftest import descendants
 from grpolab.commands.cli import main
 from grpolab.config import load_config
 from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import MANIFEST, SuiteManifest
 from grpolab.studies.suite.runner import completion_problems, last_error
+from suite_runs import assert_same_runs, forked_runner, steps_recorded, suite_file, untimed
+
+pytest_plugins = ["suite_fixtures"]  # finished: the uninterrupted suite; the fake trainer and its suite
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def suite_file(tmp_path: Path, model_dir: Path, first_overrides: str = "") -> Path:
-    task = "\n".join(f"{k} = {v}" for k, v in TASK.items())
-    path = tmp_path / "suite.toml"
-    path.write_text(f"""
-[suite]
-name = "tiny"
-[base]
-steps = 3
-threads = 1
-reference = "frozen"
-[base.model]
-path = "{model_dir}"
-[base.task]
-{task}
-[base.rollout]
-prompts_per_step = 4
-max_new_tokens = 40
-[base.optim]
-micro_batch_size = 16
-lr = 1e-3
-[base.eval]
-every = 3
-[base.checkpoint]
-every = 1
-[[runs]]
-name = "a"
-algo = "grpo"
-{first_overrides}
-[[runs]]
-name = "b"
-algo = "dr_grpo"
-seed = 1
-init_from = "a"
-factors = {{ start = "warm" }}
-""")
-    return path
-
-
-def untimed(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
-
-
-@pytest.fixture(scope="module")
-def finished(warm_model_dir, tmp_path_factory):
-    """An uninterrupted suite."""
-    tmp = tmp_path_factory.mktemp("suite")
-    assert main(["suite", "run", str(suite_file(tmp, warm_model_dir)), "--output-root", str(tmp / "out")]) == 0
-    return tmp / "out"
 
 
 def test_dry_run_prints_configs_commands_and_footprint_and_writes_nothing(warm_model_dir, tmp_path, capsys):
@@ -204,6 +157,7 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
                                                            for r in SuiteManifest.load(finished).runs]
 
 
+@pytest.mark.slow  # default tier: the same with fake runs below; exact resume of real runs: the Ctrl-C test above
 def test_a_suite_killed_outright_resumes_with_identical_numbers(finished, warm_model_dir, tmp_path):
     """A power cut: the runner and its run die with SIGKILL; the manifest still says 'running'."""
     root = tmp_path / "out"
@@ -249,6 +203,7 @@ torch.nn.utils.clip_grad_norm_ = clip
 }
 
 
+@pytest.mark.slow  # default tier: test_update's non-finite tests and the failing fake run below
 @pytest.mark.parametrize("where", ["loss", "gradient"])
 def test_a_nan_stops_its_run_before_the_optimizer_step_and_stops_the_queue(where, warm_model_dir, tmp_path, monkeypatch):
     """A NaN is injected into every run process (a sitecustomize module on PYTHONPATH) from step 2 on."""
@@ -265,3 +220,38 @@ def test_a_nan_stops_its_run_before_the_optimizer_step_and_stops_the_queue(where
     last_good = root / "runs" / "a" / "checkpoints" / "step_000001"
     assert sorted(p.name for p in (root / "runs" / "a" / "checkpoints").iterdir()) == ["step_000001"]
     assert (last_good / "trainer_state.pt").is_file() and (last_good / "model.safetensors").is_file()
+
+
+# ---- the scheduler with fake runs (tests/fake_trainer.py): the same claims in seconds ------------------
+def test_a_suite_killed_outright_resumes_with_identical_numbers_with_fake_runs(fake_finished, fake_runs,
+                                                                               warm_model_dir, tmp_path):
+    """A power cut: the runner and its run die with SIGKILL; the manifest still says 'running'."""
+    fake_runs.use(slow={"a": 0.3})
+    root = tmp_path / "out"
+    runner = forked_runner("run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 2:
+        time.sleep(0.02)
+    child = SuiteManifest.load(root).runs[0].pid
+    runner.kill()
+    os.killpg(child, signal.SIGKILL)
+    runner.join()
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("running", "queued") and steps_recorded(root / "runs" / "a") < 3
+    assert main(["suite", "resume", str(root)]) == 0
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("completed", "completed") and a.command[-2] == "--resume"
+    assert_same_runs(root, fake_finished)
+
+
+def test_a_run_failing_mid_way_stops_the_queue_with_its_error_and_keeps_its_last_checkpoint_with_fake_runs(
+        fake_runs, warm_model_dir, tmp_path):
+    fake_runs.use(fail={"a": 2})
+    root = tmp_path / "out"
+    assert main(["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root)]) == 1
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("failed", "queued") and a.exit_code == 2
+    assert a.reason == "non-finite loss (nan) or ratio in the policy update"
+    assert max(r["step"] for r in read_metrics(root / "runs" / "a" / "metrics.jsonl")) == 1
+    assert sorted(p.name for p in (root / "runs" / "a" / "checkpoints").iterdir()) == ["step_000001"]
+    assert not (root / "logs" / "b.log").exists()
