@@ -57,18 +57,22 @@ def untimed(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
 
 
-def _runner_main(args: list[str]) -> None:
-    with open(os.devnull, "w") as quiet:
-        os.dup2(quiet.fileno(), 1)
-        os.dup2(quiet.fileno(), 2)
-    sys.stdout.flush()
-    os._exit(main(args))
+def _runner_main(args: list[str], log: str) -> None:
+    out = open(log, "w", buffering=1)
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    sys.stdout = sys.stderr = out  # not pytest's capture, which this copy of the process would keep to itself
+    code = main(args)
+    out.flush()
+    os._exit(code)
 
 
-def forked_runner(*args: str) -> multiprocessing.Process:
+def forked_runner(*args: str, log: Path | None = None) -> multiprocessing.Process:
     """``grpolab suite ARGS`` in a forked copy of this process (its imports done: started at once), the
-    runner that a test kills; its runs inherit this process's environment (PYTHONPATH: the fake trainer)."""
-    runner = multiprocessing.get_context("fork").Process(target=_runner_main, args=(["suite", *args],))
+    runner that a test kills or signals; its output to ``log``; its runs inherit this process's environment
+    (PYTHONPATH: the fake trainer)."""
+    runner = multiprocessing.get_context("fork").Process(target=_runner_main,
+                                                         args=(["suite", *args], str(log or os.devnull)))
     runner.start()
     return runner
 
