@@ -53,6 +53,14 @@ factors = {{ start = "warm" }}
     return path
 
 
+def one_run_suite(tmp_path: Path, model_dir: Path) -> Path:
+    """The tiny suite with run a alone."""
+    path = suite_file(tmp_path, model_dir)
+    text = path.read_text()
+    path.write_text(text[:text.index("[[runs]]", text.index("[[runs]]") + 1)])
+    return path
+
+
 def untimed(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import descendants
+from conftest import TASK, descendants
 from grpolab.commands.cli import main
 from grpolab.config import load_config
 from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import MANIFEST, SuiteManifest
 from grpolab.studies.suite.runner import completion_problems, last_error
-from suite_runs import assert_same_runs, forked_runner, steps_recorded, suite_file, untimed
+from suite_runs import assert_same_runs, forked_runner, one_run_suite, steps_recorded, suite_file, untimed
 
 pytest_plugins = ["suite_fixtures"]  # finished: the uninterrupted suite; the fake trainer and its suite
 
@@ -70,12 +70,24 @@ def test_a_used_output_root_is_refused_and_left_alone(finished, warm_model_dir, 
     assert (finished / MANIFEST).read_bytes() == before
 
 
+@pytest.mark.slow  # default tier: the run's one line (next test) and a failing fake run's line as its reason
 def test_a_failed_run_stops_the_queue_with_its_reason(warm_model_dir, tmp_path):
     spec = suite_file(tmp_path, warm_model_dir, first_overrides='overrides = { "eval.n_examples" = 17 }')
     assert main(["suite", "run", str(spec), "--output-root", str(tmp_path / "out")]) == 1
     a, b = SuiteManifest.load(tmp_path / "out").runs
     assert (a.state, b.state) == ("failed", "queued") and a.exit_code == 2
     assert a.reason == "eval.n_examples 17 > the 16 validation examples of task 'arithmetic'"
+
+
+def test_a_run_asking_for_more_validation_examples_than_its_task_has_ends_in_one_error_line(warm_model_dir, tmp_path,
+                                                                                            capsys):
+    """The line a suite records as the failed run's reason (last_error: its log's last 'error:' line)."""
+    overrides = {"model.path": str(warm_model_dir), "output_dir": str(tmp_path / "run"), "eval.n_examples": 17,
+                 **{f"task.{k}": v for k, v in TASK.items()}}
+    assert main(["train", *[f"--{k}={v}" for k, v in overrides.items()]]) == 2
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
+    assert lines == ["error: eval.n_examples 17 > the 16 validation examples of task 'arithmetic'"]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_missing_start_model_is_refused_before_anything_is_written(warm_model_dir, tmp_path, capsys):
@@ -121,6 +133,7 @@ def test_exit_0_without_the_final_validation_record_is_not_completion(tmp_path):
     assert completion_problems(tmp_path, cfg) == ["the validation record of step 2"]
 
 
+@pytest.mark.slow  # default tier: the one-run suite below (real runs) and the same with fake runs
 def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupted_suite(finished, warm_model_dir,
                                                                                         tmp_path):
     """The suite runs from a copy of the package; that copy is broken once the suite has started (queued
@@ -155,6 +168,42 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
             untimed(read_metrics(finished / "runs" / name / "metrics.jsonl")), name
     assert [r.final_checkpoint_sha256 for r in resumed] == [r.final_checkpoint_sha256
                                                            for r in SuiteManifest.load(finished).runs]
+
+
+def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupted_suite_with_one_real_run(
+        finished, warm_model_dir, tmp_path):
+    """The suite's exact resume with real runs (run a of the tiny suite, alone): the suite runs from a copy of the
+    package; that copy is broken once the suite has started (the run must not care), Ctrl-C stops run a after
+    a step, and resume finishes it with the numbers and weights of the uninterrupted suite's run a."""
+    package = tmp_path / "pkg"
+    shutil.copytree(ROOT / "grpolab", package / "grpolab", ignore=shutil.ignore_patterns("__pycache__"))
+    root = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(package)}
+    proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", "run",
+                             str(one_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not (root / MANIFEST).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with (package / "grpolab" / "run" / "trainer.py").open("a") as f:
+        f.write('\nraise SystemExit("edited after the suite started")\n')
+    metrics = root / "runs" / "a" / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and '"reward_mean"' in metrics.read_text():
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.05)
+    out = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode == 130, out
+    (a,) = SuiteManifest.load(root).runs
+    assert a.state == "stopped" and "resumable from its newest checkpoint" in a.reason and "grpolab suite resume" in out
+    assert not descendants(proc.pid) and a.pid is None
+    assert main(["suite", "resume", str(root)]) == 0
+    (resumed,) = SuiteManifest.load(root).runs
+    assert resumed.state == "completed" and resumed.attempts and resumed.command[-2] == "--resume"
+    assert untimed(read_metrics(root / "runs" / "a" / "metrics.jsonl")) == \
+        untimed(read_metrics(finished / "runs" / "a" / "metrics.jsonl"))
+    assert resumed.final_checkpoint_sha256 == SuiteManifest.load(finished).runs[0].final_checkpoint_sha256
 
 
 @pytest.mark.slow  # default tier: the same with fake runs below; exact resume of real runs: the Ctrl-C test above
@@ -255,3 +304,27 @@ def test_a_run_failing_mid_way_stops_the_queue_with_its_error_and_keeps_its_last
     assert max(r["step"] for r in read_metrics(root / "runs" / "a" / "metrics.jsonl")) == 1
     assert sorted(p.name for p in (root / "runs" / "a" / "checkpoints").iterdir()) == ["step_000001"]
     assert not (root / "logs" / "b.log").exists()
+
+
+def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupted_suite_with_fake_runs(
+        fake_finished, fake_runs, warm_model_dir, tmp_path):
+    fake_runs.use(slow={"a": 0.3})
+    root, log = tmp_path / "out", tmp_path / "runner.log"
+    runner = forked_runner("run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root), log=log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 1:
+        time.sleep(0.02)
+    os.kill(runner.pid, signal.SIGINT)
+    runner.join(120)
+    out = log.read_text()
+    assert runner.exitcode == 130, out
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("stopped", "queued") and "grpolab suite resume" in out
+    assert "resumable from its newest checkpoint" in a.reason and steps_recorded(root / "runs" / "a") < 3
+    assert not descendants(runner.pid) and a.pid is None
+    fake_runs.use()
+    assert main(["suite", "resume", str(root)]) == 0
+    resumed = SuiteManifest.load(root).runs
+    assert [r.state for r in resumed] == ["completed", "completed"] and resumed[0].attempts
+    assert resumed[0].command[-2] == "--resume"
+    assert_same_runs(root, fake_finished)

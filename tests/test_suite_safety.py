@@ -24,7 +24,7 @@ from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import MANIFEST, RunRecord, SuiteManifest
 from grpolab.studies.suite.flight import Flight, classify
 from grpolab.studies.suite.runner import SuiteRunner, completion_problems, prepare_suite, progress_of
-from suite_runs import forked_runner, steps_recorded
+from suite_runs import forked_runner, one_run_suite, steps_recorded
 from test_suite import ROOT, suite_file, untimed, write_checkpoint
 
 pytest_plugins = ["suite_fixtures"]  # finished: the uninterrupted suite; the fake trainer and its suite
@@ -52,14 +52,6 @@ def queued(warm_model_dir, tmp_path) -> Path:
 @pytest.fixture
 def wide(monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")  # status tables on one line a row
-
-
-def one_run_suite(tmp_path: Path, model_dir: Path) -> Path:
-    """The tiny suite with run a alone."""
-    path = suite_file(tmp_path, model_dir)
-    text = path.read_text()
-    path.write_text(text[:text.index("[[runs]]", text.index("[[runs]]") + 1)])
-    return path
 
 
 def complete_on_disk(run_dir: Path, steps: int = 3) -> Path:
