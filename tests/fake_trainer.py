@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 FAIL_LINE = "error: non-finite loss (nan) or ratio in the policy update"
+STOP: list[int] = []  # the signals asking this run to stop after its step (with a checkpoint)
 SITECUSTOMIZE = """
 import sys as _sys
 from pathlib import Path as _Path
@@ -66,11 +67,13 @@ def named(setting: str, name: str) -> str | None:
 
 
 class FakeRun:
+    """One run process of the fake: the run of ``config`` (a run's config.json as a dict), ``world_size`` the
+    processes it stands for (torchrun's ``--nproc_per_node``)."""
+
     def __init__(self, config: dict, world_size: int):
         self.config, self.world_size = config, world_size
         self.run_dir = Path(config["output_dir"])
         self.steps, self.name = int(config["steps"]), self.run_dir.name
-        self.stop_asked = False
         self.step_seconds = float(named("GRPOLAB_FAKE_SLOW", self.name) or os.environ.get("GRPOLAB_FAKE_STEP_SECONDS",
                                                                                          "0.05"))
         fail = named("GRPOLAB_FAKE_FAIL", self.name)
@@ -128,8 +131,6 @@ class FakeRun:
         except RunLocked as err:
             print(f"error: {err}", flush=True)
             return 2
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: setattr(self, "stop_asked", True))
         metrics = self.run_dir / "metrics.jsonl"
         if resume:
             manifest = json.loads((self.run_dir / "manifest.json").read_text())
@@ -159,12 +160,12 @@ class FakeRun:
                 record["val/accuracy"] = int(state[8:16], 16) / 2**32
             with metrics.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            if step % every == 0 or step == self.steps or self.stop_asked:
+            if step % every == 0 or step == self.steps or STOP:
                 self.checkpoint(step, state)
             manifest["sessions"][-1]["to_step"] = step
             self.save_manifest(manifest)
             print(f"step {step}/{self.steps}", flush=True)
-            if self.stop_asked and step < self.steps:
+            if STOP and step < self.steps:
                 print(f"stopped after step {step} with a checkpoint; continue with: grpolab train --resume "
                       f"{self.run_dir}", flush=True)
                 return 130
@@ -181,6 +182,8 @@ def run_and_exit(args: list[str]) -> None:
     """Run the fake for this process's command line and exit with its code (atexit hooks run first)."""
     import atexit
 
+    for sig in (signal.SIGTERM, signal.SIGINT):  # first: a stop asked while starting is honoured too
+        signal.signal(sig, lambda signum, _: STOP.append(signum))
     train = args[args.index("train") + 1:]
     world = next((int(a.split("=", 1)[1]) for a in args if a.startswith("--nproc_per_node=")), 1)
     if train[0] == "--resume":
