@@ -85,7 +85,8 @@ class FakeRun:
         settings["model"] = {k: v for k, v in self.config.get("model", {}).items() if k != "path"}
         start = Path(str(self.config.get("model", {}).get("path")))
         weights = start / "model.safetensors"
-        return sha(json.dumps(settings, sort_keys=True) + (sha(weights.read_bytes()) if weights.is_file() else str(start)))
+        start_weights = sha(weights.read_bytes()) if weights.is_file() else str(start)
+        return sha(json.dumps(settings, sort_keys=True) + start_weights)
 
     def where(self) -> dict:
         return {"host": socket.gethostname(), "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -114,7 +115,8 @@ class FakeRun:
             try:
                 listing = json.loads((folder / "checkpoint.json").read_text())["files"]
                 if all(sha((folder / n).read_bytes()) == e["sha256"] for n, e in listing.items()):
-                    return int(folder.name.removeprefix("step_")), json.loads((folder / "trainer_state.pt").read_text())["state"]
+                    state = json.loads((folder / "trainer_state.pt").read_text())["state"]
+                    return int(folder.name.removeprefix("step_")), state
             except (OSError, ValueError, KeyError):
                 continue
         return 0, None

@@ -91,6 +91,20 @@ def steps_recorded(run_dir: Path) -> int:
     return metrics.read_text().count('"reward_mean"') if metrics.exists() else 0
 
 
+def trainers_of(root: Path, name: str) -> set[int]:
+    """Live ``grpolab.commands.cli train`` processes of run ``name`` of the suite in ``root``, from /proc."""
+    marks = {str(root / "configs" / f"{name}.json"), str(root / "runs" / name)}
+    found = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "grpolab.commands.cli" in args and "train" in args and marks & set(args):
+            found.add(int(entry))
+    return found
+
+
 def assert_same_runs(root: Path, reference: Path, names: tuple[str, ...] = ("a", "b")) -> None:
     """Every record (no step lost or repeated) and every final checkpoint's weights equal the reference's."""
     for name in names:

@@ -20,7 +20,8 @@ from grpolab.config import load_config
 from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import MANIFEST, SuiteManifest
 from grpolab.studies.suite.runner import completion_problems, last_error
-from suite_runs import assert_same_runs, forked_runner, one_run_suite, steps_recorded, suite_file, untimed
+from suite_runs import (assert_same_runs, forked_runner, one_run_suite, steps_recorded, suite_file, trainers_of,
+                        untimed)
 
 pytest_plugins = ["suite_fixtures"]  # finished: the uninterrupted suite; the fake trainer and its suite
 
@@ -170,34 +171,39 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
                                                            for r in SuiteManifest.load(finished).runs]
 
 
+SLOW_CHECKPOINTS = """
+import time
+import grpolab.run.checkpoints as checkpoints
+_save = checkpoints.save_checkpoint
+def save_checkpoint(*args, **kwargs):
+    time.sleep(1)  # the run is surely still training when the test stops the suite
+    return _save(*args, **kwargs)
+checkpoints.save_checkpoint = save_checkpoint
+"""
+
+
 def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupted_suite_with_one_real_run(
-        finished, warm_model_dir, tmp_path):
-    """The suite's exact resume with real runs (run a of the tiny suite, alone): the suite runs from a copy of the
-    package; that copy is broken once the suite has started (the run must not care), Ctrl-C stops run a after
-    a step, and resume finishes it with the numbers and weights of the uninterrupted suite's run a."""
-    package = tmp_path / "pkg"
-    shutil.copytree(ROOT / "grpolab", package / "grpolab", ignore=shutil.ignore_patterns("__pycache__"))
-    root = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(package)}
-    proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", "run",
-                             str(one_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        finished, warm_model_dir, tmp_path, monkeypatch):
+    """The suite's exact resume with real runs (run a of the tiny suite, alone): Ctrl-C to the runner stops
+    run a after a step, and resume finishes it with the numbers and weights of the uninterrupted suite's run a.
+    (That a suite's runs import its code snapshot, not the working tree: test_a_suite_runs_every_run_...)"""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_CHECKPOINTS)
+    monkeypatch.setenv("PYTHONPATH", str(hook))
+    root, log = tmp_path / "out", tmp_path / "runner.log"
+    runner = forked_runner("run", str(one_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root), log=log)
     deadline = time.monotonic() + 300
-    while not (root / MANIFEST).exists() and time.monotonic() < deadline:
+    while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 1:
         time.sleep(0.05)
-    with (package / "grpolab" / "run" / "trainer.py").open("a") as f:
-        f.write('\nraise SystemExit("edited after the suite started")\n')
-    metrics = root / "runs" / "a" / "metrics.jsonl"
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and '"reward_mean"' in metrics.read_text():
-            proc.send_signal(signal.SIGINT)
-            break
-        time.sleep(0.05)
-    out = proc.communicate(timeout=300)[0].decode()
-    assert proc.returncode == 130, out
+    os.kill(runner.pid, signal.SIGINT)
+    runner.join(300)
+    out = log.read_text()
+    assert runner.exitcode == 130, out
     (a,) = SuiteManifest.load(root).runs
     assert a.state == "stopped" and "resumable from its newest checkpoint" in a.reason and "grpolab suite resume" in out
-    assert not descendants(proc.pid) and a.pid is None
+    assert not trainers_of(root, "a") and a.pid is None and steps_recorded(root / "runs" / "a") < 3
+    monkeypatch.delenv("PYTHONPATH")
     assert main(["suite", "resume", str(root)]) == 0
     (resumed,) = SuiteManifest.load(root).runs
     assert resumed.state == "completed" and resumed.attempts and resumed.command[-2] == "--resume"

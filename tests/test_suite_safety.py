@@ -24,7 +24,7 @@ from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import MANIFEST, RunRecord, SuiteManifest
 from grpolab.studies.suite.flight import Flight, classify
 from grpolab.studies.suite.runner import SuiteRunner, completion_problems, prepare_suite, progress_of
-from suite_runs import forked_runner, one_run_suite, steps_recorded
+from suite_runs import forked_runner, one_run_suite, steps_recorded, trainers_of
 from test_suite import ROOT, suite_file, untimed, write_checkpoint
 
 pytest_plugins = ["suite_fixtures"]  # finished: the uninterrupted suite; the fake trainer and its suite
@@ -71,20 +71,6 @@ def mark_running(root: Path, name: str, pid: int | None = None) -> None:
     record.state, record.pid, record.started = "running", pid, "2026-01-01T00:00:00+0000"
     record.command = [sys.executable, "-m", "grpolab.commands.cli", "train", "--config", record.config_file]
     manifest.save(root)
-
-
-def trainers_of(root: Path, name: str) -> set[int]:
-    """Live ``grpolab.commands.cli train`` processes of run ``name`` of the suite in ``root``, from /proc."""
-    marks = {str(root / "configs" / f"{name}.json"), str(root / "runs" / name)}
-    found = set()
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            args = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "grpolab.commands.cli" in args and "train" in args and marks & set(args):
-            found.add(int(entry))
-    return found
 
 
 def lock_holder_process(run_dir: Path, seconds: float) -> subprocess.Popen:
