@@ -10,6 +10,7 @@ import pytest
 from conftest import TASK
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+pytest_plugins = ["suite_fixtures"]  # the fake trainer
 
 
 def _small(model_dir) -> list[str]:
@@ -98,10 +99,36 @@ def test_lora_vllm_sync_reports_both_modes_passing_the_sync_check(warm_model_dir
     assert re.search(r"adapter / merged: weight sync \S+x, generation tokens/s \S+x", out)
 
 
+@pytest.mark.slow  # default tier: the same with fake runs below (the scheduler's placements: test_suite_devices.py)
 def test_suite_placement_times_both_placements_and_finds_the_same_numbers(warm_model_dir, tmp_path, capsys):
     import suite_placement
     from test_suite import suite_file
 
+    spec = suite_file(tmp_path, warm_model_dir)
+    spec.write_text(spec.read_text().replace("threads = 1\n", "").replace('init_from = "a"\n', ""))
+    assert suite_placement.main([str(spec), "--out", str(tmp_path / "bench"), "--devices", "0,1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"one at a time \d+ s, on devices 0,1 \d+ s: [\d.]+x faster \(1 thread\(s\) per run\)", out)
+    assert re.search(r"^a .* 0\s+True\s+True$", out, re.M) and re.search(r"^b .* 1\s+True\s+True$", out, re.M)
+    assert "threads = 1" in (tmp_path / "bench" / spec.name).read_text()
+
+
+def test_suite_placement_times_both_placements_and_finds_the_same_numbers_with_fake_runs(warm_model_dir, fake_hook,
+                                                                                        tmp_path, monkeypatch, capsys):
+    """The benchmark's own logic, its suites' runs fake (tests/fake_trainer.py); each `grpolab suite run` it
+    starts is a forked copy of this process running the same command (started without importing anew)."""
+    import suite_placement
+    from suite_runs import forked_runner
+    from test_suite import suite_file
+
+    def forked_call(command, stdout, stderr):
+        assert command[:4] == [sys.executable, "-m", "grpolab.commands.cli", "suite"], command
+        runner = forked_runner(*command[4:], log=Path(stdout.name))
+        runner.join()
+        return runner.exitcode
+
+    monkeypatch.setattr(suite_placement.subprocess, "call", forked_call)
+    monkeypatch.setenv("PYTHONPATH", str(fake_hook))
     spec = suite_file(tmp_path, warm_model_dir)
     spec.write_text(spec.read_text().replace("threads = 1\n", "").replace('init_from = "a"\n', ""))
     assert suite_placement.main([str(spec), "--out", str(tmp_path / "bench"), "--devices", "0,1"]) == 0

@@ -152,6 +152,12 @@ def check_against_uninterrupted(model_dir: Path, run: Path, reference: Path, ste
     assert lock_holder(run) is None
 
 
+# Every test here starts several `grpolab train` processes: the slow tier. Their claims in the default tier:
+# SIGKILL mid-step then an exact resume (test_resume.py), a torn metrics line and an interrupted checkpoint
+# write cleaned up at resume (test_resume.py), atomic folders (test_atomic.py), a LoRA run's exact resume
+# (test_lora.py), a run stopped before its first checkpoint resumed from step 0 in place (test_dead_ends.py),
+# an export (test_lora.py).
+@pytest.mark.slow
 def test_a_few_random_kills_then_resumes_match_the_uninterrupted_run(warm_model_dir, hook, tmp_path):
     run = tmp_path / "run"
     landed = kill_and_resume(warm_model_dir, run, steps=5, kills=3, seed=0, hook=hook)
@@ -159,6 +165,7 @@ def test_a_few_random_kills_then_resumes_match_the_uninterrupted_run(warm_model_
     check_against_uninterrupted(warm_model_dir, run, tmp_path / "reference", steps=5)
 
 
+@pytest.mark.slow
 def test_a_lora_run_killed_and_resumed_matches_the_uninterrupted_run(warm_model_dir, hook, tmp_path):
     """The adapter, its optimizer state and every RNG in the checkpoint: kill -9 changes no number."""
     run = tmp_path / "run"
@@ -167,6 +174,7 @@ def test_a_lora_run_killed_and_resumed_matches_the_uninterrupted_run(warm_model_
     check_against_uninterrupted(warm_model_dir, run, tmp_path / "reference", steps=4, extra=LORA)
 
 
+@pytest.mark.slow
 def test_kills_before_the_first_checkpoint_resume_from_step_0_in_place_to_the_uninterrupted_run(warm_model_dir,
                                                                                                   hook, tmp_path):
     """Killed in its first steps, inside its first checkpoint write and while starting again, a run with no
@@ -190,6 +198,7 @@ def test_fifty_random_kills_then_resumes_match_the_uninterrupted_run(warm_model_
     check_against_uninterrupted(warm_model_dir, run, tmp_path / "reference", steps=20)
 
 
+@pytest.mark.slow
 def test_an_export_killed_midway_leaves_nothing_and_the_next_export_matches(warm_model_dir, hook, tmp_path):
     """``grpolab export`` killed after it wrote the merged weights (config.json already beside them) leaves no
     part of the export in its folder; the next export into it succeeds and equals an uninterrupted one."""

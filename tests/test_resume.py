@@ -83,6 +83,7 @@ def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(w
     assert manifest["resumes"][0]["step"] == 2 and manifest["resumes"][0]["from_checkpoint"].endswith("step_000002")
 
 
+@pytest.mark.slow  # a `grpolab train` process: default tier, the in-process interruption above and the Ctrl-C test
 def test_sigkill_mid_run_then_train_resume_matches_the_uninterrupted_run(warm_model_dir, uninterrupted, tmp_path):
     run = tmp_path / "run"
     cfg = quick_config(warm_model_dir, run, **OVERRIDES, threads=1)

@@ -16,7 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import quick_config
-from grpolab.run.checkpoints import MANIFEST, problem, prune, save_checkpoint
+from grpolab.run.checkpoints import MANIFEST, newest_verified, problem, prune, save_checkpoint
+from grpolab.run.state import STATE_FILE
 from grpolab.commands.cli import main
 from grpolab.config import load_run_config
 from grpolab.run.rundir import read_metrics, rewind_metrics
@@ -187,6 +188,21 @@ DAMAGES = {
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
+def test_each_damage_of_the_newest_checkpoint_is_found_and_the_previous_one_chosen(damage, copy_of):
+    """What a resume continues from, for every kind of damage (the resume itself: the next test)."""
+    run = copy_of()
+    name, hurt = DAMAGES[damage]
+    hurt(run / "checkpoints" / "step_000003" / name)
+    found = newest_verified(run, (STATE_FILE,))
+    assert found.checkpoint == run / "checkpoints" / "step_000002"
+    assert [folder.name for folder, _ in found.damaged] == ["step_000003"]
+    assert problem(run / "checkpoints" / "step_000003", (STATE_FILE,)) == found.damaged[0][1]
+
+
+# each resume trains two steps: one kind in the default tier (a bit flip, which loads fine and computes
+# wrong), the others slow (their detection: the test above)
+@pytest.mark.parametrize("damage", [pytest.param(d, marks=[] if d == "bit-flipped weights" else pytest.mark.slow)
+                                    for d in DAMAGES])
 def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_continues_exactly(damage, copy_of, uninterrupted,
                                                                                      capsys):
     run = copy_of()

@@ -17,7 +17,7 @@ from rich.console import Console
 from grpolab.commands.cli import main
 from grpolab.commands.probe import run_probe
 from grpolab.common.progress import Reporter
-from grpolab.config import validate_config
+from grpolab.config import load_config, validate_config
 from grpolab.models.reward_model import RewardModel
 from grpolab.studies.manifest import SuiteManifest
 from grpolab.studies.suite.runner import prepare_suite
@@ -28,6 +28,8 @@ from grpolab.tasks.reward_model_spec import reward_model_spec
 from reward_model_fixtures import save_reward_model
 from test_dataset_run import write_problems
 from test_reward_model_run import rm_config
+
+pytest_plugins = ["suite_fixtures"]  # the fake trainer
 
 
 def rm_suite_file(tmp_path: Path, model_dir: Path, rm: str) -> Path:
@@ -145,6 +147,7 @@ atexit.register(flip)
 """
 
 
+@pytest.mark.slow  # default tier: the same with fake runs, and a run's record of its reward model, below
 def test_a_changed_reward_model_fails_its_run_before_it_starts_and_resume_goes_on_once_restored(
         warm_model_dir, rm_copy, tmp_path, capsys, monkeypatch):
     root = tmp_path / "out"
@@ -180,6 +183,53 @@ def test_a_changed_reward_model_fails_its_run_before_it_starts_and_resume_goes_o
     assert [r.state for r in manifest.runs] == ["completed", "completed"]
     for record in manifest.runs:  # each run's own manifest.json names the same folder and SHA-256
         data = json.loads((Path(record.run_dir) / "manifest.json").read_text())["data"]
+        assert data["rewards"][1]["model_dir"] == record.reward_models[0]["path"] == str(rm_copy)
+        assert data["rewards"][1]["model_sha256"] == record.reward_models[0]["sha256"] == model_sha256(rm_copy)
+        assert "model_dir" not in data["rewards"][0]
+
+
+def test_a_changed_reward_model_fails_its_run_before_it_starts_and_resume_goes_on_once_restored_with_fake_runs(
+        warm_model_dir, rm_copy, fake_runs, tmp_path, capsys):
+    root = tmp_path / "out"
+    prepare_suite(rm_suite_file(tmp_path, warm_model_dir, rm_copy), root, Console(quiet=True))
+    weights = rm_copy / "model.safetensors"
+    original = weights.read_bytes()
+    line = (f"reward model {rm_copy} changed since the suite was prepared: model.safetensors was changed; "
+            "restore it and resume, or make a new suite")
+    # changed before the suite runs: run a fails at once, b stays queued, nothing started
+    fake_runs.use()
+    flip_a_byte(weights)
+    assert main(["suite", "resume", str(root)]) == 1
+    out = capsys.readouterr().out
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("failed", "queued") and a.reason == line
+    assert a.exit_code is None and a.pid is None and a.command == [] and not a.attempts
+    assert not Path(a.run_dir).exists() and not (root / "logs").exists(), "nothing started"
+    assert f"run a: failed, not started ({line})" in out and f"suite stopped at run a (failed): {line}" in out
+    # restored, resume runs a; the folder changes while a trains (when its process ends): b fails, not started
+    weights.write_bytes(original)
+    fake_runs.use(extra=FLIP_WHEN_THE_FIRST_RUN_ENDS.format(done=str(tmp_path / "flipped"), weights=str(weights)))
+    assert main(["suite", "resume", str(root)]) == 1
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("completed", "failed") and b.reason == line and not Path(b.run_dir).exists()
+    assert weights.read_bytes() != original
+    # restored again, resume finishes the suite
+    weights.write_bytes(original)
+    assert main(["suite", "resume", str(root)]) == 0
+    manifest = SuiteManifest.load(root)
+    assert [r.state for r in manifest.runs] == ["completed", "completed"]
+    for record in manifest.runs:
+        assert record.reward_models[0]["path"] == str(rm_copy)
+        assert record.reward_models[0]["sha256"] == model_sha256(rm_copy)
+
+
+def test_a_runs_data_record_names_its_reward_models_folder_and_hash_as_its_suite_does(warm_model_dir, rm_copy,
+                                                                                       tmp_path):
+    """What a run's manifest.json records of its task's data (the task's data fingerprint) names each reward
+    model's folder and SHA-256 as the suite recorded them; the reward's own folder only for a reward model."""
+    manifest = prepare_suite(rm_suite_file(tmp_path, warm_model_dir, rm_copy), tmp_path / "out", Console(quiet=True))
+    for record in manifest.runs:
+        data = load_config(record.config_file).task.build().data_fingerprint()
         assert data["rewards"][1]["model_dir"] == record.reward_models[0]["path"] == str(rm_copy)
         assert data["rewards"][1]["model_sha256"] == record.reward_models[0]["sha256"] == model_sha256(rm_copy)
         assert "model_dir" not in data["rewards"][0]

@@ -20,58 +20,12 @@ from grpolab.config import load_config
 from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import MANIFEST, SuiteManifest
 from grpolab.studies.suite.runner import completion_problems, last_error
+from suite_runs import (assert_same_runs, forked_runner, one_run_suite, steps_recorded, suite_file, trainers_of,
+                        untimed)
+
+pytest_plugins = ["suite_fixtures"]  # finished: the uninterrupted suite; the fake trainer and its suite
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def suite_file(tmp_path: Path, model_dir: Path, first_overrides: str = "") -> Path:
-    task = "\n".join(f"{k} = {v}" for k, v in TASK.items())
-    path = tmp_path / "suite.toml"
-    path.write_text(f"""
-[suite]
-name = "tiny"
-[base]
-steps = 3
-threads = 1
-reference = "frozen"
-[base.model]
-path = "{model_dir}"
-[base.task]
-{task}
-[base.rollout]
-prompts_per_step = 4
-max_new_tokens = 40
-[base.optim]
-micro_batch_size = 16
-lr = 1e-3
-[base.eval]
-every = 3
-[base.checkpoint]
-every = 1
-[[runs]]
-name = "a"
-algo = "grpo"
-{first_overrides}
-[[runs]]
-name = "b"
-algo = "dr_grpo"
-seed = 1
-init_from = "a"
-factors = {{ start = "warm" }}
-""")
-    return path
-
-
-def untimed(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
-
-
-@pytest.fixture(scope="module")
-def finished(warm_model_dir, tmp_path_factory):
-    """An uninterrupted suite."""
-    tmp = tmp_path_factory.mktemp("suite")
-    assert main(["suite", "run", str(suite_file(tmp, warm_model_dir)), "--output-root", str(tmp / "out")]) == 0
-    return tmp / "out"
 
 
 def test_dry_run_prints_configs_commands_and_footprint_and_writes_nothing(warm_model_dir, tmp_path, capsys):
@@ -117,12 +71,24 @@ def test_a_used_output_root_is_refused_and_left_alone(finished, warm_model_dir, 
     assert (finished / MANIFEST).read_bytes() == before
 
 
+@pytest.mark.slow  # default tier: the run's one line (next test) and a failing fake run's line as its reason
 def test_a_failed_run_stops_the_queue_with_its_reason(warm_model_dir, tmp_path):
     spec = suite_file(tmp_path, warm_model_dir, first_overrides='overrides = { "eval.n_examples" = 17 }')
     assert main(["suite", "run", str(spec), "--output-root", str(tmp_path / "out")]) == 1
     a, b = SuiteManifest.load(tmp_path / "out").runs
     assert (a.state, b.state) == ("failed", "queued") and a.exit_code == 2
     assert a.reason == "eval.n_examples 17 > the 16 validation examples of task 'arithmetic'"
+
+
+def test_a_run_asking_for_more_validation_examples_than_its_task_has_ends_in_one_error_line(warm_model_dir, tmp_path,
+                                                                                            capsys):
+    """The line a suite records as the failed run's reason (last_error: its log's last 'error:' line)."""
+    overrides = {"model.path": str(warm_model_dir), "output_dir": str(tmp_path / "run"), "eval.n_examples": 17,
+                 **{f"task.{k}": v for k, v in TASK.items()}}
+    assert main(["train", *[f"--{k}={v}" for k, v in overrides.items()]]) == 2
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
+    assert lines == ["error: eval.n_examples 17 > the 16 validation examples of task 'arithmetic'"]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_missing_start_model_is_refused_before_anything_is_written(warm_model_dir, tmp_path, capsys):
@@ -168,6 +134,7 @@ def test_exit_0_without_the_final_validation_record_is_not_completion(tmp_path):
     assert completion_problems(tmp_path, cfg) == ["the validation record of step 2"]
 
 
+@pytest.mark.slow  # default tier: the one-run suite below (real runs) and the same with fake runs
 def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupted_suite(finished, warm_model_dir,
                                                                                         tmp_path):
     """The suite runs from a copy of the package; that copy is broken once the suite has started (queued
@@ -204,6 +171,48 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
                                                            for r in SuiteManifest.load(finished).runs]
 
 
+SLOW_CHECKPOINTS = """
+import time
+import grpolab.run.checkpoints as checkpoints
+_save = checkpoints.save_checkpoint
+def save_checkpoint(*args, **kwargs):
+    time.sleep(1)  # the run is surely still training when the test stops the suite
+    return _save(*args, **kwargs)
+checkpoints.save_checkpoint = save_checkpoint
+"""
+
+
+def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupted_suite_with_one_real_run(
+        finished, warm_model_dir, tmp_path, monkeypatch):
+    """The suite's exact resume with real runs (run a of the tiny suite, alone): Ctrl-C to the runner stops
+    run a after a step, and resume finishes it with the numbers and weights of the uninterrupted suite's run a.
+    (That a suite's runs import its code snapshot, not the working tree: test_a_suite_runs_every_run_...)"""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_CHECKPOINTS)
+    monkeypatch.setenv("PYTHONPATH", str(hook))
+    root, log = tmp_path / "out", tmp_path / "runner.log"
+    runner = forked_runner("run", str(one_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root), log=log)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 1:
+        time.sleep(0.05)
+    os.kill(runner.pid, signal.SIGINT)
+    runner.join(300)
+    out = log.read_text()
+    assert runner.exitcode == 130, out
+    (a,) = SuiteManifest.load(root).runs
+    assert a.state == "stopped" and "resumable from its newest checkpoint" in a.reason and "grpolab suite resume" in out
+    assert not trainers_of(root, "a") and a.pid is None and steps_recorded(root / "runs" / "a") < 3
+    monkeypatch.delenv("PYTHONPATH")
+    assert main(["suite", "resume", str(root)]) == 0
+    (resumed,) = SuiteManifest.load(root).runs
+    assert resumed.state == "completed" and resumed.attempts and resumed.command[-2] == "--resume"
+    assert untimed(read_metrics(root / "runs" / "a" / "metrics.jsonl")) == \
+        untimed(read_metrics(finished / "runs" / "a" / "metrics.jsonl"))
+    assert resumed.final_checkpoint_sha256 == SuiteManifest.load(finished).runs[0].final_checkpoint_sha256
+
+
+@pytest.mark.slow  # default tier: the same with fake runs below; exact resume of real runs: the Ctrl-C test above
 def test_a_suite_killed_outright_resumes_with_identical_numbers(finished, warm_model_dir, tmp_path):
     """A power cut: the runner and its run die with SIGKILL; the manifest still says 'running'."""
     root = tmp_path / "out"
@@ -249,6 +258,7 @@ torch.nn.utils.clip_grad_norm_ = clip
 }
 
 
+@pytest.mark.slow  # default tier: test_update's non-finite tests and the failing fake run below
 @pytest.mark.parametrize("where", ["loss", "gradient"])
 def test_a_nan_stops_its_run_before_the_optimizer_step_and_stops_the_queue(where, warm_model_dir, tmp_path, monkeypatch):
     """A NaN is injected into every run process (a sitecustomize module on PYTHONPATH) from step 2 on."""
@@ -265,3 +275,62 @@ def test_a_nan_stops_its_run_before_the_optimizer_step_and_stops_the_queue(where
     last_good = root / "runs" / "a" / "checkpoints" / "step_000001"
     assert sorted(p.name for p in (root / "runs" / "a" / "checkpoints").iterdir()) == ["step_000001"]
     assert (last_good / "trainer_state.pt").is_file() and (last_good / "model.safetensors").is_file()
+
+
+# ---- the scheduler with fake runs (tests/fake_trainer.py): the same claims in seconds ------------------
+def test_a_suite_killed_outright_resumes_with_identical_numbers_with_fake_runs(fake_finished, fake_runs,
+                                                                               warm_model_dir, tmp_path):
+    """A power cut: the runner and its run die with SIGKILL; the manifest still says 'running'."""
+    fake_runs.use(slow={"a": 0.3})
+    root = tmp_path / "out"
+    runner = forked_runner("run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 2:
+        time.sleep(0.02)
+    child = SuiteManifest.load(root).runs[0].pid
+    runner.kill()
+    os.killpg(child, signal.SIGKILL)
+    runner.join()
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("running", "queued") and steps_recorded(root / "runs" / "a") < 3
+    assert main(["suite", "resume", str(root)]) == 0
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("completed", "completed") and a.command[-2] == "--resume"
+    assert_same_runs(root, fake_finished)
+
+
+def test_a_run_failing_mid_way_stops_the_queue_with_its_error_and_keeps_its_last_checkpoint_with_fake_runs(
+        fake_runs, warm_model_dir, tmp_path):
+    fake_runs.use(fail={"a": 2})
+    root = tmp_path / "out"
+    assert main(["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root)]) == 1
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("failed", "queued") and a.exit_code == 2
+    assert a.reason == "non-finite loss (nan) or ratio in the policy update"
+    assert max(r["step"] for r in read_metrics(root / "runs" / "a" / "metrics.jsonl")) == 1
+    assert sorted(p.name for p in (root / "runs" / "a" / "checkpoints").iterdir()) == ["step_000001"]
+    assert not (root / "logs" / "b.log").exists()
+
+
+def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupted_suite_with_fake_runs(
+        fake_finished, fake_runs, warm_model_dir, tmp_path):
+    fake_runs.use(slow={"a": 0.3})
+    root, log = tmp_path / "out", tmp_path / "runner.log"
+    runner = forked_runner("run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root), log=log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 1:
+        time.sleep(0.02)
+    os.kill(runner.pid, signal.SIGINT)
+    runner.join(120)
+    out = log.read_text()
+    assert runner.exitcode == 130, out
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("stopped", "queued") and "grpolab suite resume" in out
+    assert "resumable from its newest checkpoint" in a.reason and steps_recorded(root / "runs" / "a") < 3
+    assert not descendants(runner.pid) and a.pid is None
+    fake_runs.use()
+    assert main(["suite", "resume", str(root)]) == 0
+    resumed = SuiteManifest.load(root).runs
+    assert [r.state for r in resumed] == ["completed", "completed"] and resumed[0].attempts
+    assert resumed[0].command[-2] == "--resume"
+    assert_same_runs(root, fake_finished)

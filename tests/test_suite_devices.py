@@ -1,6 +1,9 @@
 """A suite spread over devices: runs on disjoint device sets, two at a time, one of them a 2-process
 torchrun job (gloo on CPU; ``CUDA_VISIBLE_DEVICES`` is the stand-in placement each run records). The
-numbers must equal the same suite run one at a time, through a fail-stop and a runner killed outright."""
+numbers must equal the same suite run one at a time, through a fail-stop and a runner killed outright.
+
+Each claim is tested twice: with fake runs (tests/fake_trainer.py: the scheduler's placement, stops and
+resumes in seconds; default tier) and with real ``grpolab train`` runs and a real torchrun job (slow tier)."""
 
 from __future__ import annotations
 
@@ -19,8 +22,11 @@ import pytest
 from grpolab.commands.cli import main
 from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import SuiteManifest
+from suite_runs import forked_runner, steps_recorded
 from test_suite import INJECT, ROOT, suite_file, untimed
 from test_suite_safety import trainers_of
+
+pytest_plugins = ["suite_fixtures"]  # the fake trainer
 
 NAMES = ("a", "b", "c", "d")
 
@@ -97,6 +103,7 @@ def one_at_a_time(warm_model_dir, tmp_path_factory) -> Path:
     return tmp / "out"
 
 
+@pytest.mark.slow  # default tier: the same claim with fake runs below
 def test_two_at_a_time_on_devices_gives_the_numbers_of_one_at_a_time(one_at_a_time, warm_model_dir, tmp_path,
                                                                     monkeypatch, capsys):
     hook(tmp_path, monkeypatch, slow(("a", "b"), 1.5))
@@ -120,6 +127,7 @@ def test_two_at_a_time_on_devices_gives_the_numbers_of_one_at_a_time(one_at_a_ti
     assert "devices 0,1 (2 processes)" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # default tier: the same claim with fake runs below
 def test_a_failing_run_stops_the_one_beside_it_resumably_and_resume_finishes_both_exactly(
         one_at_a_time, warm_model_dir, tmp_path, monkeypatch, capsys):
     hook(tmp_path, monkeypatch, slow(("a",), 4) + NAN_IN_B)
@@ -140,6 +148,7 @@ def test_a_failing_run_stops_the_one_beside_it_resumably_and_resume_finishes_bot
     assert resumed[2].devices == ["1", "0"]
 
 
+@pytest.mark.slow  # default tier: the same claim with fake runs below
 def test_a_runner_killed_outright_then_resumed_never_starts_a_run_twice_and_finishes_exactly(
         one_at_a_time, warm_model_dir, tmp_path, monkeypatch):
     """SIGKILL to the runner alone: its runs (in their own sessions) train on; resume at once waits for
@@ -187,3 +196,102 @@ def test_a_runner_killed_outright_then_resumed_never_starts_a_run_twice_and_fini
     assert [w["pid"] for w in a.waits] == list(orphans["a"]) and [w["pid"] for w in b.waits] == list(orphans["b"])
     assert not a.attempts and not b.attempts and [r.devices for r in (c, d)] == [["0", "1"], ["0"]]
     assert_same_numbers(root, one_at_a_time)
+
+
+# ---- the same claims with fake runs: the scheduler alone, in seconds -----------------------------------
+@pytest.fixture(scope="module")
+def fake_one_at_a_time(warm_model_dir, fake_hook, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("fake_sequential")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", str(fake_hook))
+        for setting in ("GRPOLAB_FAKE_SLOW", "GRPOLAB_FAKE_FAIL", "GRPOLAB_FAKE_STEP_SECONDS"):
+            patch.delenv(setting, raising=False)
+        assert main(["suite", "run", str(four_run_suite(tmp, warm_model_dir)), "--output-root", str(tmp / "out")]) == 0
+    return tmp / "out"
+
+
+def test_two_at_a_time_on_devices_gives_the_numbers_of_one_at_a_time_with_fake_runs(
+        fake_one_at_a_time, fake_runs, warm_model_dir, tmp_path, monkeypatch, capsys):
+    fake_runs.use(slow={"a": 0.7, "b": 0.7})  # a and b overlap by more than a second (the manifest's resolution)
+    monkeypatch.setenv("COLUMNS", "250")
+    root = tmp_path / "out"
+    assert main(["suite", "run", str(four_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
+                 "--devices", "0,1"]) == 0
+    assert_same_numbers(root, fake_one_at_a_time)
+    manifest = SuiteManifest.load(root)
+    a, b, c, d = manifest.runs
+    assert manifest.placement == {"launcher": "local", "devices": ["0", "1"], "slurm": None}
+    assert [r.devices for r in (a, b, c, d)] == [["0"], ["1"], ["0", "1"], ["0"]]
+    assert [r.world_size for r in (a, b, c, d)] == [1, 1, 2, 1] and c.command[2] == "torch.distributed.run"
+    assert a.started <= b.started < a.ended <= c.started and b.ended <= c.started  # a and b at once; c on both
+    assert sessions_where(root, "a")[0]["devices"] == "0" and sessions_where(root, "b")[0]["devices"] == "1"
+    assert sessions_where(root, "c") == [{**sessions_where(root, "c")[0], "devices": "0,1", "world_size": 2}]
+    sequential = SuiteManifest.load(fake_one_at_a_time)
+    assert all(r.devices is None for r in sequential.runs) and sequential.runs[2].world_size == 2
+    assert sessions_where(fake_one_at_a_time, "a")[0]["devices"] == os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert main(["suite", "status", str(root)]) == 0
+    assert "devices 0,1 (2 processes)" in capsys.readouterr().out
+
+
+def test_a_failing_run_stops_the_one_beside_it_resumably_and_resume_finishes_both_exactly_with_fake_runs(
+        fake_one_at_a_time, fake_runs, warm_model_dir, tmp_path, capsys):
+    fake_runs.use(slow={"a": 1.5, "b": 0.3}, fail={"b": 2})  # b fails while a is in its first step
+    root = tmp_path / "out"
+    assert main(["suite", "run", str(four_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
+                 "--devices", "0,1"]) == 1
+    out = capsys.readouterr().out
+    a, b, c, d = SuiteManifest.load(root).runs
+    assert (a.state, b.state, c.state, d.state) == ("stopped", "failed", "queued", "queued")
+    assert "non-finite loss" in b.reason and a.reason.startswith("stopped because run b failed: ")
+    assert "resumable from its newest checkpoint step_00000" in a.reason
+    assert "suite stopped at run b (failed)" in out
+    fake_runs.use()
+    assert main(["suite", "resume", str(root), "--devices", "1,0"]) == 0
+    assert_same_numbers(root, fake_one_at_a_time)
+    resumed = SuiteManifest.load(root).runs
+    assert resumed[0].attempts[-1]["state"] == "stopped" and resumed[0].command[-2] == "--resume"
+    assert resumed[2].devices == ["1", "0"]
+
+
+def test_a_runner_killed_outright_then_resumed_never_starts_a_run_twice_and_finishes_exactly_with_fake_runs(
+        fake_one_at_a_time, fake_runs, warm_model_dir, tmp_path):
+    """SIGKILL to the runner alone: its runs (in their own sessions) train on; resume at once waits for
+    both on their devices, then runs c and d, and every number equals the one-at-a-time suite's."""
+    fake_runs.use(slow={"a": 0.5, "b": 0.5})
+    root = tmp_path / "out"
+    runner = forked_runner("run", str(four_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
+                           "--devices", "0,1")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and runner.is_alive() and \
+            min(steps_recorded(root / "runs" / n) for n in ("a", "b")) < 1:
+        time.sleep(0.02)
+    runner.kill()
+    runner.join()
+    orphans = {name: trainers_of(root, name) for name in ("a", "b")}
+    assert all(len(pids) == 1 for pids in orphans.values()), orphans
+    samples: list[dict[str, set[int]]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append({name: trainers_of(root, name) for name in ("a", "b")})
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        assert main(["suite", "resume", str(root)]) == 0
+    finally:
+        stop.set()
+        sampler.join()
+        for pids in orphans.values():
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    assert samples and all(s[name] <= orphans[name] for s in samples for name in s)  # never a second trainer
+    a, b, c, d = SuiteManifest.load(root).runs
+    assert [w["pid"] for w in a.waits] == list(orphans["a"]) and [w["pid"] for w in b.waits] == list(orphans["b"])
+    assert not a.attempts and not b.attempts and [r.devices for r in (c, d)] == [["0", "1"], ["0"]]
+    assert_same_numbers(root, fake_one_at_a_time)

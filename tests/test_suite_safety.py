@@ -24,7 +24,10 @@ from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import MANIFEST, RunRecord, SuiteManifest
 from grpolab.studies.suite.flight import Flight, classify
 from grpolab.studies.suite.runner import SuiteRunner, completion_problems, prepare_suite, progress_of
+from suite_runs import forked_runner, one_run_suite, steps_recorded, trainers_of
 from test_suite import ROOT, suite_file, untimed, write_checkpoint
+
+pytest_plugins = ["suite_fixtures"]  # finished: the uninterrupted suite; the fake trainer and its suite
 
 SLOW_FINAL_CHECKPOINT = """
 import time
@@ -38,14 +41,6 @@ checkpoints.save_checkpoint = save_checkpoint
 """
 
 
-@pytest.fixture(scope="module")
-def finished(warm_model_dir, tmp_path_factory):
-    """An uninterrupted suite."""
-    tmp = tmp_path_factory.mktemp("suite")
-    assert main(["suite", "run", str(suite_file(tmp, warm_model_dir)), "--output-root", str(tmp / "out")]) == 0
-    return tmp / "out"
-
-
 @pytest.fixture
 def queued(warm_model_dir, tmp_path) -> Path:
     """A suite made (snapshots, configs, manifest) and not run."""
@@ -57,14 +52,6 @@ def queued(warm_model_dir, tmp_path) -> Path:
 @pytest.fixture
 def wide(monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")  # status tables on one line a row
-
-
-def one_run_suite(tmp_path: Path, model_dir: Path) -> Path:
-    """The tiny suite with run a alone."""
-    path = suite_file(tmp_path, model_dir)
-    text = path.read_text()
-    path.write_text(text[:text.index("[[runs]]", text.index("[[runs]]") + 1)])
-    return path
 
 
 def complete_on_disk(run_dir: Path, steps: int = 3) -> Path:
@@ -86,20 +73,6 @@ def mark_running(root: Path, name: str, pid: int | None = None) -> None:
     manifest.save(root)
 
 
-def trainers_of(root: Path, name: str) -> set[int]:
-    """Live ``grpolab.commands.cli train`` processes of run ``name`` of the suite in ``root``, from /proc."""
-    marks = {str(root / "configs" / f"{name}.json"), str(root / "runs" / name)}
-    found = set()
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            args = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "grpolab.commands.cli" in args and "train" in args and marks & set(args):
-            found.add(int(entry))
-    return found
-
-
 def lock_holder_process(run_dir: Path, seconds: float) -> subprocess.Popen:
     """A process holding ``run_dir``'s lock for ``seconds`` (a trainer left behind), in its own session."""
     code = (f"import time; from pathlib import Path; from grpolab.run.lock import RunLock; "
@@ -109,6 +82,7 @@ def lock_holder_process(run_dir: Path, seconds: float) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow  # default tier: the same with fake runs (next test) and the real Ctrl-C resume (test_suite.py)
 def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_training(finished, warm_model_dir,
                                                                                       tmp_path, capsys):
     """The runner alone dies (SIGKILL; its run, in its own session, trains on); suite resume at once waits
@@ -164,6 +138,54 @@ def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_tr
         assert untimed(records) == untimed(read_metrics(finished / "runs" / name / "metrics.jsonl")), name
     assert [r.final_checkpoint_sha256 for r in (a, b)] == [r.final_checkpoint_sha256
                                                            for r in SuiteManifest.load(finished).runs]
+
+
+def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_training_with_fake_runs(
+        fake_finished, fake_runs, warm_model_dir, tmp_path, capsys):
+    fake_runs.use(slow={"a": 1.0})  # the orphan is surely still alive when resume looks
+    root = tmp_path / "out"
+    runner = forked_runner("run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 1:
+        time.sleep(0.02)
+    orphan = SuiteManifest.load(root).runs[0].pid
+    runner.kill()
+    runner.join()
+    samples: list[set[int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append(trainers_of(root, "a"))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    try:
+        assert trainers_of(root, "a") == {orphan}  # the orphan trains on
+        sampler.start()
+        assert main(["suite", "resume", str(root)]) == 0
+    finally:
+        stop.set()
+        if sampler.is_alive():
+            sampler.join()
+        for pid in trainers_of(root, "a") & {orphan}:
+            os.kill(pid, signal.SIGKILL)
+    assert samples and samples[0] == {orphan} and all(s <= {orphan} for s in samples)  # never a second trainer
+    out = capsys.readouterr().out
+    assert f"run a: waiting for process {orphan} (left training by an earlier runner) to end" in out
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("completed", "completed")
+    assert a.waits[0]["pid"] == orphan and a.waits[0]["until"] and a.command[-2:] == ["--config", a.config_file]
+    log = (root / "logs" / "a.log").read_text().splitlines()
+    assert len([line for line in log if line.startswith("# ") and "grpolab.commands.cli train" in line]) == 1
+    for name in ("a", "b"):
+        records = read_metrics(root / "runs" / name / "metrics.jsonl")
+        for key in ("reward_mean", "val/accuracy"):
+            steps = [r["step"] for r in records if key in r]
+            assert len(steps) == len(set(steps)), (name, key, steps)
+        assert untimed(records) == untimed(read_metrics(fake_finished / "runs" / name / "metrics.jsonl")), name
+    assert [r.final_checkpoint_sha256 for r in (a, b)] == [r.final_checkpoint_sha256
+                                                           for r in SuiteManifest.load(fake_finished).runs]
 
 
 def test_resume_waits_for_the_process_holding_a_runs_lock_then_judges_the_run_from_disk(warm_model_dir, tmp_path,

@@ -1,6 +1,7 @@
 """A suite on a real one-node Slurm cluster (slurmctld + slurmd started by the test set-up, no GPUs): each
 run a batch job from a script the suite keeps, a job cancelled with scancel is a stopped run, and resume
-submits it again and finishes it with the numbers of the uninterrupted suite."""
+submits it again and finishes it with the numbers of the uninterrupted suite. With fake runs
+(tests/fake_trainer.py) in the default tier, with real ``grpolab train`` runs in the slow tier."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ from pathlib import Path
 from grpolab.commands.cli import main
 from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import SuiteManifest
-from test_suite import ROOT, finished, suite_file, untimed  # noqa: F401  (finished: the uninterrupted suite)
+from suite_runs import forked_runner, steps_recorded
+from test_suite import ROOT, suite_file, untimed
 
-pytest_plugins = ["slurm_cluster"]  # the session's one-node Slurm cluster
+import pytest
+
+# the session's one-node Slurm cluster; the uninterrupted suites (real and fake) and the fake trainer
+pytest_plugins = ["slurm_cluster", "suite_fixtures"]
 
 SLOW_A = """
 import time
@@ -30,8 +35,9 @@ checkpoints.save_checkpoint = save_checkpoint
 """
 
 
+@pytest.mark.slow  # default tier: the same with fake runs below; real runs on Slurm: the refused job
 def test_a_suite_on_slurm_a_cancelled_job_is_a_stopped_run_and_resume_finishes_it_exactly(
-        slurm_cluster, finished, warm_model_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
+        slurm_cluster, finished, warm_model_dir, tmp_path, monkeypatch, capsys):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_A)
@@ -94,8 +100,9 @@ def test_the_slurm_launcher_without_slurm_is_one_error_line(warm_model_dir, tmp_
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # default tier: the same with fake runs below
 def test_a_runner_killed_while_its_jobs_run_is_resumed_by_following_the_jobs_never_submitting_twice(
-        slurm_cluster, finished, warm_model_dir, tmp_path, monkeypatch):  # noqa: F811
+        slurm_cluster, finished, warm_model_dir, tmp_path, monkeypatch):
     """SIGKILL to the runner (a closed SSH session on a login node): run a's job trains on; resume follows
     that job to its end instead of submitting a second one, then submits b."""
     hook = tmp_path / "hook"
@@ -138,3 +145,86 @@ def test_a_job_slurm_refuses_is_a_failed_run_with_sbatchs_reason(slurm_cluster, 
     a, b = SuiteManifest.load(tmp_path / "out").runs
     assert (a.state, b.state) == ("failed", "queued") and a.job_id is None
     assert a.reason.startswith("sbatch --parsable failed: ") and "invalid partition" in a.reason.lower(), a.reason
+
+
+# ---- the same claims with fake runs on the real cluster: submission, cancel, resume, following a job ------
+def slurm_suite(tmp_path: Path, model_dir: Path, partition: str | None = None) -> Path:
+    spec = suite_file(tmp_path, model_dir)
+    where = f'partition = "{partition}"\n' if partition else ""
+    spec.write_text(spec.read_text().replace("[base]", f'[slurm]\n{where}gpus_per_device = 0\ntime = "00:30:00"\n'
+                                             "[base]", 1))
+    return spec
+
+
+def test_a_suite_on_slurm_a_cancelled_job_is_a_stopped_run_and_resume_finishes_it_exactly_with_fake_runs(
+        slurm_cluster, fake_finished, fake_runs, warm_model_dir, tmp_path, monkeypatch, capsys):
+    for key, value in {**slurm_cluster.env, "COLUMNS": "250"}.items():
+        monkeypatch.setenv(key, value)
+    fake_runs.use(slow={"a": 0.6})  # run a is surely still training when the test cancels its job
+    root, log = tmp_path / "out", tmp_path / "runner.log"
+    runner = forked_runner("run", str(slurm_suite(tmp_path, warm_model_dir, slurm_cluster.partition)),
+                           "--output-root", str(root), "--launcher", "slurm", log=log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 1:
+        time.sleep(0.05)
+    job = SuiteManifest.load(root).runs[0].job_id
+    slurm_cluster.run("scancel", job)
+    runner.join(120)
+    out = log.read_text()
+    assert runner.exitcode == 130, out
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("stopped", "queued"), (a, out)
+    assert a.reason.startswith(f"Slurm job {job} was CANCELLED: stopped by a signal (exit code 130); resumable "
+                               "from its newest checkpoint step_00000") and a.job_id == job
+    assert f"run a: submitted as Slurm job {job}" in out and a.job_state == "CANCELLED"
+    assert slurm_cluster.run("scontrol", "show", "job", job).count("JobState=CANCELLED") == 1
+
+    fake_runs.use()
+    assert main(["suite", "resume", str(root)]) == 0
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("completed", "completed") and a.job_id != job
+    assert [attempt["job_id"] for attempt in a.attempts] == [job] and a.command[-2] == "--resume"
+    assert (a.job_state, b.job_state) == ("COMPLETED", "COMPLETED")
+    reference = SuiteManifest.load(fake_finished).runs
+    for name in ("a", "b"):
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
+            untimed(read_metrics(fake_finished / "runs" / name / "metrics.jsonl")), name
+    assert [r.final_checkpoint_sha256 for r in (a, b)] == [r.final_checkpoint_sha256 for r in reference]
+    # where each attempt ran, as the suite and the run itself recorded it; the scripts are kept
+    sessions = json.loads((root / "runs" / "a" / "manifest.json").read_text())["sessions"]
+    assert [s["where"]["slurm_job_id"] for s in sessions] == [job, a.job_id]
+    assert a.host == sessions[-1]["where"]["host"] and b.world_size == 1
+    scripts = sorted(p.name for p in (root / "slurm").glob("*.sbatch"))
+    assert scripts == ["a.attempt-1.sbatch", "a.attempt-2.sbatch", "b.attempt-1.sbatch"]
+    script = (root / "slurm" / "a.attempt-2.sbatch").read_text()
+    assert f"#SBATCH --partition={slurm_cluster.partition}" in script and "#SBATCH --gpus" not in script
+    assert "#SBATCH --job-name=tiny.a" in script
+    assert "--resume" in script and (root / "slurm" / f"b.{b.job_id}.exit").read_text().strip() == "0"
+    assert main(["suite", "status", str(root)]) == 0
+    assert f"job {b.job_id} COMPLETED" in capsys.readouterr().out
+
+
+def test_a_runner_killed_while_its_jobs_run_is_resumed_by_following_the_jobs_never_submitting_twice_with_fake_runs(
+        slurm_cluster, fake_finished, fake_runs, warm_model_dir, tmp_path, monkeypatch):
+    """SIGKILL to the runner (a closed SSH session on a login node): run a's job trains on; resume follows
+    that job to its end instead of submitting a second one, then submits b."""
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    fake_runs.use(slow={"a": 0.6})
+    root = tmp_path / "out"
+    runner = forked_runner("run", str(slurm_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
+                           "--launcher", "slurm")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 1:
+        time.sleep(0.05)
+    runner.kill()
+    runner.join()
+    job = SuiteManifest.load(root).runs[0].job_id
+    assert "RUNNING" in slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%T")
+    assert main(["suite", "resume", str(root)]) == 0
+    a, b = SuiteManifest.load(root).runs
+    assert (a.state, b.state) == ("completed", "completed") and a.job_id == job and not a.attempts
+    assert sorted(p.name for p in (root / "slurm").glob("*.sbatch")) == ["a.attempt-1.sbatch", "b.attempt-1.sbatch"]
+    for name in ("a", "b"):
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
+            untimed(read_metrics(fake_finished / "runs" / name / "metrics.jsonl")), name
