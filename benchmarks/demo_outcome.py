@@ -27,8 +27,19 @@ from pathlib import Path
 
 
 def run_demo(algo: str, engine: str, out: Path, env: dict[str, str], extra: list[str]) -> tuple[dict, float]:
-    cmd = [sys.executable, "-m", "grpolab.commands.cli", "demo", "--algo", algo, "--engine", engine, "--output-dir", str(out),
-           *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpolab.commands.cli",
+        "demo",
+        "--algo",
+        algo,
+        "--engine",
+        engine,
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
     started = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     return json.loads((out / "summary.json").read_text()), time.perf_counter() - started
@@ -38,8 +49,8 @@ def warm_started(seed: int, cache: Path) -> list[str]:
     """Demo arguments that use the warm start of ``seed`` (0: the demo's own, built by the demo itself)."""
     if seed == 0:
         return []
-    from grpolab.tasks import make_task
     from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
+    from grpolab.tasks import make_task
 
     return ["--model", str(warm_start_model(make_task("arithmetic"), WarmStartSettings(seed=seed), cache))]
 
@@ -54,8 +65,11 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "GRPOLAB_CACHE": os.path.join(tmp, "cache")}
-        print(f"{'algorithm':<12} {'engine':<6} {'warm':>4} {'seed':>4} {'start':>6} {'final':>6} {'gain':>6} "
-              f"{'RL s':>7} {'process s':>10}", flush=True)
+        print(
+            f"{'algorithm':<12} {'engine':<6} {'warm':>4} {'seed':>4} {'start':>6} {'final':>6} {'gain':>6} "
+            f"{'RL s':>7} {'process s':>10}",
+            flush=True,
+        )
         for warm_seed in args.warm_seeds:
             model = warm_started(warm_seed, Path(tmp) / "warm")
             for algo in args.algos:
@@ -65,9 +79,11 @@ def main() -> None:
                         extra = [*model, "--seed", str(seed), *shlex.split(args.extra)]
                         summary, seconds = run_demo(algo, engine, out, env, extra)
                         acc = summary["val_accuracy"]
-                        print(f"{algo:<12} {engine:<6} {warm_seed:>4} {seed:>4} {acc['start']:6.3f} {acc['final']:6.3f} "
-                              f"{acc['final'] - acc['start']:+6.3f} {summary['wall_seconds']:7.0f} {seconds:10.0f}",
-                              flush=True)
+                        print(
+                            f"{algo:<12} {engine:<6} {warm_seed:>4} {seed:>4} {acc['start']:6.3f} {acc['final']:6.3f} "
+                            f"{acc['final'] - acc['start']:+6.3f} {summary['wall_seconds']:7.0f} {seconds:10.0f}",
+                            flush=True,
+                        )
 
 
 if __name__ == "__main__":

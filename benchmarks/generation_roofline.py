@@ -61,8 +61,9 @@ from grpolab.rollout.hf.packed_linear import packed_linears
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2_arithmetic.toml"
 
 
-def linear_seconds_per_token(model: nn.Module, rows: int, repeats: int = 5, rounds: int = 9,
-                             warmup: float = 3.0) -> dict[str, float]:
+def linear_seconds_per_token(
+    model: nn.Module, rows: int, repeats: int = 5, rounds: int = 9, warmup: float = 3.0
+) -> dict[str, float]:
     """Seconds per token of every linear layer's matmul at ``rows`` rows, each shape's best round of
     ``repeats`` matmuls: ``"linear"`` through ``F.linear``, ``"best"`` through the faster of ``F.linear``
     and (where oneDNN runs) a weight laid out beforehand as the hf engine lays it out. It first keeps every
@@ -110,9 +111,12 @@ def record_forwards(model: nn.Module) -> tuple[dict[str, list[int]], Callable[[]
     its output layer (the rows whose logits are computed), and the function that stops collecting."""
     backbone, head = backbone_and_head(model)[0], model.get_output_embeddings()
     rows: dict[str, list[int]] = {"backbone": [], "head": []}
-    handles = [backbone.register_forward_pre_hook(lambda m, args, kwargs: rows["backbone"].append(
-                   kwargs["input_ids"].numel()), with_kwargs=True),
-               head.register_forward_pre_hook(lambda m, args: rows["head"].append(args[0].numel() // args[0].shape[-1]))]
+    handles = [
+        backbone.register_forward_pre_hook(
+            lambda m, args, kwargs: rows["backbone"].append(kwargs["input_ids"].numel()), with_kwargs=True
+        ),
+        head.register_forward_pre_hook(lambda m, args: rows["head"].append(args[0].numel() // args[0].shape[-1])),
+    ]
     return rows, lambda: [h.remove() for h in handles]
 
 
@@ -138,8 +142,17 @@ def generate_baseline(model, tokenizer, prompts: list[list[int]], n: int, max_ne
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                             top_p=1.0, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=pad)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
     total = 0
     for row in out[:, width:].tolist():
         stop = next((i for i, t in enumerate(row) if t in eos), None)
@@ -147,8 +160,9 @@ def generate_baseline(model, tokenizer, prompts: list[list[int]], n: int, max_ne
     return total
 
 
-def floor(model: nn.Module, forwards: list[dict[str, list[int]]], tokens: list[int], pack_rows: int | None,
-          console: Console) -> dict:
+def floor(
+    model: nn.Module, forwards: list[dict[str, list[int]]], tokens: list[int], pack_rows: int | None, console: Console
+) -> dict:
     """The matmul-only time of the recorded ``forwards`` (per call, ``record_forwards``'s rows) and its
     tokens/s, with the weights laid out as the hf engine lays them out for ``pack_rows`` (None: not)."""
     backbone, head = backbone_and_head(model)[0], model.get_output_embeddings()
@@ -158,7 +172,11 @@ def floor(model: nn.Module, forwards: list[dict[str, list[int]]], tokens: list[i
     with packed_linears(model, pack_rows) if pack_rows else contextlib.nullcontext():
         seconds = {part: {rows: streamed_seconds(parts[part], rows) for rows in distinct[part]} for part in parts}
     total = sum(seconds[part][rows] for call in forwards for part in parts for rows in call[part])
-    return {"seconds": total, "tokens_per_s": sum(tokens) / total, "forwards": [len(call["backbone"]) for call in forwards]}
+    return {
+        "seconds": total,
+        "tokens_per_s": sum(tokens) / total,
+        "forwards": [len(call["backbone"]) for call in forwards],
+    }
 
 
 def main(argv: list[str]) -> dict:
@@ -166,8 +184,9 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--engines", default="generate,hf,hf-unpacked",
-                        help="comma-separated: generate, hf, hf-unpacked, hf-sdpa, vllm")
+    parser.add_argument(
+        "--engines", default="generate,hf,hf-unpacked", help="comma-separated: generate, hf, hf-unpacked, hf-sdpa, vllm"
+    )
     parser.add_argument("--json", help="also write the figures here (must not exist)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.max_new_tokens=64")
     args = parser.parse_args(argv)
@@ -182,9 +201,15 @@ def main(argv: list[str]) -> dict:
     results: dict = {"threads": args.threads, "engines": {}}
     with tempfile.TemporaryDirectory(prefix="grpolab-gen-") as root:
         for engine in args.engines.split(","):
-            cfg = load_config(args.config, {**overrides, "output_dir": f"{root}/{engine}",
-                                            "rollout.engine": "vllm" if engine == "vllm" else "hf",
-                                            "rollout.pack_weights": engine != "hf-unpacked"})
+            cfg = load_config(
+                args.config,
+                {
+                    **overrides,
+                    "output_dir": f"{root}/{engine}",
+                    "rollout.engine": "vllm" if engine == "vllm" else "hf",
+                    "rollout.pack_weights": engine != "hf-unpacked",
+                },
+            )
             trainer = Trainer(cfg, Console(quiet=True))
             try:
                 r = cfg.rollout
@@ -197,20 +222,26 @@ def main(argv: list[str]) -> dict:
                     results["roofline"] = {"rows": rows, "prompt_tokens": statistics.mean(map(len, prompts))}
                     for kind, s in seconds.items():
                         results["roofline"][kind] = {"tokens_per_s": 1 / s, "gflops": flops / s / 1e9}
-                        console.print(f"roofline ({kind}): {1 / s:.1f} tokens/s ({flops / s / 1e9:.1f} GFLOP/s "
-                                      f"at {rows} rows)")
+                        console.print(
+                            f"roofline ({kind}): {1 / s:.1f} tokens/s ({flops / s / 1e9:.1f} GFLOP/s at {rows} rows)"
+                        )
                 if engine == "generate":
                     eos = trainer.parts.engine.eos_token_ids
+
                     def call(seed):  # noqa: E306
                         torch.manual_seed(seed)
-                        return generate_baseline(trainer.parts.model, trainer.parts.tokenizer, prompts, r.group_size,
-                                                 r.max_new_tokens, eos)
+                        return generate_baseline(
+                            trainer.parts.model, trainer.parts.tokenizer, prompts, r.group_size, r.max_new_tokens, eos
+                        )
                 else:
+
                     def call(seed):  # noqa: E306
                         with sdpa_attention() if engine == "hf-sdpa" else contextlib.nullcontext():
-                            out = trainer.parts.engine.generate(prompts, r.group_size,
-                                                          trainer.parts.collector.sampling_params(seed, 0))
+                            out = trainer.parts.engine.generate(
+                                prompts, r.group_size, trainer.parts.collector.sampling_params(seed, 0)
+                            )
                         return sum(len(c.completion_ids) for g in out for c in g)
+
                 call(0)  # warm-up
                 seconds, tokens, forwards = [], [], []
                 for seed in range(1, args.repeats + 1):
@@ -221,19 +252,36 @@ def main(argv: list[str]) -> dict:
                     stop_recording()
                     forwards.append(rows)
                     console.print(f"{engine}: {tokens[-1]} tokens in {seconds[-1]:.1f} s")
-                results["engines"][engine] = {"tokens": tokens, "seconds": seconds,
-                                              "tokens_per_s": sum(tokens) / sum(seconds)}
+                results["engines"][engine] = {
+                    "tokens": tokens,
+                    "seconds": seconds,
+                    "tokens_per_s": sum(tokens) / sum(seconds),
+                }
                 if engine.startswith("hf"):
-                    pack_rows = None if engine == "hf-unpacked" else min(r.prompts_per_step * r.group_size,
-                                                                         r.max_batch_size)
-                    results["engines"][engine]["floor"] = floor(trainer.parts.model, forwards, tokens, pack_rows, console)
+                    pack_rows = (
+                        None if engine == "hf-unpacked" else min(r.prompts_per_step * r.group_size, r.max_batch_size)
+                    )
+                    results["engines"][engine]["floor"] = floor(
+                        trainer.parts.model, forwards, tokens, pack_rows, console
+                    )
             finally:
                 trainer.close()
     roof = {kind: results["roofline"][kind]["tokens_per_s"] for kind in ("linear", "best")}
-    table = Table(title=f"generation, {args.threads} thread(s): {results['roofline']['rows']} rows, roofline "
-                        f"{roof['linear']:.1f} tokens/s (F.linear), {roof['best']:.1f} (best kernel)")
-    for column in ("engine", "tokens/call", "s/call", "tokens/s", "of roofline (F.linear)",
-                   "of roofline (best kernel)", "vs generate", "floor tokens/s (of roofline)", "of floor"):
+    table = Table(
+        title=f"generation, {args.threads} thread(s): {results['roofline']['rows']} rows, roofline "
+        f"{roof['linear']:.1f} tokens/s (F.linear), {roof['best']:.1f} (best kernel)"
+    )
+    for column in (
+        "engine",
+        "tokens/call",
+        "s/call",
+        "tokens/s",
+        "of roofline (F.linear)",
+        "of roofline (best kernel)",
+        "vs generate",
+        "floor tokens/s (of roofline)",
+        "of floor",
+    ):
         table.add_column(column, justify="right")
     base = results["engines"].get("generate", {}).get("tokens_per_s")
     for name, m in results["engines"].items():
@@ -241,12 +289,24 @@ def main(argv: list[str]) -> dict:
         cells = ["-", "-"]
         if "floor" in m:
             f = m["floor"]
-            f["share_of_roofline"], m["share_of_floor"] = f["tokens_per_s"] / roof["linear"], m["tokens_per_s"] / f["tokens_per_s"]
-            cells = [f"{f['tokens_per_s']:.1f} ({100 * f['share_of_roofline']:.0f}%)", f"{100 * m['share_of_floor']:.0f}%"]
-        table.add_row(name, f"{statistics.mean(m['tokens']):.0f}", f"{statistics.mean(m['seconds']):.1f}",
-                      f"{m['tokens_per_s']:.1f}", f"{100 * m['share_of_roofline']['linear']:.0f}%",
-                      f"{100 * m['share_of_roofline']['best']:.0f}%",
-                      f"{m['tokens_per_s'] / base:.2f}x" if base else "-", *cells)
+            f["share_of_roofline"], m["share_of_floor"] = (
+                f["tokens_per_s"] / roof["linear"],
+                m["tokens_per_s"] / f["tokens_per_s"],
+            )
+            cells = [
+                f"{f['tokens_per_s']:.1f} ({100 * f['share_of_roofline']:.0f}%)",
+                f"{100 * m['share_of_floor']:.0f}%",
+            ]
+        table.add_row(
+            name,
+            f"{statistics.mean(m['tokens']):.0f}",
+            f"{statistics.mean(m['seconds']):.1f}",
+            f"{m['tokens_per_s']:.1f}",
+            f"{100 * m['share_of_roofline']['linear']:.0f}%",
+            f"{100 * m['share_of_roofline']['best']:.0f}%",
+            f"{m['tokens_per_s'] / base:.2f}x" if base else "-",
+            *cells,
+        )
     console.print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

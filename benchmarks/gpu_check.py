@@ -46,17 +46,44 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the target lacks, at the versions installed here (pydantic-core must match pydantic exactly)
-CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
-           "math-verify", "latex2sympy2_extended", "antlr4-python3-runtime", "torch-optimi")
+CARRIED = (
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "typing-extensions",
+    "math-verify",
+    "latex2sympy2_extended",
+    "antlr4-python3-runtime",
+    "torch-optimi",
+)
 
 
 def download_wheels(folder: Path, python: str = "3.12") -> None:
     from importlib.metadata import version
 
     pins = [f"{name}=={version(name)}" for name in CARRIED]
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                    "--python-version", python, "--platform", "manylinux_2_17_x86_64",
-                    "--platform", "manylinux2014_x86_64", "-d", str(folder), *pins], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "--python-version",
+            python,
+            "--platform",
+            "manylinux_2_17_x86_64",
+            "--platform",
+            "manylinux2014_x86_64",
+            "-d",
+            str(folder),
+            *pins,
+        ],
+        check=True,
+    )
 
 
 def warm_start_tasks() -> list:
@@ -76,8 +103,10 @@ def prepare_warm_starts(folder: Path, settings=None) -> list[Path]:
     from grpolab.models.tinymodel import warm_start_model
 
     reporter = Reporter(Console())
-    return [warm_start_model(task, settings, cache_dir=folder / "cache" / "tiny", reporter=reporter)
-            for task in warm_start_tasks()]
+    return [
+        warm_start_model(task, settings, cache_dir=folder / "cache" / "tiny", reporter=reporter)
+        for task in warm_start_tasks()
+    ]
 
 
 def use_wheels(folder: Path) -> None:
@@ -87,8 +116,20 @@ def use_wheels(folder: Path) -> None:
         os.environ.setdefault("GRPOLAB_CACHE", str(folder / "cache"))
     site = folder / "site"
     if not site.is_dir():
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--target", str(site),
-                        *map(str, sorted(folder.glob("*.whl")))], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--no-index",
+                "--no-deps",
+                "--target",
+                str(site),
+                *map(str, sorted(folder.glob("*.whl"))),
+            ],
+            check=True,
+        )
     sys.path.insert(0, str(site))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), str(ROOT), os.environ.get("PYTHONPATH")]))
 
@@ -127,13 +168,16 @@ def section(report: dict, name: str, fn, *args, deadline: float = float("inf")) 
     except Exception as err:  # noqa: BLE001 - one broken section must not hide the others
         report[name] = {"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
     report[name]["seconds"] = round(time.perf_counter() - started, 2)
-    print(f"[gpu_check] {name}: {'ok' if report[name]['ok'] else report[name]['error']} "
-          f"({report[name]['seconds']} s)", flush=True)
+    print(
+        f"[gpu_check] {name}: {'ok' if report[name]['ok'] else report[name]['error']} ({report[name]['seconds']} s)",
+        flush=True,
+    )
     write_report(report)
 
 
 def start_guard(report: dict, seconds: float) -> None:
     """At ``seconds`` from now: record the overrun in the report, write it and exit with 3."""
+
     def expire() -> None:
         report["guard"] = f"stopped at the {seconds:.0f} s guard; sections still running were cut off"
         write_report(report)
@@ -158,15 +202,29 @@ def environment() -> dict:
         except PackageNotFoundError:
             return None
 
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                         capture_output=True, text=True) if shutil.which("nvidia-smi") else None
-    return {"python": platform.python_version(), "machine": platform.machine(), "uname": " ".join(platform.uname()),
-            "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "nvidia_smi": smi.stdout.strip() if smi is not None and smi.returncode == 0 else None,
-            "packages": {name: installed(name) for name in (
-                "transformers", "tokenizers", "safetensors", "accelerate", "peft", "numpy", "scipy", *CARRIED)}}
+    smi = (
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
+        if shutil.which("nvidia-smi")
+        else None
+    )
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "uname": " ".join(platform.uname()),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "nvidia_smi": smi.stdout.strip() if smi is not None and smi.returncode == 0 else None,
+        "packages": {
+            name: installed(name)
+            for name in ("transformers", "tokenizers", "safetensors", "accelerate", "peft", "numpy", "scipy", *CARRIED)
+        },
+    }
 
 
 def sync_margin(steps: list[dict], multiple: float | None, min_floor: float = 0.0) -> dict:
@@ -179,13 +237,22 @@ def sync_margin(steps: list[dict], multiple: float | None, min_floor: float = 0.
         return {"largest_mean_over_floor": None, "floor": None, "limit_multiple": multiple, "headroom": None}
     floor = max(measured, min_floor)
     ratio = max(means) / floor
-    return {"largest_mean_over_floor": ratio, "floor": floor, "limit_multiple": multiple,
-            "headroom": None if multiple is None else multiple / ratio}
+    return {
+        "largest_mean_over_floor": ratio,
+        "floor": floor,
+        "limit_multiple": multiple,
+        "headroom": None if multiple is None else multiple / ratio,
+    }
 
 
 def gpu_tests() -> dict:
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     tail = (run.stdout + run.stderr).strip().splitlines()[-15:]
     if run.returncode != 0:
         raise RuntimeError("pytest failed:\n" + "\n".join(tail))
@@ -196,9 +263,19 @@ def small_config(device: str, out: Path, quick: bool, **overrides):
     """The demo's tiny model and task, bf16 (fp32 master weights), the sync check on."""
     from grpolab.config import load_config
 
-    base = {"output_dir": str(out), "model.device": device, "model.dtype": "bfloat16", "task.n_train": 200,
-            "task.n_val": 32, "rollout.prompts_per_step": 16, "rollout.group_size": 8, "eval.every": 1000,
-            "checkpoint.every": 1000, "rollout.sync_check": True, "optim.lr": 1e-5}
+    base = {
+        "output_dir": str(out),
+        "model.device": device,
+        "model.dtype": "bfloat16",
+        "task.n_train": 200,
+        "task.n_val": 32,
+        "rollout.prompts_per_step": 16,
+        "rollout.group_size": 8,
+        "eval.every": 1000,
+        "checkpoint.every": 1000,
+        "rollout.sync_check": True,
+        "optim.lr": 1e-5,
+    }
     if quick:
         base.update({"rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 16})
     return load_config(None, {**base, **overrides})
@@ -206,8 +283,16 @@ def small_config(device: str, out: Path, quick: bool, **overrides):
 
 # the E3 suite's tiny Qwen3-MoE (suites/moe_e3.toml); quick: smaller, briefly warm-started
 MOE_WARM_START = {"arch": "qwen3_moe", "num_experts": 8, "experts_per_token": 2, "moe_intermediate_size": 128}
-QUICK_MOE_WARM_START = {**MOE_WARM_START, "hidden_size": 32, "num_layers": 1, "num_heads": 1, "intermediate_size": 64,
-                        "moe_intermediate_size": 32, "steps": 10, "batch_size": 8}
+QUICK_MOE_WARM_START = {
+    **MOE_WARM_START,
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_heads": 1,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 32,
+    "steps": 10,
+    "batch_size": 8,
+}
 
 
 def moe_routing(device: str, quick: bool) -> dict:
@@ -218,15 +303,31 @@ def moe_routing(device: str, quick: bool) -> dict:
 
     from grpolab.run.trainer import Trainer
 
-    keys = ("router/mismatch", "sync/logprob_diff_mean", "sync/logprob_diff_max", "router/load_max_violation",
-            "router/confidence", "reward_mean", "actual_updates", "time/step")
+    keys = (
+        "router/mismatch",
+        "sync/logprob_diff_mean",
+        "sync/logprob_diff_max",
+        "router/load_max_violation",
+        "router/confidence",
+        "reward_mean",
+        "actual_updates",
+        "time/step",
+    )
     out = {}
     for replay in (False, True):
         with tempfile.TemporaryDirectory() as scratch:
-            cfg = small_config(device, Path(scratch) / "run", quick, **{
-                "model.warm_start": QUICK_MOE_WARM_START if quick else MOE_WARM_START,
-                "algorithm.routing_replay": replay, "rollout.sync_noise_multiple": None,
-                "rollout.sync_max_diff": 100.0, "rollout.sync_mean_diff": 100.0})
+            cfg = small_config(
+                device,
+                Path(scratch) / "run",
+                quick,
+                **{
+                    "model.warm_start": QUICK_MOE_WARM_START if quick else MOE_WARM_START,
+                    "algorithm.routing_replay": replay,
+                    "rollout.sync_noise_multiple": None,
+                    "rollout.sync_max_diff": 100.0,
+                    "rollout.sync_mean_diff": 100.0,
+                },
+            )
             trainer = Trainer(cfg, Console(quiet=True))
             try:
                 records = [trainer.train_step(step) for step in range(1, (2 if quick else 5) + 1)]
@@ -249,18 +350,39 @@ def rl_steps(device: str, quick: bool) -> dict:
             steps = []
             for step in range(1, (2 if quick else 5) + 1):
                 record = trainer.train_step(step)
-                steps.append({k: record.get(k) for k in (
-                    "reward_mean", "accuracy", "sync/logprob_diff_mean", "sync/logprob_diff_max",
-                    "sync/noise_floor_mean", "first_update/ratio_mean", "grad_norm", "actual_updates",
-                    "time/generate", "time/train", "time/step", "tokens_per_s")})
+                steps.append(
+                    {
+                        k: record.get(k)
+                        for k in (
+                            "reward_mean",
+                            "accuracy",
+                            "sync/logprob_diff_mean",
+                            "sync/logprob_diff_max",
+                            "sync/noise_floor_mean",
+                            "first_update/ratio_mean",
+                            "grad_norm",
+                            "actual_updates",
+                            "time/generate",
+                            "time/train",
+                            "time/step",
+                            "tokens_per_s",
+                        )
+                    }
+                )
             peaks["steps"] = peak_memory_mb(trainer.parts.device)
             precision, multiple = trainer.parts.precision, trainer.cfg.rollout.sync_noise_multiple
             min_floor = trainer.parts.sync_monitor.min_floor
         finally:
             trainer.close()
-    return {"precision": precision.name, "weights": str(precision.storage), "compute": str(precision.compute),
-            "noise_floor_mean": steps[0]["sync/noise_floor_mean"], "sync_margin": sync_margin(steps, multiple, min_floor),
-            "steps": steps, "peak_memory_mb": peaks}
+    return {
+        "precision": precision.name,
+        "weights": str(precision.storage),
+        "compute": str(precision.compute),
+        "noise_floor_mean": steps[0]["sync/noise_floor_mean"],
+        "sync_margin": sync_margin(steps, multiple, min_floor),
+        "steps": steps,
+        "peak_memory_mb": peaks,
+    }
 
 
 def weights_changed(device: str, quick: bool, steps: int = 10) -> dict:
@@ -269,13 +391,15 @@ def weights_changed(device: str, quick: bool, steps: int = 10) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from grpolab.models.logprobs import token_logprobs
     from grpolab.models.loading import load_policy, resolve_model_dir
+    from grpolab.models.logprobs import token_logprobs
     from grpolab.models.precision import resolve_precision
+
     task = warm_start_tasks()[1]
     # quick: the demo's tiny model (torch-optimi's CPU path is slow on a 150k-vocabulary embedding)
-    model_dir = resolve_model_dir(None, task) if quick else resolve_model_dir("like:qwen3-0.6b", task,
-                                                                             {"num_hidden_layers": 4})
+    model_dir = (
+        resolve_model_dir(None, task) if quick else resolve_model_dir("like:qwen3-0.6b", task, {"num_hidden_layers": 4})
+    )
     rows, length = (2, 16) if quick else (8, 128)
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(0)).to(device)
@@ -298,24 +422,38 @@ def weights_changed(device: str, quick: bool, steps: int = 10) -> dict:
                 pairs = list(zip(model.parameters(), before))
                 out[setting][f"after_{step}"] = {
                     "stored_changed": sum(int((p.detach() != b).sum()) for p, b in pairs) / n,
-                    "bf16_sent_changed": sum(int((p.detach().bfloat16() != b.bfloat16()).sum()) for p, b in pairs) / n}
+                    "bf16_sent_changed": sum(int((p.detach().bfloat16() != b.bfloat16()).sum()) for p, b in pairs) / n,
+                }
         del model, optimizer, before
     return out
 
 
 def probe_olmo2_1b(device: str, quick: bool) -> dict:
-    from grpolab.config import load_config
     from grpolab.commands.probe import run_probe
+    from grpolab.config import load_config
 
     overrides = {"model": "like:olmo2-1b", "model.device": device, "model.dtype": "bfloat16"}
     if quick:
         # float32: CPU bf16 matmuls at a 100k vocabulary take many minutes without bf16 hardware
-        overrides.update({"model.like_overrides": {"num_hidden_layers": 1}, "rollout.prompts_per_step": 2,
-                          "model.dtype": "bfloat16" if device == "cuda" else "float32",
-                          "rollout.group_size": 2, "rollout.max_new_tokens": 16, "task.n_train": 50, "task.n_val": 10})
+        overrides.update(
+            {
+                "model.like_overrides": {"num_hidden_layers": 1},
+                "rollout.prompts_per_step": 2,
+                "model.dtype": "bfloat16" if device == "cuda" else "float32",
+                "rollout.group_size": 2,
+                "rollout.max_new_tokens": 16,
+                "task.n_train": 50,
+                "task.n_val": 10,
+            }
+        )
     cfg = load_config(ROOT / "configs" / "gsm8k_olmo2_1b.toml", overrides)
-    cfg = cfg.model_copy(update={"task": cfg.task.model_copy(update={
-        "train_path": str(ROOT / cfg.task.train_path), "test_path": str(ROOT / cfg.task.test_path)})})
+    cfg = cfg.model_copy(
+        update={
+            "task": cfg.task.model_copy(
+                update={"train_path": str(ROOT / cfg.task.train_path), "test_path": str(ROOT / cfg.task.test_path)}
+            )
+        }
+    )
     with tempfile.TemporaryDirectory() as scratch:
         report = run_probe(cfg, Path(scratch) / "probe.json")
     keep = ("batch", "precision", "peak_memory_mb", "phase_peak_memory_mb", "phase_seconds", "updates", "generation")
@@ -324,14 +462,22 @@ def probe_olmo2_1b(device: str, quick: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", type=Path, default=Path("gpu_check"),
-                        help="folder for gpu_check.json and gpu_check.log (made if missing; files must not exist)")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("gpu_check"),
+        help="folder for gpu_check.json and gpu_check.log (made if missing; files must not exist)",
+    )
     parser.add_argument("--wheels", type=Path, help="folder of carried wheels (see --download-wheels)")
     parser.add_argument("--download-wheels", type=Path, metavar="DIR", help="prepare the wheels, then exit")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a rehearsal on CPU")
-    parser.add_argument("--budget-seconds", type=float, default=450.0,
-                        help="no section starts after this; the whole check stops 60 s later")
+    parser.add_argument(
+        "--budget-seconds",
+        type=float,
+        default=450.0,
+        help="no section starts after this; the whole check stops 60 s later",
+    )
     args = parser.parse_args(argv)
     if args.download_wheels:
         download_wheels(args.download_wheels)
@@ -362,8 +508,12 @@ def main(argv: list[str] | None = None) -> int:
     report["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     deadline = started + args.budget_seconds
     section(report, "gpu_tests", gpu_tests, deadline=deadline)
-    for name, fn in (("rl_steps", rl_steps), ("weights_changed", weights_changed), ("probe_olmo2_1b", probe_olmo2_1b),
-                     ("moe_routing", moe_routing)):
+    for name, fn in (
+        ("rl_steps", rl_steps),
+        ("weights_changed", weights_changed),
+        ("probe_olmo2_1b", probe_olmo2_1b),
+        ("moe_routing", moe_routing),
+    ):
         section(report, name, fn, args.device, args.quick, deadline=deadline)
     report["total_seconds"] = round(time.monotonic() - started, 1)
     write_report(report)

@@ -32,8 +32,11 @@ SETTINGS = {
     "numeric": [{"function": "numeric"}],
     "math": [{"function": "math"}],
     "user function": [{"function": "numeric"}, {"function": "grading_cost:length_bonus", "weight": 0.1}],
-    "math + user + numeric": [{"function": "math"}, {"function": "grading_cost:length_bonus", "weight": 0.1},
-                              {"function": "numeric", "name": "plain", "weight": 0.5}],
+    "math + user + numeric": [
+        {"function": "math"},
+        {"function": "grading_cost:length_bonus", "weight": 0.1},
+        {"function": "numeric", "name": "plain", "weight": 0.5},
+    ],
 }
 
 
@@ -61,9 +64,16 @@ def main() -> None:
 
     results = {}
     for label, rewards in SETTINGS.items():
-        task = build_task({"name": "dataset", "train": str(FIXTURE / "train.jsonl"), "validation": str(FIXTURE / "test.jsonl"),
-                           "question_field": "problem", "prompt": {"format": "template", "template": "{problem}",
-                                                                   "answer": "boxed"}, "rewards": rewards})
+        task = build_task(
+            {
+                "name": "dataset",
+                "train": str(FIXTURE / "train.jsonl"),
+                "validation": str(FIXTURE / "test.jsonl"),
+                "question_field": "problem",
+                "prompt": {"format": "template", "template": "{problem}", "answer": "boxed"},
+                "rewards": rewards,
+            }
+        )
         items = completions(task, args.samples)
         task.grade_batch(items[:8])  # start the workers
         seconds = []
@@ -73,9 +83,12 @@ def main() -> None:
             seconds.append(time.perf_counter() - start)
         results[label] = statistics.median(seconds)
         accuracy = sum(g.answer_reward for g in grades) / len(grades)
-        print(f"{label:>24}: {results[label]:.3f} s per {args.samples} completions "
-              f"({1000 * results[label] / args.samples:.2f} ms each, median of {args.repeats}; accuracy {accuracy:.3f}) "
-              f"= {results[label] / results['numeric']:.1f}x numeric", flush=True)
+        print(
+            f"{label:>24}: {results[label]:.3f} s per {args.samples} completions "
+            f"({1000 * results[label] / args.samples:.2f} ms each, median of {args.repeats}; accuracy {accuracy:.3f}) "
+            f"= {results[label] / results['numeric']:.1f}x numeric",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -27,9 +27,16 @@ def measure(args: argparse.Namespace) -> dict:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=args.length, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=args.length,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).to(device)
     ids = torch.randint(0, args.vocab, (args.seqs, args.length), device=device)
     mask = torch.ones_like(ids)
@@ -74,13 +81,16 @@ def main() -> None:
         return
     results = {}
     for variant in ("full", "chunked"):
-        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--variant", variant],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], "--variant", variant], check=True, capture_output=True, text=True
+        ).stdout
         results[variant] = json.loads(out.strip().splitlines()[-1])
     full, chunked = results["full"]["peak_mb"], results["chunked"]["peak_mb"]
     print(f"vocab {args.vocab}, {args.seqs} x {args.length} tokens, chunk {args.chunk}, {results['full']['device']}")
-    print(f"peak memory of log-probs + backward: full logits {full:.0f} MB, chunked {chunked:.0f} MB, "
-          f"ratio {full / chunked:.1f}x")
+    print(
+        f"peak memory of log-probs + backward: full logits {full:.0f} MB, chunked {chunked:.0f} MB, "
+        f"ratio {full / chunked:.1f}x"
+    )
 
 
 if __name__ == "__main__":

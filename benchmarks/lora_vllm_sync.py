@@ -31,25 +31,42 @@ MODES = ("merged", "adapter")
 def main(argv: list[str] | None = None) -> int:
     args, rest = lora_parser(__doc__.splitlines()[0]).parse_known_args(argv)
     torch.set_num_threads(args.threads)
-    overrides = {"threads": args.threads, "rollout.engine": "vllm", "model.lora.rank": args.rank,
-                 "model.lora.alpha": 2 * args.rank, **parse_overrides(rest)}
+    overrides = {
+        "threads": args.threads,
+        "rollout.engine": "vllm",
+        "model.lora.rank": args.rank,
+        "model.lora.alpha": 2 * args.rank,
+        **parse_overrides(rest),
+    }
     console = Console()
     results = {}
     for mode in MODES:
         cfg = load_config(args.config, {**overrides, "rollout.vllm.lora_sync": mode})
-        console.print(f"{mode}: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size}, <= "
-                      f"{cfg.rollout.max_new_tokens} new tokens, LoRA rank {args.rank}, {args.threads} thread(s) ...")
+        console.print(
+            f"{mode}: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size}, <= "
+            f"{cfg.rollout.max_new_tokens} new tokens, LoRA rank {args.rank}, {args.threads} thread(s) ..."
+        )
         results[mode] = measure(cfg, args.repeats, console)
-    console.print(f"{'mode':<9}{'sync s':>8}{'gen s':>7}{'tokens':>7}{'gen tok/s':>10}{'step s':>8}{'sync max |diff|':>16}",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"{'mode':<9}{'sync s':>8}{'gen s':>7}{'tokens':>7}{'gen tok/s':>10}{'step s':>8}{'sync max |diff|':>16}",
+        highlight=False,
+        soft_wrap=True,
+    )
     for mode, r in results.items():
         r["tokens_per_s"] = r["completion_tokens"] / r["generate"]
-        console.print(f"{mode:<9}{r['sync']:>8.3f}{r['generate']:>7.2f}{r['completion_tokens']:>7.0f}"
-                      f"{r['tokens_per_s']:>10.1f}{r['step']:>8.2f}{r['sync_diff_max']:>16.2e}",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"{mode:<9}{r['sync']:>8.3f}{r['generate']:>7.2f}{r['completion_tokens']:>7.0f}"
+            f"{r['tokens_per_s']:>10.1f}{r['step']:>8.2f}{r['sync_diff_max']:>16.2e}",
+            highlight=False,
+            soft_wrap=True,
+        )
     a, m = results["adapter"], results["merged"]
-    console.print(f"adapter / merged: weight sync {a['sync'] / m['sync']:.2f}x, generation tokens/s "
-                  f"{a['tokens_per_s'] / m['tokens_per_s']:.2f}x", highlight=False, soft_wrap=True)
+    console.print(
+        f"adapter / merged: weight sync {a['sync'] / m['sync']:.2f}x, generation tokens/s "
+        f"{a['tokens_per_s'] / m['tokens_per_s']:.2f}x",
+        highlight=False,
+        soft_wrap=True,
+    )
     return 0
 
 

@@ -47,8 +47,11 @@ def measure(cfg, repeats: int, console: Console) -> dict[str, float]:
         out["trained"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
         out["optimizer_bytes"] = optimizer_state_bytes(parts.optimizer)
         reference = parts.reference
-        out["reference_bytes"] = 0 if reference is None or reference is model else sum(
-            p.numel() * p.element_size() for p in reference.parameters())
+        out["reference_bytes"] = (
+            0
+            if reference is None or reference is model
+            else sum(p.numel() * p.element_size() for p in reference.parameters())
+        )
         return out
     finally:
         parts.close()
@@ -78,24 +81,38 @@ def main(argv: list[str] | None = None) -> int:
     ways = {"full": full, "lora": load_config(args.config, {**overrides, **lora})}
     results = {}
     for name, cfg in ways.items():
-        console.print(f"{name}: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size}, "
-                      f"<= {cfg.rollout.max_new_tokens} new tokens, {args.threads} thread(s) ...")
+        console.print(
+            f"{name}: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size}, "
+            f"<= {cfg.rollout.max_new_tokens} new tokens, {args.threads} thread(s) ..."
+        )
         results[name] = measure(cfg, args.repeats, console)
-    console.print(f"{'way':<6}{'step s':>8}{'gen s':>7}{'train s':>8}{'tokens':>7}{'gen ms/tok':>11}"
-                  f"{'train ms/tok':>13}{'trained':>13}{'optimizer MB':>13}{'reference MB':>13}",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"{'way':<6}{'step s':>8}{'gen s':>7}{'train s':>8}{'tokens':>7}{'gen ms/tok':>11}"
+        f"{'train ms/tok':>13}{'trained':>13}{'optimizer MB':>13}{'reference MB':>13}",
+        highlight=False,
+        soft_wrap=True,
+    )
     for name, r in results.items():
         per_token = {k: 1000 * r[k] / r["completion_tokens"] for k in ("generate", "train")}
         r.update({f"{k}_ms_per_token": v for k, v in per_token.items()})
-        console.print(f"{name:<6}{r['step']:>8.2f}{r['generate']:>7.2f}{r['train']:>8.2f}{r['completion_tokens']:>7.0f}"
-                      f"{per_token['generate']:>11.2f}{per_token['train']:>13.2f}{r['trained']:>13,}"
-                      f"{r['optimizer_bytes'] / 2**20:>13.1f}{r['reference_bytes'] / 2**20:>13.1f}",
-                      highlight=False, soft_wrap=True)
-    ratio = {k: results["lora"][k] / results["full"][k]
-             for k in ("generate_ms_per_token", "train_ms_per_token", "trained", "optimizer_bytes")}
-    console.print(f"lora / full: per completion token, generation {ratio['generate_ms_per_token']:.2f}x and training "
-                  f"phase {ratio['train_ms_per_token']:.2f}x; trained parameters {ratio['trained']:.4f}x, optimizer "
-                  f"state {ratio['optimizer_bytes']:.4f}x", highlight=False, soft_wrap=True)
+        console.print(
+            f"{name:<6}{r['step']:>8.2f}{r['generate']:>7.2f}{r['train']:>8.2f}{r['completion_tokens']:>7.0f}"
+            f"{per_token['generate']:>11.2f}{per_token['train']:>13.2f}{r['trained']:>13,}"
+            f"{r['optimizer_bytes'] / 2**20:>13.1f}{r['reference_bytes'] / 2**20:>13.1f}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    ratio = {
+        k: results["lora"][k] / results["full"][k]
+        for k in ("generate_ms_per_token", "train_ms_per_token", "trained", "optimizer_bytes")
+    }
+    console.print(
+        f"lora / full: per completion token, generation {ratio['generate_ms_per_token']:.2f}x and training "
+        f"phase {ratio['train_ms_per_token']:.2f}x; trained parameters {ratio['trained']:.4f}x, optimizer "
+        f"state {ratio['optimizer_bytes']:.4f}x",
+        highlight=False,
+        soft_wrap=True,
+    )
     return 0
 
 

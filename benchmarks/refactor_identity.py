@@ -35,21 +35,94 @@ SHORT = ["--threads", "1", "--eval.every", "2", "--checkpoint.every", "2", "--ev
 
 RUNS: dict[str, list[str]] = {
     "demo": ["demo", "--steps", "4", *WARM, *SHORT],
-    "gsm8k": ["train", "--task", "gsm8k", "--task.train_path", str(GSM8K / "train.jsonl"),
-              "--task.test_path", str(GSM8K / "test.jsonl"), "--task.n_train", "16", "--task.n_val", "4",
-              "--model", "{tiny_long}", "--steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
-              "--rollout.max_new_tokens", "16", "--optim.micro_batch_size", "1", "--model.gradient_checkpointing",
-              "true", "--reference", "frozen", "--algorithm.beta", "0.04", "--threads", "1", "--eval.every", "1",
-              "--checkpoint.every", "1"],
-    "tool": ["train", "--task", "calculator", "--steps", "2", "--model.warm_start", "{steps = 40}",
-             "--rollout.prompts_per_step", "4", "--rollout.group_size", "4", *SHORT],
-    "lora": ["train", "--config", "configs/smollm2_arithmetic.toml", "--steps", "2", "--model.lora.rank", "8",
-             "--optim.lr", "2e-4", "--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
-             "--rollout.max_new_tokens", "16", "--task.n_val", "8", "--threads", "1", "--eval.every", "2",
-             "--checkpoint.every", "1"],
-    "moe": ["demo", "--steps", "4", "--model.warm_start",
-            '{arch = "qwen3_moe", num_experts = 8, experts_per_token = 2, moe_intermediate_size = 64, steps = 40}',
-            "--algo", "gspo", "--algorithm.routing_replay", "true", *SHORT],
+    "gsm8k": [
+        "train",
+        "--task",
+        "gsm8k",
+        "--task.train_path",
+        str(GSM8K / "train.jsonl"),
+        "--task.test_path",
+        str(GSM8K / "test.jsonl"),
+        "--task.n_train",
+        "16",
+        "--task.n_val",
+        "4",
+        "--model",
+        "{tiny_long}",
+        "--steps",
+        "2",
+        "--rollout.prompts_per_step",
+        "2",
+        "--rollout.group_size",
+        "4",
+        "--rollout.max_new_tokens",
+        "16",
+        "--optim.micro_batch_size",
+        "1",
+        "--model.gradient_checkpointing",
+        "true",
+        "--reference",
+        "frozen",
+        "--algorithm.beta",
+        "0.04",
+        "--threads",
+        "1",
+        "--eval.every",
+        "1",
+        "--checkpoint.every",
+        "1",
+    ],
+    "tool": [
+        "train",
+        "--task",
+        "calculator",
+        "--steps",
+        "2",
+        "--model.warm_start",
+        "{steps = 40}",
+        "--rollout.prompts_per_step",
+        "4",
+        "--rollout.group_size",
+        "4",
+        *SHORT,
+    ],
+    "lora": [
+        "train",
+        "--config",
+        "configs/smollm2_arithmetic.toml",
+        "--steps",
+        "2",
+        "--model.lora.rank",
+        "8",
+        "--optim.lr",
+        "2e-4",
+        "--rollout.prompts_per_step",
+        "2",
+        "--rollout.group_size",
+        "4",
+        "--rollout.max_new_tokens",
+        "16",
+        "--task.n_val",
+        "8",
+        "--threads",
+        "1",
+        "--eval.every",
+        "2",
+        "--checkpoint.every",
+        "1",
+    ],
+    "moe": [
+        "demo",
+        "--steps",
+        "4",
+        "--model.warm_start",
+        '{arch = "qwen3_moe", num_experts = 8, experts_per_token = 2, moe_intermediate_size = 64, steps = 40}',
+        "--algo",
+        "gspo",
+        "--algorithm.routing_replay",
+        "true",
+        *SHORT,
+    ],
     "vllm": ["demo", "--steps", "3", *WARM, "--engine", "vllm", *SHORT],
     "ddp": ["torchrun", "demo", "--steps", "3", *WARM, *SHORT],
 }
@@ -61,7 +134,7 @@ def _tiny_long_model(folder: Path) -> Path:
     """A tiny random Llama whose context holds a GSM8K prompt (the tests' character-level tokenizer)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import torch
-    from conftest import build_char_tokenizer, _config
+    from conftest import _config, build_char_tokenizer
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_char_tokenizer()
@@ -108,7 +181,9 @@ def _file_digests(path: Path) -> dict[str, str]:
     if isinstance(state, dict) and "rng_by_rank" in state:  # Python's and NumPy's generators are never seeded
         state["rng_by_rank"] = [{k: v for k, v in r.items() if k not in UNSEEDED} for r in state["rng_by_rank"]]
         state["rng"] = state["rng_by_rank"][0]
-    return {f":{key}": _digest(value) for key, value in state.items()} if isinstance(state, dict) else {"": _digest(state)}
+    return (
+        {f":{key}": _digest(value) for key, value in state.items()} if isinstance(state, dict) else {"": _digest(state)}
+    )
 
 
 def _untimed(record: dict) -> dict:
@@ -124,8 +199,12 @@ def hash_run(run: Path) -> dict[str, str]:
             out[f"eval/{path.relative_to(run / 'eval')}"] = hashlib.sha256(path.read_bytes()).hexdigest()
     for path in sorted((run / "checkpoints").rglob("*")):
         if path.is_file() and path.suffix in (".safetensors", ".pt", ".bin") and "damaged" not in path.parts:
-            out.update({f"checkpoints/{path.relative_to(run / 'checkpoints')}{part}": value
-                        for part, value in _file_digests(path).items()})
+            out.update(
+                {
+                    f"checkpoints/{path.relative_to(run / 'checkpoints')}{part}": value
+                    for part, value in _file_digests(path).items()
+                }
+            )
     return out
 
 
@@ -149,8 +228,9 @@ def run_tree(tree: Path, out: Path, only: list[str] | None) -> None:
         started = time.perf_counter()
         log = work / f"{name}.log"
         with log.open("w") as fh:
-            rc = subprocess.run([*prefix, *args, "--output-dir", str(run_dir)], cwd=tree, env=env, stdout=fh,
-                                stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(
+                [*prefix, *args, "--output-dir", str(run_dir)], cwd=tree, env=env, stdout=fh, stderr=subprocess.STDOUT
+            ).returncode
         seconds = time.perf_counter() - started
         if rc:
             print(f"{name}: exit {rc} after {seconds:.0f} s; log:\n{log.read_text()[-3000:]}", flush=True)

@@ -48,8 +48,16 @@ Sample = tuple[int, str, float]  # (question index, prompt + completion, correct
 
 
 @torch.no_grad()
-def sample_completions(policy_dir: Path, task: ArithmeticTask, examples: list[Example], samples: int,
-                       max_new_tokens: int, seed: int, solutions: bool, reporter: Reporter) -> list[Sample]:
+def sample_completions(
+    policy_dir: Path,
+    task: ArithmeticTask,
+    examples: list[Example],
+    samples: int,
+    max_new_tokens: int,
+    seed: int,
+    solutions: bool,
+    reporter: Reporter,
+) -> list[Sample]:
     """``samples`` completions of each example at temperature 1, graded by the verifier; with ``solutions``,
     each example's worked solution joins as one more correct text."""
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
@@ -57,26 +65,49 @@ def sample_completions(policy_dir: Path, task: ArithmeticTask, examples: list[Ex
     model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
     torch.manual_seed(seed)
     out = []
-    with reporter.phase(f"sample {samples} completions per question", total=len(examples), unit="questions",
-                        every=512) as phase:
+    with reporter.phase(
+        f"sample {samples} completions per question", total=len(examples), unit="questions", every=512
+    ) as phase:
         for start in range(0, len(examples), 64):
-            out += _sample_batch(model, tokenizer, task, examples[start:start + 64], start, samples, max_new_tokens,
-                                 solutions)
-            phase.advance(len(examples[start:start + 64]))
+            out += _sample_batch(
+                model, tokenizer, task, examples[start : start + 64], start, samples, max_new_tokens, solutions
+            )
+            phase.advance(len(examples[start : start + 64]))
     return out
 
 
-def _sample_batch(model, tokenizer, task: ArithmeticTask, batch: list[Example], start: int, samples: int,
-                  max_new_tokens: int, solutions: bool) -> list[Sample]:
+def _sample_batch(
+    model,
+    tokenizer,
+    task: ArithmeticTask,
+    batch: list[Example],
+    start: int,
+    samples: int,
+    max_new_tokens: int,
+    solutions: bool,
+) -> list[Sample]:
     """One generate call for ``batch`` (question indices from ``start``), graded."""
     prompts = [task.prompt(e) for e in batch]
     inputs = tokenizer(prompts, return_tensors="pt", padding=True)
-    generated = model.generate(**inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                               max_new_tokens=max_new_tokens, num_return_sequences=samples,
-                               pad_token_id=tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    out = [(start + i // samples, prompts[i // samples] + text,
-            task.grade(text, batch[i // samples], truncated=False).answer_reward) for i, text in enumerate(texts)]
+    generated = model.generate(
+        **inputs,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        num_return_sequences=samples,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    texts = tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    out = [
+        (
+            start + i // samples,
+            prompts[i // samples] + text,
+            task.grade(text, batch[i // samples], truncated=False).answer_reward,
+        )
+        for i, text in enumerate(texts)
+    ]
     if solutions:
         out += [(start + i, prompt + e.solution, 1.0) for i, (prompt, e) in enumerate(zip(prompts, batch))]
     return out
@@ -87,12 +118,20 @@ def preference_pairs(data: list[Sample]) -> list[tuple[str, str]]:
     by_question: dict[int, list[Sample]] = {}
     for sample in data:
         by_question.setdefault(sample[0], []).append(sample)
-    return [(good, bad) for group in by_question.values()
-            for _, good, g in group if g > 0 for _, bad, b in group if b == 0]
+    return [
+        (good, bad) for group in by_question.values() for _, good, g in group if g > 0 for _, bad, b in group if b == 0
+    ]
 
 
-def train_reward_model(policy_dir: Path, out: Path, pairs: list[tuple[str, str]], steps: int, batch_size: int = 16,
-                       lr: float = 3e-4, seed: int = 0) -> Path:
+def train_reward_model(
+    policy_dir: Path,
+    out: Path,
+    pairs: list[tuple[str, str]],
+    steps: int,
+    batch_size: int = 16,
+    lr: float = 3e-4,
+    seed: int = 0,
+) -> Path:
     """A one-label classifier from the policy's weights, trained with the Bradley-Terry loss
     ``-log sigmoid(r(correct) - r(incorrect))`` on pairs of completions of the same question (only the ranking
     within a group reaches a group-relative advantage); saved with its tokenizer in ``out``."""
@@ -128,22 +167,35 @@ def within_question_auc(rm_dir: Path, data: list[Sample]) -> float:
     model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
     score = {}
     for start in range(0, len(data), 64):
-        texts = [t for _, t, _ in data[start:start + 64]]
+        texts = [t for _, t, _ in data[start : start + 64]]
         score.update(zip(texts, model(**tokenizer(texts, return_tensors="pt", padding=True)).logits[:, 0].tolist()))
     wins = [float(np.sign(score[good] - score[bad])) * 0.5 + 0.5 for good, bad in preference_pairs(data)]
     return float(np.mean(wins)) if wins else float("nan")
 
 
 def rl_config(policy_dir: Path, train_file: Path, val_file: Path, out: Path, rewards: list[dict], args) -> dict:
-    return {"model.path": str(policy_dir), "output_dir": str(out), "steps": args.steps, "seed": args.seed,
-            "threads": args.threads, "task.name": "dataset", "task.train": str(train_file),
-            "task.validation": str(val_file), "task.rewards": rewards, "rollout.prompts_per_step": args.prompts,
-            "rollout.group_size": 8, "rollout.max_new_tokens": 48, "optim.lr": args.lr,
-            "eval.every": args.steps, "checkpoint.every": args.steps}
+    return {
+        "model.path": str(policy_dir),
+        "output_dir": str(out),
+        "steps": args.steps,
+        "seed": args.seed,
+        "threads": args.threads,
+        "task.name": "dataset",
+        "task.train": str(train_file),
+        "task.validation": str(val_file),
+        "task.rewards": rewards,
+        "rollout.prompts_per_step": args.prompts,
+        "rollout.group_size": 8,
+        "rollout.max_new_tokens": 48,
+        "optim.lr": args.lr,
+        "eval.every": args.steps,
+        "checkpoint.every": args.steps,
+    }
 
 
 def accuracy_gain(run: Path, steps: int) -> tuple[float, float, tuple[float, float, float]]:
     """(start accuracy, final accuracy, paired gain (estimate, low, high)) from the run's eval records."""
+
     def correct(step: int) -> np.ndarray:
         lines = (run / "eval" / f"step_{step:06d}.jsonl").read_text().splitlines()
         return np.array([json.loads(line)["correct"] for line in lines], dtype=np.float64)
@@ -180,26 +232,40 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=False)
     task = ArithmeticTask(**json.loads(args.task))
     reporter = Reporter(Console())
-    policy = warm_start_model(task, WarmStartSettings(**json.loads(args.warm_start)), cache_dir=args.out / "cache",
-                              reporter=reporter)
+    policy = warm_start_model(
+        task, WarmStartSettings(**json.loads(args.warm_start)), cache_dir=args.out / "cache", reporter=reporter
+    )
 
     started = time.perf_counter()
     train_examples = task.train_examples()
-    data = sample_completions(policy, task, train_examples[:args.rm_prompts], args.samples, 48, args.seed, True,
-                              reporter)
+    data = sample_completions(
+        policy, task, train_examples[: args.rm_prompts], args.samples, 48, args.seed, True, reporter
+    )
     pairs = preference_pairs(data)
-    held_out = sample_completions(policy, task, train_examples[args.rm_prompts:args.rm_prompts + 128], args.samples, 48,
-                                  args.seed + 1, False, reporter)
-    rm_dir = train_reward_model(policy, args.out / "reward_model", pairs, args.rm_steps, lr=args.rm_lr,
-                                seed=args.seed)
+    held_out = sample_completions(
+        policy,
+        task,
+        train_examples[args.rm_prompts : args.rm_prompts + 128],
+        args.samples,
+        48,
+        args.seed + 1,
+        False,
+        reporter,
+    )
+    rm_dir = train_reward_model(policy, args.out / "reward_model", pairs, args.rm_steps, lr=args.rm_lr, seed=args.seed)
     share = np.mean([c for _, _, c in held_out])
-    print(f"reward model: {len(pairs)} pairs; held out: {share:.0%} of the samples correct, within-question AUC "
-          f"{within_question_auc(rm_dir, held_out):.3f}; {time.perf_counter() - started:.0f} s", flush=True)
+    print(
+        f"reward model: {len(pairs)} pairs; held out: {share:.0%} of the samples correct, within-question AUC "
+        f"{within_question_auc(rm_dir, held_out):.3f}; {time.perf_counter() - started:.0f} s",
+        flush=True,
+    )
 
     train_file = write_rows(args.out / "train.jsonl", train_examples)
     val_file = write_rows(args.out / "val.jsonl", task.validation_examples())
-    rm_rewards = [{"function": "numeric", "name": "correct", "weight": 0.0},
-                  {"function": f"model:{rm_dir}", "name": "rm", "weight": 1.0, "options": {"normalize": args.normalize}}]
+    rm_rewards = [
+        {"function": "numeric", "name": "correct", "weight": 0.0},
+        {"function": f"model:{rm_dir}", "name": "rm", "weight": 1.0, "options": {"normalize": args.normalize}},
+    ]
     runs = {"rm + KL": (rm_rewards, {"reference": "frozen", "algorithm.beta": args.beta}), "rm": (rm_rewards, {})}
     if args.verifier_run:
         runs["verifier"] = ([{"function": "numeric", "name": "correct", "weight": 1.0}], {})
@@ -210,8 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         train(load_config(None, {**rl_config(policy, train_file, val_file, run, rewards, args), **changes}))
         start, final, (gain, low, high) = accuracy_gain(run, args.steps)
         corr = final_eval(run).get("val/reward_model/rm/corr_correct", float("nan"))
-        print(f"{name:<10} {start:6.3f} {final:6.3f} {gain:+7.3f} [{low:+.3f}, {high:+.3f}] {corr:8.3f} "
-              f"{time.perf_counter() - started:6.0f}", flush=True)
+        print(
+            f"{name:<10} {start:6.3f} {final:6.3f} {gain:+7.3f} [{low:+.3f}, {high:+.3f}] {corr:8.3f} "
+            f"{time.perf_counter() - started:6.0f}",
+            flush=True,
+        )
     return 0
 
 

@@ -56,11 +56,15 @@ def main(argv: list[str] | None = None) -> int:
                         seconds[shared].append(time.perf_counter() - started)
         finally:
             trainer.close()
-    same = [[c.completion_ids for c in g] for g in outputs[True]] == [[c.completion_ids for c in g] for g in outputs[False]]
+    same = [[c.completion_ids for c in g] for g in outputs[True]] == [
+        [c.completion_ids for c in g] for g in outputs[False]
+    ]
     tokens = sum(len(c.completion_ids) for g in outputs[True] for c in g)
     mean_prompt = statistics.mean(map(len, prompts))
-    console.print(f"{len(prompts)} prompts (mean {mean_prompt:.0f} tokens) x {r.group_size}, <= {r.max_new_tokens} new "
-                  f"tokens, {tokens} generated, {args.threads} thread(s); same completions: {same}")
+    console.print(
+        f"{len(prompts)} prompts (mean {mean_prompt:.0f} tokens) x {r.group_size}, <= {r.max_new_tokens} new "
+        f"tokens, {tokens} generated, {args.threads} thread(s); same completions: {same}"
+    )
     on, off = statistics.median(seconds[True]), statistics.median(seconds[False])
     console.print(f"shared prefill {on:.3f} s, every row prefilled {off:.3f} s: {off / on:.2f}x")
     return 0

@@ -25,12 +25,15 @@ from grpolab.studies.suite.runner import progress_of
 
 
 def suite(*args: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", *args], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "grpolab.commands.cli", "suite", *args], stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
 
 
 def untimed(path: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in read_metrics(path)]
+    return [
+        {k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in read_metrics(path)
+    ]
 
 
 def main() -> None:
@@ -56,26 +59,40 @@ def main() -> None:
             victim.kill()
             if not args.runner_only:
                 os.killpg(record.pid, signal.SIGKILL)
-            print(f"killed {'the runner during ' if args.runner_only else ''}run {record.name} at step "
-                  f"{progress_of(Path(record.run_dir))[0]} after {time.monotonic() - started:.0f} s", flush=True)
+            print(
+                f"killed {'the runner during ' if args.runner_only else ''}run {record.name} at step "
+                f"{progress_of(Path(record.run_dir))[0]} after {time.monotonic() - started:.0f} s",
+                flush=True,
+            )
             break
         time.sleep(0.2)
     victim.wait()
     resumed = suite("resume", str(killed_root), log=out / "resumed.log")
-    print(f"resume exit {resumed.wait()}, uninterrupted exit {reference.wait()}, "
-          f"{time.monotonic() - started:.0f} s in all", flush=True)
+    print(
+        f"resume exit {resumed.wait()}, uninterrupted exit {reference.wait()}, "
+        f"{time.monotonic() - started:.0f} s in all",
+        flush=True,
+    )
     a, b = SuiteManifest.load(out / "uninterrupted"), SuiteManifest.load(killed_root)
     print(f"{'run':<18} {'state':<20} {'final acc':>9} {'resumed acc':>11}  metrics equal  weights equal")
     for x, y in zip(a.runs, b.runs):
         same = untimed(Path(x.run_dir) / "metrics.jsonl") == untimed(Path(y.run_dir) / "metrics.jsonl")
-        print(f"{x.name:<18} {x.state + '/' + y.state:<20} {progress_of(Path(x.run_dir))[1]:>9.3f} "
-              f"{progress_of(Path(y.run_dir))[1]:>11.3f}  {str(same):<13}  "
-              f"{x.final_checkpoint_sha256 == y.final_checkpoint_sha256}", flush=True)
+        print(
+            f"{x.name:<18} {x.state + '/' + y.state:<20} {progress_of(Path(x.run_dir))[1]:>9.3f} "
+            f"{progress_of(Path(y.run_dir))[1]:>11.3f}  {str(same):<13}  "
+            f"{x.final_checkpoint_sha256 == y.final_checkpoint_sha256}",
+            flush=True,
+        )
     victim_run = b.runs[args.kill_run - 1]
     log = killed_root / "logs" / f"{victim_run.name}.log"
-    trainers = [line for line in log.read_text().splitlines() if line.startswith("# ") and "grpolab.commands.cli train" in line]
-    print(f"run {victim_run.name}: {len(trainers)} trainer command(s) in its log; the resume waited for "
-          f"{[w['pid'] for w in victim_run.waits] or 'no process'}", flush=True)
+    trainers = [
+        line for line in log.read_text().splitlines() if line.startswith("# ") and "grpolab.commands.cli train" in line
+    ]
+    print(
+        f"run {victim_run.name}: {len(trainers)} trainer command(s) in its log; the resume waited for "
+        f"{[w['pid'] for w in victim_run.waits] or 'no process'}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -17,9 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+from suite_kill_resume import untimed
+
 from grpolab.studies.manifest import SuiteManifest
 from grpolab.studies.suite.completion import progress_of
-from suite_kill_resume import untimed
 
 
 def with_threads(suite: Path, threads: int, out: Path) -> Path:
@@ -35,8 +36,21 @@ def with_threads(suite: Path, threads: int, out: Path) -> Path:
 def timed_suite(suite: Path, root: Path, log: Path, *extra: str) -> float:
     started = time.monotonic()
     with log.open("w") as out:
-        code = subprocess.call([sys.executable, "-m", "grpolab.commands.cli", "suite", "run", str(suite),
-                                "--output-root", str(root), *extra], stdout=out, stderr=subprocess.STDOUT)
+        code = subprocess.call(
+            [
+                sys.executable,
+                "-m",
+                "grpolab.commands.cli",
+                "suite",
+                "run",
+                str(suite),
+                "--output-root",
+                str(root),
+                *extra,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     seconds = time.monotonic() - started
     print(f"{root.name}: exit {code}, {seconds:.0f} s (log {log})", flush=True)
     if code != 0:
@@ -55,14 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     suite = with_threads(args.suite, args.threads, args.out)
     one = timed_suite(suite, args.out / "one_at_a_time", args.out / "one_at_a_time.log")
     spread = timed_suite(suite, args.out / "spread", args.out / "spread.log", "--devices", args.devices)
-    print(f"one at a time {one:.0f} s, on devices {args.devices} {spread:.0f} s: {one / spread:.2f}x faster "
-          f"({args.threads} thread(s) per run)")
+    print(
+        f"one at a time {one:.0f} s, on devices {args.devices} {spread:.0f} s: {one / spread:.2f}x faster "
+        f"({args.threads} thread(s) per run)"
+    )
     a, b = SuiteManifest.load(args.out / "one_at_a_time"), SuiteManifest.load(args.out / "spread")
     print(f"{'run':<18} {'final acc':>9} {'devices':>8}  metrics equal  weights equal")
     for x, y in zip(a.runs, b.runs):
         same = untimed(Path(x.run_dir) / "metrics.jsonl") == untimed(Path(y.run_dir) / "metrics.jsonl")
-        print(f"{x.name:<18} {progress_of(Path(x.run_dir)).accuracy:>9.3f} {','.join(y.devices or []):>8}  "
-              f"{str(same):<13}  {x.final_checkpoint_sha256 == y.final_checkpoint_sha256}", flush=True)
+        print(
+            f"{x.name:<18} {progress_of(Path(x.run_dir)).accuracy:>9.3f} {','.join(y.devices or []):>8}  "
+            f"{str(same):<13}  {x.final_checkpoint_sha256 == y.final_checkpoint_sha256}",
+            flush=True,
+        )
     return 0
 
 

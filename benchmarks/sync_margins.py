@@ -26,12 +26,29 @@ from grpolab.rollout.sync_check import WeightSyncError
 from grpolab.run.trainer import Trainer
 
 # the tests' warm-started tiny model and task (tests/conftest.py: TASK, QUICK_WARM_START)
-TESTS_MODEL = {"task.n_train": 60, "task.n_val": 16, "task.digits": 1, "rollout.prompts_per_step": 16,
-               "rollout.group_size": 8, "rollout.max_new_tokens": 40, "optim.micro_batch_size": 16,
-               "model.warm_start": {"steps": 150, "hidden_size": 64, "num_layers": 2, "num_heads": 2,
-                                    "intermediate_size": 128, "batch_size": 32, "lr": 5e-3,
-                                    "tie_word_embeddings": True},
-               "model.dtype": "bfloat16", "optim.lr": 1e-5, "eval.every": 1000, "checkpoint.every": 1000}
+TESTS_MODEL = {
+    "task.n_train": 60,
+    "task.n_val": 16,
+    "task.digits": 1,
+    "rollout.prompts_per_step": 16,
+    "rollout.group_size": 8,
+    "rollout.max_new_tokens": 40,
+    "optim.micro_batch_size": 16,
+    "model.warm_start": {
+        "steps": 150,
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_heads": 2,
+        "intermediate_size": 128,
+        "batch_size": 32,
+        "lr": 5e-3,
+        "tie_word_embeddings": True,
+    },
+    "model.dtype": "bfloat16",
+    "optim.lr": 1e-5,
+    "eval.every": 1000,
+    "checkpoint.every": 1000,
+}
 
 
 class CopyEngine:
@@ -91,11 +108,17 @@ def main(argv: list[str] | None = None) -> int:
             margins = [r["sync/margin"] for r in records]
             what = "in sync" if stale_from is None else f"stale from {stale_from}"
             end = f"stopped at step {stopped}" if stopped else "no stop"
-            console.print(f"window {window} {what:>14}: floor {floor:.2e}  margins {min(margins):.2f}-"
-                          f"{max(margins):.2f}  {end}", highlight=False, soft_wrap=True)
-            console.print("    mean |diff| / margin: " + " ".join(f"{r['sync/logprob_diff_mean']:.2e}/{m:.2f}"
-                                                                for r, m in zip(records, margins)),
-                          highlight=False, soft_wrap=True)
+            console.print(
+                f"window {window} {what:>14}: floor {floor:.2e}  margins {min(margins):.2f}-{max(margins):.2f}  {end}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            console.print(
+                "    mean |diff| / margin: "
+                + " ".join(f"{r['sync/logprob_diff_mean']:.2e}/{m:.2f}" for r, m in zip(records, margins)),
+                highlight=False,
+                soft_wrap=True,
+            )
     return 0
 
 

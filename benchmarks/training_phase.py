@@ -32,19 +32,27 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from grpolab.learning.batching import collate
 from grpolab.commands.cli import parse_overrides
 from grpolab.config import load_config
+from grpolab.learning.batching import collate
+from grpolab.learning.update import UpdateData, accumulate_gradients
 from grpolab.models.logprobs import token_logprobs
 from grpolab.rollout.base import Completion
 from grpolab.run.trainer import Trainer
-from grpolab.learning.update import UpdateData, accumulate_gradients
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K_LIKE = {"model.path": "like:qwen3-0.6b", "model.like_overrides": {"num_hidden_layers": 2},
-              "task.name": "gsm8k", "task.train_path": str(ROOT / "data/gsm8k/train.jsonl"),
-              "task.test_path": str(ROOT / "data/gsm8k/test.jsonl"), "task.n_val": 8, "rollout.prompts_per_step": 2,
-              "rollout.group_size": 8, "rollout.max_new_tokens": 128, "optim.micro_batch_size": 16}
+GSM8K_LIKE = {
+    "model.path": "like:qwen3-0.6b",
+    "model.like_overrides": {"num_hidden_layers": 2},
+    "task.name": "gsm8k",
+    "task.train_path": str(ROOT / "data/gsm8k/train.jsonl"),
+    "task.test_path": str(ROOT / "data/gsm8k/test.jsonl"),
+    "task.n_val": 8,
+    "rollout.prompts_per_step": 2,
+    "rollout.group_size": 8,
+    "rollout.max_new_tokens": 128,
+    "optim.micro_batch_size": 16,
+}
 
 
 def rollout_batch(trainer: Trainer, gsm8k_like: bool):
@@ -70,8 +78,14 @@ def previous_logprobs(trainer: Trainer, batch):
 
     def logprobs(indices):
         sub = batch.select(indices)
-        stats = token_logprobs(trainer.parts.model, sub.input_ids, sub.attention_mask, temperature=cfg.rollout.temperature,
-                               chunk_size=cfg.model.logprob_chunk_size, with_entropy=True)
+        stats = token_logprobs(
+            trainer.parts.model,
+            sub.input_ids,
+            sub.attention_mask,
+            temperature=cfg.rollout.temperature,
+            chunk_size=cfg.model.logprob_chunk_size,
+            with_entropy=True,
+        )
         pad = (0, batch.input_ids.shape[1] - sub.input_ids.shape[1])
         return F.pad(stats.logprobs, pad), F.pad(stats.entropy, pad)
 
@@ -81,8 +95,9 @@ def previous_logprobs(trainer: Trainer, batch):
 def variant(trainer: Trainer, batch, share: bool, tokens: int | None):
     learner = trainer.parts.learner
     learner.share_prompts = share
-    learner.cfg = trainer.cfg.model_copy(update={"optim": trainer.cfg.optim.model_copy(
-        update={"micro_batch_tokens": tokens})})
+    learner.cfg = trainer.cfg.model_copy(
+        update={"optim": trainer.cfg.optim.model_copy(update={"micro_batch_tokens": tokens})}
+    )
     forward = learner.forward(batch)
     return (lambda idx: forward.logprobs(trainer.parts.learner.train_forward, idx, True)), forward.planner.plan
 
@@ -96,8 +111,16 @@ def measure(trainer: Trainer, batch, advantages, logprobs, plan, repeats: int):
     for _ in range(repeats + 1):
         model.zero_grad(set_to_none=True)
         started = time.perf_counter()
-        accumulate_gradients(spec, data, rows, logprobs, cfg.optim.micro_batch_size, cfg.rollout.max_new_tokens,
-                             full_metrics=False, plan=plan)
+        accumulate_gradients(
+            spec,
+            data,
+            rows,
+            logprobs,
+            cfg.optim.micro_batch_size,
+            cfg.rollout.max_new_tokens,
+            full_metrics=False,
+            plan=plan,
+        )
         seconds.append(time.perf_counter() - started)
     grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     with torch.no_grad():
@@ -113,8 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gsm8k-like", action="store_true", help="like:qwen3-0.6b (2 layers), GSM8K r1_zero prompts")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--micro-batch-tokens", type=int, default=None,
-                        help="token budget of shared+tokens (default: the micro-batch count x the longest sequence)")
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="token budget of shared+tokens (default: the micro-batch count x the longest sequence)",
+    )
     args, rest = parser.parse_known_args(argv)
     torch.set_num_threads(args.threads)
     overrides = {**(GSM8K_LIKE if args.gsm8k_like else {}), **parse_overrides(rest), "threads": args.threads}
@@ -128,20 +155,27 @@ def main(argv: list[str] | None = None) -> int:
             tokens = args.micro_batch_tokens or cfg.optim.micro_batch_size * width
             advantages = torch.tensor([1.0, -1.0]).repeat((n + 1) // 2)[:n]
             trainer.parts.model.train()
-            console.print(f"{n} sequences of <= {width} tokens ({int(batch.attention_mask.sum())} real, "
-                          f"{int(batch.prompt_lens.sum())} of them prompt), {args.threads} thread(s), "
-                          f"{sum(p.numel() for p in trainer.parts.model.parameters()) / 1e6:.1f}M parameters")
-            ways = {"previous": previous_logprobs(trainer, batch), "rows": variant(trainer, batch, False, None),
-                    "shared": variant(trainer, batch, True, None),
-                    "shared+tokens": variant(trainer, batch, True, tokens)}
+            console.print(
+                f"{n} sequences of <= {width} tokens ({int(batch.attention_mask.sum())} real, "
+                f"{int(batch.prompt_lens.sum())} of them prompt), {args.threads} thread(s), "
+                f"{sum(p.numel() for p in trainer.parts.model.parameters()) / 1e6:.1f}M parameters"
+            )
+            ways = {
+                "previous": previous_logprobs(trainer, batch),
+                "rows": variant(trainer, batch, False, None),
+                "shared": variant(trainer, batch, True, None),
+                "shared+tokens": variant(trainer, batch, True, tokens),
+            }
             results = {name: measure(trainer, batch, advantages, *way, args.repeats) for name, way in ways.items()}
         finally:
             trainer.close()
     base_s, base_lp, base_g = results["previous"]
     console.print(f"{'way':<14} {'seconds':>8} {'speed-up':>9} {'max|dlogp|':>11} {'grad rel diff':>14}")
     for name, (s, lp, g) in results.items():
-        console.print(f"{name:<14} {s:8.3f} {base_s / s:8.2f}x {(lp - base_lp).abs().max():11.1e} "
-                      f"{((g - base_g).abs().max() / base_g.abs().max()):14.1e}")
+        console.print(
+            f"{name:<14} {s:8.3f} {base_s / s:8.2f}x {(lp - base_lp).abs().max():11.1e} "
+            f"{((g - base_g).abs().max() / base_g.abs().max()):14.1e}"
+        )
     return 0
 
 

@@ -60,7 +60,10 @@ def unsupported(cfg: RunConfig) -> list[str]:
     spec, r, o = cfg.algorithm, cfg.rollout, cfg.optim
     problems = [
         (spec.weight != "clip", f"algorithm.weight {spec.weight!r}: TRL's clipped surrogate is 'clip'"),
-        (spec.baseline != "mean" or spec.normalizer == "mean", "advantages: TRL has the group mean with std or no scaling"),
+        (
+            spec.baseline != "mean" or spec.normalizer == "mean",
+            "advantages: TRL has the group mean with std or no scaling",
+        ),
         (not spec.is_single_update, "more than one optimizer step per rollout batch"),
         (spec.dynamic_sampling, "dynamic sampling (TRL has none)"),
         (spec.engine_correction != "none", "algorithm.engine_correction"),
@@ -74,10 +77,17 @@ def unsupported(cfg: RunConfig) -> list[str]:
 
 
 def summary(steps: list[float], generate: list[float], train: list[float], tokens: list[int]) -> dict:
-    return {"seconds_per_step": statistics.mean(steps), "min": min(steps), "max": max(steps),
-            "generate": statistics.mean(generate), "train": statistics.mean(train),
-            "tokens_per_step": statistics.mean(tokens), "tokens_per_s": sum(tokens) / sum(steps),
-            "generate_tokens_per_s": sum(tokens) / sum(generate), "steps": steps}
+    return {
+        "seconds_per_step": statistics.mean(steps),
+        "min": min(steps),
+        "max": max(steps),
+        "generate": statistics.mean(generate),
+        "train": statistics.mean(train),
+        "tokens_per_step": statistics.mean(tokens),
+        "tokens_per_s": sum(tokens) / sum(steps),
+        "generate_tokens_per_s": sum(tokens) / sum(generate),
+        "steps": steps,
+    }
 
 
 def time_grpolab(cfg: RunConfig, steps: int):
@@ -90,8 +100,12 @@ def time_grpolab(cfg: RunConfig, steps: int):
         records = [trainer.train_step(step) for step in range(1, steps + 1)]
     finally:
         trainer.close()
-    figures = summary([r["time/step"] for r in records], [r["time/generate"] for r in records],
-                      [r["time/train"] for r in records], [r["response_tokens"] for r in records])
+    figures = summary(
+        [r["time/step"] for r in records],
+        [r["time/generate"] for r in records],
+        [r["time/train"] for r in records],
+        [r["response_tokens"] for r in records],
+    )
     return figures, trainer.parts.model_dir, trainer.parts.task
 
 
@@ -99,18 +113,44 @@ def trl_config(trl, cfg: RunConfig, out_dir: str, steps: int):
     spec, r, o = cfg.algorithm, cfg.rollout, cfg.optim
     accumulation = r.prompts_per_step * r.group_size // o.micro_batch_size
     return trl.GRPOConfig(
-        output_dir=out_dir, max_steps=steps + 1, seed=cfg.seed, use_cpu=True, bf16=False, fp16=False,
+        output_dir=out_dir,
+        max_steps=steps + 1,
+        seed=cfg.seed,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
         # one generation of prompts_per_step x group_size per optimizer step, in micro-batches
-        per_device_train_batch_size=o.micro_batch_size, gradient_accumulation_steps=accumulation,
-        steps_per_generation=accumulation, num_iterations=1, num_generations=r.group_size,
-        max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-        learning_rate=o.lr, adam_beta1=o.betas[0], adam_beta2=o.betas[1], weight_decay=o.weight_decay,
-        max_grad_norm=o.max_grad_norm, optim="adamw_torch", lr_scheduler_type="constant",
+        per_device_train_batch_size=o.micro_batch_size,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,
+        num_iterations=1,
+        num_generations=r.group_size,
+        max_completion_length=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        learning_rate=o.lr,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        weight_decay=o.weight_decay,
+        max_grad_norm=o.max_grad_norm,
+        optim="adamw_torch",
+        lr_scheduler_type="constant",
         gradient_checkpointing=cfg.model.gradient_checkpointing,  # TRL's default is on, grpolab's off
-        loss_type=LOSS_TYPES[spec.aggregation], scale_rewards="group" if spec.normalizer == "std" else "none",
-        epsilon=spec.eps_low, epsilon_high=spec.eps_high, beta=spec.beta, use_bias_correction_kl=False,
-        use_vllm=False, save_strategy="no", eval_strategy="no", report_to="none", logging_steps=10**9,
-        dataloader_num_workers=0, disable_tqdm=True)
+        loss_type=LOSS_TYPES[spec.aggregation],
+        scale_rewards="group" if spec.normalizer == "std" else "none",
+        epsilon=spec.eps_low,
+        epsilon_high=spec.eps_high,
+        beta=spec.beta,
+        use_bias_correction_kl=False,
+        use_vllm=False,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        logging_steps=10**9,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
 
 
 def time_trl(trl, cfg: RunConfig, model_dir: Path, task, steps: int, out_dir: str) -> dict:
@@ -134,8 +174,15 @@ def time_trl(trl, cfg: RunConfig, model_dir: Path, task, steps: int, out_dir: st
         truncated = [ids[-1] not in eos for ids in completion_ids]  # as grpolab: no EOS within the budget
         grades = [task.grade(text, examples[i], cut) for text, i, cut in zip(completions, example, truncated)]
         s = cfg.reward
-        grades = shape_rewards(grades, [len(ids) for ids in completion_ids], truncated, cfg.rollout.max_new_tokens,
-                               s.truncation_penalty, s.overlong_buffer, s.overlong_factor)
+        grades = shape_rewards(
+            grades,
+            [len(ids) for ids in completion_ids],
+            truncated,
+            cfg.rollout.max_new_tokens,
+            s.truncation_penalty,
+            s.overlong_buffer,
+            s.overlong_factor,
+        )
         tokens.append(sum(len(ids) for ids in completion_ids))
         grading.append(time.perf_counter() - started)
         return [g.reward for g in grades]
@@ -147,8 +194,14 @@ def time_trl(trl, cfg: RunConfig, model_dir: Path, task, steps: int, out_dir: st
         def on_step_end(self, args, state, control, **kwargs):
             end.append(time.perf_counter())
 
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=task_reward, args=trl_config(trl, cfg, out_dir, steps),
-                              train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()])
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=task_reward,
+        args=trl_config(trl, cfg, out_dir, steps),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepTimer()],
+    )
     generate = trainer._generate_single_turn  # private: the model.generate call, timed on its own
 
     def timed_generate(*args, **kwargs):
@@ -168,13 +221,15 @@ def time_trl(trl, cfg: RunConfig, model_dir: Path, task, steps: int, out_dir: st
 
 def settings_line(cfg: RunConfig, steps: int) -> str:
     r, o, spec = cfg.rollout, cfg.optim, cfg.algorithm
-    return (f"settings: {r.prompts_per_step} prompts x {r.group_size}, <= {r.max_new_tokens} new tokens, temperature "
-            f"{r.temperature:g}, top_p {r.top_p:g}, top_k {r.top_k}; micro-batch {o.micro_batch_size} "
-            f"({r.prompts_per_step * r.group_size // o.micro_batch_size} accumulated), 1 optimizer step; AdamW lr "
-            f"{o.lr:g}, betas {o.betas[0]:g}/{o.betas[1]:g}, weight decay {o.weight_decay:g}, max grad norm "
-            f"{o.max_grad_norm:g}; {spec.name} = TRL loss_type {LOSS_TYPES[spec.aggregation]}, eps {spec.eps_low:g}/"
-            f"{spec.eps_high:g}, beta {spec.beta:g}; seed {cfg.seed}; cpu, {cfg.threads} torch thread(s); "
-            f"1 warm-up + {steps} timed steps each")
+    return (
+        f"settings: {r.prompts_per_step} prompts x {r.group_size}, <= {r.max_new_tokens} new tokens, temperature "
+        f"{r.temperature:g}, top_p {r.top_p:g}, top_k {r.top_k}; micro-batch {o.micro_batch_size} "
+        f"({r.prompts_per_step * r.group_size // o.micro_batch_size} accumulated), 1 optimizer step; AdamW lr "
+        f"{o.lr:g}, betas {o.betas[0]:g}/{o.betas[1]:g}, weight decay {o.weight_decay:g}, max grad norm "
+        f"{o.max_grad_norm:g}; {spec.name} = TRL loss_type {LOSS_TYPES[spec.aggregation]}, eps {spec.eps_low:g}/"
+        f"{spec.eps_high:g}, beta {spec.beta:g}; seed {cfg.seed}; cpu, {cfg.threads} torch thread(s); "
+        f"1 warm-up + {steps} timed steps each"
+    )
 
 
 def main() -> int:
@@ -218,24 +273,46 @@ def main() -> int:
         theirs = time_trl(trl, cfg, model_dir, task, args.steps, f"{root}/trl")
 
     ratio = theirs["seconds_per_step"] / ours["seconds_per_step"]
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"grpolab vs TRL {trl.__version__}: seconds per RL step",
-                  caption="gen s / train s: mean seconds of those phases; tokens: completion tokens per step; "
-                          "tok/s: per second of step; gen tok/s: per second of generation")
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        title=f"grpolab vs TRL {trl.__version__}: seconds per RL step",
+        caption="gen s / train s: mean seconds of those phases; tokens: completion tokens per step; "
+        "tok/s: per second of step; gen tok/s: per second of generation",
+    )
     for column in ("framework", "s/step", "range", "gen s", "train s", "tokens", "tok/s", "gen tok/s"):
         table.add_column(column, justify="right")
     for name, m in (("grpolab", ours), ("TRL", theirs)):
-        table.add_row(name, f"{m['seconds_per_step']:.2f}", f"{m['min']:.2f}-{m['max']:.2f}", f"{m['generate']:.2f}",
-                      f"{m['train']:.2f}", f"{m['tokens_per_step']:.0f}", f"{m['tokens_per_s']:.0f}",
-                      f"{m['generate_tokens_per_s']:.0f}")
+        table.add_row(
+            name,
+            f"{m['seconds_per_step']:.2f}",
+            f"{m['min']:.2f}-{m['max']:.2f}",
+            f"{m['generate']:.2f}",
+            f"{m['train']:.2f}",
+            f"{m['tokens_per_step']:.0f}",
+            f"{m['tokens_per_s']:.0f}",
+            f"{m['generate_tokens_per_s']:.0f}",
+        )
     console.print(table)
-    console.print(f"TRL s / grpolab s per step: {ratio:.2f}x (> 1: grpolab faster); tokens/s grpolab / TRL: "
-                  f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
+    console.print(
+        f"TRL s / grpolab s per step: {ratio:.2f}x (> 1: grpolab faster); tokens/s grpolab / TRL: "
+        f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x"
+    )
     console.print(settings_line(cfg, args.steps), soft_wrap=True)
     if args.json is not None:
         with args.json.open("x") as f:
-            json.dump({"settings": settings_line(cfg, args.steps), "config": cfg.model_dump(mode="json"),
-                       "trl_version": trl.__version__, "grpolab": ours, "trl": theirs, "ratio_trl_over_grpolab": ratio},
-                      f, indent=2)
+            json.dump(
+                {
+                    "settings": settings_line(cfg, args.steps),
+                    "config": cfg.model_dump(mode="json"),
+                    "trl_version": trl.__version__,
+                    "grpolab": ours,
+                    "trl": theirs,
+                    "ratio_trl_over_grpolab": ratio,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

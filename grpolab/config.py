@@ -11,7 +11,7 @@ import hashlib
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -20,6 +20,7 @@ from grpolab.models.precision import PrecisionName
 from grpolab.models.tinymodel import WarmStartSettings
 from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec, get_algorithm
 from grpolab.tasks.configs import TASK_KINDS, TINY_MODEL_TASKS, ArithmeticTaskConfig, TaskConfig
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message has one line per problem."""
@@ -37,10 +38,14 @@ class LoraSettings(_Section):
     alpha: float | None = Field(None, gt=0, description="the adapter's scale is alpha / rank; None = rank (scale 1)")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input in the update's forward")
     target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="leaf names of the linear layers to adapt, e.g. [\"q_proj\", \"v_proj\"]; "
-        "all-linear = every linear layer of the decoder (never the output layer)")
-    modules_to_save: list[str] = Field(default_factory=list, description="modules trained in full beside the "
-                                       "adapter (and saved with it), e.g. [\"lm_head\"]")
+        "all-linear",
+        description='leaf names of the linear layers to adapt, e.g. ["q_proj", "v_proj"]; '
+        "all-linear = every linear layer of the decoder (never the output layer)",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description='modules trained in full beside the adapter (and saved with it), e.g. ["lm_head"]',
+    )
 
 
 class ModelConfig(_Section):
@@ -49,16 +54,25 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto = bfloat16 on cuda, float32 on cpu")
     gradient_checkpointing: bool = Field(False, description="recompute decoder layers in the backward pass")
     logprob_chunk_size: int = Field(64, ge=1, description="sequence positions per output-layer chunk")
-    like_overrides: dict[str, int] = Field(default_factory=dict, description="size fields of a like:NAME "
-                                           "model, e.g. {num_hidden_layers = 2}; width and vocabulary stay real")
+    like_overrides: dict[str, int] = Field(
+        default_factory=dict,
+        description="size fields of a like:NAME model, e.g. {num_hidden_layers = 2}; width and vocabulary stay real",
+    )
     lora: LoraSettings | None = Field(None, description="LoRA adapters instead of full weights ([model.lora])")
-    warm_start: dict[str, Any] = Field(default_factory=dict, description="with no model.path: changes to the "
-                                       "demo's tiny model and its warm start, e.g. {arch = \"qwen3_moe\", "
-                                       "num_experts = 8, experts_per_token = 2} (grpolab.models.tinymodel."
-                                       "WarmStartSettings)")
-    router_aux_loss_coef: float = Field(0.0, ge=0, description="a Mixture-of-Experts policy: this times the "
-                                        "load-balancing loss of each training forward's completion tokens is "
-                                        "added to the objective (0 = the objective as published)")
+    warm_start: dict[str, Any] = Field(
+        default_factory=dict,
+        description="with no model.path: changes to the "
+        'demo\'s tiny model and its warm start, e.g. {arch = "qwen3_moe", '
+        "num_experts = 8, experts_per_token = 2} (grpolab.models.tinymodel."
+        "WarmStartSettings)",
+    )
+    router_aux_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="a Mixture-of-Experts policy: this times the "
+        "load-balancing loss of each training forward's completion tokens is "
+        "added to the objective (0 = the objective as published)",
+    )
 
 
 class VLLMConfig(_Section):
@@ -66,65 +80,107 @@ class VLLMConfig(_Section):
 
     engine: ClassVar[str] = "vllm"  # the rollout.engine choice these settings belong to
 
-    python: str | None = Field(None, description="run vLLM under this interpreter, in its own process "
-                               "(e.g. a venv that pins vLLM's torch); None = in this process")
-    sleep_level: Literal[0, 1, 2] = Field(1, description="sleep between rollouts where the platform supports "
-                                          "it (GPU): 1 offloads the weights to CPU memory and frees the KV "
-                                          "cache, 2 drops the weights (the engine restores the policy's before "
-                                          "every generation); 0 never")
+    python: str | None = Field(
+        None,
+        description="run vLLM under this interpreter, in its own process "
+        "(e.g. a venv that pins vLLM's torch); None = in this process",
+    )
+    sleep_level: Literal[0, 1, 2] = Field(
+        1,
+        description="sleep between rollouts where the platform supports "
+        "it (GPU): 1 offloads the weights to CPU memory and frees the KV "
+        "cache, 2 drops the weights (the engine restores the policy's before "
+        "every generation); 0 never",
+    )
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="GPU share for vLLM; the rest trains")
-    kv_cache_gib: float | None = Field(None, gt=0, description="explicit KV-cache size; None = vLLM's default "
-                                       "on GPU, 0.25 GiB on CPU")
+    kv_cache_gib: float | None = Field(
+        None, gt=0, description="explicit KV-cache size; None = vLLM's default on GPU, 0.25 GiB on CPU"
+    )
     lora_sync: Literal["merged", "adapter"] = Field(
-        "merged", description="with [model.lora]: merged = vLLM serves the base plus the scaled adapter product, "
-        "all weights synced each step; adapter = vLLM's own LoRA serves the base, only the adapter is synced")
+        "merged",
+        description="with [model.lora]: merged = vLLM serves the base plus the scaled adapter product, "
+        "all weights synced each step; adapter = vLLM's own LoRA serves the base, only the adapter is synced",
+    )
+
+
+ENGINE_CHOICES = Literal["hf", "vllm"]  # grpolab.rollout.engines: what each can do and refuses; the first the default
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm"] = Field("hf", description="hf: grpolab's decoding loop on the training model; "
-                                          "vllm: colocated vLLM, weights synced every step (the engines, "
-                                          "what each can do and the settings each refuses: grpolab.rollout."
-                                          "engines)")
+    engine: ENGINE_CHOICES = Field(
+        get_args(ENGINE_CHOICES)[0],
+        description="hf: grpolab's decoding loop on the training model; "
+        "vllm: colocated vLLM, weights synced every step (the engines, "
+        "what each can do and the settings each refuses: grpolab.rollout."
+        "engines)",
+    )
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(48, ge=1)
     max_prompt_tokens: int | None = Field(None, ge=1, description="longer prompts are an error, never truncated")
     temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1, description="training samples the untruncated policy: 1 only "
-                         "(eval.top_p for pass@k)")
-    top_k: int = Field(0, ge=0, description="training samples the untruncated policy: 0 (disabled) only "
-                       "(eval.top_k for pass@k)")
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="training samples the untruncated policy: 1 only (eval.top_p for pass@k)"
+    )
+    top_k: int = Field(
+        0, ge=0, description="training samples the untruncated policy: 0 (disabled) only (eval.top_k for pass@k)"
+    )
     stop_strings: list[str] = Field(default_factory=list)
     max_batch_size: int = Field(256, ge=1, description="sequences generated at once (hf engine)")
-    pack_weights: bool = Field(True, description="hf engine on a CPU, float32: multiply by weights laid out "
-                               "once per generation call (oneDNN), not re-packed at every decoding step")
+    pack_weights: bool = Field(
+        True,
+        description="hf engine on a CPU, float32: multiply by weights laid out "
+        "once per generation call (oneDNN), not re-packed at every decoding step",
+    )
     vllm: VLLMConfig = VLLMConfig()
-    sync_check: bool = Field(True, description="compare engine and trainer log-probs of the sampled tokens "
-                             "every step (one-update schedules read the update's own forward: no extra pass)")
-    sync_max_diff: float | None = Field(None, gt=0, description="stop when max |engine - trainer log-prob| "
-                                        "exceeds this; None = 1e-3 in float32, off in bfloat16")
-    sync_mean_diff: float | None = Field(None, gt=0, description="stop when the mean |diff| exceeds this; "
-                                         "None = 1e-4 in float32, 0.1 in bfloat16")
-    sync_noise_multiple: float | None = Field(3.0, gt=1, description="the first sync_calibration_steps checked "
-                                              "rollouts (engine and trainer in sync) record the noise floor, their "
-                                              "largest mean |diff|; stop when a step exceeds this multiple of the "
-                                              "floor so far. None = absolute limits only")
-    sync_calibration_steps: int = Field(3, ge=1, description="checked rollouts whose largest mean |diff| is the "
-                                        "noise floor (one step alone can sit far below the next one's noise)")
-    sync_warn_margin: float = Field(0.5, gt=0, le=1, description="one log line when a step's sync margin (its "
-                                    "|diff| over the stop limit, logged as sync/margin) passes this; 1 = never")
+    sync_check: bool = Field(
+        True,
+        description="compare engine and trainer log-probs of the sampled tokens "
+        "every step (one-update schedules read the update's own forward: no extra pass)",
+    )
+    sync_max_diff: float | None = Field(
+        None,
+        gt=0,
+        description="stop when max |engine - trainer log-prob| exceeds this; None = 1e-3 in float32, off in bfloat16",
+    )
+    sync_mean_diff: float | None = Field(
+        None, gt=0, description="stop when the mean |diff| exceeds this; None = 1e-4 in float32, 0.1 in bfloat16"
+    )
+    sync_noise_multiple: float | None = Field(
+        3.0,
+        gt=1,
+        description="the first sync_calibration_steps checked "
+        "rollouts (engine and trainer in sync) record the noise floor, their "
+        "largest mean |diff|; stop when a step exceeds this multiple of the "
+        "floor so far. None = absolute limits only",
+    )
+    sync_calibration_steps: int = Field(
+        3,
+        ge=1,
+        description="checked rollouts whose largest mean |diff| is the "
+        "noise floor (one step alone can sit far below the next one's noise)",
+    )
+    sync_warn_margin: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="one log line when a step's sync margin (its "
+        "|diff| over the stop limit, logged as sync/margin) passes this; 1 = never",
+    )
 
     @model_validator(mode="after")
-    def _untruncated_sampling(self) -> "RolloutConfig":
+    def _untruncated_sampling(self) -> RolloutConfig:
         if self.top_p < 1 or self.top_k > 0:
-            raise ValueError("rollout.top_p / top_k: training samples with top_p = 1 and top_k = 0 only: a "
-                             "truncated sample is not from the policy whose log-probs the objective, the old "
-                             "policy and the sync check score, and no importance weight reaches the tokens it "
-                             "never samples; eval.top_p / eval.top_k set them for pass@k")
+            raise ValueError(
+                "rollout.top_p / top_k: training samples with top_p = 1 and top_k = 0 only: a "
+                "truncated sample is not from the policy whose log-probs the objective, the old "
+                "policy and the sync check score, and no importance weight reaches the tokens it "
+                "never samples; eval.top_p / eval.top_k set them for pass@k"
+            )
         return self
 
     @model_validator(mode="after")
-    def _vllm_python_means_vllm(self) -> "RolloutConfig":
+    def _vllm_python_means_vllm(self) -> RolloutConfig:
         if self.vllm.python is not None and self.engine != self.vllm.engine:
             if "engine" in self.model_fields_set:
                 raise ValueError(f"rollout.vllm.python (--vllm-python) needs rollout.engine '{self.vllm.engine}'")
@@ -134,17 +190,24 @@ class RolloutConfig(_Section):
     def sync_limits(self, dtype: str) -> tuple[float | None, float | None]:
         """(max, mean) |diff| limits for the trainer's dtype; explicit settings win."""
         max_default, mean_default = (1e-3, 1e-4) if dtype == "float32" else (None, 0.1)
-        return (self.sync_max_diff if self.sync_max_diff is not None else max_default,
-                self.sync_mean_diff if self.sync_mean_diff is not None else mean_default)
+        return (
+            self.sync_max_diff if self.sync_max_diff is not None else max_default,
+            self.sync_mean_diff if self.sync_mean_diff is not None else mean_default,
+        )
 
 
 class RewardShapingConfig(_Section):
     """Length shaping added to every task's RL reward in training (logged apart from the answer reward)."""
 
-    truncation_penalty: float = Field(0.0, ge=0, description="subtracted from the reward of a completion that hit "
-                                      "rollout.max_new_tokens (0 = off)")
-    overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong punishment: the last this-many tokens "
-                                 "before rollout.max_new_tokens cost up to overlong_factor, linearly (0 = off)")
+    truncation_penalty: float = Field(
+        0.0, ge=0, description="subtracted from the reward of a completion that hit rollout.max_new_tokens (0 = off)"
+    )
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO's soft overlong punishment: the last this-many tokens "
+        "before rollout.max_new_tokens cost up to overlong_factor, linearly (0 = off)",
+    )
     overlong_factor: float = Field(1.0, gt=0, description="the soft overlong punishment at max_new_tokens")
 
 
@@ -155,19 +218,30 @@ class OptimConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(32, ge=1, description="sequences per micro-batch (unless micro_batch_tokens)")
     micro_batch_tokens: int | None = Field(
-        None, ge=1, description="token budget per micro-batch instead of a count: sequences (or shared-prompt "
+        None,
+        ge=1,
+        description="token budget per micro-batch instead of a count: sequences (or shared-prompt "
         "units) sorted by length, each micro-batch padded to its longest holds at most this many positions; "
-        "the gradient is unchanged (denominators are those of the whole optimizer step)")
-    shared_prompts: bool = Field(True, description="compute each prompt once for the completions that share it "
-                                 "in the training forward (same log-probs and gradients); off or unsupported by "
-                                 "the model's attention: every sequence on its own")
+        "the gradient is unchanged (denominators are those of the whole optimizer step)",
+    )
+    shared_prompts: bool = Field(
+        True,
+        description="compute each prompt once for the completions that share it "
+        "in the training forward (same log-probs and gradients); off or unsupported by "
+        "the model's attention: every sequence on its own",
+    )
     precision: PrecisionName = Field(
-        "fp32_master", description="with bf16 compute (model.dtype): fp32_master = fp32 weights and AdamW "
+        "fp32_master",
+        description="with bf16 compute (model.dtype): fp32_master = fp32 weights and AdamW "
         "under bf16 autocast; bf16_compensated = bf16 weights, AdamW with Kahan summation (torch-optimi); "
-        "bf16 = plain AdamW on bf16 weights (small updates round away; warns)")
-    full_metrics: bool = Field(True, description="a no-grad forward of the sequences that need no gradient "
-                               "(pruned zero-advantage rows, skipped steps) so entropy, KL and ratio metrics "
-                               "cover every response token; False saves that forward")
+        "bf16 = plain AdamW on bf16 weights (small updates round away; warns)",
+    )
+    full_metrics: bool = Field(
+        True,
+        description="a no-grad forward of the sequences that need no gradient "
+        "(pruned zero-advantage rows, skipped steps) so entropy, KL and ratio metrics "
+        "cover every response token; False saves that forward",
+    )
 
 
 class EvalConfig(_Section):
@@ -175,46 +249,77 @@ class EvalConfig(_Section):
     n_examples: int | None = Field(None, ge=1, description="None = the whole validation split")
     pass_k: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, description="e.g. [1, 8]: sampled pass@k")
     pass_n: int = Field(8, ge=1, description="samples per problem for pass@k")
-    top_p: float = Field(1.0, gt=0, le=1, description="pass@k sampling's nucleus mass (1 = untruncated; "
-                         "the rollout's temperature); training always samples untruncated")
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="pass@k sampling's nucleus mass (1 = untruncated; "
+        "the rollout's temperature); training always samples untruncated",
+    )
     top_k: int = Field(0, ge=0, description="pass@k sampling's k most likely tokens (0 = disabled)")
 
 
 class CheckpointConfig(_Section):
     every: int = Field(50, ge=1)
-    keep_last: int | None = Field(None, ge=1, description="keep only the newest N checkpoints (the oldest are "
-                                  "removed once a newer one verifies); None keeps all")
+    keep_last: int | None = Field(
+        None,
+        ge=1,
+        description="keep only the newest N checkpoints (the oldest are "
+        "removed once a newer one verifies); None keeps all",
+    )
 
 
 class LogConfig(_Section):
-    tensorboard: bool = Field(False, description="also write the per-step metrics as TensorBoard scalars into "
-                              "RUN_DIR/tensorboard (needs the tensorboard package: pip install 'grpolab[tensorboard]')")
+    tensorboard: bool = Field(
+        False,
+        description="also write the per-step metrics as TensorBoard scalars into "
+        "RUN_DIR/tensorboard (needs the tensorboard package: pip install 'grpolab[tensorboard]')",
+    )
 
 
 class DistConfig(_Section):
     """Data parallelism under ``torchrun --nproc_per_node N`` (ignored in one process)."""
 
     strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="ddp: every rank holds the whole model, gradients all-reduced by DistributedDataParallel; "
+        "ddp",
+        description="ddp: every rank holds the whole model, gradients all-reduced by DistributedDataParallel; "
         "fsdp: weights, gradients and optimizer state sharded over the ranks by FSDP2 (fully_shard), for models "
-        "that do not fit on one device (with the hf engine: no tools)")
-    timeout_minutes: int = Field(30, ge=1, description="how long a collective waits for a rank before the run "
-                                 "fails (torchrun ends the others at once when a rank exits)")
+        "that do not fit on one device (with the hf engine: no tools)",
+    )
+    timeout_minutes: int = Field(
+        30,
+        ge=1,
+        description="how long a collective waits for a rank before the run "
+        "fails (torchrun ends the others at once when a rank exits)",
+    )
 
 
 class RunConfig(_Section):
-    seed: int = Field(0, ge=0, lt=2**32, description="every RNG of the run derives from it (sampling seeds mix it "
-                      "with the step, and a seed must fit the libraries' 64-bit and NumPy's 32-bit seeds): "
-                      "0 <= seed < 2**32")
+    seed: int = Field(
+        0,
+        ge=0,
+        lt=2**32,
+        description="every RNG of the run derives from it (sampling seeds mix it "
+        "with the step, and a seed must fit the libraries' 64-bit and NumPy's 32-bit seeds): "
+        "0 <= seed < 2**32",
+    )
     steps: int = Field(100, ge=1)
     output_dir: str | None = None
     reference: Literal["none", "frozen"] = Field("none", description="frozen copy of the start policy for KL")
-    threads: int | None = Field(None, ge=1, description="CPU threads for torch; None = the cores other processes "
-                                "leave free (at most torch's default), measured at start; a setting above the free "
-                                "cores warns (oversubscription slows small models by orders of magnitude)")
-    log_every: int | None = Field(None, ge=1, description="a line of vital signs every k steps (reward, accuracy, "
-                                  "advantage std, KL, clip fraction, ratio, length, truncation, grad norm, s/step); "
-                                  "None = every step when the output is not a terminal, none on a terminal")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads for torch; None = the cores other processes "
+        "leave free (at most torch's default), measured at start; a setting above the free "
+        "cores warns (oversubscription slows small models by orders of magnitude)",
+    )
+    log_every: int | None = Field(
+        None,
+        ge=1,
+        description="a line of vital signs every k steps (reward, accuracy, "
+        "advantage std, KL, clip fraction, ratio, length, truncation, grad norm, s/step); "
+        "None = every step when the output is not a terminal, none on a terminal",
+    )
     model: ModelConfig = ModelConfig()
     task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
     reward: RewardShapingConfig = RewardShapingConfig()
@@ -242,12 +347,19 @@ class RunConfig(_Section):
         return {**get_algorithm(name).model_dump(), **fields, "name": name}
 
     @model_validator(mode="after")
-    def _check_rules(self) -> "RunConfig":
+    def _check_rules(self) -> RunConfig:
         """The rules between sections, in this order (the first one broken is the error)."""
-        for rule in (self._batch_splits_into_steps, self._mean_normalizer_has_binary_rewards,
-                     self._group_baseline_has_a_group, self._warm_start_is_for_the_demo,
-                     self._like_model_settings, self._task_has_a_model, self._pass_k_within_pass_n,
-                     self._lora_dropout_keeps_the_sync_check, self._adapter_sync_has_an_adapter):
+        for rule in (
+            self._batch_splits_into_steps,
+            self._mean_normalizer_has_binary_rewards,
+            self._group_baseline_has_a_group,
+            self._warm_start_is_for_the_demo,
+            self._like_model_settings,
+            self._task_has_a_model,
+            self._pass_k_within_pass_n,
+            self._lora_dropout_keeps_the_sync_check,
+            self._adapter_sync_has_an_adapter,
+        ):
             rule()
         return self
 
@@ -255,28 +367,39 @@ class RunConfig(_Section):
         spec = self.algorithm
         n = self.rollout.prompts_per_step * self.rollout.group_size
         if n % spec.steps_per_epoch:
-            raise ValueError(f"rollout batch of {n} completions cannot be split into {spec.steps_per_epoch} "
-                             f"optimizer steps (algorithm {spec.name})")
+            raise ValueError(
+                f"rollout batch of {n} completions cannot be split into {spec.steps_per_epoch} "
+                f"optimizer steps (algorithm {spec.name})"
+            )
 
     def _mean_normalizer_has_binary_rewards(self) -> None:
         """MaxRL's (r - mean) / mean: its sign flips with a negative group mean."""
         spec = self.algorithm
         if spec.normalizer == "mean":
-            shaping = [f"reward.{name} {value:g}" for name, value in (
-                ("truncation_penalty", self.reward.truncation_penalty),
-                ("overlong_buffer", self.reward.overlong_buffer)) if value]
+            shaping = [
+                f"reward.{name} {value:g}"
+                for name, value in (
+                    ("truncation_penalty", self.reward.truncation_penalty),
+                    ("overlong_buffer", self.reward.overlong_buffer),
+                )
+                if value
+            ]
             nonbinary = shaping + self.task.nonbinary_rewards()
             if nonbinary:
-                raise ValueError(f"algorithm {spec.name} (normalizer 'mean') needs RL rewards in {{0, 1}} (its "
-                                 "advantage (r - mean) / mean changes sign when a group's mean is negative): "
-                                 f"{nonbinary[0]} can give other values; for such rewards use another "
-                                 "normalizer (e.g. --algo grpo or dr_grpo)")
+                raise ValueError(
+                    f"algorithm {spec.name} (normalizer 'mean') needs RL rewards in {{0, 1}} (its "
+                    "advantage (r - mean) / mean changes sign when a group's mean is negative): "
+                    f"{nonbinary[0]} can give other values; for such rewards use another "
+                    "normalizer (e.g. --algo grpo or dr_grpo)"
+                )
 
     def _group_baseline_has_a_group(self) -> None:
         spec = self.algorithm
         if spec.baseline == "mean" and self.rollout.group_size < 2:
-            raise ValueError(f"rollout.group_size 1 with the group-mean baseline of {spec.name}: every "
-                             "advantage would be 0 and nothing would train; use group_size >= 2")
+            raise ValueError(
+                f"rollout.group_size 1 with the group-mean baseline of {spec.name}: every "
+                "advantage would be 0 and nothing would train; use group_size >= 2"
+            )
 
     def _warm_start_is_for_the_demo(self) -> None:
         if self.model.warm_start:
@@ -285,21 +408,27 @@ class RunConfig(_Section):
             try:  # unknown keys and bad values, named now
                 WarmStartSettings(**self.model.warm_start)
             except ValidationError as err:
-                raise ValueError("; ".join(f"model.warm_start.{line}" for line in describe_validation_error(err, "")
-                                           ).replace("model.warm_start.: ", "model.warm_start: ")) from None
+                raise ValueError(
+                    "; ".join(f"model.warm_start.{line}" for line in describe_validation_error(err, "")).replace(
+                        "model.warm_start.: ", "model.warm_start: "
+                    )
+                ) from None
 
     def _like_model_settings(self) -> None:
         like = (self.model.path or "").startswith("like:")
         if self.model.like_overrides and not like:
             raise ValueError("model.like_overrides applies only to a like:NAME model")
         if like and self.task.prompt_format() == "chat":
-            raise ValueError("a like:NAME model's tokenizer has no chat template; use task.prompt.format "
-                             "'r1_zero' or 'template'")
+            raise ValueError(
+                "a like:NAME model's tokenizer has no chat template; use task.prompt.format 'r1_zero' or 'template'"
+            )
 
     def _task_has_a_model(self) -> None:
         if self.model.path is None and self.task.name not in TINY_MODEL_TASKS:
-            raise ValueError(f"model.path (--model DIR) is required for task {self.task.name!r} (the demo's tiny "
-                             f"model is warm-started for {' and '.join(TINY_MODEL_TASKS)} only)")
+            raise ValueError(
+                f"model.path (--model DIR) is required for task {self.task.name!r} (the demo's tiny "
+                f"model is warm-started for {' and '.join(TINY_MODEL_TASKS)} only)"
+            )
 
     def _pass_k_within_pass_n(self) -> None:
         if any(k > self.eval.pass_n for k in self.eval.pass_k):
@@ -308,9 +437,11 @@ class RunConfig(_Section):
     def _lora_dropout_keeps_the_sync_check(self) -> None:
         lora = self.model.lora
         if lora is not None and lora.dropout > 0 and self.rollout.sync_check:
-            raise ValueError(f"model.lora.dropout {lora.dropout:g}: the update's forward would differ from the "
-                             "policy that sampled and the per-step sync check would stop the run; use dropout 0 "
-                             "or rollout.sync_check false")
+            raise ValueError(
+                f"model.lora.dropout {lora.dropout:g}: the update's forward would differ from the "
+                "policy that sampled and the per-step sync check would stop the run; use dropout 0 "
+                "or rollout.sync_check false"
+            )
 
     def _adapter_sync_has_an_adapter(self) -> None:
         lora = self.model.lora
@@ -318,15 +449,22 @@ class RunConfig(_Section):
             if lora is None:
                 raise ValueError("rollout.vllm.lora_sync 'adapter' needs [model.lora]")
             if lora.modules_to_save:
-                raise ValueError(f"rollout.vllm.lora_sync 'adapter': vLLM's LoRA cannot serve model.lora."
-                                 f"modules_to_save {lora.modules_to_save}; use lora_sync 'merged'")
+                raise ValueError(
+                    f"rollout.vllm.lora_sync 'adapter': vLLM's LoRA cannot serve model.lora."
+                    f"modules_to_save {lora.modules_to_save}; use lora_sync 'merged'"
+                )
 
     def needs_reference(self) -> bool:
         return self.reference == "frozen" or self.algorithm.beta > 0
 
 
-ALIASES = {"algo": "algorithm.name", "model": "model.path", "task": "task.name", "engine": "rollout.engine",
-           "vllm_python": "rollout.vllm.python"}
+ALIASES = {
+    "algo": "algorithm.name",
+    "model": "model.path",
+    "task": "task.name",
+    "engine": "rollout.engine",
+    "vllm_python": "rollout.vllm.python",
+}
 
 
 def parse_value(text: str) -> Any:
@@ -392,8 +530,10 @@ def load_run_config(run_dir: str | Path, overrides: dict[str, Any] | None = None
         raise ConfigError(f"nothing to resume: {path} not found")
     changed = sorted(set(overrides or {}) - RESUME_OVERRIDES)
     if changed:
-        raise ConfigError(f"a resumed run keeps its config; only {', '.join(sorted(RESUME_OVERRIDES))} may change "
-                          f"(got {', '.join('--' + c for c in changed)})")
+        raise ConfigError(
+            f"a resumed run keeps its config; only {', '.join(sorted(RESUME_OVERRIDES))} may change "
+            f"(got {', '.join('--' + c for c in changed)})"
+        )
     data = read_config_json(path)
     for dotted, value in (overrides or {}).items():
         apply_override(data, dotted, value)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reward_model_fixtures import save_reward_model
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -26,9 +27,8 @@ from transformers import (
 )
 
 from grpolab.config import RunConfig, load_config
-from grpolab.tasks import ArithmeticTask
 from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
-from reward_model_fixtures import save_reward_model
+from grpolab.tasks import ArithmeticTask
 
 GSM8K_DIR = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<eos>"]
@@ -38,6 +38,28 @@ ARCHS = ("llama", "qwen2", "qwen3", "olmo2")
 # Tiny models run fastest on one thread, and several threads on a busy 2-core machine can be
 # ~100x slower (OpenMP oversubscription). Override with GRPOLAB_TEST_THREADS.
 torch.set_num_threads(int(os.environ.get("GRPOLAB_TEST_THREADS", "1")))
+
+
+# The unit tier (`pytest -m unit`, under 2 minutes on 2 cores): the modules whose tests run in this process in
+# seconds (formulas against float64 references, tasks and graders, the engine contract on tiny models, configs,
+# layers and lint); the default tier adds the runs, engines, processes and suites. tests/README.md: the tiers.
+UNIT_MODULES = frozenset(
+    """
+    test_advantages test_algorithms test_answers test_architectures test_batching test_calculator
+    test_chat_arithmetic test_chat_prompts test_checkpoint_load test_dataset_task test_decode test_dropout
+    test_dynamic_sampling test_engine_capabilities test_engine_config test_eval_records test_gguf test_gpu_check
+    test_grouped_attention test_gsm8k test_kv_cache test_layers test_lint test_logprobs test_losses test_maxrl_rewards
+    test_packed_linear test_policy test_policy_mask test_precision test_prompt_tokens test_report_reward_models
+    test_report_stats test_reward_model test_rollout_hf test_sandbox test_score_norm test_shaping test_shared_prefix
+    test_sync_check test_task_members test_tasks test_tinymodel test_tool_protocol test_update test_verifiers
+""".split()
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.path.stem in UNIT_MODULES:
+            item.add_marker(pytest.mark.unit)
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -58,9 +80,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 def _config(arch: str, vocab_size: int, pad_id: int, eos_id: int, max_positions: int = 256):
@@ -131,10 +151,21 @@ def long_context_model_dirs(tmp_path_factory, tokenizer) -> dict[str, Path]:
 def vllm_model_dir(tmp_path_factory, tokenizer) -> Path:
     """A tiny float32 Llama vLLM's CPU attention takes (head_dim 32; the conftest models' 8 it does not),
     with tied embeddings like the demo's model (the harder case for the CPU weight reload)."""
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=None, initializer_range=0.3, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(1)
     path = tmp_path_factory.mktemp("tiny_llama_hd32")
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
@@ -228,8 +259,16 @@ def _cmdline(pid: int) -> bytes:
 
 # ---- a briefly warm-started demo model for RL-loop tests ---------------------------------------
 TASK = {"n_train": 60, "n_val": 16, "digits": 1}  # one-digit sums: a few seconds of warm start give ~30% reward
-QUICK_WARM_START = WarmStartSettings(steps=150, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
-                                     batch_size=32, lr=5e-3, tie_word_embeddings=True)
+QUICK_WARM_START = WarmStartSettings(
+    steps=150,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    intermediate_size=128,
+    batch_size=32,
+    lr=5e-3,
+    tie_word_embeddings=True,
+)
 
 
 @pytest.fixture(scope="session")
@@ -241,14 +280,16 @@ def warm_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def warm_moe_dir(tmp_path_factory):
     """The same warm start as a Qwen3-MoE (4 experts of 64 per layer, top 2)."""
-    settings = QUICK_WARM_START.model_copy(update={"arch": "qwen3_moe", "num_experts": 4, "experts_per_token": 2,
-                                                   "moe_intermediate_size": 64})
+    settings = QUICK_WARM_START.model_copy(
+        update={"arch": "qwen3_moe", "num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 64}
+    )
     return warm_start_model(ArithmeticTask(**TASK), settings, cache_dir=tmp_path_factory.mktemp("moe_cache"))
 
 
 def float64_norms(model) -> None:
     """transformers' RMSNorm computes in float32 (a downcast of float64 activations), which would bury a
     finite difference in rounding: the same formula in the activations' dtype instead."""
+
     def forward(norm, x):
         return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
 
@@ -258,10 +299,19 @@ def float64_norms(model) -> None:
 
 
 def quick_config(model_dir, out, **overrides) -> RunConfig:
-    base = {"model.path": str(model_dir), "output_dir": str(out), "steps": 2,
-            **{f"task.{k}": v for k, v in TASK.items()}, "rollout.prompts_per_step": 4, "rollout.group_size": 8,
-            "rollout.max_new_tokens": 40, "optim.micro_batch_size": 16, "optim.lr": 1e-3, "eval.every": 2,
-            "checkpoint.every": 2}
+    base = {
+        "model.path": str(model_dir),
+        "output_dir": str(out),
+        "steps": 2,
+        **{f"task.{k}": v for k, v in TASK.items()},
+        "rollout.prompts_per_step": 4,
+        "rollout.group_size": 8,
+        "rollout.max_new_tokens": 40,
+        "optim.micro_batch_size": 16,
+        "optim.lr": 1e-3,
+        "eval.every": 2,
+        "checkpoint.every": 2,
+    }
     return load_config(None, {**base, **overrides})
 
 

@@ -21,7 +21,7 @@ class CountdownTask:
         return self.examples[: len(self.examples) // 2]
 
     def validation_examples(self) -> list[Example]:
-        return self.examples[len(self.examples) // 2:]
+        return self.examples[len(self.examples) // 2 :]
 
     def prompt(self, example: Example) -> str:
         return f"{example.question}=<think>"
@@ -49,8 +49,14 @@ class ArithmeticWithBlanks:
 
     name = "arithmetic_with_blanks"
 
-    def __init__(self, blank: list[str] = (), crash_on: str | None = None, crash_rank: int = 1,
-                 crash: str = "raise", **arithmetic):
+    def __init__(
+        self,
+        blank: list[str] = (),
+        crash_on: str | None = None,
+        crash_rank: int = 1,
+        crash: str = "raise",
+        **arithmetic,
+    ):
         from grpolab.tasks import ArithmeticTask
 
         self.inner, self.blank = ArithmeticTask(**arithmetic), set(blank)

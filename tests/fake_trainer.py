@@ -74,8 +74,9 @@ class FakeRun:
         self.config, self.world_size = config, world_size
         self.run_dir = Path(config["output_dir"])
         self.steps, self.name = int(config["steps"]), self.run_dir.name
-        self.step_seconds = float(named("GRPOLAB_FAKE_SLOW", self.name) or os.environ.get("GRPOLAB_FAKE_STEP_SECONDS",
-                                                                                         "0.05"))
+        self.step_seconds = float(
+            named("GRPOLAB_FAKE_SLOW", self.name) or os.environ.get("GRPOLAB_FAKE_STEP_SECONDS", "0.05")
+        )
         fail = named("GRPOLAB_FAKE_FAIL", self.name)
         self.fail_at = int(fail) if fail else None
 
@@ -89,8 +90,12 @@ class FakeRun:
         return sha(json.dumps(settings, sort_keys=True) + start_weights)
 
     def where(self) -> dict:
-        return {"host": socket.gethostname(), "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "world_size": self.world_size}
+        return {
+            "host": socket.gethostname(),
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "world_size": self.world_size,
+        }
 
     def save_manifest(self, manifest: dict) -> None:
         write_atomically(self.run_dir / "manifest.json", json.dumps(manifest, indent=1))
@@ -101,8 +106,11 @@ class FakeRun:
         final = self.run_dir / "checkpoints" / f"step_{step:06d}"
         tmp = final.parent / f".step_{step:06d}-{os.getpid()}"
         tmp.mkdir(parents=True)
-        files = {"config.json": b"{}", "model.safetensors": state.encode(),
-                 "trainer_state.pt": json.dumps({"step": step, "state": state}).encode()}
+        files = {
+            "config.json": b"{}",
+            "model.safetensors": state.encode(),
+            "trainer_state.pt": json.dumps({"step": step, "state": state}).encode(),
+        }
         for name, data in files.items():
             (tmp / name).write_bytes(data)
         listing = {name: {"bytes": len(data), "sha256": sha(data)} for name, data in files.items()}
@@ -137,8 +145,11 @@ class FakeRun:
         if resume:
             manifest = json.loads((self.run_dir / "manifest.json").read_text())
             start, state = self.newest_checkpoint()
-            records = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")] \
-                if metrics.exists() else []
+            records = (
+                [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
+                if metrics.exists()
+                else []
+            )
             kept = [r for r in records if r["step"] <= start]
             with (self.run_dir / "metrics.discarded.jsonl").open("a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in records if r["step"] > start)
@@ -168,8 +179,11 @@ class FakeRun:
             self.save_manifest(manifest)
             print(f"step {step}/{self.steps}", flush=True)
             if STOP and step < self.steps:
-                print(f"stopped after step {step} with a checkpoint; continue with: grpolab train --resume "
-                      f"{self.run_dir}", flush=True)
+                print(
+                    f"stopped after step {step} with a checkpoint; continue with: grpolab train --resume "
+                    f"{self.run_dir}",
+                    flush=True,
+                )
                 return 130
         return 0
 
@@ -186,7 +200,7 @@ def run_and_exit(args: list[str]) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):  # first: a stop asked while starting is honoured too
         signal.signal(sig, lambda signum, _: STOP.append(signum))
-    train = args[args.index("train") + 1:]
+    train = args[args.index("train") + 1 :]
     world = next((int(a.split("=", 1)[1]) for a in args if a.startswith("--nproc_per_node=")), 1)
     if train[0] == "--resume":
         config, resume = json.loads((Path(train[1]) / "config.json").read_text()), True

@@ -10,7 +10,9 @@ import math
 import torch
 
 
-def reference_advantages(rewards: list[list[float]], baseline: str, normalizer: str, eps: float = 1e-6) -> list[list[float]]:
+def reference_advantages(
+    rewards: list[list[float]], baseline: str, normalizer: str, eps: float = 1e-6
+) -> list[list[float]]:
     out = []
     for group in rewards:
         g = len(group)
@@ -28,8 +30,24 @@ def reference_advantages(rewards: list[list[float]], baseline: str, normalizer: 
     return out
 
 
-def reference_loss(logp, old, adv, mask, *, weight, aggregation, eps_low=0.2, eps_high=0.2,
-                   z=None, max_new_tokens=None, ref=None, beta=0.0, engine=None, correction="none", cap=2.0):
+def reference_loss(
+    logp,
+    old,
+    adv,
+    mask,
+    *,
+    weight,
+    aggregation,
+    eps_low=0.2,
+    eps_high=0.2,
+    z=None,
+    max_new_tokens=None,
+    ref=None,
+    beta=0.0,
+    engine=None,
+    correction="none",
+    cap=2.0,
+):
     """Scalar float64 loss of one optimizer step. logp: [N, T] float64 leaf; others plain tensors."""
     n, t_len = mask.shape
     seq_token_losses = []

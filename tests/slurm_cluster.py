@@ -83,8 +83,7 @@ class SlurmCluster:
     def logs(self, lines: int = 30) -> str:
         """The last ``lines`` lines of both daemons' logs."""
         paths = [self.root / f"{daemon}.log" for daemon in ("slurmctld", "slurmd")]
-        tails = ["\n".join(p.read_text(errors="replace").splitlines()[-lines:]) if p.exists() else ""
-                 for p in paths]
+        tails = ["\n".join(p.read_text(errors="replace").splitlines()[-lines:]) if p.exists() else "" for p in paths]
         return "\n".join(f"--- {p} ---\n{tail}" for p, tail in zip(paths, tails, strict=True))
 
     def ready(self) -> bool:
@@ -113,8 +112,11 @@ def _write_conf(root: Path, node: str, partition: str, slurmd: str) -> Path:
     (root / "state").mkdir()
     (root / "spool").mkdir()
     conf = root / "slurm.conf"
-    conf.write_text(_CONF.format(root=root, node=node, partition=partition, hardware=hardware,
-                                 ctld_port=ctld_port, slurmd_port=slurmd_port))
+    conf.write_text(
+        _CONF.format(
+            root=root, node=node, partition=partition, hardware=hardware, ctld_port=ctld_port, slurmd_port=slurmd_port
+        )
+    )
     return conf
 
 
@@ -165,9 +167,16 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
     try:
         for daemon in (slurmctld, slurmd):
             with open(root / f"{Path(daemon).name}.log", "wb") as log:
-                cluster.procs.append(subprocess.Popen(
-                    [daemon, "-D", "-f", str(conf)], env=env, stdin=subprocess.DEVNULL,
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                cluster.procs.append(
+                    subprocess.Popen(
+                        [daemon, "-D", "-f", str(conf)],
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + 60
         while not cluster.ready():
             exits = [p.poll() for p in cluster.procs]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import fake_trainer
-from grpolab.commands.cli import main
+import pytest
 from suite_runs import suite_file
+
+from grpolab.commands.cli import main
 
 
 @pytest.fixture(scope="session")
@@ -38,8 +38,13 @@ class FakeRuns:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, hook: Path, tmp_path: Path):
         self.monkeypatch, self.hook, self.tmp_path = monkeypatch, hook, tmp_path
 
-    def use(self, slow: dict[str, float] | None = None, fail: dict[str, int] | None = None, extra: str = "",
-            step_seconds: float = 0.05) -> str:
+    def use(
+        self,
+        slow: dict[str, float] | None = None,
+        fail: dict[str, int] | None = None,
+        extra: str = "",
+        step_seconds: float = 0.05,
+    ) -> str:
         """The PYTHONPATH now set (run processes inherit it)."""
         hook = fake_trainer.install(self.tmp_path / "fake_hook", extra) if extra else self.hook
         self.monkeypatch.setenv("PYTHONPATH", str(hook))

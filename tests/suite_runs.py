@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from conftest import TASK
+
 from grpolab.commands.cli import main
 from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import SuiteManifest
@@ -57,7 +58,7 @@ def one_run_suite(tmp_path: Path, model_dir: Path) -> Path:
     """The tiny suite with run a alone."""
     path = suite_file(tmp_path, model_dir)
     text = path.read_text()
-    path.write_text(text[:text.index("[[runs]]", text.index("[[runs]]") + 1)])
+    path.write_text(text[: text.index("[[runs]]", text.index("[[runs]]") + 1)])
     return path
 
 
@@ -79,8 +80,9 @@ def forked_runner(*args: str, log: Path | None = None) -> multiprocessing.Proces
     """``grpolab suite ARGS`` in a forked copy of this process (its imports done: started at once), the
     runner that a test kills or signals; its output to ``log``; its runs inherit this process's environment
     (PYTHONPATH: the fake trainer)."""
-    runner = multiprocessing.get_context("fork").Process(target=_runner_main,
-                                                         args=(["suite", *args], str(log or os.devnull)))
+    runner = multiprocessing.get_context("fork").Process(
+        target=_runner_main, args=(["suite", *args], str(log or os.devnull))
+    )
     runner.start()
     return runner
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import reference_advantages
 
 from grpolab.objectives.advantages import advantage_metrics, group_advantages, informative_groups
-from reference import reference_advantages
 
 COMBOS = [("mean", "std"), ("mean", "mean"), ("mean", "none"), ("none", "none"), ("none", "std")]
 
@@ -47,7 +47,7 @@ def test_std_is_unbiased():
     rewards = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
     adv = group_advantages(rewards, "mean", "std", eps=0.0)
     # unbiased std of {1, 0} is sqrt(0.5); (1 - 0.5) / sqrt(0.5) = sqrt(0.5)
-    torch.testing.assert_close(adv, torch.tensor([[0.5 ** 0.5, -(0.5 ** 0.5)]], dtype=torch.float64))
+    torch.testing.assert_close(adv, torch.tensor([[0.5**0.5, -(0.5**0.5)]], dtype=torch.float64))
 
 
 def test_std_needs_two_samples_and_rewards_must_be_2d():
@@ -64,8 +64,13 @@ def test_metrics_count_zero_advantage_groups():
 
 
 @settings(max_examples=60, deadline=None)
-@given(b=st.integers(1, 5), g=st.integers(2, 9), seed=st.integers(0, 10_000),
-       combo=st.sampled_from(COMBOS), levels=st.integers(1, 4))
+@given(
+    b=st.integers(1, 5),
+    g=st.integers(2, 9),
+    seed=st.integers(0, 10_000),
+    combo=st.sampled_from(COMBOS),
+    levels=st.integers(1, 4),
+)
 def test_property_reference_and_finiteness(b, g, seed, combo, levels):
     gen = torch.Generator().manual_seed(seed)
     levels = 1 if combo[1] == "mean" else levels  # MaxRL is defined for rewards in {0, 1}

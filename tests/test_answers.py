@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grpolab.tasks.answers import MAX_ANSWER_CHARS, answers_match, plain_number
-from grpolab.tasks.sandbox import WorkerPool, _Worker
 from grpolab.tasks.r1_zero import grade_r1_zero
+from grpolab.tasks.sandbox import WorkerPool, _Worker
 
 
 @pytest.mark.parametrize(
@@ -46,8 +46,25 @@ def test_plain_number(text: str, number: str) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "dollars", "3 or 4", "1/2", "1e3", "1,2", "5!", "2^{10}", "\\sqrt{4}", "\\frac{1}{2}", "2 pi",
-     "3 i", "5km", "x-5", "1.2.3", "(1, 2)", "12,34"],
+    [
+        "",
+        "dollars",
+        "3 or 4",
+        "1/2",
+        "1e3",
+        "1,2",
+        "5!",
+        "2^{10}",
+        "\\sqrt{4}",
+        "\\frac{1}{2}",
+        "2 pi",
+        "3 i",
+        "5km",
+        "x-5",
+        "1.2.3",
+        "(1, 2)",
+        "12,34",
+    ],
 )
 def test_not_a_plain_number(text: str) -> None:
     assert plain_number(text) is None
@@ -113,7 +130,16 @@ def test_non_strings_do_not_match() -> None:
 
 
 _TOKENS = list("0123456789.,$%-+*/^_{}()[]=x !e") + [
-    "\\frac", "\\sqrt", "\\boxed{", "\\text{", "\\left(", "\\right)", "\\infty", "\\pi", " pi"]
+    "\\frac",
+    "\\sqrt",
+    "\\boxed{",
+    "\\text{",
+    "\\left(",
+    "\\right)",
+    "\\infty",
+    "\\pi",
+    " pi",
+]
 _MATHY = st.lists(st.sampled_from(_TOKENS), max_size=20).map("".join)
 
 
@@ -125,8 +151,17 @@ def test_never_raises(predicted: str, gold: str) -> None:
 
 @pytest.mark.parametrize(
     "predicted",
-    ["9^9^9^9", "9^{9^{9^{9}}}", "10^{10^{10}}", "\\frac{1}{10^{10^{10}}}", "100000000!", "(" * 999,
-     "9" * 100_000, "x" * 100_000, "\\sqrt{" * 500],
+    [
+        "9^9^9^9",
+        "9^{9^{9^{9}}}",
+        "10^{10^{10}}",
+        "\\frac{1}{10^{10^{10}}}",
+        "100000000!",
+        "(" * 999,
+        "9" * 100_000,
+        "x" * 100_000,
+        "\\sqrt{" * 500,
+    ],
     ids=lambda s: s[:16],
 )
 def test_pathological_inputs_return_quickly(predicted: str) -> None:

@@ -40,30 +40,47 @@ from transformers import (
     Starcoder2Config,
 )
 
-from grpolab.objectives.algorithms import PRESETS
-from grpolab.models.fidelity import attention_implementation, check_trainable, forward_fidelity
-from grpolab.models.loading import load_policy
 from grpolab.learning.packing import MicroBatchPlanner, prompt_keys
-from grpolab.rollout import HFEngine, SamplingParams
 from grpolab.learning.shared_prefix import layout_units, unit_logprobs
 from grpolab.learning.update import UpdateData, run_update
+from grpolab.models.fidelity import attention_implementation, check_trainable, forward_fidelity
+from grpolab.models.loading import load_policy
+from grpolab.objectives.algorithms import PRESETS
+from grpolab.rollout import HFEngine, SamplingParams
 
 VOCAB, WINDOW, ORIGINAL, TEMPERATURE = 128, 8, 16, 0.7
 LONG = ((12, (20, 6)), (9, (15, 1)))  # (prompt length, completion lengths): up to 32 tokens
 SHORT = ((6, (10, 3)), (4, (12, 1)))  # within ORIGINAL
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=None,
-              eos_token_id=None, initializer_range=0.3, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=None,
+    initializer_range=0.3,
+    tie_word_embeddings=False,
+)
 NO_LLAMA_FIELDS = dict(vocab_size=VOCAB, initializer_range=0.3, pad_token_id=0, bos_token_id=None, eos_token_id=None)
 MOE = dict(num_experts=4, num_experts_per_tok=2)
-LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.2, 1.3],
-            "long_factor": [2.0, 4.0, 8.0, 16.0], "factor": 4.0}  # head_dim 8: 4 factors each
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0, 1.1, 1.2, 1.3],
+    "long_factor": [2.0, 4.0, 8.0, 16.0],
+    "factor": 4.0,
+}  # head_dim 8: 4 factors each
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON),
-    "llama_dynamic_rope": lambda: LlamaConfig(**{**COMMON, "max_position_embeddings": ORIGINAL},
-                                              rope_parameters={"rope_type": "dynamic", "factor": 4.0,
-                                                               "rope_theta": 10000.0}),
+    "llama_dynamic_rope": lambda: LlamaConfig(
+        **{**COMMON, "max_position_embeddings": ORIGINAL},
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+    ),
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=WINDOW),
     "mixtral": lambda: MixtralConfig(**COMMON, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
     "qwen2": lambda: Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
@@ -72,25 +89,41 @@ CONFIGS = {
     "olmo2": lambda: Olmo2Config(**COMMON),
     "olmoe": lambda: OlmoeConfig(**COMMON, **MOE),
     "phi3": lambda: Phi3Config(**COMMON, sliding_window=WINDOW),
-    "phi3_longrope": lambda: Phi3Config(**COMMON, original_max_position_embeddings=ORIGINAL,
-                                        rope_parameters=dict(LONGROPE)),
-    "gemma2": lambda: Gemma2Config(**COMMON, head_dim=8, sliding_window=WINDOW, final_logit_softcapping=2.0,
-                                attn_logit_softcapping=1.0),
-    "gemma3_text": lambda: Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=WINDOW, final_logit_softcapping=2.0,
-                                            layer_types=["sliding_attention", "full_attention"]),
+    "phi3_longrope": lambda: Phi3Config(
+        **COMMON, original_max_position_embeddings=ORIGINAL, rope_parameters=dict(LONGROPE)
+    ),
+    "gemma2": lambda: Gemma2Config(
+        **COMMON, head_dim=8, sliding_window=WINDOW, final_logit_softcapping=2.0, attn_logit_softcapping=1.0
+    ),
+    "gemma3_text": lambda: Gemma3TextConfig(
+        **COMMON,
+        head_dim=8,
+        sliding_window=WINDOW,
+        final_logit_softcapping=2.0,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
     "granite": lambda: GraniteConfig(**COMMON, logits_scaling=4.0),
     "cohere": lambda: CohereConfig(**COMMON, logit_scale=4.0),
     "starcoder2": lambda: Starcoder2Config(**COMMON, sliding_window=WINDOW),
-    "gpt_neox": lambda: GPTNeoXConfig(**NO_LLAMA_FIELDS, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5),
+    "gpt_neox": lambda: GPTNeoXConfig(
+        **NO_LLAMA_FIELDS,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        rotary_pct=0.5,
+    ),
     "gpt2": lambda: GPT2Config(**NO_LLAMA_FIELDS, n_embd=32, n_layer=2, n_head=4, n_positions=64),
     "smollm3": lambda: SmolLM3Config(**COMMON, no_rope_layer_interval=2),  # layer 2 without rope
 }
 SLIDING = "sliding-window attention"
 # family -> (why its prompts are not shared, what its refusal at 32 tokens says), None: exact
 STATUS = {
-    **dict.fromkeys(("llama", "qwen3", "qwen3_moe", "olmo2", "olmoe", "granite", "cohere", "gpt_neox", "gpt2",
-                     "smollm3"), (None, None)),
+    **dict.fromkeys(
+        ("llama", "qwen3", "qwen3_moe", "olmo2", "olmoe", "granite", "cohere", "gpt_neox", "gpt2", "smollm3"),
+        (None, None),
+    ),
     **dict.fromkeys(("mistral", "mixtral", "qwen2", "phi3", "gemma2", "gemma3_text", "starcoder2"), (SLIDING, None)),
     "phi3_longrope": (None, "longrope rope, whose frequencies change past original_max_position_embeddings 16"),
     "llama_dynamic_rope": (None, "dynamic rope, whose frequencies change past max_position_embeddings 16"),
@@ -101,8 +134,9 @@ def build(family: str) -> torch.nn.Module:
     """The family's tiny model with the attention kernel grpolab loads it with (``load_policy``)."""
     torch.manual_seed(0)
     config = CONFIGS[family]()
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                            attn_implementation=attention_implementation(config)).eval()
+    return AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation=attention_implementation(config)
+    ).eval()
 
 
 def batch(groups, seed: int = 1):
@@ -116,7 +150,7 @@ def batch(groups, seed: int = 1):
             plens.append(p)
     ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, :len(row)] = row
+        ids[i, : len(row)] = row
     return ids, plens, [len(r) for r in rows]
 
 
@@ -129,8 +163,13 @@ def own_logprobs(model, ids: list[int] | torch.Tensor, temperature: float = TEMP
 
 def training_logprobs(model, ids, plens, slens, shared: bool) -> torch.Tensor:
     """[N, T] log-probs by ``unit_logprobs``, micro-batch planned as ``BatchForward`` does; rows in batch order."""
-    planner = MicroBatchPlanner(keys=prompt_keys(ids, torch.tensor(plens)) if shared else list(range(len(ids))),
-                                prompt_lens=plens, seq_lens=slens, share=shared, max_sequences=len(ids))
+    planner = MicroBatchPlanner(
+        keys=prompt_keys(ids, torch.tensor(plens)) if shared else list(range(len(ids))),
+        prompt_lens=plens,
+        seq_lens=slens,
+        share=shared,
+        max_sequences=len(ids),
+    )
     units = planner.runs(list(range(len(ids))))
     assert any(len(u) > 1 for u in units) == shared
     layout = layout_units(ids, plens, slens, units, shared=shared)
@@ -146,8 +185,10 @@ def weighted_sum(logprobs_by_row: list[torch.Tensor]) -> torch.Tensor:
 
 def gradients(model, loss: torch.Tensor) -> list[torch.Tensor]:
     params = [p for p in model.parameters() if p.requires_grad]
-    return [torch.zeros_like(p) if g is None else g for p, g in
-            zip(params, torch.autograd.grad(loss, params, allow_unused=True))]
+    return [
+        torch.zeros_like(p) if g is None else g
+        for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True))
+    ]
 
 
 def groups_for(model, family: str):
@@ -176,12 +217,12 @@ def test_training_forward_is_the_models_own(family):
     model = build(family)
     ids, plens, slens = batch(groups_for(model, family))
     layouts = [False] + ([True] if forward_fidelity(model).share_blocker is None else [])
-    own = [own_logprobs(model, ids[i, :slens[i]])[plens[i] - 1:] for i in range(len(ids))]
+    own = [own_logprobs(model, ids[i, : slens[i]])[plens[i] - 1 :] for i in range(len(ids))]
     own_grads = gradients(model, weighted_sum(own))
     for shared in layouts:
         lp = training_logprobs(model, ids, plens, slens, shared)
-        rows = [lp[i, plens[i]:slens[i]] for i in range(len(ids))]
-        assert all(lp[i, :plens[i]].eq(0).all() and lp[i, slens[i]:].eq(0).all() for i in range(len(ids)))
+        rows = [lp[i, plens[i] : slens[i]] for i in range(len(ids))]
+        assert all(lp[i, : plens[i]].eq(0).all() and lp[i, slens[i] :].eq(0).all() for i in range(len(ids)))
         # float32 log-probs of a random model reach -16: a few ulps of that is ~1e-6 relative
         torch.testing.assert_close(torch.cat(rows), torch.cat(own).detach(), rtol=2e-6, atol=1e-5)
         grads = gradients(model, weighted_sum(rows))
@@ -203,13 +244,14 @@ def test_engine_logprobs_are_the_models_own(family, tokenizer):
         for prompt, group in zip(prompts, groups):
             for c in group:
                 assert len(c.completion_ids) == c1
-                own = own_logprobs(model, prompt + c.completion_ids)[len(prompt) - 1:]
+                own = own_logprobs(model, prompt + c.completion_ids)[len(prompt) - 1 :]
                 # generate computes each token in an incremental decode step, the reference in one pass
                 # over the sequence: float32 sums in another order, ~1e-6 relative through the layers
                 torch.testing.assert_close(torch.tensor(c.logprobs), own, rtol=1e-5, atol=1e-5)
 
 
 # ---- each fault of the previous training forward ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", ["mistral", "phi3", "starcoder2", "mixtral"])
 def test_sliding_window_without_layer_types_turns_sharing_off(family):
@@ -219,8 +261,10 @@ def test_sliding_window_without_layer_types_turns_sharing_off(family):
     ids, plens, slens = batch(LONG)
     with torch.no_grad():
         shared = training_logprobs(model, ids, plens, slens, shared=True)
-        errors = [(shared[i, plens[i]:slens[i]] - own_logprobs(model, ids[i, :slens[i]])[plens[i] - 1:]).abs().max()
-                  for i in range(len(ids))]
+        errors = [
+            (shared[i, plens[i] : slens[i]] - own_logprobs(model, ids[i, : slens[i]])[plens[i] - 1 :]).abs().max()
+            for i in range(len(ids))
+        ]
     assert max(errors) > 0.1  # what sharing would have given
 
 
@@ -230,8 +274,8 @@ def test_output_layer_applies_the_models_logit_transform(family):
     ids, plens, slens = batch(LONG)
     with torch.no_grad():
         lp = training_logprobs(model, ids, plens, slens, shared=False)
-        own = own_logprobs(model, ids[0, :slens[0]])[plens[0] - 1:]
-    torch.testing.assert_close(lp[0, plens[0]:slens[0]], own, rtol=0, atol=1e-5)
+        own = own_logprobs(model, ids[0, : slens[0]])[plens[0] - 1 :]
+    torch.testing.assert_close(lp[0, plens[0] : slens[0]], own, rtol=0, atol=1e-5)
 
 
 def test_longrope_past_its_original_context_is_refused():
@@ -246,7 +290,7 @@ def test_an_empty_completion_alone_in_a_micro_batch_updates():
     with that row in one micro-batch with the other (and alone, no update at all)."""
     ids, plens, slens = batch(((5, (0, 4)),))
     response = torch.zeros(ids.shape)
-    response[1, plens[1]:slens[1]] = 1
+    response[1, plens[1] : slens[1]] = 1
 
     def updated(rows: list[int], micro_batch_size: int) -> list[torch.Tensor]:
         model = build("llama").train()
@@ -257,8 +301,15 @@ def test_an_empty_completion_alone_in_a_micro_batch_updates():
             return unit_logprobs(model, layout, len(indices), ids.shape[1]).logprobs, None
 
         data = UpdateData(advantages=torch.ones(len(rows)), response_mask=response[rows_t], old_logprobs=None)
-        result = run_update(PRESETS["grpo"], data, policy, torch.optim.SGD(model.parameters(), lr=0.1),
-                            list(model.parameters()), micro_batch_size=micro_batch_size, max_new_tokens=4)
+        result = run_update(
+            PRESETS["grpo"],
+            data,
+            policy,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            list(model.parameters()),
+            micro_batch_size=micro_batch_size,
+            max_new_tokens=4,
+        )
         assert result.actual == 1
         return [p.detach() for p in model.parameters()]
 

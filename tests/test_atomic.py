@@ -15,34 +15,47 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import TASK
+from test_report_safety import write_run
+from test_suite import suite_file
+
 from grpolab.common.atomic import atomic_file, atomic_folder, temp_path, write_file
 from grpolab.models.cached_folder import cached_folder
 from grpolab.run.rundir import read_metrics, rewind_metrics
-from test_report_safety import write_run
-from test_suite import suite_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def limited(max_bytes: int):
     """preexec_fn: no file of the child may grow past ``max_bytes`` (writes get EFBIG, as on a full disk)."""
+
     def apply() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the writer instead of failing it
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
     return apply
 
 
 def grpolab(*args: str, max_bytes: int | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpolab.commands.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          preexec_fn=limited(max_bytes) if max_bytes else None)
+    return subprocess.run(
+        [sys.executable, "-m", "grpolab.commands.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=limited(max_bytes) if max_bytes else None,
+    )
 
 
 def python(code: str, max_bytes: int | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          preexec_fn=limited(max_bytes) if max_bytes else None)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        preexec_fn=limited(max_bytes) if max_bytes else None,
+    )
 
 
 def one_error_line(result: subprocess.CompletedProcess, *words: str) -> str:
@@ -59,8 +72,11 @@ def temporaries(root: Path) -> list[Path]:
 
 
 def dead_pid() -> int:
-    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True, check=True).stdout)
+    return int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+        ).stdout
+    )
 
 
 def as_dead(path: Path) -> Path:
@@ -108,8 +124,9 @@ def test_only_the_temporaries_of_a_writer_that_is_gone_are_removed(tmp_path):
         (folder / "done").write_text("yes")
 
     assert cached_folder(target, "done", write) == target
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
-        "abc123", live.name, other.name, foreign.name, other_dead.name])  # another target's are its own
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["abc123", live.name, other.name, foreign.name, other_dead.name]
+    )  # another target's are its own
 
 
 def test_a_rewind_that_runs_out_of_space_changes_nothing_and_a_retry_is_exact(tmp_path):
@@ -131,9 +148,17 @@ def test_a_rewind_that_runs_out_of_space_changes_nothing_and_a_retry_is_exact(tm
 
 @pytest.fixture
 def two_step_run(warm_model_dir, tmp_path) -> tuple[Path, list[str]]:
-    args = [f"--model.path={warm_model_dir}", "--steps=2", "--threads=1", "--checkpoint.every=1", "--eval.every=2",
-            "--rollout.prompts_per_step=4", "--rollout.max_new_tokens=40", "--optim.micro_batch_size=16",
-            *[f"--task.{k}={v}" for k, v in TASK.items()]]
+    args = [
+        f"--model.path={warm_model_dir}",
+        "--steps=2",
+        "--threads=1",
+        "--checkpoint.every=1",
+        "--eval.every=2",
+        "--rollout.prompts_per_step=4",
+        "--rollout.max_new_tokens=40",
+        "--optim.micro_batch_size=16",
+        *[f"--task.{k}={v}" for k, v in TASK.items()],
+    ]
     return tmp_path / "run", args
 
 
@@ -161,7 +186,7 @@ def test_a_resume_on_a_full_disk_ends_in_one_line_and_a_retry_is_exact(two_step_
         assert not temporaries(run)
     assert grpolab("train", "--resume", str(run)).returncode == 0
     got = read_metrics(run / "metrics.discarded.jsonl")  # the first session's step 2, then each failed try's redo
-    assert len(got) == 3 * len(discarded) and all(r["step"] == 2 for r in got) and got[:len(discarded)] == discarded
+    assert len(got) == 3 * len(discarded) and all(r["step"] == 2 for r in got) and got[: len(discarded)] == discarded
     assert len({json.dumps(r, sort_keys=True) for r in got}) == len(got)  # none appended twice
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [r["step"] for r in reference]
 
@@ -169,9 +194,17 @@ def test_a_resume_on_a_full_disk_ends_in_one_line_and_a_retry_is_exact(two_step_
 def test_concurrent_reports_on_one_folder_all_succeed(tmp_path):
     for name, seed in (("a", 0), ("b", 1)):
         write_run(tmp_path / name, seed, steps=4, every=2, items=10)
-    procs = [subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "report", str(tmp_path),
-                               "--resamples", "10000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "grpolab.commands.cli", "report", str(tmp_path), "--resamples", "10000"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for _ in range(4)
+    ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, "\n".join(o[-1500:] for o in outs)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "report"]
@@ -195,8 +228,11 @@ def test_a_failed_suite_preparation_leaves_a_root_a_retry_accepts(warm_model_dir
     long.write_text(suite.read_text().replace('"a"', '"' + "a" * 252 + '"'))
     one_error_line(grpolab("suite", "run", str(long), "--output-root", str(root)), "at most 200 characters")
     assert not root.exists()
-    one_error_line(grpolab("suite", "run", str(suite), "--output-root", str(root), max_bytes=20_000),
-                   str(root / "snapshot"), "File too large")
+    one_error_line(
+        grpolab("suite", "run", str(suite), "--output-root", str(root), max_bytes=20_000),
+        str(root / "snapshot"),
+        "File too large",
+    )
     assert list(root.iterdir()) == []
     (root / ".preparing").write_text("")  # a preparation killed midway: its marker and part of a snapshot
     (root / "snapshot").mkdir()

@@ -15,8 +15,14 @@ pytest_plugins = ["suite_fixtures"]  # the fake trainer
 
 def _small(model_dir) -> list[str]:
     """Dotted overrides: the test model and task, 2 prompts x 8, micro-batches of 4."""
-    pairs = {"model.path": model_dir, **{f"task.{k}": v for k, v in TASK.items()}, "rollout.prompts_per_step": 2,
-             "rollout.group_size": 8, "rollout.max_new_tokens": 24, "optim.micro_batch_size": 4}
+    pairs = {
+        "model.path": model_dir,
+        **{f"task.{k}": v for k, v in TASK.items()},
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 8,
+        "rollout.max_new_tokens": 24,
+        "optim.micro_batch_size": 4,
+    }
     return [item for key, value in pairs.items() for item in (f"--{key}", str(value))]
 
 
@@ -24,8 +30,12 @@ def test_training_phase_ways_agree_with_the_previous_path(warm_model_dir, capsys
     import training_phase
 
     assert training_phase.main(["--repeats", "1", "--micro-batch-tokens", "100", *_small(warm_model_dir)]) == 0
-    rows = {m[0]: m for m in re.findall(r"^(previous|rows|shared\+tokens|shared)\s+(\S+)\s+(\S+)x\s+(\S+)\s+(\S+)$",
-                                         capsys.readouterr().out, re.M)}
+    rows = {
+        m[0]: m
+        for m in re.findall(
+            r"^(previous|rows|shared\+tokens|shared)\s+(\S+)\s+(\S+)x\s+(\S+)\s+(\S+)$", capsys.readouterr().out, re.M
+        )
+    }
     assert set(rows) == {"previous", "rows", "shared", "shared+tokens"}
     for name, _, _, logprob_diff, grad_diff in rows.values():
         assert float(logprob_diff) <= 1e-5 and float(grad_diff) <= 1e-5, name
@@ -42,7 +52,9 @@ def test_vs_trl_runs_both_at_the_same_settings(warm_model_dir, tmp_path, monkeyp
     pytest.importorskip("trl")
     import vs_trl
 
-    overrides = [f"{k.removeprefix('--')}={v}" for k, v in zip(_small(warm_model_dir)[::2], _small(warm_model_dir)[1::2])]
+    overrides = [
+        f"{k.removeprefix('--')}={v}" for k, v in zip(_small(warm_model_dir)[::2], _small(warm_model_dir)[1::2])
+    ]
     monkeypatch.setattr(sys, "argv", ["vs_trl.py", "--steps", "1", "--json", str(tmp_path / "f.json"), *overrides])
     assert vs_trl.main() == 0
     out = capsys.readouterr().out
@@ -55,10 +67,22 @@ def test_generation_roofline_reports_every_engine_against_both_rooflines(warm_mo
 
     config = tmp_path / "empty.toml"
     config.write_text("")
-    overrides = [f"{k.removeprefix('--')}={v}" for k, v in zip(_small(warm_model_dir)[::2], _small(warm_model_dir)[1::2])]
-    results = generation_roofline.main(["--config", str(config), "--repeats", "1", "--engines",
-                                        "generate,hf,hf-unpacked,hf-sdpa", "--json", str(tmp_path / "g.json"),
-                                        *overrides])
+    overrides = [
+        f"{k.removeprefix('--')}={v}" for k, v in zip(_small(warm_model_dir)[::2], _small(warm_model_dir)[1::2])
+    ]
+    results = generation_roofline.main(
+        [
+            "--config",
+            str(config),
+            "--repeats",
+            "1",
+            "--engines",
+            "generate,hf,hf-unpacked,hf-sdpa",
+            "--json",
+            str(tmp_path / "g.json"),
+            *overrides,
+        ]
+    )
     roofline = results["roofline"]
     assert roofline["rows"] == 16 and roofline["best"]["tokens_per_s"] >= roofline["linear"]["tokens_per_s"]
     assert set(results["engines"]) == {"generate", "hf", "hf-unpacked", "hf-sdpa"}
@@ -113,8 +137,9 @@ def test_suite_placement_times_both_placements_and_finds_the_same_numbers(warm_m
     assert "threads = 1" in (tmp_path / "bench" / spec.name).read_text()
 
 
-def test_suite_placement_times_both_placements_and_finds_the_same_numbers_with_fake_runs(warm_model_dir, fake_hook,
-                                                                                        tmp_path, monkeypatch, capsys):
+def test_suite_placement_times_both_placements_and_finds_the_same_numbers_with_fake_runs(
+    warm_model_dir, fake_hook, tmp_path, monkeypatch, capsys
+):
     """The benchmark's own logic, its suites' runs fake (tests/fake_trainer.py); each `grpolab suite run` it
     starts is a forked copy of this process running the same command (started without importing anew)."""
     import suite_placement
@@ -144,14 +169,40 @@ def test_reward_model_learning_trains_a_reward_model_then_rl_on_its_scores(tmp_p
     import reward_model_learning
     from conftest import QUICK_WARM_START
 
-    assert reward_model_learning.main([
-        "--out", str(tmp_path / "bench"), "--task", json.dumps(TASK), "--warm-start", QUICK_WARM_START.model_dump_json(),
-        "--rm-prompts", "16", "--samples", "2", "--rm-steps", "2", "--steps", "1", "--prompts", "2"]) == 0
+    assert (
+        reward_model_learning.main(
+            [
+                "--out",
+                str(tmp_path / "bench"),
+                "--task",
+                json.dumps(TASK),
+                "--warm-start",
+                QUICK_WARM_START.model_dump_json(),
+                "--rm-prompts",
+                "16",
+                "--samples",
+                "2",
+                "--rm-steps",
+                "2",
+                "--steps",
+                "1",
+                "--prompts",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert re.search(r"reward model: \d+ pairs; held out: \d+% of the samples correct, within-question AUC \d\.\d{3}", out)
+    assert re.search(
+        r"reward model: \d+ pairs; held out: \d+% of the samples correct, within-question AUC \d\.\d{3}", out
+    )
     for name in ("rm + KL", "rm"):
-        assert re.search(rf"^{re.escape(name)}\s+\d\.\d{{3}}\s+\d\.\d{{3}}\s+[+-]\d\.\d{{3}} "
-                         r"\[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]\s+\S+\s+\d+$", out, re.M), out
+        assert re.search(
+            rf"^{re.escape(name)}\s+\d\.\d{{3}}\s+\d\.\d{{3}}\s+[+-]\d\.\d{{3}} "
+            r"\[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]\s+\S+\s+\d+$",
+            out,
+            re.M,
+        ), out
     metrics = (tmp_path / "bench" / "run_rm_KL" / "metrics.jsonl").read_text()
     assert '"reward_model/rm/mean"' in metrics and '"kl_ref"' in metrics
 
@@ -159,7 +210,22 @@ def test_reward_model_learning_trains_a_reward_model_then_rl_on_its_scores(tmp_p
 def test_sync_margins_benchmark_runs_in_sync_and_stale(warm_model_dir, capsys):
     import sync_margins
 
-    assert sync_margins.main(["--steps", "3", "--windows", "1", "--stale-from", "2", "--model.path",
-                              str(warm_model_dir), "--rollout.prompts_per_step", "2"]) == 0
+    assert (
+        sync_margins.main(
+            [
+                "--steps",
+                "3",
+                "--windows",
+                "1",
+                "--stale-from",
+                "2",
+                "--model.path",
+                str(warm_model_dir),
+                "--rollout.prompts_per_step",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "window 1        in sync" in out and "window 1   stale from 2" in out

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TASK, quick_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import TASK, quick_config
 from grpolab.run.checkpoints import newest_verified
 from grpolab.run.lock import lock_holder
-from grpolab.run.state import STATE_FILE
 from grpolab.run.rundir import read_metrics
+from grpolab.run.state import STATE_FILE
 from grpolab.run.trainer import train
 
 # a process of the run kills itself inside its Nth fsync of a checkpoint write (a file, checkpoint.json,
@@ -52,10 +52,20 @@ LORA = {"model.lora.rank": 4, "model.lora.alpha": 8}
 
 
 def settings(model_dir: Path, run: Path, steps: int, extra: dict | None = None) -> dict:
-    return {"model.path": str(model_dir), "output_dir": str(run), "threads": 1, "steps": steps,
-            "checkpoint.every": 1, "eval.every": 3, **{f"task.{k}": v for k, v in TASK.items()},
-            "rollout.prompts_per_step": 4, "rollout.max_new_tokens": 40, "optim.micro_batch_size": 16,
-            "optim.lr": 1e-3, **(extra or {})}
+    return {
+        "model.path": str(model_dir),
+        "output_dir": str(run),
+        "threads": 1,
+        "steps": steps,
+        "checkpoint.every": 1,
+        "eval.every": 3,
+        **{f"task.{k}": v for k, v in TASK.items()},
+        "rollout.prompts_per_step": 4,
+        "rollout.max_new_tokens": 40,
+        "optim.micro_batch_size": 16,
+        "optim.lr": 1e-3,
+        **(extra or {}),
+    }
 
 
 def untimed(records: list[dict]) -> list[dict]:
@@ -75,8 +85,16 @@ def sessions_of(run: Path) -> int:
     return len(json.loads((run / "manifest.json").read_text())["sessions"]) if (run / "manifest.json").is_file() else 0
 
 
-def kill_and_resume(model_dir: Path, run: Path, steps: int, kills: int, seed: int, hook: Path,
-                    extra: dict | None = None, plan: list[str] | None = None) -> list[str]:
+def kill_and_resume(
+    model_dir: Path,
+    run: Path,
+    steps: int,
+    kills: int,
+    seed: int,
+    hook: Path,
+    extra: dict | None = None,
+    plan: list[str] | None = None,
+) -> list[str]:
     """Kill the run ``kills`` times at random moments (or as ``plan`` says), resuming after each; returns how
     each kill landed. A run killed before its first checkpoint resumes from step 0 in place; one killed before
     it wrote its config.json is started again, into the same folder, with its own command."""
@@ -89,8 +107,13 @@ def kill_and_resume(model_dir: Path, run: Path, steps: int, kills: int, seed: in
             return landed
         command = ["train", "--resume", str(run)] if (run / "config.json").is_file() else ["train", *args]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
-        how = None if len(landed) == kills else plan[len(landed)] if plan else \
-            rng.choice(["startup", "mid-step", "mid-step", "checkpoint write"])
+        how = (
+            None
+            if len(landed) == kills
+            else plan[len(landed)]
+            if plan
+            else rng.choice(["startup", "mid-step", "mid-step", "checkpoint write"])
+        )
         if how is not None and not plan and start >= steps - 4:
             how = "startup"  # the last steps (a fraction of a second each) could end before a later kill
         if how == "checkpoint write":  # in this session's first checkpoint write (about 10 fsyncs)
@@ -98,8 +121,9 @@ def kill_and_resume(model_dir: Path, run: Path, steps: int, kills: int, seed: in
         before = sessions_of(run)
         log = run.parent / f"attempt-{len(landed)}.log"
         with log.open("w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", *command], env=env, stdout=out,
-                                    stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "grpolab.commands.cli", *command], env=env, stdout=out, stderr=subprocess.STDOUT
+            )
         if how == "startup":  # importing, loading, verifying, rewinding
             time.sleep(rng.uniform(0.0, 2.0))
         elif how == "mid-step":  # a random moment of one of this session's next steps
@@ -136,10 +160,20 @@ def final_weights(run: Path, steps: int) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(folder).state_dict()
 
 
-def check_against_uninterrupted(model_dir: Path, run: Path, reference: Path, steps: int,
-                                extra: dict | None = None) -> None:
-    train(quick_config(model_dir, reference, **{k: v for k, v in settings(model_dir, reference, steps, extra).items()
-                                                 if k not in ("model.path", "output_dir")}))
+def check_against_uninterrupted(
+    model_dir: Path, run: Path, reference: Path, steps: int, extra: dict | None = None
+) -> None:
+    train(
+        quick_config(
+            model_dir,
+            reference,
+            **{
+                k: v
+                for k, v in settings(model_dir, reference, steps, extra).items()
+                if k not in ("model.path", "output_dir")
+            },
+        )
+    )
     got = read_metrics(run / "metrics.jsonl")
     train_steps = [r["step"] for r in got if "reward_mean" in r]
     assert train_steps == list(range(1, steps + 1))  # no duplicate, none missing
@@ -175,14 +209,23 @@ def test_a_lora_run_killed_and_resumed_matches_the_uninterrupted_run(warm_model_
 
 
 @pytest.mark.slow
-def test_kills_before_the_first_checkpoint_resume_from_step_0_in_place_to_the_uninterrupted_run(warm_model_dir,
-                                                                                                  hook, tmp_path):
+def test_kills_before_the_first_checkpoint_resume_from_step_0_in_place_to_the_uninterrupted_run(
+    warm_model_dir, hook, tmp_path
+):
     """Killed in its first steps, inside its first checkpoint write and while starting again, a run with no
     complete checkpoint yet resumes from step 0 in place (it was a dead end: 'no complete checkpoint' to
     --resume, 'not empty' to a new run)."""
     run, extra = tmp_path / "run", {"checkpoint.every": 4}
-    landed = kill_and_resume(warm_model_dir, run, steps=6, kills=4, seed=3, hook=hook, extra=extra,
-                             plan=["mid-step", "checkpoint write", "startup", "mid-step"])
+    landed = kill_and_resume(
+        warm_model_dir,
+        run,
+        steps=6,
+        kills=4,
+        seed=3,
+        hook=hook,
+        extra=extra,
+        plan=["mid-step", "checkpoint write", "startup", "mid-step"],
+    )
     assert len(landed) == 4, landed
     resumes = json.loads((run / "manifest.json").read_text()).get("resumes", [])
     assert sum(r["from_checkpoint"] is None for r in resumes) >= 2, resumes  # from step 0, twice at least
@@ -207,8 +250,13 @@ def test_an_export_killed_midway_leaves_nothing_and_the_next_export_matches(warm
 
     def export(folder: Path, **env: str) -> subprocess.CompletedProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]), **env}
-        return subprocess.run([sys.executable, "-m", "grpolab.commands.cli", "export", str(checkpoint), str(folder)],
-                              env=env, capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "grpolab.commands.cli", "export", str(checkpoint), str(folder)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     assert export(out, GRPOLAB_TEST_KILL_AFTER_WEIGHTS="1").returncode == -signal.SIGKILL
     assert not out.exists() or not any(out.iterdir())

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from test_chat_prompts import chat_model_dir
+from transformers import AutoTokenizer
 
 from grpolab.tasks import build_task
 from grpolab.tasks.chat_arithmetic import ChatArithmeticTask, stated_answer
-
-from test_chat_prompts import chat_model_dir
-from transformers import AutoTokenizer
 
 
 def test_every_problem_once_in_whole_commutative_pairs():
@@ -31,15 +30,18 @@ def test_impossible_settings_are_refused(bad):
         build_task({"name": "chat_arithmetic", **bad})
 
 
-@pytest.mark.parametrize("completion, truncated, fmt, correct", [
-    ("7 * 8 = 56. The answer is 56.", False, 1, 1),
-    ("The answer is 54. No wait, the final answer is 56", False, 1, 1),  # the last statement counts
-    ("The Answer is: **56**", False, 1, 1),
-    ("7 * 8 = 56", False, 0, 0),  # no statement in the asked form
-    ("The answer is N.", False, 0, 0),
-    ("The answer is 56.", True, 0, 0),  # truncated
-    ("The answer is 65.", False, 1, 0),
-])
+@pytest.mark.parametrize(
+    "completion, truncated, fmt, correct",
+    [
+        ("7 * 8 = 56. The answer is 56.", False, 1, 1),
+        ("The answer is 54. No wait, the final answer is 56", False, 1, 1),  # the last statement counts
+        ("The Answer is: **56**", False, 1, 1),
+        ("7 * 8 = 56", False, 0, 0),  # no statement in the asked form
+        ("The answer is N.", False, 0, 0),
+        ("The answer is 56.", True, 0, 0),  # truncated
+        ("The answer is 65.", False, 1, 0),
+    ],
+)
 def test_grading(completion, truncated, fmt, correct):
     task = ChatArithmeticTask(operations="*", n_val=2)
     example = next(e for e in task.validation_examples() + task.train_examples() if e.question == "7 * 8")
@@ -55,6 +57,8 @@ def test_prompts_are_the_models_chat_template(tmp_path):
         task.prompt(task.validation_examples()[0])
     task.bind_tokenizer(tokenizer)
     example = task.validation_examples()[0]
-    assert task.prompt(example) == (f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is {example.question}? "
-                                    "End your reply with: The answer is <number>.<|im_end|>\n<|im_start|>assistant\n")
+    assert task.prompt(example) == (
+        f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is {example.question}? "
+        "End your reply with: The answer is <number>.<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert len(task.data_fingerprint()["prompt_template_sha256"]) == 64

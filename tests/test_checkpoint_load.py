@@ -27,13 +27,23 @@ from grpolab.run.checkpoints import newest_verified, problem, save_checkpoint
 from grpolab.run.state import STATE_FILE
 from grpolab.run.trainer import train
 
-START = {"steps": 1, "rollout.prompts_per_step": 4, "rollout.group_size": 8, "rollout.max_new_tokens": 40,
-         **{f"task.{k}": v for k, v in TASK.items()}}
+START = {
+    "steps": 1,
+    "rollout.prompts_per_step": 4,
+    "rollout.group_size": 8,
+    "rollout.max_new_tokens": 40,
+    **{f"task.{k}": v for k, v in TASK.items()},
+}
 
 
 def _train_args(model_path, out, **extra) -> list[str]:
-    return ["train", f"--model.path={model_path}", *[f"--{k}={v}" for k, v in {**START, **extra}.items()],
-            "--output-dir", str(out)]
+    return [
+        "train",
+        f"--model.path={model_path}",
+        *[f"--{k}={v}" for k, v in {**START, **extra}.items()],
+        "--output-dir",
+        str(out),
+    ]
 
 
 def _error_lines(text: str) -> list[str]:
@@ -55,7 +65,8 @@ def full_checkpoint(warm_model_dir, tmp_path):
 
 @pytest.mark.parametrize("damage", ["bit flip", "truncation"])
 def test_a_damaged_checkpoint_as_model_path_is_refused_in_one_line_before_the_run_directory(
-        full_checkpoint, tmp_path, capsys, damage):
+    full_checkpoint, tmp_path, capsys, damage
+):
     weights = full_checkpoint / "model.safetensors"
     data = bytearray(weights.read_bytes())
     if damage == "bit flip":
@@ -101,8 +112,12 @@ def test_a_suite_run_starts_only_from_the_checkpoint_recorded_when_its_source_co
     def record(name, **fields):
         return RunRecord(name=name, run_dir=str(tmp_path / name), config_file="c.json", config_sha256="0", **fields)
 
-    source = record("grpo", state="completed", final_checkpoint=str(full_checkpoint),
-                    final_checkpoint_sha256=weights_sha256(full_checkpoint))
+    source = record(
+        "grpo",
+        state="completed",
+        final_checkpoint=str(full_checkpoint),
+        final_checkpoint_sha256=weights_sha256(full_checkpoint),
+    )
     follower = record("next", init_from="grpo")
     manifest = SuiteManifest(suite="s", source_file="s.toml", runs=[source, follower])
     assert start_checkpoint_problem(follower, manifest) is None
@@ -110,12 +125,14 @@ def test_a_suite_run_starts_only_from_the_checkpoint_recorded_when_its_source_co
     source.final_checkpoint_sha256 = "0" * 64  # another checkpoint now stands where the recorded one was
     assert start_checkpoint_problem(follower, manifest) == (
         f"init_from grpo: its final checkpoint {full_checkpoint} is not the one recorded when it completed "
-        "(its weights' SHA-256 differs); not run")
+        "(its weights' SHA-256 differs); not run"
+    )
     (full_checkpoint / "checkpoint.json").unlink()
     assert "(no checkpoint.json); not run" in start_checkpoint_problem(follower, manifest)
 
 
 # ---- LoRA: the checkpoint's own settings, on its own base ----
+
 
 @pytest.fixture(scope="module")
 def lora_start(warm_model_dir, tmp_path_factory):
@@ -124,26 +141,47 @@ def lora_start(warm_model_dir, tmp_path_factory):
     base = root / "base"
     shutil.copytree(warm_model_dir, base)
     run = root / "run"
-    train(quick_config(base, run, **{**START, "model.lora.rank": 4, "model.lora.alpha": 32,
-                                     "model.lora.target_modules": ["q_proj", "v_proj"], "checkpoint.every": 1,
-                                     "eval.every": 1, "optim.lr": 0.05}))
+    train(
+        quick_config(
+            base,
+            run,
+            **{
+                **START,
+                "model.lora.rank": 4,
+                "model.lora.alpha": 32,
+                "model.lora.target_modules": ["q_proj", "v_proj"],
+                "checkpoint.every": 1,
+                "eval.every": 1,
+                "optim.lr": 0.05,
+            },
+        )
+    )
     return base, run, run / "checkpoints" / "step_000001"
 
 
 OWN = {"rank": 4, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}
 
 
-@pytest.mark.parametrize("change, field", [({"alpha": None}, "lora_alpha 4"), ({"rank": 8}, "r 8"),
-                                           ({"target_modules": ["q_proj"]}, "target_modules ['q_proj']"),
-                                           ({"modules_to_save": ["lm_head"]}, "modules_to_save ['lm_head']")])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"alpha": None}, "lora_alpha 4"),
+        ({"rank": 8}, "r 8"),
+        ({"target_modules": ["q_proj"]}, "target_modules ['q_proj']"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save ['lm_head']"),
+    ],
+)
 def test_a_lora_checkpoint_loads_only_with_its_own_settings(lora_start, change, field):
     base, _, checkpoint = lora_start
     ids = torch.randint(3, 100, (4, 12), generator=torch.Generator().manual_seed(0))
     own = add_adapter(load_policy(base)[0], LoraSettings(**OWN), seed=0, base_dir=base)
     own.load(checkpoint)
     other = add_adapter(load_policy(base)[0], LoraSettings(**{**OWN, **change}), seed=0, base_dir=base)
-    with pytest.raises(ValueError, match=r"loads only with its own settings, and \[model.lora\] gives "
-                                         + field.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        ValueError,
+        match=r"loads only with its own settings, and \[model.lora\] gives "
+        + field.replace("[", r"\[").replace("]", r"\]"),
+    ):
         other.load(checkpoint)
     if change == {"alpha": None}:  # what loading it anyway would serve: another policy
         from peft import set_peft_model_state_dict
@@ -164,8 +202,16 @@ def test_rslora_and_dora_are_settings_of_the_checkpoint_too(lora_start):
 def test_a_run_starting_from_a_lora_checkpoint_with_other_settings_is_refused(lora_start, tmp_path, capsys):
     _, _, checkpoint = lora_start
     capsys.readouterr()
-    assert main(_train_args(checkpoint, tmp_path / "next", **{"model.lora.rank": 4,
-                                                               "model.lora.target_modules": '["q_proj","v_proj"]'})) == 2
+    assert (
+        main(
+            _train_args(
+                checkpoint,
+                tmp_path / "next",
+                **{"model.lora.rank": 4, "model.lora.target_modules": '["q_proj","v_proj"]'},
+            )
+        )
+        == 2
+    )
     out = capsys.readouterr().out
     assert len(_error_lines(out)) == 1 and "gives lora_alpha 4 (the checkpoint's: 32)" in out, out
     assert not (tmp_path / "next").exists()
@@ -186,8 +232,16 @@ def test_a_changed_base_is_refused_by_resume_model_path_and_export(lora_start, t
         out = capsys.readouterr().out
         assert len(_error_lines(out)) == 1 and f"its base model {base} changed since the adapter was trained" in out
         assert not (run / "checkpoints" / "step_000002").exists()
-        assert main(_train_args(checkpoint, tmp_path / "next", **{f"model.lora.{k}": json.dumps(v) if isinstance(v, list)
-                                                                   else v for k, v in OWN.items()})) == 2
+        assert (
+            main(
+                _train_args(
+                    checkpoint,
+                    tmp_path / "next",
+                    **{f"model.lora.{k}": json.dumps(v) if isinstance(v, list) else v for k, v in OWN.items()},
+                )
+            )
+            == 2
+        )
         assert "changed since the adapter was trained" in capsys.readouterr().out
         assert main(["export", str(checkpoint), str(tmp_path / "merged")]) == 2
         out = capsys.readouterr().out

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from grpolab.commands.cli import main
 from grpolab.config import load_config
-from grpolab.tasks.stream import PromptStream
 from grpolab.tasks import build_task
+from grpolab.tasks.stream import PromptStream
 
 CONFIG = """
 steps = 2
@@ -73,7 +73,10 @@ def test_rl_run_from_toml_on_a_jsonl_with_user_reward_functions(tmp_path, warm_m
     rng = random.Random(0)
     pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
     rng.shuffle(pairs)
-    train, val = write_problems(tmp_path / "train.jsonl", pairs[:60]), write_problems(tmp_path / "val.jsonl", pairs[60:76])
+    train, val = (
+        write_problems(tmp_path / "train.jsonl", pairs[:60]),
+        write_problems(tmp_path / "val.jsonl", pairs[60:76]),
+    )
     out = tmp_path / "run"
     config = tmp_path / "run.toml"
     config.write_text(CONFIG.format(out=out, model=warm_model_dir, train=train, val=val))
@@ -105,55 +108,106 @@ def test_rl_run_from_toml_on_a_jsonl_with_user_reward_functions(tmp_path, warm_m
 
 def test_a_task_class_whose_grader_raises_does_not_end_the_run(tmp_path, warm_model_dir):
     out = tmp_path / "run"
-    code = main(["train", "--model", str(warm_model_dir), "--output-dir", str(out), "--steps", "1",
-                 "--task.name", "custom_task:CountdownTask", "--task.n", "16", "--task.raise_on", "'</answer>'",
-                 "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--rollout.max_new_tokens", "24",
-                 "--optim.micro_batch_size", "8"])
+    code = main(
+        [
+            "train",
+            "--model",
+            str(warm_model_dir),
+            "--output-dir",
+            str(out),
+            "--steps",
+            "1",
+            "--task.name",
+            "custom_task:CountdownTask",
+            "--task.n",
+            "16",
+            "--task.raise_on",
+            "'</answer>'",
+            "--rollout.prompts_per_step",
+            "2",
+            "--rollout.group_size",
+            "4",
+            "--rollout.max_new_tokens",
+            "24",
+            "--optim.micro_batch_size",
+            "8",
+        ]
+    )
     assert code == 0
     step = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line][0]
     assert step["reward/grade_failed"] >= 1  # completions with '</answer>' made the user's grader raise
-    assert json.loads((out / "config.json").read_text())["task"] == {"name": "custom_task:CountdownTask", "n": 16,
-                                                                     "raise_on": "</answer>"}
+    assert json.loads((out / "config.json").read_text())["task"] == {
+        "name": "custom_task:CountdownTask",
+        "n": 16,
+        "raise_on": "</answer>",
+    }
 
 
 def test_malformed_data_is_one_error_line_and_nothing_is_written(tmp_path, warm_model_dir, capsys):
     train = tmp_path / "train.jsonl"
     train.write_text('{"problem": "1+1", "result": 2}\n{"problem": "2+2"}\n')
     out = tmp_path / "run"
-    code = main(["train", "--model", str(warm_model_dir), "--output-dir", str(out), "--task.name", "dataset",
-                 "--task.train", str(train), "--task.validation_size", "1", "--task.question_field", "problem",
-                 "--task.answer_field", "result"])
+    code = main(
+        [
+            "train",
+            "--model",
+            str(warm_model_dir),
+            "--output-dir",
+            str(out),
+            "--task.name",
+            "dataset",
+            "--task.train",
+            str(train),
+            "--task.validation_size",
+            "1",
+            "--task.question_field",
+            "problem",
+            "--task.answer_field",
+            "result",
+        ]
+    )
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert code == 2 and not out.exists()
-    assert [line for line in lines if "error" in line] == [f"error: {train}:2: missing field 'result' (fields: problem)"]
+    assert [line for line in lines if "error" in line] == [
+        f"error: {train}:2: missing field 'result' (fields: problem)"
+    ]
 
 
 def test_the_built_in_task_and_the_same_rows_as_a_dataset_task_train_identically(tmp_path, warm_model_dir):
     """Pair: arithmetic (built in) and its rows written to JSONL, read back by the dataset task with the
     r1_zero prompt and the numeric verifier: same prompts, same grades, so the same numbers."""
-    from grpolab.config import validate_config
-    from grpolab.tasks import ArithmeticTask
-    from grpolab.run.trainer import train
-
     from conftest import TASK, quick_config
+
+    from grpolab.config import validate_config
+    from grpolab.run.trainer import train
+    from grpolab.tasks import ArithmeticTask
 
     built_in = ArithmeticTask(**TASK)
     for split, examples in (("train", built_in.train_examples()), ("val", built_in.validation_examples())):
-        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({"question": e.question, "answer": e.answer}) + "\n"
-                                                         for e in examples))
+        (tmp_path / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"question": e.question, "answer": e.answer}) + "\n" for e in examples)
+        )
     train(quick_config(warm_model_dir, tmp_path / "a"))
     cfg = quick_config(warm_model_dir, tmp_path / "b").model_dump(mode="json")
-    cfg["task"] = {"name": "dataset", "train": str(tmp_path / "train.jsonl"), "validation": str(tmp_path / "val.jsonl"),
-                   "rewards": [{"function": "numeric"}]}
+    cfg["task"] = {
+        "name": "dataset",
+        "train": str(tmp_path / "train.jsonl"),
+        "validation": str(tmp_path / "val.jsonl"),
+        "rewards": [{"function": "numeric"}],
+    }
     train(validate_config(cfg))
 
     def numbers(run: Path) -> list[dict]:
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "tokens_per_s", "reward/"))}
-                for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [
+            {k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "tokens_per_s", "reward/"))}
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+        ]
 
     def items(run: Path) -> list[dict]:
-        return [{k: v for k, v in json.loads(line).items() if k not in ("id", "rewards")}
-                for line in (run / "eval" / "step_000002.jsonl").read_text().splitlines()]
+        return [
+            {k: v for k, v in json.loads(line).items() if k not in ("id", "rewards")}
+            for line in (run / "eval" / "step_000002.jsonl").read_text().splitlines()
+        ]
 
     a, b = numbers(tmp_path / "a"), numbers(tmp_path / "b")
     assert a == b and len(a) == 4  # eval 0, step 1, step 2, eval 2
@@ -163,7 +217,14 @@ def test_the_built_in_task_and_the_same_rows_as_a_dataset_task_train_identically
 def test_the_step_line_says_when_rewards_failed():
     from grpolab.run.step import vital_signs
 
-    record = {"step": 3, "reward_mean": 0.5, "accuracy": 0.5, "advantage_std": 1.0, "time/step": 1.0,
-              "reward/correct_failed": 0, "reward/faulty_failed": 12}
+    record = {
+        "step": 3,
+        "reward_mean": 0.5,
+        "accuracy": 0.5,
+        "advantage_std": 1.0,
+        "time/step": 1.0,
+        "reward/correct_failed": 0,
+        "reward/faulty_failed": 12,
+    }
     assert "reward failures 12  1.0 s/step" in vital_signs(record, 10, 7.0)
     assert "failures" not in vital_signs({**record, "reward/faulty_failed": 0}, 10, 7.0)

@@ -30,9 +30,17 @@ def task_of(**settings) -> Task:
 
 
 def test_math_fixture_with_boxed_answers_and_the_math_verifier():
-    task = task_of(train=str(MATH_DIR / "train.jsonl"), validation=str(MATH_DIR / "test.jsonl"),
-                   question_field="problem", id_field="unique_id", prompt={"format": "template",
-                   "template": "Problem: {problem}\nSubject: {subject}\nPut the answer in \\boxed{}.\n", "answer": "boxed"})
+    task = task_of(
+        train=str(MATH_DIR / "train.jsonl"),
+        validation=str(MATH_DIR / "test.jsonl"),
+        question_field="problem",
+        id_field="unique_id",
+        prompt={
+            "format": "template",
+            "template": "Problem: {problem}\nSubject: {subject}\nPut the answer in \\boxed{}.\n",
+            "answer": "boxed",
+        },
+    )
     assert isinstance(task, Task)
     train, val = task.train_examples(), task.validation_examples()
     assert (len(train), len(val)) == (12, 6) and train[0].id == "train/prealgebra/0.json"
@@ -47,9 +55,14 @@ def test_math_fixture_with_boxed_answers_and_the_math_verifier():
 
 
 def test_gold_read_from_a_solution_field(tmp_path):
-    task = task_of(train=str(MATH_DIR / "train.jsonl"), validation_size=3, question_field="problem",
-                   answer_field="solution", gold="boxed", prompt={"format": "template", "template": "{problem}",
-                                                                  "answer": "boxed"})
+    task = task_of(
+        train=str(MATH_DIR / "train.jsonl"),
+        validation_size=3,
+        question_field="problem",
+        answer_field="solution",
+        gold="boxed",
+        prompt={"format": "template", "template": "{problem}", "answer": "boxed"},
+    )
     golds = {e.question: e.answer for e in task.train_examples() + task.validation_examples()}
     assert golds["Simplify $\\sqrt{50}$."] == "5\\sqrt{2}" and len(golds) == 12
     gsm = write_jsonl(tmp_path / "g.jsonl", [{"question": "q", "answer": "3+4=7\n#### 7"}] * 2)
@@ -66,8 +79,9 @@ def test_seeded_split_first_n_and_ids(tmp_path):
     train, val = ids(a)
     assert len(train) == 30 and len(val) == 10 and not set(train) & {i.replace("validation", "train") for i in val}
     assert all(i.startswith("train-") for i in train) and all(i.startswith("validation-") for i in val)
-    firsts = task_of(train=str(path), validation_size=10, split_seed=3, n_train=5, n_val=2, question_field="q",
-                     answer_field="a")
+    firsts = task_of(
+        train=str(path), validation_size=10, split_seed=3, n_train=5, n_val=2, question_field="q", answer_field="a"
+    )
     assert ids(firsts) == (train[:5], val[:2])
     with pytest.raises(DataError, match="asked for the first 50"):
         task_of(train=str(path), validation_size=10, n_train=50, question_field="q", answer_field="a")
@@ -95,34 +109,51 @@ def test_fingerprint_changes_with_rows_prompt_and_rewards(tmp_path):
     base = dict(train=str(path), validation_size=2, question_field="q", answer_field="a")
     f0 = task_of(**base).data_fingerprint()
     assert f0 == task_of(**base).data_fingerprint()
-    assert task_of(**base, prompt={"format": "template", "template": "Q {q}", "answer": "last_number"}
-                   ).data_fingerprint()["prompt_template_sha256"] != f0["prompt_template_sha256"]
-    assert task_of(**base, rewards=[{"function": "numeric"}]).data_fingerprint()["rewards_sha256"] != f0["rewards_sha256"]
+    assert (
+        task_of(**base, prompt={"format": "template", "template": "Q {q}", "answer": "last_number"}).data_fingerprint()[
+            "prompt_template_sha256"
+        ]
+        != f0["prompt_template_sha256"]
+    )
+    assert (
+        task_of(**base, rewards=[{"function": "numeric"}]).data_fingerprint()["rewards_sha256"] != f0["rewards_sha256"]
+    )
     user = task_of(**base, rewards=[{"function": "reward_fns:brevity"}]).data_fingerprint()["rewards"][0]
     assert user["source"].endswith("reward_fns.py") and len(user["source_sha256"]) == 64
     write_jsonl(path, rows(7) + [{"q": "7+7", "a": "15"}])
     assert task_of(**base).data_fingerprint()["train_sha256"] != f0["train_sha256"]
 
 
-@pytest.mark.parametrize("bad_row, message", [
-    ({"q": "1+1"}, "missing field 'a'"),
-    ({"q": "1+1", "a": "  "}, "field 'a' must be a non-empty answer"),
-    ({"q": "", "a": "2"}, "field 'q' must be non-empty text"),
-    ({"q": "1+1", "a": True}, "field 'a' must be a non-empty answer"),
-    ({"q": "1+1", "a": "2", "uid": "p0"}, "duplicate id 'p0' \\(first at .*d.jsonl:[14]\\)"),
-    ({"q": "1+1", "a": "2", "uid": None}, "field 'uid' must be a non-empty id"),
-    ('{"q": "1+1", "a": ', "not valid JSON"),
-    ([1, 2], "expected an object"),
-    ({"q": "1+1", "a": "2", "uid": "zz"}, None),  # a good row: no error
-])
+@pytest.mark.parametrize(
+    "bad_row, message",
+    [
+        ({"q": "1+1"}, "missing field 'a'"),
+        ({"q": "1+1", "a": "  "}, "field 'a' must be a non-empty answer"),
+        ({"q": "", "a": "2"}, "field 'q' must be non-empty text"),
+        ({"q": "1+1", "a": True}, "field 'a' must be a non-empty answer"),
+        ({"q": "1+1", "a": "2", "uid": "p0"}, "duplicate id 'p0' \\(first at .*d.jsonl:[14]\\)"),
+        ({"q": "1+1", "a": "2", "uid": None}, "field 'uid' must be a non-empty id"),
+        ('{"q": "1+1", "a": ', "not valid JSON"),
+        ([1, 2], "expected an object"),
+        ({"q": "1+1", "a": "2", "uid": "zz"}, None),  # a good row: no error
+    ],
+)
 def test_malformed_rows_are_refused_with_file_and_line(tmp_path, bad_row, message):
     path = write_jsonl(tmp_path / "d.jsonl", rows(3) + [bad_row])
     ids = {"id_field": "uid"} if isinstance(bad_row, dict) and "uid" in bad_row else {}
     if message is None:
-        assert len(task_of(train=str(path), validation_size=1, question_field="q", answer_field="a", **ids)
-                   .train_examples()) == 3
+        assert (
+            len(
+                task_of(
+                    train=str(path), validation_size=1, question_field="q", answer_field="a", **ids
+                ).train_examples()
+            )
+            == 3
+        )
         return
-    with pytest.raises(DataError, match=f"d.jsonl:[14]: {message}" if "duplicate" in message else f"d.jsonl:4: {message}"):
+    with pytest.raises(
+        DataError, match=f"d.jsonl:[14]: {message}" if "duplicate" in message else f"d.jsonl:4: {message}"
+    ):
         task_of(train=str(path), validation_size=1, question_field="q", answer_field="a", **ids)
 
 
@@ -132,8 +163,13 @@ def test_ids_must_be_unique_across_splits_and_template_fields_present(tmp_path):
     with pytest.raises(DataError, match="val.jsonl:1: duplicate id 'p2' \\(first at .*train.jsonl:3\\)"):
         task_of(train=str(train), validation=str(val), question_field="q", answer_field="a", id_field="uid")
     with pytest.raises(DataError, match="train.jsonl:1: missing field 'level'"):
-        task_of(train=str(train), validation=str(val), question_field="q", answer_field="a",
-                prompt={"format": "template", "template": "{level}: {q}", "answer": "last_number"})
+        task_of(
+            train=str(train),
+            validation=str(val),
+            question_field="q",
+            answer_field="a",
+            prompt={"format": "template", "template": "{level}: {q}", "answer": "last_number"},
+        )
     with pytest.raises(DataError, match="missing.jsonl: file not found"):
         task_of(train=str(tmp_path / "missing.jsonl"), validation_size=1)
     with pytest.raises(DataError, match="expected hub:NAME:SPLIT"):
@@ -143,19 +179,34 @@ def test_ids_must_be_unique_across_splits_and_template_fields_present(tmp_path):
 def test_templates_fill_named_fields_and_keep_other_braces():
     template = "Solve {question} ({topic}); answer in \\boxed{} or {{braces}}."
     assert template_fields(template) == ["question", "topic"]
-    assert fill_template(template, {"question": "1+1", "topic": "add"}) == "Solve 1+1 (add); answer in \\boxed{} or {braces}."
+    assert (
+        fill_template(template, {"question": "1+1", "topic": "add"})
+        == "Solve 1+1 (add); answer in \\boxed{} or {braces}."
+    )
 
 
 def test_weighted_rewards_are_logged_per_component_and_summed(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", rows(4))
-    task = task_of(train=str(path), validation=str(path), question_field="q", answer_field="a",
-                   rewards=[{"function": "numeric", "name": "correct"},
-                            {"function": "reward_fns:brevity", "weight": 0.5},
-                            {"function": "reward_fns:mentions_gold", "weight": 0.25},
-                            {"function": "reward_fns:scaled", "weight": 2.0, "options": {"scale": 0.5}}])
+    task = task_of(
+        train=str(path),
+        validation=str(path),
+        question_field="q",
+        answer_field="a",
+        rewards=[
+            {"function": "numeric", "name": "correct"},
+            {"function": "reward_fns:brevity", "weight": 0.5},
+            {"function": "reward_fns:mentions_gold", "weight": 0.25},
+            {"function": "reward_fns:scaled", "weight": 2.0, "options": {"scale": 0.5}},
+        ],
+    )
     example = task.train_examples()[3]  # 3+3 = 6
     grade = task.grade(" 3+3=6 </think> <answer> 6 </answer>", example, False)  # 36 characters
-    assert dict(grade.components) == {"correct": 1.0, "brevity": pytest.approx(0.8), "mentions_gold": 1.0, "scaled": 0.5}
+    assert dict(grade.components) == {
+        "correct": 1.0,
+        "brevity": pytest.approx(0.8),
+        "mentions_gold": 1.0,
+        "scaled": 0.5,
+    }
     assert grade.answer_reward == 1.0 and grade.failed == ()
     assert grade.reward == pytest.approx(1.0 + 0.5 * 0.8 + 0.25 * 1.0 + 2.0 * 0.5)
     wrong = task.grade(" 3+3=7 </think> <answer> 7 </answer>", example, False)
@@ -166,9 +217,14 @@ def test_weighted_rewards_are_logged_per_component_and_summed(tmp_path):
 
 def test_user_functions_that_fail_score_zero_are_counted_and_logged_once(tmp_path, caplog):
     path = write_jsonl(tmp_path / "d.jsonl", rows(10))
-    task = task_of(train=str(path), validation=str(write_jsonl(tmp_path / "v.jsonl", rows(1, start=10))),
-                   question_field="q", answer_field="a", id_field="uid",
-                   rewards=[{"function": "numeric"}, {"function": "reward_fns:faulty", "timeout_s": 0.5}])
+    task = task_of(
+        train=str(path),
+        validation=str(write_jsonl(tmp_path / "v.jsonl", rows(1, start=10))),
+        question_field="q",
+        answer_field="a",
+        id_field="uid",
+        rewards=[{"function": "numeric"}, {"function": "reward_fns:faulty", "timeout_s": 0.5}],
+    )
     examples = task.train_examples()  # ids p0 .. p9
     start = time.perf_counter()
     with caplog.at_level("WARNING"):
@@ -185,26 +241,44 @@ def test_user_functions_that_fail_score_zero_are_counted_and_logged_once(tmp_pat
 
 def test_a_function_stuck_in_a_loop_that_swallows_the_soft_timeout_is_killed(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", rows(2))
-    task = task_of(train=str(path), validation=str(path), question_field="q", answer_field="a",
-                   rewards=[{"function": "numeric"}, {"function": "reward_fns:busy_forever", "timeout_s": 0.5}])
+    task = task_of(
+        train=str(path),
+        validation=str(path),
+        question_field="q",
+        answer_field="a",
+        rewards=[{"function": "numeric"}, {"function": "reward_fns:busy_forever", "timeout_s": 0.5}],
+    )
     start = time.perf_counter()
     grade = task.grade("x", task.train_examples()[0], False)
     assert grade.failed == ("busy_forever",) and time.perf_counter() - start < 5
 
 
-@pytest.mark.parametrize("function, message", [
-    ("reward_fns:no_such_function", "cannot be imported"),
-    ("no_such_module:f", "cannot be imported"),
-    ("reward_fns:not_a_function", "not callable"),
-])
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        ("reward_fns:no_such_function", "cannot be imported"),
+        ("no_such_module:f", "cannot be imported"),
+        ("reward_fns:not_a_function", "not callable"),
+    ],
+)
 def test_bad_user_functions_are_refused_up_front(tmp_path, function, message):
     path = write_jsonl(tmp_path / "d.jsonl", rows(2))
     with pytest.raises(ValueError, match=message):
-        task_of(train=str(path), validation=str(path), question_field="q", answer_field="a",
-                rewards=[{"function": function}])
+        task_of(
+            train=str(path),
+            validation=str(path),
+            question_field="q",
+            answer_field="a",
+            rewards=[{"function": function}],
+        )
     with pytest.raises(ValueError, match="takes no option"):
-        task_of(train=str(path), validation=str(path), question_field="q", answer_field="a",
-                rewards=[{"function": "reward_fns:brevity", "options": {"scale": 2}}])
+        task_of(
+            train=str(path),
+            validation=str(path),
+            question_field="q",
+            answer_field="a",
+            rewards=[{"function": "reward_fns:brevity", "options": {"scale": 2}}],
+        )
 
 
 def test_a_task_class_by_import_path(tmp_path):
@@ -223,21 +297,33 @@ def test_suite_snapshot_freezes_the_data_files_and_the_prompt(tmp_path):
     from grpolab.config import load_config
     from grpolab.studies.suite.snapshot import snapshot_data
 
-    cfg = load_config(None, {"model": "m", "task.name": "dataset", "task.train": str(MATH_DIR / "train.jsonl"),
-                             "task.validation": str(MATH_DIR / "test.jsonl"), "task.question_field": "problem",
-                             "task.prompt": {"format": "template", "template": "{problem} Box it: \\boxed{}",
-                                             "answer": "boxed"}})
+    cfg = load_config(
+        None,
+        {
+            "model": "m",
+            "task.name": "dataset",
+            "task.train": str(MATH_DIR / "train.jsonl"),
+            "task.validation": str(MATH_DIR / "test.jsonl"),
+            "task.question_field": "problem",
+            "task.prompt": {"format": "template", "template": "{problem} Box it: \\boxed{}", "answer": "boxed"},
+        },
+    )
     out = snapshot_data(cfg, tmp_path / "snap")
-    assert out["task_paths"] == {"task.train": str(tmp_path / "snap" / "files" / "train.jsonl"),
-                                 "task.validation": str(tmp_path / "snap" / "files" / "validation.jsonl")}
+    assert out["task_paths"] == {
+        "task.train": str(tmp_path / "snap" / "files" / "train.jsonl"),
+        "task.validation": str(tmp_path / "snap" / "files" / "validation.jsonl"),
+    }
     assert (tmp_path / "snap" / "files" / "train.jsonl").read_bytes() == (MATH_DIR / "train.jsonl").read_bytes()
-    assert len((tmp_path / "snap" / "train.jsonl").read_text().splitlines()) == 12  # the rows used, as id/question/answer
+    assert (
+        len((tmp_path / "snap" / "train.jsonl").read_text().splitlines()) == 12
+    )  # the rows used, as id/question/answer
     # GSM8K's copies, too, stay the official files (the rows written beside them once overwrote the train copy)
     gsm8k = load_config("configs/gsm8k_qwen3_0.6b.toml", {"model": "m", "task.n_train": 3, "task.n_val": 2})
     paths = snapshot_data(gsm8k, tmp_path / "gsm8k")["task_paths"]
     assert Path(paths["task.train_path"]).read_bytes() == Path(gsm8k.task.train_path).read_bytes()
-    assert build_task(gsm8k.task.model_copy(update={"train_path": paths["task.train_path"],
-                                                    "test_path": paths["task.test_path"]})).train_examples()
+    assert build_task(
+        gsm8k.task.model_copy(update={"train_path": paths["task.train_path"], "test_path": paths["task.test_path"]})
+    ).train_examples()
     assert (tmp_path / "snap" / "prompt_template.txt").read_text() == "{problem} Box it: \\boxed{}"
 
 
@@ -250,5 +336,8 @@ def test_the_documented_dataset_example_is_a_valid_config():
     readme = (Path(__file__).parents[1] / "docs" / "your-data.md").read_text()
     block = re.search(r"```toml\n(\[task\]\nname = \"dataset\".*?)```", readme, re.DOTALL).group(1)
     cfg = validate_config({**tomllib.loads(block), "model": {"path": "m"}})
-    assert cfg.task.prompt.answer == "boxed" and [r.function for r in cfg.task.rewards] == ["math", "my_rewards:brevity"]
+    assert cfg.task.prompt.answer == "boxed" and [r.function for r in cfg.task.rewards] == [
+        "math",
+        "my_rewards:brevity",
+    ]
     assert cfg.reward.overlong_buffer == 256

@@ -28,19 +28,62 @@ def test_an_empty_data_file_is_refused_before_the_run_directory_exists(empty, ti
     files = {"train": write_rows(tmp_path / "train.jsonl", 8), "validation": write_rows(tmp_path / "val.jsonl", 4)}
     files[empty].write_text("\n")
     out = tmp_path / "run"
-    assert main(["train", "--model.path", str(tiny_model_dirs["qwen2"]), "--output_dir", str(out), "--threads", "1",
-                 "--task.name", "dataset", "--task.train", str(files["train"]),
-                 "--task.validation", str(files["validation"]), "--steps", "1", "--rollout.max_new_tokens", "40",
-                 "--task.prompt.format", "template", "--task.prompt.template", "{question}=",
-                 "--task.prompt.answer", "last_number"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--model.path",
+                str(tiny_model_dirs["qwen2"]),
+                "--output_dir",
+                str(out),
+                "--threads",
+                "1",
+                "--task.name",
+                "dataset",
+                "--task.train",
+                str(files["train"]),
+                "--task.validation",
+                str(files["validation"]),
+                "--steps",
+                "1",
+                "--rollout.max_new_tokens",
+                "40",
+                "--task.prompt.format",
+                "template",
+                "--task.prompt.template",
+                "{question}=",
+                "--task.prompt.answer",
+                "last_number",
+            ]
+        )
+        == 2
+    )
     assert error_lines(capsys) == [f"error: {files[empty]}: no rows; a task needs at least one {empty} example"]
     assert not out.exists()
 
 
 def test_any_task_without_training_examples_is_refused_at_task_load(tiny_model_dirs, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "--model.path", str(tiny_model_dirs["qwen2"]), "--output_dir", str(out), "--threads", "1",
-                 "--task.name", "custom_task:CountdownTask", "--task.n", "1", "--rollout.max_new_tokens", "40"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--model.path",
+                str(tiny_model_dirs["qwen2"]),
+                "--output_dir",
+                str(out),
+                "--threads",
+                "1",
+                "--task.name",
+                "custom_task:CountdownTask",
+                "--task.n",
+                "1",
+                "--rollout.max_new_tokens",
+                "40",
+            ]
+        )
+        == 2
+    )
     assert error_lines(capsys) == ["error: task 'countdown' has no training examples"]
     assert not out.exists()
 
@@ -69,6 +112,7 @@ def final_weights(run: Path) -> dict:
 @pytest.fixture(scope="module")
 def uninterrupted(warm_model_dir, tmp_path_factory):
     from conftest import quick_config
+
     from grpolab.run.trainer import train
 
     run = tmp_path_factory.mktemp("full") / "run"
@@ -87,8 +131,11 @@ def assert_same_run(run: Path, reference: Path) -> None:
     assert untimed(got) == untimed(read_metrics(reference / "metrics.jsonl"))
     mine, want = final_weights(run), final_weights(reference)
     assert mine.keys() == want.keys() and all(torch.equal(mine[k], want[k]) for k in want)
-    assert sorted(p.name for p in (run / "eval").glob("*.jsonl")) == ["step_000000.jsonl", "step_000002.jsonl",
-                                                                       "step_000003.jsonl"]
+    assert sorted(p.name for p in (run / "eval").glob("*.jsonl")) == [
+        "step_000000.jsonl",
+        "step_000002.jsonl",
+        "step_000003.jsonl",
+    ]
     assert not [p for p in run.rglob(".*") if p.name != ".grpolab.lock"], "a temp file or folder was left"
     assert lock_holder(run) is None
 
@@ -105,10 +152,12 @@ def interrupt(monkeypatch, cls, method: str, when) -> None:
     monkeypatch.setattr(cls, method, die)
 
 
-def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0_in_place(warm_model_dir, uninterrupted,
-                                                                               tmp_path, monkeypatch, capsys):
+def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0_in_place(
+    warm_model_dir, uninterrupted, tmp_path, monkeypatch, capsys
+):
     """It was a dead end: --resume said 'no complete checkpoint', a new run 'not empty'."""
     from conftest import quick_config
+
     from grpolab.run.trainer import Trainer, train
 
     run = tmp_path / "run"
@@ -131,9 +180,11 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0_in_place(
     assert [(s["from_step"], s["to_step"]) for s in manifest["sessions"]] == [(0, 1), (0, 3)]
 
 
-def test_a_run_stopped_between_its_config_and_its_manifest_resumes_from_step_0(warm_model_dir, uninterrupted,
-                                                                              tmp_path, monkeypatch):
+def test_a_run_stopped_between_its_config_and_its_manifest_resumes_from_step_0(
+    warm_model_dir, uninterrupted, tmp_path, monkeypatch
+):
     from conftest import quick_config
+
     from grpolab.run.journal import RunJournal
     from grpolab.run.trainer import train
 
@@ -149,14 +200,17 @@ def test_a_run_stopped_between_its_config_and_its_manifest_resumes_from_step_0(w
 
 
 def test_a_run_stopped_before_its_config_says_to_start_again_and_a_new_run_takes_the_folder(
-        warm_model_dir, uninterrupted, tmp_path, capsys):
+    warm_model_dir, uninterrupted, tmp_path, capsys
+):
     run = tmp_path / "run"
     run.mkdir()
     (run / ".grpolab.lock").write_text("12345\n")
     (run / ".config.json-interrupted").write_text("{")
     assert main(["train", "--resume", str(run)]) == 2
-    assert error_lines(capsys) == [f"error: nothing to resume in {run}: no config.json (a run stopped before writing "
-                                   "it trained nothing); start it again with its own command: a new run takes this folder"]
+    assert error_lines(capsys) == [
+        f"error: nothing to resume in {run}: no config.json (a run stopped before writing "
+        "it trained nothing); start it again with its own command: a new run takes this folder"
+    ]
     from conftest import quick_config
 
     args = quick_config(warm_model_dir, run, **STEPS).model_dump(mode="json")  # the same run, as a config file
@@ -168,11 +222,15 @@ def test_a_run_stopped_before_its_config_says_to_start_again_and_a_new_run_takes
 def test_a_used_folder_says_how_to_continue_its_run_and_a_checkpoint_is_not_a_run(uninterrupted, tmp_path, capsys):
     checkpoint = uninterrupted / "checkpoints" / "step_000003"
     assert main(["train", "--resume", str(checkpoint)]) == 2
-    assert error_lines(capsys) == [f"error: --resume {checkpoint} is a checkpoint; give its run directory: grpolab "
-                                   f"train --resume {uninterrupted} (a run continues from its newest complete checkpoint)"]
+    assert error_lines(capsys) == [
+        f"error: --resume {checkpoint} is a checkpoint; give its run directory: grpolab "
+        f"train --resume {uninterrupted} (a run continues from its newest complete checkpoint)"
+    ]
     assert main(["train", "--output_dir", str(uninterrupted)]) == 2
-    assert error_lines(capsys) == [f"error: output directory {uninterrupted} holds a run (its config.json): continue "
-                                   f"it with grpolab train --resume {uninterrupted}, or choose another --output-dir"]
+    assert error_lines(capsys) == [
+        f"error: output directory {uninterrupted} holds a run (its config.json): continue "
+        f"it with grpolab train --resume {uninterrupted}, or choose another --output-dir"
+    ]
 
 
 def test_a_sigterm_well_after_the_stop_request_ends_a_step_that_cannot_end(monkeypatch):
@@ -227,9 +285,20 @@ def test_suite_status_shows_reasons_as_written(tmp_path):
 
     (tmp_path / "a.json").write_text(json.dumps({"steps": 3}))
     reason = "ValueError: x[0] [bold]not bold[/bold] and [/x] closes nothing"
-    SuiteManifest(suite="s[1]", source_file="s.toml", runs=[RunRecord(
-        name="a[b]", state="failed", run_dir=str(tmp_path / "a"), config_file=str(tmp_path / "a.json"),
-        config_sha256="0", reason=reason)]).save(tmp_path)
+    SuiteManifest(
+        suite="s[1]",
+        source_file="s.toml",
+        runs=[
+            RunRecord(
+                name="a[b]",
+                state="failed",
+                run_dir=str(tmp_path / "a"),
+                config_file=str(tmp_path / "a.json"),
+                config_sha256="0",
+                reason=reason,
+            )
+        ],
+    ).save(tmp_path)
     out = StringIO()
     Console(file=out, width=400).print(status_table(tmp_path))
     assert reason in out.getvalue() and "a[b]" in out.getvalue() and "suite s[1]" in out.getvalue()

@@ -37,8 +37,12 @@ def reference_step(logits: np.ndarray, u: float, temperature: float, top_k: int,
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.sampled_from([0.7, 1.0, 1.3]), st.sampled_from([0, 1, 5]),
-       st.sampled_from([1.0, 0.9, 0.5]))
+@given(
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([0.7, 1.0, 1.3]),
+    st.sampled_from([0, 1, 5]),
+    st.sampled_from([1.0, 0.9, 0.5]),
+)
 def test_sampling_step_is_its_formula(seed, temperature, top_k, top_p):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(6, 40, generator=g) * 3
@@ -86,8 +90,17 @@ def test_dropping_finished_rows_changes_no_rows_tokens(make_tiny_model, tokenize
     for drop in (0.0, 0.5, float("inf")):
         torch.manual_seed(7)
         with torch.no_grad():
-            runs[drop] = decode(model, ids, mask, max_new_tokens=24, temperature=temperature, top_k=0, top_p=1.0,
-                                eos_token_ids=eos, drop_fraction=drop)
+            runs[drop] = decode(
+                model,
+                ids,
+                mask,
+                max_new_tokens=24,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                eos_token_ids=eos,
+                drop_fraction=drop,
+            )
     kept = runs[float("inf")]
     assert any(kept.stopped) and not all(kept.stopped)
     assert len({len(t) for t in kept.tokens}) > 2

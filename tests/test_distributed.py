@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 from test_update import ToyPolicy, make_data
 from threaded_ranks import run_as_threads
 
-from grpolab.objectives.algorithms import PRESETS
 from grpolab.learning.lockstep import UpdateLockstep
-from grpolab.parallel.ranks import Ranks, wrap_ddp
 from grpolab.learning.update import UpdateData, run_update
+from grpolab.objectives.algorithms import PRESETS
+from grpolab.parallel.ranks import Ranks, wrap_ddp
 
 GROUPS, G, T = 4, 4, 9
 # per rollout batch, the groups whose rewards are all equal: batch 2 has no signal anywhere (skipped on
@@ -53,10 +53,23 @@ def updates(name: str, ranks: Ranks, **overrides) -> dict:
     gen = torch.Generator().manual_seed(3)
     for batch, zero in enumerate(ZERO_GROUPS):
         data = make_data(policy, seed=10 + batch, groups=GROUPS, group_size=G, spec=spec, zero_groups=zero)
-        local = UpdateData(advantages=data.advantages[rows], response_mask=data.response_mask[rows],
-                           old_logprobs=data.old_logprobs[rows], ref_logprobs=data.ref_logprobs[rows])
-        result = run_update(spec, local, lambda idx: forward(rows[idx]), optimizer, [policy.weight],
-                            micro_batch_size=3, max_new_tokens=T, generator=gen, dp=dp)
+        local = UpdateData(
+            advantages=data.advantages[rows],
+            response_mask=data.response_mask[rows],
+            old_logprobs=data.old_logprobs[rows],
+            ref_logprobs=data.ref_logprobs[rows],
+        )
+        result = run_update(
+            spec,
+            local,
+            lambda idx: forward(rows[idx]),
+            optimizer,
+            [policy.weight],
+            micro_batch_size=3,
+            max_new_tokens=T,
+            generator=gen,
+            dp=dp,
+        )
         out["actual"].append(result.actual)
         out["grad_norms"] += result.grad_norms
         out["metrics"].append(result.metrics())
@@ -91,8 +104,9 @@ def assert_single_process_update(ranked_updates: list[dict], name: str, override
 
 # sequence, token and constant aggregation; cispo's 4 epochs and offpolicy's shuffled mini-batches, where
 # a rank may hold no row of an optimizer step
-ALGORITHMS = pytest.mark.parametrize("name, overrides", [("grpo", {}), ("cispo", {}), ("dr_grpo", {}),
-                                                          ("offpolicy_clip", {"steps_per_epoch": 4})])
+ALGORITHMS = pytest.mark.parametrize(
+    "name, overrides", [("grpo", {}), ("cispo", {}), ("dr_grpo", {}), ("offpolicy_clip", {"steps_per_epoch": 4})]
+)
 
 
 @ALGORITHMS
@@ -188,7 +202,9 @@ def test_ddp_buffer_sync_keyword_matches_the_installed_torch(monkeypatch):
     from grpolab.parallel.ranks import no_forward_buffer_sync
 
     new_keyword = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
-    assert no_forward_buffer_sync() == ({"forward_sync_buffers": False} if new_keyword else {"broadcast_buffers": False})
+    assert no_forward_buffer_sync() == (
+        {"forward_sync_buffers": False} if new_keyword else {"broadcast_buffers": False}
+    )
 
     class OldDDP:  # the torch 2.11 signature's keywords, recording the call
         def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True):
@@ -200,7 +216,8 @@ def test_ddp_buffer_sync_keyword_matches_the_installed_torch(monkeypatch):
 
 @pytest.mark.parametrize("root_reshards", [True, False])
 def test_a_sharded_root_drops_its_gathered_weights_after_each_optimizer_step_before_torch_2_13(
-        monkeypatch, root_reshards):
+    monkeypatch, root_reshards
+):
     """Before torch 2.13 the FSDP root keeps its whole weights from forward to backward; a forward with no
     backward after it (a frozen or padding forward) would leave them gathered into the next optimizer
     step, and the forward after that step would use them stale. ``drop_stale_weights`` reshards then."""

@@ -26,12 +26,20 @@ FAMILIES = {  # every dropout field each family's config has, at 0.1
     "falcon": dict(attention_dropout=P, hidden_dropout=P),
     "gpt_neo": dict(attention_dropout=P, embed_dropout=P, resid_dropout=P),
 }
-SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4,
-             max_position_embeddings=64)
-SIZES_OF = {"gpt2": dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64),
-            "opt": dict(SIZES, ffn_dim=64, word_embed_proj_dim=32),
-            "gpt_neo": dict(SIZES, num_layers=2, num_heads=4, attention_types=[[["global"], 2]])}
+SIZES = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+)
+SIZES_OF = {
+    "gpt2": dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+    "opt": dict(SIZES, ffn_dim=64, word_embed_proj_dim=32),
+    "gpt_neo": dict(SIZES, num_layers=2, num_heads=4, attention_types=[[["global"], 2]]),
+}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -65,8 +73,11 @@ def test_first_update_of_a_multi_update_preset_has_ratio_exactly_one(warm_model_
     shutil.copytree(warm_model_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": P}))
-    trainer = Trainer(quick_config(model_dir, tmp_path / "run", algo="gspo",
-                                   **{"rollout.sync_check": True, "optim.micro_batch_size": 8}))
+    trainer = Trainer(
+        quick_config(
+            model_dir, tmp_path / "run", algo="gspo", **{"rollout.sync_check": True, "optim.micro_batch_size": 8}
+        )
+    )
     try:
         record = trainer.train_step(1)
     finally:

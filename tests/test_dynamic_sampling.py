@@ -5,13 +5,12 @@ a reward model's running moments see the scores of the groups that train, not of
 from __future__ import annotations
 
 import torch
+from test_reward_model_run import rm_config
 
 from grpolab.config import load_config
 from grpolab.objectives.algorithms import PRESETS
 from grpolab.run.trainer import Trainer
 from grpolab.tasks.base import Grade
-
-from test_reward_model_run import rm_config
 
 
 def graded(answers: list[float], shaping: list[float]) -> list[Grade]:
@@ -32,8 +31,12 @@ def test_the_default_filter_is_correctness_and_the_total_reward_is_an_option():
     assert PRESETS["dapo"].dynamic_sampling_filter == "correct"
     assert kept_groups(GROUPS, "correct").tolist() == [False, True, False, True]
     assert kept_groups(GROUPS, "reward").tolist() == [True, False, False, True]
-    assert load_config(None, {"algo": "dapo", "algorithm.dynamic_sampling_filter": "reward"}
-                       ).algorithm.dynamic_sampling_filter == "reward"
+    assert (
+        load_config(
+            None, {"algo": "dapo", "algorithm.dynamic_sampling_filter": "reward"}
+        ).algorithm.dynamic_sampling_filter
+        == "reward"
+    )
 
 
 def test_running_moments_see_only_the_groups_that_train(warm_model_dir, reward_model_dir, tmp_path):
@@ -57,8 +60,12 @@ def test_running_moments_see_only_the_groups_that_train(warm_model_dir, reward_m
 
 
 def test_the_total_reward_filter_keeps_groups_the_reward_model_separates(warm_model_dir, reward_model_dir, tmp_path):
-    overrides = {"algorithm.name": "dapo", "algorithm.dynamic_sampling_filter": "reward",
-                 "rollout.max_new_tokens": 2, "steps": 1}
+    overrides = {
+        "algorithm.name": "dapo",
+        "algorithm.dynamic_sampling_filter": "reward",
+        "rollout.max_new_tokens": 2,
+        "steps": 1,
+    }
     trainer = Trainer(rm_config(warm_model_dir, reward_model_dir, tmp_path / "run", tmp_path, **overrides))
     try:
         batch = trainer.parts.collector.collect(1)

@@ -17,16 +17,19 @@ from grpolab.rollout.evaluation import grade_completions, greedy
 from grpolab.run.trainer import Trainer
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"engine": "vllm", "rollout.temperature": 2.5}, "temperatures up to 2"),
-    ({"engine": "vllm", "rollout.top_p": 0.9}, "top_p = 1 and top_k = 0"),
-    ({"engine": "vllm", "rollout.top_k": 20}, "top_p = 1 and top_k = 0"),
-    ({"eval.pass_k": [0]}, "eval.pass_k.0"),
-    ({"rollout.group_size": 1}, "group_size 1"),
-    ({"rollout.group_size": 1, "algo": "dr_grpo"}, "every advantage would be 0"),
-    ({"model.like_overrides": {"num_hidden_layers": 2}}, "only to a like:NAME model"),
-    ({"model": "like:qwen3-0.6b", "engine": "vllm"}, "random weights"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"engine": "vllm", "rollout.temperature": 2.5}, "temperatures up to 2"),
+        ({"engine": "vllm", "rollout.top_p": 0.9}, "top_p = 1 and top_k = 0"),
+        ({"engine": "vllm", "rollout.top_k": 20}, "top_p = 1 and top_k = 0"),
+        ({"eval.pass_k": [0]}, "eval.pass_k.0"),
+        ({"rollout.group_size": 1}, "group_size 1"),
+        ({"rollout.group_size": 1, "algo": "dr_grpo"}, "every advantage would be 0"),
+        ({"model.like_overrides": {"num_hidden_layers": 2}}, "only to a like:NAME model"),
+        ({"model": "like:qwen3-0.6b", "engine": "vllm"}, "random weights"),
+    ],
+)
 def test_configurations_that_cannot_run_or_learn_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):  # the config's own rules, then the chosen engine's
         check_settings(load_config(None, overrides))
@@ -83,8 +86,13 @@ def test_a_learning_step_reads_the_device_per_optimizer_step_not_per_micro_batch
     optimizer steps with frozen old and reference log-probs)."""
     reads = []
     for micro in (16, 1):
-        cfg = quick_config(warm_model_dir, tmp_path / str(micro), algo=algo, reference="frozen",
-                           **{"optim.micro_batch_size": micro, "algorithm.beta": 0.04})
+        cfg = quick_config(
+            warm_model_dir,
+            tmp_path / str(micro),
+            algo=algo,
+            reference="frozen",
+            **{"optim.micro_batch_size": micro, "algorithm.beta": 0.04},
+        )
         trainer = Trainer(cfg, Console(quiet=True))
         try:
             rollout = trainer.parts.collector.collect(1)
@@ -99,21 +107,21 @@ def test_a_learning_step_reads_the_device_per_optimizer_step_not_per_micro_batch
 def test_step_indices_and_pruning_masks_are_made_on_the_data_device():
     """On a CPU machine every tensor is on the CPU, so the recorder above cannot see a mix-up; the
     "meta" device (shapes without data) shows where the index tensors are created."""
-    from grpolab.objectives.algorithms import PRESETS
     from grpolab.learning.update import UpdateData, minibatches, rows_with_gradient
+    from grpolab.objectives.algorithms import PRESETS
 
     meta = torch.device("meta")
     for spec in (PRESETS["grpo"], PRESETS["offpolicy_clip"]):
         steps = list(minibatches(spec, 256, torch.Generator().manual_seed(0), meta))
         assert len(steps) == spec.steps_per_epoch and all(i.device == meta for i in steps)
-        data = UpdateData(advantages=torch.empty(256, device=meta), response_mask=torch.empty(256, 9, device=meta),
-                          old_logprobs=None)
+        data = UpdateData(
+            advantages=torch.empty(256, device=meta), response_mask=torch.empty(256, 9, device=meta), old_logprobs=None
+        )
         assert rows_with_gradient(spec, data, steps[0]).device == meta
 
 
 def test_evaluation_with_stop_strings_grades_exactly_like_training(warm_model_dir, tmp_path):
-    cfg = quick_config(warm_model_dir, tmp_path / "run", **{"rollout.stop_strings": ["</think>"],
-                                                             "eval.n_examples": 8})
+    cfg = quick_config(warm_model_dir, tmp_path / "run", **{"rollout.stop_strings": ["</think>"], "eval.n_examples": 8})
     trainer = Trainer(cfg, Console(quiet=True))
     metrics = trainer.evaluate(0)
     prompts = [trainer.parts.prompt_ids[e.id] for e in trainer.parts.val_examples]
@@ -128,8 +136,9 @@ def test_evaluation_with_stop_strings_grades_exactly_like_training(warm_model_di
 
 
 def test_kl_only_step_updates_the_parameters_and_logs_kl(warm_model_dir, tmp_path):
-    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", **{"algorithm.beta": 0.1,
-                                                                         "rollout.max_new_tokens": 2}))
+    trainer = Trainer(
+        quick_config(warm_model_dir, tmp_path / "run", **{"algorithm.beta": 0.1, "rollout.max_new_tokens": 2})
+    )
     with torch.no_grad():
         for p in trainer.parts.model.parameters():
             p.add_(0.01 * torch.randn_like(p))  # a policy away from its reference
@@ -150,8 +159,9 @@ def test_metrics_cover_every_response_token_even_when_rows_are_pruned(warm_model
     lean_record = lean.parts.learner.learn(rollout)
     lean.close()
     trainer.close()
-    wrong = sum(len(c.completion_ids) for c, g in zip(rollout.flat(), [g for gr in rollout.grades for g in gr])
-                if g.reward == 0)
+    wrong = sum(
+        len(c.completion_ids) for c, g in zip(rollout.flat(), [g for gr in rollout.grades for g in gr]) if g.reward == 0
+    )
     assert lean_record["metric_tokens"] == tokens - wrong
 
 

@@ -13,8 +13,15 @@ import pytest
 import grpolab
 from grpolab.config import ConfigError, load_config
 from grpolab.rollout.base import EngineCapabilities
-from grpolab.rollout.engines import (ENGINES, EngineKind, available_engines, capabilities, check_settings,
-                                     engine_record, weight_kind)
+from grpolab.rollout.engines import (
+    ENGINES,
+    EngineKind,
+    available_engines,
+    capabilities,
+    check_settings,
+    engine_record,
+    weight_kind,
+)
 from grpolab.rollout.hf.engine import HFEngine
 from grpolab.rollout.vllm.engine import VLLMEngine
 from grpolab.rollout.vllm.server import VLLMSubprocessEngine
@@ -25,8 +32,16 @@ NAME = re.compile(r'"(hf|vllm)"')
 
 def test_every_registered_engine_declares_every_capability():
     fields = {f.name for f in dataclasses.fields(EngineCapabilities)}
-    assert fields >= {"shares_training_model", "max_temperature", "truncated_sampling", "graceful_stop",
-                      "records_routing", "serves_adapters", "batch_refill", "bounded_batch"}
+    assert fields >= {
+        "shares_training_model",
+        "max_temperature",
+        "truncated_sampling",
+        "graceful_stop",
+        "records_routing",
+        "serves_adapters",
+        "batch_refill",
+        "bounded_batch",
+    }
     for name, kind in ENGINES.items():
         assert isinstance(kind.capabilities, EngineCapabilities), name
         assert capabilities(name) is kind.capabilities
@@ -37,8 +52,11 @@ def test_every_registered_engine_declares_every_capability():
 
 
 ALLOWED = {  # the config's list of choices, and the vLLM settings section saying which choice it belongs to
-    ("config.py", 'engine: Literal["hf", "vllm"] = Field("hf", description="hf: grpolab\'s decoding loop on the '
-     'training model; "'),
+    (
+        "config.py",
+        'ENGINE_CHOICES = Literal["hf", "vllm"]  # grpolab.rollout.engines: what each can do and refuses; the first '
+        "the default",
+    ),
     ("config.py", 'engine: ClassVar[str] = "vllm"  # the rollout.engine choice these settings belong to'),
 }
 
@@ -77,8 +95,14 @@ def _with_engine(cfg, name):
 @pytest.fixture
 def fake_engine():
     """An engine registered for the test only, with vLLM's limits under another name."""
-    ENGINES["fake"] = EngineKind("fake", lambda request: None, dataclasses.replace(
-        capabilities("vllm"), max_temperature=1.5), "Fake", lambda cfg: False, lambda cfg: {"version": "0"})
+    ENGINES["fake"] = EngineKind(
+        "fake",
+        lambda request: None,
+        dataclasses.replace(capabilities("vllm"), max_temperature=1.5),
+        "Fake",
+        lambda cfg: False,
+        lambda cfg: {"version": "0"},
+    )
     yield "fake"
     del ENGINES["fake"]
 
@@ -94,20 +118,34 @@ def test_refusals_follow_the_capabilities_not_the_name(fake_engine):
         check_settings(_with_engine(load_config(None, {"model": "like:qwen3-0.6b"}), fake_engine))
     check_settings(load_config(None, {"rollout.temperature": 1.8, "eval.top_p": 0.9}))  # hf takes them all
     assert "fake" not in available_engines(load_config(None, {}).rollout)
-    assert engine_record(_with_engine(load_config(None, {}), fake_engine).rollout) == {"engine": "fake",
-                                                                                        "version": "0"}
+    assert engine_record(_with_engine(load_config(None, {}), fake_engine).rollout) == {"engine": "fake", "version": "0"}
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"rollout.temperature": 2.5}, "config: rollout.temperature 2.5: the vLLM engine samples at temperatures up to 2"),
-    ({"eval.top_k": 5}, "config: eval.top_p / top_k: the vLLM engine samples with top_p = 1 and top_k = 0 only (vLLM "
-                        "reports log-probs renormalised over the truncated set)"),
-    ({"algorithm.routing_replay": True}, "config: algorithm.routing_replay with one optimizer step per batch replays "
-     "the engine's record, which only the hf engine makes (vllm does not): use rollout.engine 'hf' or more than one "
-     "step (algorithm.epochs x steps_per_epoch > 1)"),
-    ({"model": "like:qwen3-0.6b"}, "config: a like:NAME model has random weights and no weight files for vLLM to load; "
-                                   "use rollout.engine 'hf'"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            {"rollout.temperature": 2.5},
+            "config: rollout.temperature 2.5: the vLLM engine samples at temperatures up to 2",
+        ),
+        (
+            {"eval.top_k": 5},
+            "config: eval.top_p / top_k: the vLLM engine samples with top_p = 1 and top_k = 0 only (vLLM "
+            "reports log-probs renormalised over the truncated set)",
+        ),
+        (
+            {"algorithm.routing_replay": True},
+            "config: algorithm.routing_replay with one optimizer step per batch replays "
+            "the engine's record, which only the hf engine makes (vllm does not): use rollout.engine 'hf' or more than one "
+            "step (algorithm.epochs x steps_per_epoch > 1)",
+        ),
+        (
+            {"model": "like:qwen3-0.6b"},
+            "config: a like:NAME model has random weights and no weight files for vLLM to load; "
+            "use rollout.engine 'hf'",
+        ),
+    ],
+)
 def test_the_refusals_read_as_the_configs_did(overrides, message):
     """Word for word what validating the config said when it held these rules."""
     with pytest.raises(ConfigError) as refused:
@@ -122,15 +160,18 @@ def test_the_engine_record_of_the_manifest():
     assert available_engines(cfg.rollout) == ["hf", "vllm"]  # an interpreter named for it: offered
 
 
-@pytest.mark.parametrize("engine,offered,lora_sync,kind", [
-    ("hf", ("full",), "merged", "full"),                  # the training model itself, whatever the policy
-    ("hf", ("gathered",), "merged", "full"),              # sharded too: it generates with the shards in lockstep
-    ("hf", ("merged", "adapter"), "adapter", "full"),
-    ("vllm", ("full",), "merged", "full"),                # a copy of the whole weights, read from the model
-    ("vllm", ("gathered",), "merged", "gathered"),        # ... gathered from the shards
-    ("vllm", ("merged", "adapter"), "merged", "merged"),  # a LoRA policy: base + adapter product
-    ("vllm", ("merged", "adapter"), "adapter", "adapter"),  # ... or its adapter alone, vLLM's LoRA serving it
-])
+@pytest.mark.parametrize(
+    "engine,offered,lora_sync,kind",
+    [
+        ("hf", ("full",), "merged", "full"),  # the training model itself, whatever the policy
+        ("hf", ("gathered",), "merged", "full"),  # sharded too: it generates with the shards in lockstep
+        ("hf", ("merged", "adapter"), "adapter", "full"),
+        ("vllm", ("full",), "merged", "full"),  # a copy of the whole weights, read from the model
+        ("vllm", ("gathered",), "merged", "gathered"),  # ... gathered from the shards
+        ("vllm", ("merged", "adapter"), "merged", "merged"),  # a LoRA policy: base + adapter product
+        ("vllm", ("merged", "adapter"), "adapter", "adapter"),  # ... or its adapter alone, vLLM's LoRA serving it
+    ],
+)
 def test_the_engines_capabilities_select_the_kind_of_weights(engine, offered, lora_sync, kind):
     overrides = {"engine": engine, "rollout.vllm.lora_sync": lora_sync}
     if lora_sync == "adapter":

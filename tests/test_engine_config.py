@@ -72,9 +72,25 @@ def test_hf_engine_checks_its_own_logprobs_by_default_from_the_update_forward(wa
 @pytest.mark.parametrize("kind", ["rollout", "step"])
 def test_bench_prints_and_writes_figures(kind, warm_model_dir, tmp_path, capsys):
     report = tmp_path / "bench.json"
-    args = ["bench", kind, "--engines", "hf", "--repeats", "1", "--json", str(report), "--model", str(warm_model_dir),
-            *(x for k, v in TASK.items() for x in (f"--task.{k}", str(v))), "--rollout.prompts_per_step", "4",
-            "--rollout.max_new_tokens", "24", "--threads", "1"]
+    args = [
+        "bench",
+        kind,
+        "--engines",
+        "hf",
+        "--repeats",
+        "1",
+        "--json",
+        str(report),
+        "--model",
+        str(warm_model_dir),
+        *(x for k, v in TASK.items() for x in (f"--task.{k}", str(v))),
+        "--rollout.prompts_per_step",
+        "4",
+        "--rollout.max_new_tokens",
+        "24",
+        "--threads",
+        "1",
+    ]
     assert main(args) == 0
     results = json.loads(report.read_text())["results"]
     assert list(results) == ["hf"]

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 from statistics import mean
 
-from conftest import quick_config
+from conftest import TASK, quick_config
+
 from grpolab.rollout.evaluation import prompt_sha256
 from grpolab.run.rundir import eval_record_steps, read_metrics
-from grpolab.tasks import make_task
 from grpolab.run.trainer import train
-
-from conftest import TASK
+from grpolab.tasks import make_task
 
 
 def records_of(run_dir, step):

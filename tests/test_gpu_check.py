@@ -15,9 +15,11 @@ import gpu_check  # noqa: E402
 
 
 def test_sync_margin_is_the_largest_step_mean_over_the_floor_the_check_uses():
-    steps = [{"sync/noise_floor_mean": 2e-3, "sync/logprob_diff_mean": 2e-3},
-             {"sync/noise_floor_mean": 2e-3, "sync/logprob_diff_mean": 3e-3},
-             {"sync/noise_floor_mean": 2e-3, "sync/logprob_diff_mean": None}]
+    steps = [
+        {"sync/noise_floor_mean": 2e-3, "sync/logprob_diff_mean": 2e-3},
+        {"sync/noise_floor_mean": 2e-3, "sync/logprob_diff_mean": 3e-3},
+        {"sync/noise_floor_mean": 2e-3, "sync/logprob_diff_mean": None},
+    ]
     margin = gpu_check.sync_margin(steps, 3.0)
     assert margin["largest_mean_over_floor"] == pytest.approx(1.5)
     assert margin["headroom"] == pytest.approx(2.0) and margin["limit_multiple"] == 3.0
@@ -60,8 +62,9 @@ def test_prepared_warm_starts_are_the_ones_the_check_then_uses(tmp_path, monkeyp
 
     settings = WarmStartSettings(steps=2, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
     prepared = gpu_check.prepare_warm_starts(tmp_path, settings)
-    assert prepared and all(p.parent == tmp_path / "cache" / "tiny" and (p / "warm_start.json").is_file()
-                            for p in prepared)
+    assert prepared and all(
+        p.parent == tmp_path / "cache" / "tiny" and (p / "warm_start.json").is_file() for p in prepared
+    )
     written = {p: (p / "warm_start.json").stat().st_mtime_ns for p in prepared}
     (tmp_path / "site").mkdir()  # the wheels' install, already done
     monkeypatch.delenv("GRPOLAB_CACHE", raising=False)

@@ -41,14 +41,18 @@ def test_grouped_attention_gives_sdpas_logits_without_repeating_heads(make_tiny_
     logits = {}
     for grouped in (False, True):
         repeats.clear()
-        with torch.no_grad(), (grouped_kv_attention(model) if grouped else contextlib.nullcontext(False)) as switched:
+        with torch.no_grad(), grouped_kv_attention(model) if grouped else contextlib.nullcontext(False) as switched:
             assert switched is grouped
             out = model(input_ids=ids, attention_mask=mask, use_cache=True)
             steps, cache, step_mask = [out.logits], out.past_key_values, mask
             for _ in range(2):
                 step_mask = torch.cat([step_mask, torch.ones(len(ids), 1, dtype=step_mask.dtype)], 1)
-                out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=step_mask,
-                            past_key_values=cache, use_cache=True)
+                out = model(
+                    input_ids=out.logits[:, -1:].argmax(-1),
+                    attention_mask=step_mask,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
                 steps.append(out.logits)
         logits[grouped] = torch.cat(steps, 1)
         assert (len(repeats) == 0) == grouped

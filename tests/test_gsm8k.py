@@ -7,13 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import GSM8K_DIR
 
 from grpolab.tasks import BUILT_IN, Example, Task, make_task
 from grpolab.tasks.datasets import DataError, first_n, hub_records, load_rows, rows_sha256, text_sha256
 from grpolab.tasks.gsm8k import GSM8KTask, split_gsm8k_answer
 from grpolab.tasks.r1_zero import R1_ZERO_TEMPLATE
-
-from conftest import GSM8K_DIR
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +24,10 @@ def gsm8k_dir() -> Path:
 
 
 ROWS = [
-    {"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
-     "answer": "In May she sold 48/2 = <<48/2=24>>24 clips.\nIn all 48+24 = <<48+24=72>>72 clips.\n#### 72"},
+    {
+        "question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
+        "answer": "In May she sold 48/2 = <<48/2=24>>24 clips.\nIn all 48+24 = <<48+24=72>>72 clips.\n#### 72",
+    },
     {"question": "A house costs $1,200 and a car $80. Total?", "answer": "1200+80=<<1200+80=1280>>1,280\n#### 1,280"},
     {"question": "It is 3 degrees and drops 10. Temperature?", "answer": "3-10=<<3-10=-7>>-7\n#### -7"},
 ]
@@ -50,8 +51,9 @@ def test_examples_gold_solution_and_ids(small_task: GSM8KTask) -> None:
     assert [e.id for e in train] == ["train-0", "train-1", "train-2"]
     assert [e.id for e in small_task.validation_examples()] == ["test-0", "test-1", "test-2"]
     assert [e.answer for e in train] == ["72", "1280", "-7"]
-    assert train[0].solution == (" In May she sold 48/2 = 24 clips.\nIn all 48+24 = 72 clips. "
-                                 "</think> <answer> 72 </answer>")
+    assert train[0].solution == (
+        " In May she sold 48/2 = 24 clips.\nIn all 48+24 = 72 clips. </think> <answer> 72 </answer>"
+    )
     assert train[1].solution.endswith("1,280 </think> <answer> 1280 </answer>")
     assert small_task.prompt(train[0]) == R1_ZERO_TEMPLATE.format(question=ROWS[0]["question"])
     assert small_task.prompt(train[0]).endswith("Assistant: <think>")
@@ -96,15 +98,21 @@ def test_every_official_test_solution_grades_correct_and_a_wrong_number_does_not
 
 
 def test_reference_selection_and_fingerprint(gsm8k_dir: Path) -> None:
-    task = make_task("gsm8k", train_path=gsm8k_dir / "train.jsonl", test_path=gsm8k_dir / "test.jsonl",
-                     n_train=6400, n_val=1024)
+    task = make_task(
+        "gsm8k", train_path=gsm8k_dir / "train.jsonl", test_path=gsm8k_dir / "test.jsonl", n_train=6400, n_val=1024
+    )
     fingerprint = task.data_fingerprint()
     assert (fingerprint["train_rows"], fingerprint["validation_rows"]) == (6400, 1024)
     assert task.validation_examples()[-1].id == "test-1023"
 
 
 def test_registered() -> None:
-    assert isinstance(make_task("gsm8k", train_path=GSM8K_DIR / "train.jsonl", test_path=GSM8K_DIR / "test.jsonl", n_train=2, n_val=2), GSM8KTask)
+    assert isinstance(
+        make_task(
+            "gsm8k", train_path=GSM8K_DIR / "train.jsonl", test_path=GSM8K_DIR / "test.jsonl", n_train=2, n_val=2
+        ),
+        GSM8KTask,
+    )
     assert "gsm8k" in BUILT_IN
 
 

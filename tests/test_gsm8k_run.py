@@ -5,24 +5,40 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import ARCHS, GSM8K_DIR
 from transformers import AutoModelForCausalLM
 
-from conftest import ARCHS, GSM8K_DIR
 from grpolab.commands.cli import main
-from grpolab.config import load_config
 from grpolab.commands.probe import run_probe
+from grpolab.config import load_config
 from grpolab.run.rundir import read_metrics
 from grpolab.run.trainer import Trainer, train
 
-DATA = {"task": "gsm8k", "task.train_path": str(GSM8K_DIR / "train.jsonl"),
-        "task.test_path": str(GSM8K_DIR / "test.jsonl")}
+DATA = {
+    "task": "gsm8k",
+    "task.train_path": str(GSM8K_DIR / "train.jsonl"),
+    "task.test_path": str(GSM8K_DIR / "test.jsonl"),
+}
 
 
 def small_gsm8k(model_dir, out, **overrides):
-    base = {**DATA, "model": str(model_dir), "output_dir": str(out), "steps": 2, "task.n_train": 16,
-            "task.n_val": 4, "rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 16,
-            "optim.micro_batch_size": 1, "model.gradient_checkpointing": True, "model.logprob_chunk_size": 32,
-            "eval.every": 1, "checkpoint.every": 2, "reference": "frozen"}
+    base = {
+        **DATA,
+        "model": str(model_dir),
+        "output_dir": str(out),
+        "steps": 2,
+        "task.n_train": 16,
+        "task.n_val": 4,
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 4,
+        "rollout.max_new_tokens": 16,
+        "optim.micro_batch_size": 1,
+        "model.gradient_checkpointing": True,
+        "model.logprob_chunk_size": 32,
+        "eval.every": 1,
+        "checkpoint.every": 2,
+        "reference": "frozen",
+    }
     return load_config(None, {**base, **overrides})
 
 
@@ -75,8 +91,9 @@ def test_probe_does_two_real_updates_and_reports(arch, long_context_model_dirs, 
     config = json.loads((long_context_model_dirs[arch] / "config.json").read_text())
     kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    assert report["generation"]["kv_cache_bytes"] == (2 * config["num_hidden_layers"] * 8 * kv_heads * head_dim * 4
-                                                      * report["batch"]["sequence_length"])
+    assert report["generation"]["kv_cache_bytes"] == (
+        2 * config["num_hidden_layers"] * 8 * kv_heads * head_dim * 4 * report["batch"]["sequence_length"]
+    )
     assert not (tmp_path / "unused").exists(), "the probe leaves no run directory behind"
     with pytest.raises(FileExistsError):
         run_probe(cfg, tmp_path / "probe.json")

@@ -18,8 +18,17 @@ def test_reserved_layer_holds_what_a_dynamic_layer_holds(capacity):
     rows kept."""
     torch.manual_seed(0)
     ours, theirs = ReservedLayer(capacity), DynamicLayer()
-    steps = [("update", 6), ("select", [0, 0, 1, 2, 3, 3]), ("update", 1), ("update", 1), ("select", [0, 5, 2, 4]),
-             ("select", [3, 1, 2]), ("update", 1), ("select", [2]), ("update", 2)]
+    steps = [
+        ("update", 6),
+        ("select", [0, 0, 1, 2, 3, 3]),
+        ("update", 1),
+        ("update", 1),
+        ("select", [0, 5, 2, 4]),
+        ("select", [3, 1, 2]),
+        ("update", 1),
+        ("select", [2]),
+        ("update", 2),
+    ]
     # the selections decode's compaction makes (every moved row from past the kept count) stay in place
     in_place = {(0, 5, 2, 4): True, (3, 1, 2): True, (2,): True, (0, 0, 1, 2, 3, 3): False}
     rows = 4
@@ -50,7 +59,7 @@ def test_a_model_decodes_over_a_reserved_cache_as_over_a_dynamic_one(make_tiny_m
     for cache in (reserved_cache(model.config, 10), DynamicCache(config=model.config)):
         assert any(isinstance(layer, ReservedLayer) for layer in cache.layers) == (not logits)
         out, steps = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1], []
-        for step in range(3):
+        for _ in range(3):
             token = out.argmax(-1, keepdim=True)
             out = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
             steps.append(out)

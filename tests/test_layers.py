@@ -24,8 +24,14 @@ def lint_imports(source_root: Path) -> subprocess.CompletedProcess:
     """import-linter's command on the package found under ``source_root``, with the project's contracts."""
     env = {**os.environ, "PYTHONPATH": str(source_root)}
     script = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
-    return subprocess.run([sys.executable, "-c", script, "--no-cache", str(ROOT / "pyproject.toml")],
-                          cwd=source_root, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", script, "--no-cache", str(ROOT / "pyproject.toml")],
+        cwd=source_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_every_folder_imports_only_the_layers_below_it_and_no_files_import_each_other():
@@ -44,11 +50,14 @@ def _append(path: Path, line: str) -> None:
     path.write_text(path.read_text() + f"\n{line}\n")
 
 
-@pytest.mark.parametrize("importer, imported", [
-    ("objectives/losses.py", "grpolab.run.trainer"),      # math importing the run around it
-    ("rollout/collect.py", "grpolab.learning.learner"),   # rollout importing the learning above it
-    ("models/loading.py", "grpolab.config"),              # models importing the config that reads them
-])
+@pytest.mark.parametrize(
+    "importer, imported",
+    [
+        ("objectives/losses.py", "grpolab.run.trainer"),  # math importing the run around it
+        ("rollout/collect.py", "grpolab.learning.learner"),  # rollout importing the learning above it
+        ("models/loading.py", "grpolab.config"),  # models importing the config that reads them
+    ],
+)
 def test_a_lower_layer_importing_a_higher_one_breaks_the_contract(package_copy, importer, imported):
     _append(package_copy / "grpolab" / importer, f"import {imported}  # noqa")
     out = lint_imports(package_copy)

@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import GSM8K_DIR
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.models.like import LIKE_CONFIGS, MARKER, is_like_dir, like_config, like_model_dir
-from grpolab.models.routing import routers
 from grpolab.models.loading import load_policy, resolve_model_dir
+from grpolab.models.routing import routers
 from grpolab.tasks import ArithmeticTask, GSM8KTask
-
-from conftest import GSM8K_DIR
 
 ONE_LAYER = {"num_hidden_layers": 1}
 # vocab, hidden, heads, kv heads, intermediate, tied, eos, pad: the published config.json values
@@ -55,8 +54,14 @@ def test_config_and_tokenizer_match_the_published_shapes(like_dirs, name) -> Non
     path = like_dirs[name]
     config, tokenizer = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     vocab, hidden, heads, kv_heads, intermediate, tied, eos, pad = PUBLISHED[name]
-    shape = (config.vocab_size, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-             config.intermediate_size, config.tie_word_embeddings)
+    shape = (
+        config.vocab_size,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.intermediate_size,
+        config.tie_word_embeddings,
+    )
     assert shape == (vocab, hidden, heads, kv_heads, intermediate, tied)
     assert config.num_hidden_layers == 1 and config.model_type == LIKE_CONFIGS[name]["model_type"]
     assert len(tokenizer) == vocab
@@ -86,8 +91,14 @@ def test_the_moe_shapes_have_their_published_total_and_active_parameters(name) -
 
 def test_llama_keeps_its_llama3_rope_scaling(like_dirs) -> None:
     rope = AutoConfig.from_pretrained(like_dirs["llama3.2-1b"]).rope_parameters
-    assert rope == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert rope == {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert AutoConfig.from_pretrained(like_dirs["qwen3-0.6b"]).rope_parameters["rope_theta"] == 1000000
 
 
@@ -138,8 +149,7 @@ def test_load_policy_is_seeded_and_leaves_the_global_rng_alone(like_dirs) -> Non
 
 
 def test_a_gsm8k_like_model_runs_a_realistic_prompt(cache) -> None:
-    gsm8k = GSM8KTask(train_path=GSM8K_DIR / "train.jsonl", test_path=GSM8K_DIR / "test.jsonl",
-                      n_train=1000, n_val=100)
+    gsm8k = GSM8KTask(train_path=GSM8K_DIR / "train.jsonl", test_path=GSM8K_DIR / "test.jsonl", n_train=1000, n_val=100)
     model, tokenizer = load_policy(like_model_dir("qwen3-0.6b", gsm8k, ONE_LAYER, cache_dir=cache))
     prompt = gsm8k.prompt(gsm8k.validation_examples()[0])
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]

@@ -39,8 +39,7 @@ def test_matches_naive_reference(make_tiny_model, arch, chunk_size, temperature)
     model = make_tiny_model(arch)
     ids, mask = _batch(model.config.vocab_size, [13, 9, 5])  # L = 13: chunk 4 and 7 don't divide
     with torch.no_grad():
-        got = token_logprobs(model, ids, mask, temperature=temperature, chunk_size=chunk_size,
-                             with_entropy=True)
+        got = token_logprobs(model, ids, mask, temperature=temperature, chunk_size=chunk_size, with_entropy=True)
         ref = naive_stats(model, ids, mask, temperature)
     assert got.logprobs.dtype == torch.float32 and got.logprobs.shape == ids.shape
     assert got.entropy is not None and got.entropy.shape == ids.shape
@@ -78,12 +77,10 @@ def test_gradients_match_naive(make_tiny_model, arch):
 def test_with_decoder_gradient_checkpointing(make_tiny_model):
     model = make_tiny_model("qwen3")
     ids, mask = _batch(model.config.vocab_size, [9, 6], seed=3)
-    plain = torch.autograd.grad(token_logprobs(model, ids, mask, chunk_size=4).logprobs.sum(),
-                                list(model.parameters()))
+    plain = torch.autograd.grad(token_logprobs(model, ids, mask, chunk_size=4).logprobs.sum(), list(model.parameters()))
     enable_gradient_checkpointing(model)
     model.train()  # checkpointing is only active in train mode; dropout is 0 in these configs
-    ckpt = torch.autograd.grad(token_logprobs(model, ids, mask, chunk_size=4).logprobs.sum(),
-                               list(model.parameters()))
+    ckpt = torch.autograd.grad(token_logprobs(model, ids, mask, chunk_size=4).logprobs.sum(), list(model.parameters()))
     for a, b in zip(ckpt, plain):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 

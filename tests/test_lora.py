@@ -48,8 +48,9 @@ def training_logprobs(model, ids: torch.Tensor, prompt: int = 3) -> torch.Tensor
 
 def lora_model(make_tiny_model, tiny_model_dirs, arch="llama", dtype=torch.float32, **settings):
     model = make_tiny_model(arch).to(dtype)
-    adapter = add_adapter(model, LoraSettings(**{"rank": 2, "alpha": 4, **settings}), seed=0,
-                          base_dir=tiny_model_dirs[arch])
+    adapter = add_adapter(
+        model, LoraSettings(**{"rank": 2, "alpha": 4, **settings}), seed=0, base_dir=tiny_model_dirs[arch]
+    )
     adapter.model.to(dtype)  # peft makes the adapter float32 whatever the base
     with torch.no_grad():  # B starts at zero: move it so the adapter changes the policy
         for name, p in adapter.model.named_parameters():
@@ -104,8 +105,7 @@ def test_the_reference_is_the_policy_with_its_adapter_off(make_tiny_model, tiny_
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_merged_weights_give_the_peft_models_logprobs_and_leave_the_base_alone(make_tiny_model, tiny_model_dirs,
-                                                                             arch):
+def test_merged_weights_give_the_peft_models_logprobs_and_leave_the_base_alone(make_tiny_model, tiny_model_dirs, arch):
     adapter = lora_model(make_tiny_model, tiny_model_dirs, arch=arch)
     base_before = {n: p.clone() for n, p in adapter.model.named_parameters() if "base_layer" in n}
     merged = MergedWeights(adapter.model)
@@ -122,9 +122,12 @@ def test_merged_weights_give_the_peft_models_logprobs_and_leave_the_base_alone(m
 
 def test_an_unknown_target_module_is_refused_naming_the_models_linear_layers(make_tiny_model, tiny_model_dirs):
     model = make_tiny_model("llama")
-    with pytest.raises(ValueError, match=r"model.lora.target_modules: qkv not a linear layer of LlamaForCausalLM; "
-                                         r"its linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj, "
-                                         r"up_proj, v_proj"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.lora.target_modules: qkv not a linear layer of LlamaForCausalLM; "
+        r"its linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj, "
+        r"up_proj, v_proj",
+    ):
         add_adapter(model, LoraSettings(target_modules=["q_proj", "qkv"]), seed=0, base_dir=tiny_model_dirs["llama"])
     assert "lm_head" not in linear_module_names(model)
 
@@ -179,8 +182,10 @@ def test_a_lora_run_resumes_exactly_after_a_crash(warm_model_dir, lora_run, tmp_
     assert main(["train", "--resume", str(run)]) == 0
 
     def numbers(folder):
-        return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
-                for r in read_metrics(folder / "metrics.jsonl")]
+        return [
+            {k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
+            for r in read_metrics(folder / "metrics.jsonl")
+        ]
 
     assert numbers(run) == numbers(lora_run)
     final = "checkpoints/step_000004/adapter_model.safetensors"
@@ -219,8 +224,11 @@ def test_vllm_generates_with_the_lora_policy_and_passes_its_sync_check(warm_mode
     """merged: the merged weights, in this process; adapter: vLLM's LoRA, under another interpreter."""
     run = tmp_path / "run"
     other = {"rollout.vllm.python": sys.executable} if lora_sync == "adapter" else {}
-    train(quick_config(warm_model_dir, run, engine="vllm", **{**LORA, "steps": 2, **other,
-                                                              "rollout.vllm.lora_sync": lora_sync}))
+    train(
+        quick_config(
+            warm_model_dir, run, engine="vllm", **{**LORA, "steps": 2, **other, "rollout.vllm.lora_sync": lora_sync}
+        )
+    )
     records = [r for r in read_metrics(run / "metrics.jsonl") if "reward_mean" in r]
     assert len(records) == 2 and all(r["sync/logprob_diff_max"] < 1e-3 for r in records)
 
@@ -229,8 +237,10 @@ def test_the_probe_reports_the_adapters_share_and_the_free_reference(warm_model_
     from grpolab.commands.probe import run_probe
 
     full = run_probe(quick_config(warm_model_dir, tmp_path / "a", reference="frozen"), tmp_path / "full.json")
-    lora = run_probe(quick_config(warm_model_dir, tmp_path / "b", reference="frozen", **{"model.lora.rank": 2}),
-                     tmp_path / "lora.json")
+    lora = run_probe(
+        quick_config(warm_model_dir, tmp_path / "b", reference="frozen", **{"model.lora.rank": 2}),
+        tmp_path / "lora.json",
+    )
     assert full["parameters"]["trained"] == full["parameters"]["total"]
     assert full["parameters"]["reference"] == "a frozen copy"
     assert lora["parameters"]["reference"] == "the policy, adapter off (no copy)"
@@ -246,14 +256,20 @@ def test_with_bf16_compute_the_base_stays_in_bf16_and_the_adapter_trains_in_floa
     its gradients and its AdamW state in float32; the policy trains under autocast and passes the sync check."""
     from grpolab.commands.probe import run_probe
 
-    report = run_probe(quick_config(warm_model_dir, tmp_path / "b", reference="frozen", **{
-        "model.dtype": "bfloat16", "model.lora.rank": 2}), tmp_path / "bf16.json")
+    report = run_probe(
+        quick_config(
+            warm_model_dir, tmp_path / "b", reference="frozen", **{"model.dtype": "bfloat16", "model.lora.rank": 2}
+        ),
+        tmp_path / "bf16.json",
+    )
     n, trained, part = report["parameters"]["total"], report["parameters"]["trained"], report["parameters"]["bytes"]
     assert report["precision"]["setting"] == "fp32_master" and report["precision"]["compute"] == "torch.bfloat16"
     assert part["frozen_weights"] == 2 * (n - trained)
     assert part["trained_weights"] == part["gradients"] == 4 * trained
     # AdamW's two float32 moments, and a float32 step count per tensor
-    assert part["optimizer_state"] == report["precision"]["optimizer_state_bytes"] == pytest.approx(8 * trained, rel=0.01)
+    assert (
+        part["optimizer_state"] == report["precision"]["optimizer_state_bytes"] == pytest.approx(8 * trained, rel=0.01)
+    )
     trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", **{**LORA, "model.dtype": "bfloat16"}))
     try:
         record = trainer.train_step(1)
@@ -267,16 +283,33 @@ def test_a_run_starts_from_another_lora_runs_checkpoint(lora_run, tmp_path, caps
     """A suite's init_from names the earlier run's final checkpoint: its base and its adapter start this run."""
     checkpoint = lora_run / "checkpoints" / "step_000004"
     config = json.loads((lora_run / "config.json").read_text())
-    start = {"model.path": str(checkpoint), "steps": 1, "eval.every": 1, "checkpoint.every": 1,
-             "rollout.prompts_per_step": 4, "rollout.group_size": 8, "rollout.max_new_tokens": 40,
-             **{f"task.{k}": v for k, v in config["task"].items()}}
-    summary = train(load_config(None, {**start, "model.lora.rank": 4, "model.lora.alpha": 8,
-                                       "output_dir": str(tmp_path / "next")}))
+    start = {
+        "model.path": str(checkpoint),
+        "steps": 1,
+        "eval.every": 1,
+        "checkpoint.every": 1,
+        "rollout.prompts_per_step": 4,
+        "rollout.group_size": 8,
+        "rollout.max_new_tokens": 40,
+        **{f"task.{k}": v for k, v in config["task"].items()},
+    }
+    summary = train(
+        load_config(None, {**start, "model.lora.rank": 4, "model.lora.alpha": 8, "output_dir": str(tmp_path / "next")})
+    )
     last = [r for r in read_metrics(lora_run / "metrics.jsonl") if "val/accuracy" in r][-1]
     assert summary["val_accuracy"]["start"] == last["val/accuracy"], "it starts where the other run ended"
     assert json.loads((tmp_path / "next" / "manifest.json").read_text())["warm_start_from"] == str(checkpoint)
     capsys.readouterr()
-    assert main(["train", *[f"--{k}={v}" for k, v in start.items() if k != "task.name"], "--output-dir",
-                 str(tmp_path / "full")]) == 2
+    assert (
+        main(
+            [
+                "train",
+                *[f"--{k}={v}" for k, v in start.items() if k != "task.name"],
+                "--output-dir",
+                str(tmp_path / "full"),
+            ]
+        )
+        == 2
+    )
     assert "is a LoRA checkpoint: set [model.lora]" in capsys.readouterr().out
     assert not (tmp_path / "full").exists()

@@ -8,11 +8,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import reference_loss
 
 from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec
-from grpolab.objectives.losses import (NonFiniteError, PolicyLossInput, aggregate, policy_loss, raise_if_nonfinite,
-                            sequence_ratio, step_denominators)
-from reference import reference_loss
+from grpolab.objectives.losses import (
+    NonFiniteError,
+    PolicyLossInput,
+    aggregate,
+    policy_loss,
+    raise_if_nonfinite,
+    sequence_ratio,
+    step_denominators,
+)
 
 WEIGHTS = ["none", "noclip", "clip", "gspo", "cispo"]
 AGGREGATIONS = ["sequence", "token", "constant"]
@@ -26,7 +33,7 @@ def make_batch(seed: int, n: int = 6, t: int = 16, spread: float = 0.4, with_ref
     for i in range(n):
         start = int(torch.randint(0, min(4, t - 1) + 1, (1,), generator=g))
         length = int(torch.randint(1, t - start + 1, (1,), generator=g))
-        mask[i, start:start + length] = 1
+        mask[i, start : start + length] = 1
     old = -torch.rand(n, t, generator=g, dtype=torch.float64) * 3
     logp = old + torch.randn(n, t, generator=g, dtype=torch.float64) * spread
     ref = old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.3 if with_ref else None
@@ -46,9 +53,20 @@ def impl_loss_and_grad(spec, logp, old, adv, mask, ref=None):
 
 def ref_loss_and_grad(spec, logp, old, adv, mask, ref=None):
     leaf = logp.clone().requires_grad_(True)
-    loss = reference_loss(leaf, old, adv, mask, weight=spec.weight, aggregation=spec.aggregation,
-                          eps_low=spec.eps_low, eps_high=spec.eps_high, z=spec.loss_denominator,
-                          max_new_tokens=MAX_NEW, ref=ref, beta=spec.beta)
+    loss = reference_loss(
+        leaf,
+        old,
+        adv,
+        mask,
+        weight=spec.weight,
+        aggregation=spec.aggregation,
+        eps_low=spec.eps_low,
+        eps_high=spec.eps_high,
+        z=spec.loss_denominator,
+        max_new_tokens=MAX_NEW,
+        ref=ref,
+        beta=spec.beta,
+    )
     loss.backward()
     return loss.detach(), leaf.grad
 
@@ -64,8 +82,7 @@ def assert_matches_reference(spec, seed, spread=0.4):
 @pytest.mark.parametrize("weight,aggregation", list(itertools.product(WEIGHTS, AGGREGATIONS)))
 @pytest.mark.parametrize("beta", [0.0, 0.05])
 def test_every_weighting_and_aggregation_matches_reference(weight, aggregation, beta):
-    spec = AlgorithmSpec(name="t", weight=weight, aggregation=aggregation, eps_low=0.1, eps_high=0.3,
-                         beta=beta)
+    spec = AlgorithmSpec(name="t", weight=weight, aggregation=aggregation, eps_low=0.1, eps_high=0.3, beta=beta)
     # a spread big enough that clipping is active on some tokens
     assert_matches_reference(spec, seed=hash((weight, aggregation)) % 1000, spread=0.4)
 
@@ -101,8 +118,9 @@ def test_masked_positions_never_change_loss_or_gradient(weight, aggregation):
     loss_a, grad_a, _ = impl_loss_and_grad(spec, logp, old, adv, mask, ref)
     off = mask == 0
     garbage = lambda x, v: torch.where(off, torch.full_like(x, v), x)  # noqa: E731
-    loss_b, grad_b, _ = impl_loss_and_grad(spec, garbage(logp, 80.0), garbage(old, -90.0), adv, mask,
-                                           garbage(ref, 70.0))
+    loss_b, grad_b, _ = impl_loss_and_grad(
+        spec, garbage(logp, 80.0), garbage(old, -90.0), adv, mask, garbage(ref, 70.0)
+    )
     assert torch.equal(loss_a, loss_b)
     assert torch.equal(grad_a, grad_b)
     assert (grad_b[off] == 0).all()
@@ -163,8 +181,13 @@ def test_non_finite_logprob_on_the_response_raises():
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), n=st.integers(1, 7), t=st.integers(2, 12),
-       weight=st.sampled_from(WEIGHTS), aggregation=st.sampled_from(AGGREGATIONS))
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(1, 7),
+    t=st.integers(2, 12),
+    weight=st.sampled_from(WEIGHTS),
+    aggregation=st.sampled_from(AGGREGATIONS),
+)
 def test_property_matches_reference_on_random_shapes(seed, n, t, weight, aggregation):
     spec = AlgorithmSpec(name="t", weight=weight, aggregation=aggregation, eps_low=0.15, eps_high=0.25, beta=0.02)
     logp, old, adv, mask, ref = make_batch(seed, n=n, t=t)
@@ -182,13 +205,25 @@ def test_engine_mismatch_correction_matches_reference(level, name):
     g = torch.Generator().manual_seed(12)
     engine = old + torch.randn(old.shape, generator=g, dtype=torch.float64) * 0.3
     leaf = logp.clone().requires_grad_(True)
-    loss, metrics = policy_loss(PolicyLossInput(leaf, old, adv, mask, engine_logprobs=engine), spec,
-                                step_denominators(spec, mask, MAX_NEW))
+    loss, metrics = policy_loss(
+        PolicyLossInput(leaf, old, adv, mask, engine_logprobs=engine), spec, step_denominators(spec, mask, MAX_NEW)
+    )
     loss.backward()
     ref_leaf = logp.clone().requires_grad_(True)
-    want = reference_loss(ref_leaf, old, adv, mask, weight=spec.weight, aggregation=spec.aggregation,
-                          eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=MAX_NEW, engine=engine,
-                          correction=level, cap=1.5)
+    want = reference_loss(
+        ref_leaf,
+        old,
+        adv,
+        mask,
+        weight=spec.weight,
+        aggregation=spec.aggregation,
+        eps_low=spec.eps_low,
+        eps_high=spec.eps_high,
+        max_new_tokens=MAX_NEW,
+        engine=engine,
+        correction=level,
+        cap=1.5,
+    )
     want.backward()
     torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-10, atol=1e-12)
@@ -202,8 +237,9 @@ def test_engine_correction_is_off_by_default_and_inert_when_engine_matches():
     base, base_grad, _ = impl_loss_and_grad(PRESETS["grpo"], logp, old, adv, mask)
     spec = PRESETS["grpo"].override(engine_correction="token")
     leaf = logp.clone().requires_grad_(True)
-    loss, _ = policy_loss(PolicyLossInput(leaf, old, adv, mask, engine_logprobs=old.clone()), spec,
-                          step_denominators(spec, mask, MAX_NEW))
+    loss, _ = policy_loss(
+        PolicyLossInput(leaf, old, adv, mask, engine_logprobs=old.clone()), spec, step_denominators(spec, mask, MAX_NEW)
+    )
     loss.backward()
     torch.testing.assert_close(loss.detach(), base, rtol=1e-12, atol=0)
     torch.testing.assert_close(leaf.grad, base_grad, rtol=1e-12, atol=0)

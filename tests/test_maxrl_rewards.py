@@ -37,12 +37,17 @@ def test_maxrl_on_zero_one_rewards_is_unchanged():
     assert torch.isfinite(group_advantages(torch.tensor([[0.0, -0.5, 0.0, 0.0]]), "mean", "std")).all()
 
 
-@pytest.mark.parametrize("overrides,named", [
-    ({"reward.truncation_penalty": 0.5}, "reward.truncation_penalty"),
-    ({"reward.overlong_buffer": 8}, "reward.overlong_buffer"),
-    ({"algorithm.name": "grpo", "algorithm.normalizer": "mean", "reward.truncation_penalty": 0.1},
-     "reward.truncation_penalty"),
-])
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        ({"reward.truncation_penalty": 0.5}, "reward.truncation_penalty"),
+        ({"reward.overlong_buffer": 8}, "reward.overlong_buffer"),
+        (
+            {"algorithm.name": "grpo", "algorithm.normalizer": "mean", "reward.truncation_penalty": 0.1},
+            "reward.truncation_penalty",
+        ),
+    ],
+)
 def test_maxrl_with_length_shaping_is_refused_at_config_time(overrides, named):
     with pytest.raises(ConfigError) as err:
         load_config(None, {"algo": "maxrl", **overrides})
@@ -52,11 +57,14 @@ def test_maxrl_with_length_shaping_is_refused_at_config_time(overrides, named):
 DATASET = {"task.name": "dataset", "task.train": "train.jsonl", "task.validation_size": 4, "model.path": "model"}
 
 
-@pytest.mark.parametrize("rewards,named", [
-    ([{"function": "numeric"}, {"function": "model:RM", "weight": 0.5}], "task.rewards[1] (model:"),
-    ([{"function": "numeric", "weight": 0.5}], "task.rewards[0] (numeric, weight 0.5)"),
-    ([{"function": "numeric"}, {"function": "exact", "name": "exact"}], "task.rewards[1] (exact"),
-])
+@pytest.mark.parametrize(
+    "rewards,named",
+    [
+        ([{"function": "numeric"}, {"function": "model:RM", "weight": 0.5}], "task.rewards[1] (model:"),
+        ([{"function": "numeric", "weight": 0.5}], "task.rewards[0] (numeric, weight 0.5)"),
+        ([{"function": "numeric"}, {"function": "exact", "name": "exact"}], "task.rewards[1] (exact"),
+    ],
+)
 def test_maxrl_with_reward_terms_beyond_zero_one_is_refused_at_config_time(rewards, named, reward_model_dir):
     rewards = [{**r, "function": r["function"].replace("RM", str(reward_model_dir))} for r in rewards]
     with pytest.raises(ConfigError) as err:
@@ -66,11 +74,23 @@ def test_maxrl_with_reward_terms_beyond_zero_one_is_refused_at_config_time(rewar
 
 def test_maxrl_keeps_zero_one_reward_settings():
     load_config(None, {"algo": "maxrl"})
-    load_config(None, {"algo": "maxrl", **DATASET, "task.rewards": [
-        {"function": "numeric"}, {"function": "reward_fns:brevity", "weight": 0.0}]})
+    load_config(
+        None,
+        {
+            "algo": "maxrl",
+            **DATASET,
+            "task.rewards": [{"function": "numeric"}, {"function": "reward_fns:brevity", "weight": 0.0}],
+        },
+    )
     # a user function's values are known only when it runs: checked on the actual rewards
-    load_config(None, {"algo": "maxrl", **DATASET, "task.rewards": [
-        {"function": "numeric", "weight": 0.0}, {"function": "reward_fns:scaled"}]})
+    load_config(
+        None,
+        {
+            "algo": "maxrl",
+            **DATASET,
+            "task.rewards": [{"function": "numeric", "weight": 0.0}, {"function": "reward_fns:scaled"}],
+        },
+    )
     # other algorithms take any reward
     load_config(None, {"algo": "grpo", "reward.truncation_penalty": 0.5})
 
@@ -78,13 +98,47 @@ def test_maxrl_keeps_zero_one_reward_settings():
 def test_maxrl_run_refuses_a_user_function_reward_outside_zero_one(tmp_path, warm_model_dir, capsys):
     rows = [{"problem": f"{a}+{b}", "result": a + b} for a in range(1, 10) for b in range(1, 10)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    rewards = json.dumps([{"function": "numeric", "name": "correct", "weight": 0.0},
-                          {"function": "reward_fns:scaled", "name": "penalty", "options": {"scale": -0.5}}])
-    code = main(["train", "--algo", "maxrl", "--model", str(warm_model_dir), "--output_dir", str(tmp_path / "run"),
-                 "--steps", "1", "--task", "dataset", "--task.train", str(tmp_path / "train.jsonl"),
-                 "--task.validation_size", "8", "--task.question_field", "problem", "--task.answer_field", "result",
-                 "--task.prompt.format", "r1_zero", "--task.rewards", rewards, "--rollout.prompts_per_step", "8",
-                 "--rollout.group_size", "8", "--rollout.max_new_tokens", "40", "--eval.every", "100"])
+    rewards = json.dumps(
+        [
+            {"function": "numeric", "name": "correct", "weight": 0.0},
+            {"function": "reward_fns:scaled", "name": "penalty", "options": {"scale": -0.5}},
+        ]
+    )
+    code = main(
+        [
+            "train",
+            "--algo",
+            "maxrl",
+            "--model",
+            str(warm_model_dir),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "1",
+            "--task",
+            "dataset",
+            "--task.train",
+            str(tmp_path / "train.jsonl"),
+            "--task.validation_size",
+            "8",
+            "--task.question_field",
+            "problem",
+            "--task.answer_field",
+            "result",
+            "--task.prompt.format",
+            "r1_zero",
+            "--task.rewards",
+            rewards,
+            "--rollout.prompts_per_step",
+            "8",
+            "--rollout.group_size",
+            "8",
+            "--rollout.max_new_tokens",
+            "40",
+            "--eval.every",
+            "100",
+        ]
+    )
     err = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
     assert code == 2 and len(err) == 1, err
     assert "penalty -0.5" in err[0] and "{0, 1}" in err[0], err

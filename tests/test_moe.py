@@ -11,16 +11,35 @@ from conftest import float64_norms, quick_config
 from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from grpolab.learning.shared_prefix import layout_units, unit_logprobs
-from grpolab.run.trainer import Trainer
 from grpolab.learning.batching import collate
-from grpolab.models.routing import (RouterRecorder, RouterTally, RoutingTable, load_balancing_loss, router_metrics,
-                                    router_sums, routers)
+from grpolab.learning.shared_prefix import layout_units, unit_logprobs
+from grpolab.models.routing import (
+    RouterRecorder,
+    RouterTally,
+    RoutingTable,
+    load_balancing_loss,
+    router_metrics,
+    router_sums,
+    routers,
+)
+from grpolab.run.trainer import Trainer
 
 VOCAB = 64
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, num_experts_per_tok=2, initializer_range=0.3,
-              pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    num_experts_per_tok=2,
+    initializer_range=0.3,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=None,
+    tie_word_embeddings=False,
+)
 FAMILIES = {
     "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, head_dim=8, num_experts=8, moe_intermediate_size=16),
     "olmoe": lambda: OlmoeConfig(**COMMON, num_experts=8),
@@ -46,13 +65,18 @@ def test_the_training_forward_of_an_moe_model_is_its_own_forward_in_float64(fami
     n, length = ids.shape
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, :-1]
-        own = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)[:, prompt - 1:]
+        own = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)[:, prompt - 1 :]
         for shared in (False, True):
             units = [[0, 1, 2]] if shared else [[r] for r in range(n)]
             same = ids.clone()
             same[:, :prompt] = ids[0, :prompt]  # shared prompts need one prompt
-            want = own if not shared else torch.log_softmax(model(input_ids=same).logits[:, :-1], -1).gather(
-                -1, same[:, 1:, None]).squeeze(-1)[:, prompt - 1:]
+            want = (
+                own
+                if not shared
+                else torch.log_softmax(model(input_ids=same).logits[:, :-1], -1)
+                .gather(-1, same[:, 1:, None])
+                .squeeze(-1)[:, prompt - 1 :]
+            )
             layout = layout_units(same if shared else ids, [prompt] * n, [length] * n, units, shared=shared)
             got = unit_logprobs(model, layout, n, length).logprobs[:, prompt:]
             torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)  # returned in float32
@@ -90,7 +114,7 @@ def test_router_metrics_are_a_hand_computation():
     counts = [3, 2, 1, 0]  # transformers' loss: selections per token (k at balance), not the load shares
     assert got["aux_loss"] == pytest.approx(4 * sum(c / 3 * p for c, p in zip(counts, mean_prob)), abs=1e-15)
     assert router_metrics(router_sums(logits, selected, torch.zeros(4, dtype=torch.bool), 4)) == {}
-    halves = [router_sums(logits[i:i + 2], selected[i:i + 2], mask[i:i + 2], 4) for i in (0, 2)]
+    halves = [router_sums(logits[i : i + 2], selected[i : i + 2], mask[i : i + 2], 4) for i in (0, 2)]
     assert router_metrics(halves[0] + halves[1]) == got, "the sums of two forwards give the metrics of both"
 
 
@@ -157,8 +181,9 @@ def test_router_sums_count_the_completion_tokens_alike_shared_or_not():
     tallies = []
     for shared in (False, True):
         tally = RouterTally(model)
-        layout = layout_units(ids, prompt_lens, seq_lens, [[0, 1, 2, 3]] if shared else [[r] for r in range(4)],
-                              shared=shared)
+        layout = layout_units(
+            ids, prompt_lens, seq_lens, [[0, 1, 2, 3]] if shared else [[r] for r in range(4)], shared=shared
+        )
         with torch.no_grad(), tally.forward(layout.completion_masks()):
             unit_logprobs(model, layout, 4, 12)
         tallies.append(tally.sums)
@@ -169,6 +194,7 @@ def test_router_sums_count_the_completion_tokens_alike_shared_or_not():
 def _flip_second_choice(layer_calls: list[int]):
     """A router hook that, as differing numerics might, swaps each token's second expert for its third (the
     logits untouched): live routing that disagrees with the recorded one."""
+
     def hook(module, args, output):
         logits, scores, selected = output
         layer_calls.append(1)
@@ -176,6 +202,7 @@ def _flip_second_choice(layer_calls: list[int]):
         flipped = torch.cat([selected[:, :1], third], dim=1)
         weights = torch.softmax(logits.float(), -1).gather(1, flipped)
         return logits, (weights / weights.sum(-1, keepdim=True)).to(scores.dtype), flipped
+
     return hook
 
 
@@ -199,6 +226,7 @@ def check_replay(model):
     calls: list[int] = []
     handles = [r.register_forward_hook(_flip_second_choice(calls)) for r in routers(model)]  # before replay's
     try:
+
         def replayed_forward(replay: bool):
             used = RouterRecorder()
             with table.attach(replay), used.record(model):
@@ -254,9 +282,14 @@ def test_an_moe_run_with_two_epochs_measures_the_routing_mismatch(moe_dir, tmp_p
     forward's; the training forwards (the second after an update) are compared with it, and with replay routed
     by it, under gradient checkpointing too (its recomputed layers replay the same choice), with the
     load-balancing loss's graph."""
-    overrides = {"algorithm.epochs": 2, "algorithm.routing_replay": replay, "optim.micro_batch_size": 8,
-                 "model.gradient_checkpointing": replay, "task.name": "custom_task:DigitShare",
-                 "model.router_aux_loss_coef": 0.01 if replay else 0.0}
+    overrides = {
+        "algorithm.epochs": 2,
+        "algorithm.routing_replay": replay,
+        "optim.micro_batch_size": 8,
+        "model.gradient_checkpointing": replay,
+        "task.name": "custom_task:DigitShare",
+        "model.router_aux_loss_coef": 0.01 if replay else 0.0,
+    }
     trainer = Trainer(quick_config(moe_dir, tmp_path / "run", **overrides))
     learner, learn = trainer.parts.learner, trainer.parts.learner.learn
 
@@ -322,9 +355,13 @@ def test_one_step_grpo_replays_the_hf_engines_routing(moe_dir, tmp_path):
     from the engine's, the replayed forward still scores the engine's log-probs (the sync check's difference)."""
     records = {}
     for replay in (False, True):
-        overrides = {"algorithm.routing_replay": replay, "task.name": "custom_task:DigitShare",
-                     "rollout.sync_max_diff": 100.0, "rollout.sync_mean_diff": 100.0,
-                     "rollout.sync_noise_multiple": None}
+        overrides = {
+            "algorithm.routing_replay": replay,
+            "task.name": "custom_task:DigitShare",
+            "rollout.sync_max_diff": 100.0,
+            "rollout.sync_mean_diff": 100.0,
+            "rollout.sync_noise_multiple": None,
+        }
         trainer = Trainer(quick_config(moe_dir, tmp_path / f"run{replay}", **overrides))
         learner, learn = trainer.parts.learner, trainer.parts.learner.learn
 
@@ -352,23 +389,29 @@ def test_router_aux_loss_coef_adds_the_models_own_load_balancing_loss_to_the_gra
     own forward with ``output_router_logits``), and rows with a zero advantage are backpropagated too."""
     coef, grads, reference = 0.5, {}, {}
     for c in (0.0, coef):
-        overrides = {"model.router_aux_loss_coef": c, "optim.micro_batch_size": 32, "optim.max_grad_norm": 1e9,
-                     "task.name": "custom_task:DigitShare"}
+        overrides = {
+            "model.router_aux_loss_coef": c,
+            "optim.micro_batch_size": 32,
+            "optim.max_grad_norm": 1e9,
+            "task.name": "custom_task:DigitShare",
+        }
         trainer = Trainer(quick_config(moe_dir, tmp_path / f"run{c}", **overrides))
         learner, weights = trainer.parts.learner, [r.weight for r in routers(trainer.parts.learner.model)]
         learn = learner.learn
 
         def learn_and_reference(rollout, learn=learn, learner=learner, weights=weights):
             batch = collate([x for group in rollout.completions for x in group], learner.pad_token_id)
-            out = learner.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                output_router_logits=True)
+            out = learner.model(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_router_logits=True
+            )
             aux = load_balancing_loss_func(out.router_logits, 8, 2, attention_mask=batch.response_mask.bool())
             reference["grad"] = torch.autograd.grad(aux, weights)
             return learn(rollout)
 
         learner.learn = learn_and_reference
         learner.optimizer.register_step_pre_hook(
-            lambda *_, c=c, weights=weights: grads.setdefault(c, [w.grad.clone() for w in weights]) and None)
+            lambda *_, c=c, weights=weights: grads.setdefault(c, [w.grad.clone() for w in weights]) and None
+        )
         try:
             record = trainer.train_step(1)
         finally:
@@ -386,8 +429,9 @@ def test_the_probe_update_is_the_learners_own_with_the_load_balancing_loss(moe_d
 
     norms = {}
     for coef in (0.0, 0.5):
-        cfg = quick_config(moe_dir, tmp_path / "unused", **{"model.router_aux_loss_coef": coef,
-                                                             "rollout.max_new_tokens": 8})
+        cfg = quick_config(
+            moe_dir, tmp_path / "unused", **{"model.router_aux_loss_coef": coef, "rollout.max_new_tokens": 8}
+        )
         report = run_probe(cfg, tmp_path / f"probe{coef}.json")
         norms[coef] = [update["grad_norm"] for update in report["updates"]]
         assert all(u["parameter_tensors_with_nonzero_grad"] == u["parameter_tensors"] for u in report["updates"])
@@ -427,9 +471,18 @@ def test_router_aux_loss_coef_on_a_dense_model_is_refused(tiny_model_dirs, tmp_p
     assert not (tmp_path / "run").exists()
 
 
-TINY_MOE_WARM_START = {"arch": "qwen3_moe", "num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 32,
-                       "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "steps": 20,
-                       "batch_size": 16}
+TINY_MOE_WARM_START = {
+    "arch": "qwen3_moe",
+    "num_experts": 4,
+    "experts_per_token": 2,
+    "moe_intermediate_size": 32,
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "steps": 20,
+    "batch_size": 16,
+}
 
 
 def test_the_demo_model_warm_starts_as_an_moe_whose_routing_is_measured_at_evaluation(tmp_path, monkeypatch):
@@ -439,8 +492,17 @@ def test_the_demo_model_warm_starts_as_an_moe_whose_routing_is_measured_at_evalu
     from grpolab.run.step import vital_signs
 
     monkeypatch.setenv("GRPOLAB_CACHE", str(tmp_path / "cache"))
-    cfg = load_config(None, {"model.warm_start": TINY_MOE_WARM_START, "output_dir": str(tmp_path / "run"), "steps": 1,
-                             "rollout.prompts_per_step": 4, "rollout.group_size": 4, "eval.n_examples": 16})
+    cfg = load_config(
+        None,
+        {
+            "model.warm_start": TINY_MOE_WARM_START,
+            "output_dir": str(tmp_path / "run"),
+            "steps": 1,
+            "rollout.prompts_per_step": 4,
+            "rollout.group_size": 4,
+            "eval.n_examples": 16,
+        },
+    )
     trainer = Trainer(cfg)
     try:
         model = trainer.parts.learner.model
@@ -479,16 +541,23 @@ def test_the_report_draws_each_moe_runs_expert_load_per_layer(tmp_path):
     runs = []
     for name, moe in (("moe run", True), ("dense", False)):
         (tmp_path / name).mkdir()
-        lines = [{"step": s, "reward_mean": 0.5, **({f"router/layer{i}/load": v for i, v in enumerate(loads[s])}
-                                                     if moe else {})} for s in loads] + [{"step": 3, "val/accuracy": 1}]
+        lines = [
+            {
+                "step": s,
+                "reward_mean": 0.5,
+                **({f"router/layer{i}/load": v for i, v in enumerate(loads[s])} if moe else {}),
+            }
+            for s in loads
+        ] + [{"step": 3, "val/accuracy": 1}]
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
         runs.append(Run(name, tmp_path / name, "completed"))
     steps, grids = layer_loads(runs[0])
     assert steps == [1, 2, 3] and sorted(grids) == [0, 1] and grids[0].shape == (4, 3)
     assert grids[0][:, 2].tolist() == loads[3][0] and layer_loads(runs[1]) == ([], {})
     (tmp_path / "fig").mkdir()
-    assert load_heatmaps(runs, tmp_path / "fig") == [("moe run: expert load per layer over steps",
-                                                      "router_load_moe_run.png")]
+    assert load_heatmaps(runs, tmp_path / "fig") == [
+        ("moe run: expert load per layer over steps", "router_load_moe_run.png")
+    ]
     assert (tmp_path / "fig" / "router_load_moe_run.png").stat().st_size > 1000
 
 
@@ -502,7 +571,10 @@ def test_lora_on_an_moe_adapts_attention_experts_and_routers(moe_dir, tmp_path):
         trained = {n for n, p in trainer.parts.learner.model.named_parameters() if p.requires_grad}
         assert all("lora_" in n for n in trained)
         assert {kind for kind in ("self_attn", ".experts.", ".gate.") if any(kind in n for n in trained)} == {
-            "self_attn", ".experts.", ".gate."}
+            "self_attn",
+            ".experts.",
+            ".gate.",
+        }
         record = trainer.train_step(1)
     finally:
         trainer.close()
@@ -556,10 +628,12 @@ def test_the_engine_sync_writes_an_moes_experts_in_its_checkpoint_format(warm_mo
 def _untested_family(family: str):
     from transformers import Ernie4_5_MoeConfig, GraniteMoeConfig, PhimoeConfig, Qwen2MoeConfig
 
-    return {"granitemoe": lambda: GraniteMoeConfig(**COMMON, num_local_experts=8),
-            "phimoe": lambda: PhimoeConfig(**COMMON, num_local_experts=8),
-            "ernie4_5_moe": lambda: Ernie4_5_MoeConfig(**COMMON, moe_num_experts=8, moe_intermediate_size=16),
-            "qwen2_moe": lambda: Qwen2MoeConfig(**COMMON, num_experts=8, moe_intermediate_size=16)}[family]()
+    return {
+        "granitemoe": lambda: GraniteMoeConfig(**COMMON, num_local_experts=8),
+        "phimoe": lambda: PhimoeConfig(**COMMON, num_local_experts=8),
+        "ernie4_5_moe": lambda: Ernie4_5_MoeConfig(**COMMON, moe_num_experts=8, moe_intermediate_size=16),
+        "qwen2_moe": lambda: Qwen2MoeConfig(**COMMON, num_experts=8, moe_intermediate_size=16),
+    }[family]()
 
 
 @pytest.mark.parametrize("family", ["granitemoe", "phimoe", "ernie4_5_moe", "qwen2_moe"])
@@ -597,9 +671,30 @@ def test_a_granite_moe_run_is_refused_in_one_line_before_its_run_dir(tmp_path, t
     path, out = tmp_path / "granite", tmp_path / "run"
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    assert main(["train", "--model", str(path), "--output-dir", str(out), "--steps", "1", "--task.n_train", "60",
-                 "--task.n_val", "16", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
-                 "--rollout.max_new_tokens", "8"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                str(path),
+                "--output-dir",
+                str(out),
+                "--steps",
+                "1",
+                "--task.n_train",
+                "60",
+                "--task.n_val",
+                "16",
+                "--rollout.prompts_per_step",
+                "2",
+                "--rollout.group_size",
+                "2",
+                "--rollout.max_new_tokens",
+                "8",
+            ]
+        )
+        == 2
+    )
     errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "granitemoe: a Mixture-of-Experts family" in errors[0], errors
     assert not out.exists()

@@ -15,13 +15,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.learning.batching import collate
 from grpolab.models.logprobs import token_logprobs
+from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
 from grpolab.rollout.base import Completion, SamplingParams
 from grpolab.rollout.hf.engine import HFEngine
+from grpolab.rollout.multiturn import MultiTurnEngine, tool_metrics
 from grpolab.rollout.sync_check import verify_weight_sync
 from grpolab.tasks.calculator import CalculatorTask
-from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
 from grpolab.tools import Toolset
-from grpolab.rollout.multiturn import MultiTurnEngine, tool_metrics
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 
@@ -48,8 +48,9 @@ class ScriptedEngine:
                     finish, cut = ("stop", end) if end <= params.max_new_tokens else ("length", params.max_new_tokens)
                     break
             ids = ids[:cut]
-            groups.append([Completion(list(prompt), ids, [-0.5] * len(ids), finish, self.tokenizer.decode(ids))
-                           for _ in range(n)])
+            groups.append(
+                [Completion(list(prompt), ids, [-0.5] * len(ids), finish, self.tokenizer.decode(ids)) for _ in range(n)]
+            )
         return groups
 
     def sync_weights(self, model):
@@ -80,9 +81,9 @@ def _check_spans(completion: Completion, tokenizer) -> None:
     assert zeros == spans
     for call in completion.tool_calls:
         expected = tokenizer(call["observation"], add_special_tokens=False)["input_ids"]
-        got = completion.completion_ids[call["start"]:call["end"]]
-        assert got == expected[:len(got)] and (got == expected or completion.truncated)
-        assert all(lp == 0.0 for lp in completion.logprobs[call["start"]:call["end"]])
+        got = completion.completion_ids[call["start"] : call["end"]]
+        assert got == expected[: len(got)] and (got == expected or completion.truncated)
+        assert all(lp == 0.0 for lp in completion.logprobs[call["start"] : call["end"]])
 
 
 def test_a_call_is_run_and_the_next_turn_continues_from_its_observation(char_tok):
@@ -101,8 +102,9 @@ def test_a_call_is_run_and_the_next_turn_continues_from_its_observation(char_tok
     first, second = engine.calls[0][2], engine.calls[1][2]
     assert first.seed == 5 and second.seed not in (None, 5)
     assert first.stop_strings == second.stop_strings == ("</answer>", "</tool_call>")
-    assert second.max_new_tokens == 200 - len(char_tok(CALL % "2*3" + "<tool_response>6</tool_response>",
-                                                       add_special_tokens=False)["input_ids"])
+    assert second.max_new_tokens == 200 - len(
+        char_tok(CALL % "2*3" + "<tool_response>6</tool_response>", add_special_tokens=False)["input_ids"]
+    )
 
 
 def test_bad_calls_are_error_observations_and_the_turn_limit_holds(char_tok):
@@ -149,8 +151,16 @@ def test_single_turn_completions_pass_through(char_tok):
 
 # ---- the real engines on a warm-started tool model ----------------------------------------------
 TOOL_TASK = {"n_train": 300, "n_val": 16, "tool_demos": 1.0}
-TOOL_WARM_START = WarmStartSettings(steps=120, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
-                                    batch_size=32, lr=5e-3, tie_word_embeddings=True)  # head_dim 32 suits vLLM
+TOOL_WARM_START = WarmStartSettings(
+    steps=120,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    intermediate_size=128,
+    batch_size=32,
+    lr=5e-3,
+    tie_word_embeddings=True,
+)  # head_dim 32 suits vLLM
 
 
 @pytest.fixture(scope="module")
@@ -174,11 +184,16 @@ def _check_against_trainer(completions, task, tokenizer, model_dir):
             assert call["observation"] == "" or call["observation"] == task.toolset.execute(call["text"]).observation
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     batch = collate(completions, tokenizer.pad_token_id)
-    assert batch.token_counts()["tokens/masked_observation"] == sum(c["end"] - c["start"] for x in completions
-                                                                     for c in x.tool_calls) > 0
+    assert (
+        batch.token_counts()["tokens/masked_observation"]
+        == sum(c["end"] - c["start"] for x in completions for c in x.tool_calls)
+        > 0
+    )
     with torch.no_grad():
         trainer = token_logprobs(model, batch.input_ids, batch.attention_mask).logprobs
-    check = verify_weight_sync(batch.engine_logprobs, trainer, batch.response_mask, max_abs_diff=1e-3, mean_abs_diff=1e-4)
+    check = verify_weight_sync(
+        batch.engine_logprobs, trainer, batch.response_mask, max_abs_diff=1e-3, mean_abs_diff=1e-4
+    )
     assert check.num_tokens == batch.num_response_tokens
 
 
@@ -213,10 +228,23 @@ def test_a_tool_task_run_logs_tool_use_and_masked_tokens(tool_model, tmp_path):
     from grpolab.run.trainer import train
 
     _, model_dir = tool_model
-    cfg = load_config(None, {"model.path": str(model_dir), "output_dir": str(tmp_path / "run"), "steps": 2,
-                             "task.name": "calculator", **{f"task.{k}": v for k, v in TOOL_TASK.items()},
-                             "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 48,
-                             "optim.micro_batch_size": 16, "eval.every": 2, "checkpoint.every": 2, "log_every": 1})
+    cfg = load_config(
+        None,
+        {
+            "model.path": str(model_dir),
+            "output_dir": str(tmp_path / "run"),
+            "steps": 2,
+            "task.name": "calculator",
+            **{f"task.{k}": v for k, v in TOOL_TASK.items()},
+            "rollout.prompts_per_step": 4,
+            "rollout.group_size": 4,
+            "rollout.max_new_tokens": 48,
+            "optim.micro_batch_size": 16,
+            "eval.every": 2,
+            "checkpoint.every": 2,
+            "log_every": 1,
+        },
+    )
     train(cfg)
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r for r in steps if "reward_mean" in r]
@@ -228,12 +256,13 @@ def test_a_tool_task_run_logs_tool_use_and_masked_tokens(tool_model, tmp_path):
     assert all("val/tool/call_rate" in r for r in evals)
     records = [json.loads(line) for line in (tmp_path / "run" / "eval" / "step_000002.jsonl").read_text().splitlines()]
     called = [r for r in records if r.get("tool_calls")]
-    assert called and all(r["completion"].count("<tool_response>") == sum(c["observation"] != "" for c in r["tool_calls"])
-                          for r in called)
-    from grpolab.studies.report import write_report
+    assert called and all(
+        r["completion"].count("<tool_response>") == sum(c["observation"] != "" for c in r["tool_calls"]) for r in called
+    )
     from rich.console import Console
 
     from grpolab.common.progress import Reporter
+    from grpolab.studies.report import write_report
 
     write_report(tmp_path / "run", Reporter(Console()))
     report = (tmp_path / "run" / "report" / "report.md").read_text()
@@ -249,13 +278,26 @@ def test_rl_on_the_tool_task_learns(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPOLAB_CACHE", str(tmp_path / "cache"))
     torch.set_num_threads(2)
     try:
-        cfg = load_config(None, {"task.name": "calculator", "output_dir": str(tmp_path / "run"), "steps": 40,
-                                 "eval.every": 20, "eval.n_examples": 200, "checkpoint.every": 40, "threads": 2})
+        cfg = load_config(
+            None,
+            {
+                "task.name": "calculator",
+                "output_dir": str(tmp_path / "run"),
+                "steps": 40,
+                "eval.every": 20,
+                "eval.n_examples": 200,
+                "checkpoint.every": 40,
+                "threads": 2,
+            },
+        )
         summary = train(cfg)
     finally:
         torch.set_num_threads(int(os.environ.get("GRPOLAB_TEST_THREADS", "1")))
     start, final = summary["val_accuracy"]["start"], summary["val_accuracy"]["final"]
     assert final >= start + 0.15, (start, final)
-    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-             if "val/accuracy" in line]
+    evals = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if "val/accuracy" in line
+    ]
     assert evals[-1]["val/tool/accuracy_with_calls"] > evals[0]["val/tool/accuracy_with_calls"]

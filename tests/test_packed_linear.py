@@ -44,8 +44,9 @@ def test_packed_layers_give_the_models_own_logits_and_are_restored_after(make_ti
     assert (inside - before).abs().max().item() < 1e-5
 
 
-def test_a_shared_weight_is_packed_once_and_an_error_inside_restores_every_layer(make_tiny_model, monkeypatch,
-                                                                               pack_every_layer):
+def test_a_shared_weight_is_packed_once_and_an_error_inside_restores_every_layer(
+    make_tiny_model, monkeypatch, pack_every_layer
+):
     model = make_tiny_model("llama")
     layers = model.model.layers
     layers[1].mlp.up_proj.weight = layers[0].mlp.up_proj.weight  # shared: one weight, one packed copy
@@ -83,8 +84,9 @@ def test_packing_stays_off_where_it_does_not_apply(make_tiny_model, pack_every_l
 
 
 @pytest.mark.parametrize("pack", [True, False])
-def test_the_hf_engine_samples_on_packed_weights_at_the_trainers_logprobs(make_tiny_model, tokenizer, pack,
-                                                                         pack_every_layer):
+def test_the_hf_engine_samples_on_packed_weights_at_the_trainers_logprobs(
+    make_tiny_model, tokenizer, pack, pack_every_layer
+):
     """The engine generates through packed layers (pack_weights, the default) and the sampled tokens'
     log-probs stay the trainer's; after a weight change the next call packs the new weights."""
     model = make_tiny_model("llama")

@@ -51,18 +51,23 @@ def test_runs_start_in_the_files_order_a_wide_run_blocks_the_rest_and_init_from_
 
 def test_devices_per_run_of_base_is_each_runs_default(tmp_path):
     path = tmp_path / "suite.toml"
-    path.write_text('[suite]\ndevices = "0,1"\n[base]\nsteps = 3\ndevices_per_run = 2\n'
-                    '[[runs]]\nname = "a"\nalgo = "grpo"\n[[runs]]\nname = "b"\nalgo = "grpo"\ndevices_per_run = 1\n')
+    path.write_text(
+        '[suite]\ndevices = "0,1"\n[base]\nsteps = 3\ndevices_per_run = 2\n'
+        '[[runs]]\nname = "a"\nalgo = "grpo"\n[[runs]]\nname = "b"\nalgo = "grpo"\ndevices_per_run = 1\n'
+    )
     spec = load_suite(path)
     assert [run.devices_per_run for run in spec.runs] == [2, 1] and "devices_per_run" not in spec.base
     assert spec.suite.devices == "0,1" and spec.suite.launcher == "local"
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--devices", "0"], "error: run wide needs 2 devices; only 1 are listed (0)"),
-    (["--devices", "0,1,0"], "error: devices '0,1,0': 0 listed more than once"),
-    (["--launcher", "slurm", "--devices", "0,1"], "error: devices are placed by Slurm with the slurm launcher"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--devices", "0"], "error: run wide needs 2 devices; only 1 are listed (0)"),
+        (["--devices", "0,1,0"], "error: devices '0,1,0': 0 listed more than once"),
+        (["--launcher", "slurm", "--devices", "0,1"], "error: devices are placed by Slurm with the slurm launcher"),
+    ],
+)
 def test_a_placement_that_cannot_work_is_one_error_line_before_anything_is_written(args, expected, tmp_path, capsys):
     path = tmp_path / "suite.toml"
     path.write_text('[base]\nsteps = 3\n[[runs]]\nname = "wide"\nalgo = "grpo"\ndevices_per_run = 2\n')
@@ -75,7 +80,9 @@ def test_a_placement_that_cannot_work_is_one_error_line_before_anything_is_writt
 def test_a_dry_run_says_where_the_runs_go(tmp_path, capsys):
     path = tmp_path / "suite.toml"
     path.write_text('[slurm]\npartition = "gpu"\n[base]\nsteps = 3\n[[runs]]\nname = "a"\nalgo = "grpo"\n')
-    assert main(["suite", "run", str(path), "--output-root", str(tmp_path / "out"), "--dry-run", "--devices", "0,1"]) == 0
+    assert (
+        main(["suite", "run", str(path), "--output-root", str(tmp_path / "out"), "--dry-run", "--devices", "0,1"]) == 0
+    )
     assert "placement: devices 0,1, as many runs at once as fit" in capsys.readouterr().out
 
 

@@ -91,11 +91,13 @@ def test_a_lora_checkpoint_as_the_start_is_refused_without_its_settings(warm_mod
         policy_start(checkpoint, None, needs_reference=False)
     with pytest.raises(ValueError, match="cannot start from it"):
         policy_start(checkpoint, LORA, needs_reference=True)
-    policy = load_run_policy(warm_model_dir, warm_model_dir, FP32, CPU, lora=LORA, seed=1, sharded=False,
-                             started_from=checkpoint)  # continues the checkpoint's adapter, not a fresh one
+    policy = load_run_policy(
+        warm_model_dir, warm_model_dir, FP32, CPU, lora=LORA, seed=1, sharded=False, started_from=checkpoint
+    )  # continues the checkpoint's adapter, not a fresh one
     saved = add_adapter(load_policy(warm_model_dir)[0], LORA, 0, warm_model_dir).model
-    assert all(torch.equal(p, dict(saved.named_parameters())[n]) for n, p in policy.model.named_parameters()
-               if "lora_A" in n)
+    assert all(
+        torch.equal(p, dict(saved.named_parameters())[n]) for n, p in policy.model.named_parameters() if "lora_A" in n
+    )
 
 
 def test_vllm_takes_each_kind_of_weights_the_way_it_always_did(warm_model_dir, tmp_path):

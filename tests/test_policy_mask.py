@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpolab.objectives.algorithms import PRESETS
 from grpolab.learning.batching import collate
+from grpolab.learning.update import UpdateData, accumulate_gradients
 from grpolab.models.logprobs import token_logprobs
+from grpolab.objectives.algorithms import PRESETS
 from grpolab.objectives.losses import step_denominators
 from grpolab.rollout.base import Completion
 from grpolab.rollout.sync_check import logprob_diff
-from grpolab.learning.update import UpdateData, accumulate_gradients
 
 
 def _trajectories(vocab: int) -> list[Completion]:
@@ -45,16 +45,21 @@ def test_collate_masks_exactly_the_observation_tokens(tokenizer):
     batch = collate(completions, tokenizer.pad_token_id)
     for row, c in enumerate(completions):
         p = len(c.prompt_ids)
-        assert batch.response_mask[row, p:p + len(c.completion_ids)].tolist() == c.mask
-        assert batch.response_mask[row, :p].sum() == 0 and batch.response_mask[row, p + len(c.completion_ids):].sum() == 0
+        assert batch.response_mask[row, p : p + len(c.completion_ids)].tolist() == c.mask
+        assert (
+            batch.response_mask[row, :p].sum() == 0 and batch.response_mask[row, p + len(c.completion_ids) :].sum() == 0
+        )
         assert batch.attention_mask[row].sum() == p + len(c.completion_ids)  # observations are context
     obs = _observation_positions(batch)
     assert int(obs.sum()) == 3 + 5 + 0 + 2 and (batch.engine_logprobs[obs] == 0).all()
     assert batch.num_response_tokens == sum(c.num_policy_tokens for c in completions) == 21
     counts = batch.token_counts()
-    assert counts == {"tokens/policy": 21, "tokens/masked_observation": 10,
-                      "tokens/masked_prompt": sum(len(c.prompt_ids) for c in completions),
-                      "tokens/masked_padding": batch.input_ids.numel() - 31 - counts["tokens/masked_prompt"]}
+    assert counts == {
+        "tokens/policy": 21,
+        "tokens/masked_observation": 10,
+        "tokens/masked_prompt": sum(len(c.prompt_ids) for c in completions),
+        "tokens/masked_padding": batch.input_ids.numel() - 31 - counts["tokens/masked_prompt"],
+    }
 
 
 def _gradients(model, batch, spec, perturb: bool):
@@ -67,8 +72,13 @@ def _gradients(model, batch, spec, perturb: bool):
     old, ref, engine = frozen.clone(), frozen - 0.05, batch.engine_logprobs.clone()
     if perturb:
         old, ref, engine = (torch.where(obs, t + 3.0, t) for t in (old, ref, engine))
-    data = UpdateData(advantages=torch.tensor([1.0, -0.5, 0.7, -1.2]), response_mask=batch.response_mask,
-                      old_logprobs=old, ref_logprobs=ref, engine_logprobs=engine)
+    data = UpdateData(
+        advantages=torch.tensor([1.0, -0.5, 0.7, -1.2]),
+        response_mask=batch.response_mask,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        engine_logprobs=engine,
+    )
 
     def policy_logprobs(idx):
         stats = token_logprobs(model, batch.input_ids[idx], batch.attention_mask[idx], with_entropy=True)

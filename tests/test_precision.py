@@ -24,9 +24,16 @@ CPU = torch.device("cpu")
 def bf16_model():
     """A small random Llama whose weights are exactly representable in bf16 (a bf16 checkpoint)."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     return AutoModelForCausalLM.from_config(config).to(torch.bfloat16).float().eval()
 
 
@@ -50,16 +57,20 @@ def accumulated_change(base, setting: str, steps: int = 20, lr: float = 1e-5) ->
             logprobs = token_logprobs(model, ids, torch.ones_like(ids)).logprobs
         (-(advantages * logprobs).mean()).backward()
         optimizer.step()
+
     def effective(p):
         comp = optimizer.state[p].get("kahan_comp") if setting == "bf16_compensated" else None
         return p.detach().float() + (comp.float() if comp is not None else 0.0)
+
     return torch.cat([(effective(p) - s).flatten() for p, s in zip(model.parameters(), start)])
 
 
 def test_bf16_settings_move_the_weights_like_the_fp32_reference(bf16_model):
     reference = accumulated_change(bf16_model, "reference")
-    error = {s: float((accumulated_change(bf16_model, s) - reference).norm() / reference.norm())
-             for s in ("fp32_master", "bf16_compensated", "bf16")}
+    error = {
+        s: float((accumulated_change(bf16_model, s) - reference).norm() / reference.norm())
+        for s in ("fp32_master", "bf16_compensated", "bf16")
+    }
     assert error["fp32_master"] < 0.05, error
     assert error["bf16_compensated"] < 0.05, error
     assert error["bf16"] > 0.5, error  # plain bf16 AdamW: most updates round away
@@ -85,8 +96,9 @@ def test_precision_settings_and_memory_table():
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
     compensated = resolve_precision("bf16_compensated", torch.bfloat16)
     assert compensated.storage == torch.bfloat16
-    optimizer = compensated.optimizer([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], lr=1e-5,
-                                      betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = compensated.optimizer(
+        [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0
+    )
     assert type(optimizer).__module__.startswith("optimi")
     table = memory_table(1000)
     assert table["fp32_master"]["total"] == 16000 and table["bf16_compensated"]["total"] == 10000
@@ -94,8 +106,11 @@ def test_precision_settings_and_memory_table():
 
 
 def run_rewards(model_dir, out, **overrides) -> tuple[list[float], list[float]]:
-    cfg = quick_config(model_dir, out, **{"steps": 8, "eval.every": 100, "checkpoint.every": 100,
-                                          "rollout.prompts_per_step": 8, **overrides})
+    cfg = quick_config(
+        model_dir,
+        out,
+        **{"steps": 8, "eval.every": 100, "checkpoint.every": 100, "rollout.prompts_per_step": 8, **overrides},
+    )
     trainer = Trainer(cfg, Console(quiet=True))
     try:
         trainer.run()
@@ -112,7 +127,10 @@ def test_short_bf16_run_tracks_the_fp32_run(warm_model_dir, tmp_path):
     assert abs(statistics.mean(fp32_rewards) - statistics.mean(bf16_rewards)) < 0.1, (fp32_rewards, bf16_rewards)
     # it does not drift away: the last four steps too (at lr 3e-3 both runs collapse within 2 steps, which
     # would make this vacuous; at 1e-3 both stay near the start)
-    assert abs(statistics.mean(fp32_rewards[4:]) - statistics.mean(bf16_rewards[4:])) < 0.1, (fp32_rewards, bf16_rewards)
+    assert abs(statistics.mean(fp32_rewards[4:]) - statistics.mean(bf16_rewards[4:])) < 0.1, (
+        fp32_rewards,
+        bf16_rewards,
+    )
     assert all(0 < n < 10 * max(fp32_norms) for n in bf16_norms)
 
 

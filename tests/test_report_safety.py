@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from test_report import md_table
+
 from grpolab.commands.cli import main
 from grpolab.common.atomic import temp_path
-from grpolab.studies.report.runs import find_runs
 from grpolab.studies.manifest import RunRecord, SuiteManifest
+from grpolab.studies.report.runs import find_runs
 
 MARKER = ".grpolab-report"
 
@@ -29,30 +29,72 @@ def correctness(seed: int, step: int, items: int) -> np.ndarray:
     return (rng.random(items) < 0.3 + 0.01 * step).astype(float)
 
 
-def write_run(path: Path, seed: int, steps: int = 50, done: int | None = None, items: int = 100, every: int = 10,
-              settings: str = "grpo") -> Path:
+def write_run(
+    path: Path,
+    seed: int,
+    steps: int = 50,
+    done: int | None = None,
+    items: int = 100,
+    every: int = 10,
+    settings: str = "grpo",
+) -> Path:
     """A run directory as the trainer leaves it: config.json, metrics.jsonl (a train record per step and a
     validation record per evaluation), eval/step_NNNNNN.jsonl per evaluation and, when it got to ``steps``,
     summary.json. ``done``: the last step it got to (default ``steps``)."""
     done = steps if done is None else done
     (path / "eval").mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"seed": seed, "steps": steps, "algorithm": {"name": settings},
-                                                  "eval": {"every": every, "n_examples": items},
-                                                  "output_dir": str(path)}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "seed": seed,
+                "steps": steps,
+                "algorithm": {"name": settings},
+                "eval": {"every": every, "n_examples": items},
+                "output_dir": str(path),
+            }
+        )
+    )
     lines = []
     for step in range(0, done + 1):
         if step:
-            lines.append({"step": step, "reward_mean": 0.5, "total_attempted_updates": step,
-                          "total_actual_updates": step, "response_tokens": 10, "time/step": 0.1,
-                          "time/generate": 0.05, "time/reward": 0.01})
+            lines.append(
+                {
+                    "step": step,
+                    "reward_mean": 0.5,
+                    "total_attempted_updates": step,
+                    "total_actual_updates": step,
+                    "response_tokens": 10,
+                    "time/step": 0.1,
+                    "time/generate": 0.05,
+                    "time/reward": 0.01,
+                }
+            )
         if step % every == 0 or step == steps:
             correct = correctness(seed, step, items)
-            records = [{"id": f"item-{i:03d}", "prompt_sha256": f"p{i:03d}", "completion": "<answer>1</answer>",
-                        "extracted": "1", "gold": "1" if c else "2", "format_ok": True, "correct": bool(c),
-                        "length": 5, "truncated": False} for i, c in enumerate(correct)]
+            records = [
+                {
+                    "id": f"item-{i:03d}",
+                    "prompt_sha256": f"p{i:03d}",
+                    "completion": "<answer>1</answer>",
+                    "extracted": "1",
+                    "gold": "1" if c else "2",
+                    "format_ok": True,
+                    "correct": bool(c),
+                    "length": 5,
+                    "truncated": False,
+                }
+                for i, c in enumerate(correct)
+            ]
             (path / "eval" / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-            lines.append({"step": step, "val/accuracy": float(correct.mean()), "val/format_rate": 1.0,
-                          "val/completion_len_mean": 5.0, "val/truncation_rate": 0.0})
+            lines.append(
+                {
+                    "step": step,
+                    "val/accuracy": float(correct.mean()),
+                    "val/format_rate": 1.0,
+                    "val/completion_len_mean": 5.0,
+                    "val/truncation_rate": 0.0,
+                }
+            )
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     if done == steps:
         (path / "summary.json").write_text(json.dumps({"wall_seconds": 1.0}))
@@ -134,8 +176,9 @@ def test_the_report_marks_its_folder_replaces_only_that_and_is_not_a_run(folder)
 
 
 def test_leftovers_of_a_killed_report_go_only_when_its_process_is_gone(folder):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     mine = temp_path(folder / "report")
     killed = mine.with_name(mine.name.replace(f"-{os.getpid()}-", f"-{dead}-"))  # a killed report's temp folder
     for path in (mine, killed):  # ``mine``: a report still being written by a live process
@@ -145,8 +188,9 @@ def test_leftovers_of_a_killed_report_go_only_when_its_process_is_gone(folder):
         (folder / name).mkdir()
         (folder / name / "data.txt").write_text("mine")
     assert main(["report", str(folder)]) == 0
-    assert sorted(p.name for p in folder.iterdir()) == sorted([".report-keep", ".report-old-mine", mine.name, "a",
-                                                               "b", "report"])
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [".report-keep", ".report-old-mine", mine.name, "a", "b", "report"]
+    )
     assert (folder / ".report-keep" / "data.txt").read_text() == "mine"
 
 
@@ -216,24 +260,43 @@ def test_seeds_without_a_common_step_are_not_pooled(tmp_path):
 
 def test_the_2x2_uses_the_common_step_on_shared_items(tmp_path):
     root = tmp_path / "suite"
-    cells = {"a": ("std", "seq", 0), "b": ("std", "seq", 1), "c": ("none", "const", 2), "d": ("std", "const", 3),
-             "e": ("none", "seq", 4)}
+    cells = {
+        "a": ("std", "seq", 0),
+        "b": ("std", "seq", 1),
+        "c": ("none", "const", 2),
+        "d": ("std", "const", 3),
+        "e": ("none", "seq", 4),
+    }
     for name, (_, _, seed) in cells.items():
         if name == "e":
             write_run(root / "runs" / name, seed, done=10, items=20)
         else:
             write_run(root / "runs" / name, seed)
-    SuiteManifest(suite="fixture", source_file="x", runs=[
-        RunRecord(name=n, run_dir=str(root / "runs" / n), state="running" if n == "e" else "completed", pid=None,
-                  factors={"norm": norm, "agg": agg}, config_file="x", config_sha256="x")
-        for n, (norm, agg, _) in cells.items()]).save(root)
+    SuiteManifest(
+        suite="fixture",
+        source_file="x",
+        runs=[
+            RunRecord(
+                name=n,
+                run_dir=str(root / "runs" / n),
+                state="running" if n == "e" else "completed",
+                pid=None,
+                factors={"norm": norm, "agg": agg},
+                config_file="x",
+                config_sha256="x",
+            )
+            for n, (norm, agg, _) in cells.items()
+        ],
+    ).save(root)
     assert main(["report", str(root)]) == 0
     f = json.loads((root / "report" / "report.json").read_text())["factorial"]
     y = {n: correctness(seed, 10, 100)[:20] for n, (_, _, seed) in cells.items()}
     y00, y01, y10, y11 = (y["a"] + y["b"]) / 2, y["d"], y["e"], y["c"]
     assert (f["step"], f["items"], f["stopped_early"]) == (10, 20, ["e"])
-    assert f["cell_accuracy"] == pytest.approx({"std x seq": y00.mean(), "std x const": y01.mean(),
-                                                "none x seq": y10.mean(), "none x const": y11.mean()}, abs=1e-12)
+    assert f["cell_accuracy"] == pytest.approx(
+        {"std x seq": y00.mean(), "std x const": y01.mean(), "none x seq": y10.mean(), "none x const": y11.mean()},
+        abs=1e-12,
+    )
     assert f["interaction"]["estimate"] == pytest.approx(np.mean((y11 - y01) - (y10 - y00)), abs=1e-12)
     text = (root / "report" / "report.md").read_text()
     assert "none x seq: e*" in text and "At step 10" in text and "over the 20 items" in text

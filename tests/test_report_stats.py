@@ -51,7 +51,9 @@ def test_paired_bootstrap_matches_the_definition_and_is_paired():
     assert got.low == pytest.approx(low, abs=MC_TOLERANCE) and got.high == pytest.approx(high, abs=MC_TOLERANCE)
     # resampling the two runs independently (unpaired) would give a far wider interval for correlated runs
     rng = np.random.default_rng(1)
-    unpaired = a[rng.integers(0, len(a), (10_000, len(a)))].mean(1) - b[rng.integers(0, len(b), (10_000, len(b)))].mean(1)
+    unpaired = a[rng.integers(0, len(a), (10_000, len(a)))].mean(1) - b[rng.integers(0, len(b), (10_000, len(b)))].mean(
+        1
+    )
     assert got.high - got.low < 0.6 * (np.percentile(unpaired, 97.5) - np.percentile(unpaired, 2.5))
     assert paired_difference(a, b) == got  # a fixed seed: the same interval every time
 
@@ -68,8 +70,10 @@ def test_mean_interval_and_seed_summary_match_the_definition():
     assert s.n == 4 and s.mean == pytest.approx(sum(values) / 4)
     assert s.std == pytest.approx((sum((v - s.mean) ** 2 for v in values) / 3) ** 0.5)
     low, high = bootstrap_reference(np.array(values))
-    assert s.interval.low == pytest.approx(low, abs=MC_TOLERANCE) and s.interval.high == pytest.approx(high, abs=MC_TOLERANCE)
-    half = scipy_stats.t.ppf(0.975, df=3) * s.std / 4 ** 0.5  # mean +- t_{0.975, n-1} * s / sqrt(n)
+    assert s.interval.low == pytest.approx(low, abs=MC_TOLERANCE) and s.interval.high == pytest.approx(
+        high, abs=MC_TOLERANCE
+    )
+    half = scipy_stats.t.ppf(0.975, df=3) * s.std / 4**0.5  # mean +- t_{0.975, n-1} * s / sqrt(n)
     assert (s.t_low, s.t_high) == pytest.approx((s.mean - half, s.mean + half), abs=1e-12)
     assert s.t_low < s.interval.low and s.t_high > s.interval.high  # with 4 seeds the bootstrap is the narrower
 
@@ -96,7 +100,7 @@ def mcnemar_reference(only_a: int, only_b: int) -> float:
     n = only_a + only_b
     if n == 0:
         return 1.0
-    return min(1.0, 2 * sum(comb(n, i) for i in range(min(only_a, only_b) + 1)) / 2 ** n)
+    return min(1.0, 2 * sum(comb(n, i) for i in range(min(only_a, only_b) + 1)) / 2**n)
 
 
 @pytest.mark.parametrize("only_a,only_b", [(10, 2), (0, 7), (5, 5), (1, 0), (0, 0), (40, 25), (3, 12)])
@@ -131,7 +135,7 @@ def test_pass_at_k_curve_matches_brute_force_and_stops_at_n(n):
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.booleans()), min_size=2, max_size=60), st.integers(0, 2 ** 16))
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), min_size=2, max_size=60), st.integers(0, 2**16))
 def test_intervals_hold_their_estimate_and_p_values_are_probabilities(pairs, seed):
     a = np.array([p[0] for p in pairs], dtype=float)
     b = np.array([p[1] for p in pairs], dtype=float)

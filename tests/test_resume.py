@@ -12,10 +12,10 @@ import time
 
 import pytest
 import torch
+from conftest import TASK, quick_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
-from conftest import TASK, quick_config
 from grpolab.commands.cli import main, parse_overrides
 from grpolab.config import ConfigError, load_config, load_run_config
 from grpolab.run.rundir import read_metrics
@@ -39,8 +39,9 @@ def uninterrupted(warm_model_dir, tmp_path_factory):
     return run
 
 
-def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(warm_model_dir, uninterrupted,
-                                                                                tmp_path, monkeypatch):
+def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(
+    warm_model_dir, uninterrupted, tmp_path, monkeypatch
+):
     run = tmp_path / "run"
     cfg = quick_config(warm_model_dir, run, **OVERRIDES, **{"log.tensorboard": True})
     original = Trainer.train_step
@@ -72,8 +73,9 @@ def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(w
     events = EventAccumulator(str(run / "tensorboard"))  # step 3, logged twice, shows once: the resumed one
     events.Reload()
     logged = {e.step: e.value for e in events.Scalars("reward_mean")}
-    assert logged == pytest.approx({r["step"]: r["reward_mean"] for r in read_metrics(run / "metrics.jsonl")
-                                    if "reward_mean" in r}, rel=1e-6)
+    assert logged == pytest.approx(
+        {r["step"]: r["reward_mean"] for r in read_metrics(run / "metrics.jsonl") if "reward_mean" in r}, rel=1e-6
+    )
     assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3, 4]
     discarded = (run / "metrics.discarded.jsonl").read_text().splitlines()
     assert len(discarded) == 2 and json.loads(discarded[0])["step"] == 3  # redone, kept aside
@@ -87,18 +89,30 @@ def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(w
 def test_sigkill_mid_run_then_train_resume_matches_the_uninterrupted_run(warm_model_dir, uninterrupted, tmp_path):
     run = tmp_path / "run"
     cfg = quick_config(warm_model_dir, run, **OVERRIDES, threads=1)
-    flat = {"model.path": str(warm_model_dir), "output_dir": str(run), "threads": 1, **OVERRIDES,
-            **{f"task.{k}": v for k, v in TASK.items()}, "rollout.prompts_per_step": 4,
-            "rollout.max_new_tokens": 40, "optim.micro_batch_size": 16, "optim.lr": 1e-3}
+    flat = {
+        "model.path": str(warm_model_dir),
+        "output_dir": str(run),
+        "threads": 1,
+        **OVERRIDES,
+        **{f"task.{k}": v for k, v in TASK.items()},
+        "rollout.prompts_per_step": 4,
+        "rollout.max_new_tokens": 40,
+        "optim.micro_batch_size": 16,
+        "optim.lr": 1e-3,
+    }
     args = [f"--{k}={v}" for k, v in flat.items()]
     assert load_config(None, parse_overrides(args)) == cfg  # the same run as in-process, on the command line
-    proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "train", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpolab.commands.cli", "train", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         metrics = run / "metrics.jsonl"
-        if metrics.exists() and any(json.loads(line).get("step") == 3 for line in metrics.read_text().splitlines()
-                                    if line.endswith("}")):
+        if metrics.exists() and any(
+            json.loads(line).get("step") == 3 for line in metrics.read_text().splitlines() if line.endswith("}")
+        ):
             os.kill(proc.pid, signal.SIGKILL)
             break
         time.sleep(0.05)
@@ -121,12 +135,20 @@ def test_resume_needs_a_run_with_a_complete_checkpoint(tmp_path, capsys):
     assert (tmp_path / "checkpoints" / ".step_000002-tmp").is_dir()  # refused before anything moved
 
 
-def test_ctrl_c_ends_the_step_writes_a_checkpoint_and_says_how_to_resume(warm_model_dir, uninterrupted, tmp_path,
-                                                                         monkeypatch, capsys):
+def test_ctrl_c_ends_the_step_writes_a_checkpoint_and_says_how_to_resume(
+    warm_model_dir, uninterrupted, tmp_path, monkeypatch, capsys
+):
     run = tmp_path / "run"
-    flat = {"model.path": str(warm_model_dir), "output_dir": str(run), **OVERRIDES,
-            **{f"task.{k}": v for k, v in TASK.items()}, "rollout.prompts_per_step": 4,
-            "rollout.max_new_tokens": 40, "optim.micro_batch_size": 16, "optim.lr": 1e-3}
+    flat = {
+        "model.path": str(warm_model_dir),
+        "output_dir": str(run),
+        **OVERRIDES,
+        **{f"task.{k}": v for k, v in TASK.items()},
+        "rollout.prompts_per_step": 4,
+        "rollout.max_new_tokens": 40,
+        "optim.micro_batch_size": 16,
+        "optim.lr": 1e-3,
+    }
     original = Trainer.train_step
 
     def ctrl_c_during_step_3(self, step, *args):

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import quick_config
 from transformers import AutoModelForCausalLM
 
-from conftest import quick_config
-from grpolab.run.checkpoints import MANIFEST, newest_verified, problem, prune, save_checkpoint
-from grpolab.run.state import STATE_FILE
 from grpolab.commands.cli import main
 from grpolab.config import load_run_config
+from grpolab.run.checkpoints import MANIFEST, newest_verified, problem, prune, save_checkpoint
 from grpolab.run.rundir import read_metrics, rewind_metrics
+from grpolab.run.state import STATE_FILE
 from grpolab.run.trainer import Trainer, train
 
 OVERRIDES = {"steps": 4, "checkpoint.every": 1, "eval.every": 2}
@@ -32,8 +32,11 @@ def untimed(records: list[dict]) -> list[dict]:
 
 def tree(folder: Path) -> dict[str, str]:
     """Every file under ``folder`` (lock file aside) with its SHA-256: what 'nothing moved' compares."""
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".grpolab.lock"}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".grpolab.lock"
+    }
 
 
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -75,10 +78,12 @@ def interrupted(warm_model_dir, tmp_path_factory):
 @pytest.fixture
 def copy_of(interrupted, tmp_path):
     """A fresh copy of the interrupted run (its config still names the original directory)."""
+
     def make() -> Path:
         target = tmp_path / "run"
         shutil.copytree(interrupted, target)
         return target
+
     return make
 
 
@@ -88,15 +93,24 @@ def error_lines(capsys) -> list[str]:
 
 def test_a_second_trainer_on_a_locked_run_is_refused_naming_the_holder(copy_of, capsys):
     run = copy_of()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from grpolab.run.lock import RunLock; "
-                               f"RunLock({str(run)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from grpolab.run.lock import RunLock; "
+            f"RunLock({str(run)!r}).acquire(); print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         before = tree(run)
         assert main(["train", "--resume", str(run)]) == 2
-        assert error_lines(capsys) == [f"error: run directory {run} is in use by process {holder.pid} (a trainer holds "
-                                       "its lock); wait for it to end or stop it, then retry"]
+        assert error_lines(capsys) == [
+            f"error: run directory {run} is in use by process {holder.pid} (a trainer holds "
+            "its lock); wait for it to end or stop it, then retry"
+        ]
         assert tree(run) == before
     finally:
         holder.kill()
@@ -106,8 +120,9 @@ def test_a_second_trainer_on_a_locked_run_is_refused_naming_the_holder(copy_of, 
 def test_a_finished_run_is_refused_and_keeps_its_summary(uninterrupted, capsys):
     before = tree(uninterrupted)
     assert main(["train", "--resume", str(uninterrupted)]) == 2
-    assert error_lines(capsys) == [f"error: run {uninterrupted} is already complete at step 4; nothing to resume "
-                                   "(extend it with --steps N, N > 4)"]
+    assert error_lines(capsys) == [
+        f"error: run {uninterrupted} is already complete at step 4; nothing to resume (extend it with --steps N, N > 4)"
+    ]
     assert main(["train", "--resume", str(uninterrupted), "--steps", "3"]) == 2
     assert error_lines(capsys) == ["error: --steps 3: the run is set to 4 steps, and --steps may only grow"]
     assert tree(uninterrupted) == before
@@ -136,9 +151,11 @@ def test_an_edited_config_is_refused_naming_the_field(copy_of, capsys):
     (run / "config.json").write_text(json.dumps(config))
     before = tree(run)
     assert main(["train", "--resume", str(run)]) == 2
-    assert error_lines(capsys) == [f"error: {run / 'config.json'} differs from the config the run started with "
-                                   "(manifest.json): optim.lr is 0.05, was 0.001; a resumed run keeps its config "
-                                   "(only --steps and --log_every may change)"]
+    assert error_lines(capsys) == [
+        f"error: {run / 'config.json'} differs from the config the run started with "
+        "(manifest.json): optim.lr is 0.05, was 0.001; a resumed run keeps its config "
+        "(only --steps and --log_every may change)"
+    ]
     assert tree(run) == before
 
 
@@ -201,10 +218,12 @@ def test_each_damage_of_the_newest_checkpoint_is_found_and_the_previous_one_chos
 
 # each resume trains two steps: one kind in the default tier (a bit flip, which loads fine and computes
 # wrong), the others slow (their detection: the test above)
-@pytest.mark.parametrize("damage", [pytest.param(d, marks=[] if d == "bit-flipped weights" else pytest.mark.slow)
-                                    for d in DAMAGES])
-def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_continues_exactly(damage, copy_of, uninterrupted,
-                                                                                     capsys):
+@pytest.mark.parametrize(
+    "damage", [pytest.param(d, marks=[] if d == "bit-flipped weights" else pytest.mark.slow) for d in DAMAGES]
+)
+def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_continues_exactly(
+    damage, copy_of, uninterrupted, capsys
+):
     run = copy_of()
     name, hurt = DAMAGES[damage]
     hurt(run / "checkpoints" / "step_000003" / name)
@@ -214,8 +233,10 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_continues_exa
     assert len(lines) == 1 and "checkpoint step_000003 is damaged" in lines[0]
     assert "continuing from step_000002" in lines[0]
     assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
-    for (key, a), (_, b) in zip(weights(run / "checkpoints" / "step_000004").items(),
-                                weights(uninterrupted / "checkpoints" / "step_000004").items()):
+    for (key, a), (_, b) in zip(
+        weights(run / "checkpoints" / "step_000004").items(),
+        weights(uninterrupted / "checkpoints" / "step_000004").items(),
+    ):
         assert torch.equal(a, b), key
     assert (run / "checkpoints" / "damaged" / "step_000003").is_dir()  # kept, never deleted
     assert problem(run / "checkpoints" / "step_000003") is None  # redone
@@ -237,7 +258,10 @@ def test_no_verified_checkpoint_at_all_is_refused_with_each_problem(copy_of, cap
 def test_a_checkpoint_fsyncs_every_file_its_folder_and_the_parent(warm_model_dir, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(warm_model_dir), AutoTokenizer.from_pretrained(warm_model_dir)
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(warm_model_dir),
+        AutoTokenizer.from_pretrained(warm_model_dir),
+    )
     synced: list[str] = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
@@ -273,8 +297,9 @@ def test_a_step_discarded_twice_keeps_both_records(tmp_path):
 
 def test_changed_data_is_refused_naming_the_hash(warm_model_dir, tmp_path, capsys):
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"question": f"{a} + {b}", "answer": str(a + b)}) + "\n"
-                            for a in range(6) for b in range(6)))
+    rows.write_text(
+        "".join(json.dumps({"question": f"{a} + {b}", "answer": str(a + b)}) + "\n" for a in range(6) for b in range(6))
+    )
     run = tmp_path / "run"
     cfg = quick_config(warm_model_dir, run, **OVERRIDES).model_dump(mode="json")
     cfg["task"] = {"name": "dataset", "train": str(rows), "validation_size": 8, "rewards": [{"function": "numeric"}]}

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reward_model_fixtures import CHAT_TEMPLATE, save_reward_model
 
 from grpolab.models.reward_model import RewardModel, padded_batch
 from grpolab.tasks.reward_model_spec import reward_model_spec
 
-from reward_model_fixtures import CHAT_TEMPLATE, save_reward_model
-
-TEXTS = ["1+2=<think> 1+2=3 </think> <answer> 3 </answer>", "9+9=", "a much longer text " * 5, "x",
-         "4+4=<think> 4+4=8 </think> <answer> 8 </answer>"]
+TEXTS = [
+    "1+2=<think> 1+2=3 </think> <answer> 3 </answer>",
+    "9+9=",
+    "a much longer text " * 5,
+    "x",
+    "4+4=<think> 4+4=8 </think> <answer> 8 </answer>",
+]
 
 
 def spec(path, **options):
@@ -49,8 +53,9 @@ def test_batched_scores_equal_the_models_own_forward(reward_model_dir, side, bat
 
 
 def test_chat_template_renders_messages_and_completion(tmp_path, tokenizer):
-    rm = RewardModel.load(spec(save_reward_model(tmp_path / "rm", tokenizer, chat_template=CHAT_TEMPLATE)),
-                          torch.device("cpu"))
+    rm = RewardModel.load(
+        spec(save_reward_model(tmp_path / "rm", tokenizer, chat_template=CHAT_TEMPLATE)), torch.device("cpu")
+    )
     messages = [{"role": "user", "content": "2+2"}]
     text = rm.render(messages, "policy prompt: 2+2 ", "4")
     assert text == "<user>2+2<eos><assistant>4<eos>"
@@ -90,7 +95,9 @@ def test_bad_reward_models_are_one_line(tmp_path, tokenizer, tiny_model_dirs):
     with pytest.raises(ValueError, match=r"options.normalize: Input should be 'none', 'batch' or 'running'"):
         spec(tmp_path, normalize="zscore")
     no_pad = save_reward_model(tmp_path / "no_pad", tokenizer, pad=False)
-    with pytest.raises(ValueError, match="its tokenizer has no pad token; set options.pad_token .e.g. its EOS token '<eos>'"):
+    with pytest.raises(
+        ValueError, match="its tokenizer has no pad token; set options.pad_token .e.g. its EOS token '<eos>'"
+    ):
         RewardModel.load(spec(no_pad), torch.device("cpu"))
     with pytest.raises(ValueError, match="pad_token 'nope' is not one of its tokenizer's tokens"):
         RewardModel.load(spec(no_pad, pad_token="nope"), torch.device("cpu"))

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from test_dataset_run import write_problems
 
 from grpolab.commands.cli import main
 from grpolab.config import load_config, load_run_config
@@ -18,8 +19,6 @@ from grpolab.run.trainer import Trainer, train
 from grpolab.tasks import build_task
 from grpolab.tasks.reward_model_spec import reward_model_spec
 
-from test_dataset_run import write_problems
-
 STEPS = {"steps": 4, "checkpoint.every": 2, "eval.every": 2, "seed": 3}
 
 
@@ -28,14 +27,31 @@ def rm_config(model_dir, rm_dir, out, tmp_path, **overrides):
     random.Random(0).shuffle(pairs)
     train_file = write_problems(tmp_path / "train.jsonl", pairs[:60])
     val_file = write_problems(tmp_path / "val.jsonl", pairs[60:72])
-    settings = {"model.path": str(model_dir), "output_dir": str(out), "task.name": "dataset",
-                "task.train": str(train_file), "task.validation": str(val_file), "task.question_field": "problem",
-                "task.answer_field": "result",
-                "task.rewards": [{"function": "numeric", "name": "correct", "weight": 0.0},
-                                 {"function": f"model:{rm_dir}", "name": "rm", "weight": 1.0,
-                                  "options": {"normalize": "running", "clip": 3.0, "batch_size": 8}}],
-                "rollout.prompts_per_step": 4, "rollout.group_size": 8, "rollout.max_new_tokens": 40,
-                "optim.micro_batch_size": 16, "optim.lr": 1e-3, **STEPS, **overrides}
+    settings = {
+        "model.path": str(model_dir),
+        "output_dir": str(out),
+        "task.name": "dataset",
+        "task.train": str(train_file),
+        "task.validation": str(val_file),
+        "task.question_field": "problem",
+        "task.answer_field": "result",
+        "task.rewards": [
+            {"function": "numeric", "name": "correct", "weight": 0.0},
+            {
+                "function": f"model:{rm_dir}",
+                "name": "rm",
+                "weight": 1.0,
+                "options": {"normalize": "running", "clip": 3.0, "batch_size": 8},
+            },
+        ],
+        "rollout.prompts_per_step": 4,
+        "rollout.group_size": 8,
+        "rollout.max_new_tokens": 40,
+        "optim.micro_batch_size": 16,
+        "optim.lr": 1e-3,
+        **STEPS,
+        **overrides,
+    }
     return load_config(None, settings)
 
 
@@ -82,8 +98,9 @@ def test_recorded_scores_equal_the_models_own_forward_of_the_rendered_text(unint
         assert item["rewards"]["rm"] == pytest.approx(rm.model(**inputs).logits[0, 0].item(), abs=1e-5)
 
 
-def test_resume_with_the_running_normalizer_is_exact(warm_model_dir, reward_model_dir, uninterrupted, tmp_path,
-                                                     monkeypatch):
+def test_resume_with_the_running_normalizer_is_exact(
+    warm_model_dir, reward_model_dir, uninterrupted, tmp_path, monkeypatch
+):
     run = tmp_path / "run"
     original = Trainer.train_step
 
@@ -113,8 +130,10 @@ def test_a_reward_model_beside_the_colocated_vllm_engine(warm_model_dir, reward_
     assert len(steps) == 2 and all(r["sync/logprob_diff_max"] < 1e-4 and "reward_model/rm/mean" in r for r in steps)
 
     def scores(folder):
-        return {(r["id"], r["completion"]): r["rewards"]["rm"]
-                for r in map(json.loads, (folder / "eval" / "step_000000.jsonl").read_text().splitlines())}
+        return {
+            (r["id"], r["completion"]): r["rewards"]["rm"]
+            for r in map(json.loads, (folder / "eval" / "step_000000.jsonl").read_text().splitlines())
+        }
 
     vllm_scores, hf_scores = scores(run), scores(uninterrupted)
     shared = vllm_scores.keys() & hf_scores.keys()
@@ -122,22 +141,24 @@ def test_a_reward_model_beside_the_colocated_vllm_engine(warm_model_dir, reward_
     assert all(vllm_scores[k] == pytest.approx(hf_scores[k], abs=1e-5) for k in shared)
 
 
-def test_bad_reward_model_config_is_one_line_before_anything_is_written(warm_model_dir, reward_model_dir, tmp_path,
-                                                                        capsys, tiny_model_dirs):
+def test_bad_reward_model_config_is_one_line_before_anything_is_written(
+    warm_model_dir, reward_model_dir, tmp_path, capsys, tiny_model_dirs
+):
     out = tmp_path / "run"
     config = tmp_path / "run.toml"
-    base = ('output_dir = "{out}"\n[model]\npath = "{model}"\n[task]\nname = "dataset"\ntrain = "{train}"\n'
-            'validation_size = 4\nquestion_field = "problem"\nanswer_field = "result"\n')
+    base = (
+        'output_dir = "{out}"\n[model]\npath = "{model}"\n[task]\nname = "dataset"\ntrain = "{train}"\n'
+        'validation_size = 4\nquestion_field = "problem"\nanswer_field = "result"\n'
+    )
     write_problems(tmp_path / "train.jsonl", [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (3, 3)])
     head = base.format(out=out, model=warm_model_dir, train=tmp_path / "train.jsonl")
     cases = {
         f'[[task.rewards]]\nfunction = "model:{reward_model_dir}"\n': "the first reward is the task's correctness",
-        f'[[task.rewards]]\nfunction = "numeric"\n[[task.rewards]]\nfunction = "model:{tiny_model_dirs["llama"]}"\n':
-            "is not a sequence-classification model (architectures: LlamaForCausalLM)",
+        f'[[task.rewards]]\nfunction = "numeric"\n[[task.rewards]]\nfunction = "model:{tiny_model_dirs["llama"]}"\n': "is not a sequence-classification model (architectures: LlamaForCausalLM)",
         f'[[task.rewards]]\nfunction = "numeric"\n[[task.rewards]]\nfunction = "model:{tmp_path}"\n'
         'options = {normalize = "zscore"}\n': "options.normalize: Input should be",
         f'[[task.rewards]]\nfunction = "numeric"\n[[task.rewards]]\nfunction = "model:{reward_model_dir}"\n'
-        'options = {max_length = 200}\n': "(380 of its tokens) plus rollout.max_new_tokens 48 exceeds its max_length 200",
+        "options = {max_length = 200}\n": "(380 of its tokens) plus rollout.max_new_tokens 48 exceeds its max_length 200",
     }
     for rewards, message in cases.items():
         config.write_text(head + rewards)
@@ -155,10 +176,16 @@ def test_the_readme_example_parses(reward_model_dir, tmp_path):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("## Learned rewards")[1]
     example = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"{a}+{b}", "answer": a + b}) + "\n"
-                                                  for a in range(1, 10) for b in range(1, 10)))
-    example = example.replace("data/train.jsonl", str(tmp_path / "train.jsonl")).replace(
-        "models/my-reward-model", str(reward_model_dir)).replace("validation_size = 200", "validation_size = 20")
+    (tmp_path / "train.jsonl").write_text(
+        "".join(
+            json.dumps({"question": f"{a}+{b}", "answer": a + b}) + "\n" for a in range(1, 10) for b in range(1, 10)
+        )
+    )
+    example = (
+        example.replace("data/train.jsonl", str(tmp_path / "train.jsonl"))
+        .replace("models/my-reward-model", str(reward_model_dir))
+        .replace("validation_size = 200", "validation_size = 20")
+    )
     (tmp_path / "run.toml").write_text(example)
     cfg = load_config(tmp_path / "run.toml", {"model.path": str(reward_model_dir)})
     task = build_task(cfg.task)

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from reward_model_fixtures import save_reward_model
 from rich.console import Console
+from test_dataset_run import write_problems
+from test_reward_model_run import rm_config
 
 from grpolab.commands.cli import main
 from grpolab.commands.probe import run_probe
@@ -25,10 +28,6 @@ from grpolab.studies.suite.verify import reward_model_problem
 from grpolab.tasks.folder_hash import model_files, model_sha256, tree_sha256
 from grpolab.tasks.reward_model_spec import reward_model_spec
 
-from reward_model_fixtures import save_reward_model
-from test_dataset_run import write_problems
-from test_reward_model_run import rm_config
-
 pytest_plugins = ["suite_fixtures"]  # the fake trainer
 
 
@@ -36,7 +35,10 @@ def rm_suite_file(tmp_path: Path, model_dir: Path, rm: str) -> Path:
     """Two one-step runs on a dataset task whose RL reward is the reward model ``rm`` (a folder)."""
     pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
     random.Random(0).shuffle(pairs)
-    train, val = write_problems(tmp_path / "train.jsonl", pairs[:24]), write_problems(tmp_path / "val.jsonl", pairs[24:28])
+    train, val = (
+        write_problems(tmp_path / "train.jsonl", pairs[:24]),
+        write_problems(tmp_path / "val.jsonl", pairs[24:28]),
+    )
     path = tmp_path / "suite.toml"
     path.write_text(f"""
 [suite]
@@ -93,7 +95,8 @@ def flip_a_byte(path: Path) -> None:
 
 
 def test_a_suite_records_its_reward_models_folder_and_hash_and_names_it_absolutely(
-        warm_model_dir, rm_copy, tmp_path, monkeypatch):
+    warm_model_dir, rm_copy, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)  # the suite file names the reward model relatively: "model:rm"
     manifest = prepare_suite(rm_suite_file(tmp_path, warm_model_dir, "rm"), tmp_path / "out", Console(quiet=True))
     files = model_files(rm_copy)
@@ -111,12 +114,15 @@ def test_a_suite_records_its_reward_models_folder_and_hash_and_names_it_absolute
     assert model_sha256(rm_copy) == expected[0]["sha256"]
 
 
-@pytest.mark.parametrize("change, what", [
-    ("flip", "model.safetensors was changed"),
-    ("add", "extra.bin was added"),
-    ("remove", "tokenizer_config.json was removed"),
-    ("folder", "the folder is missing"),
-])
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        ("flip", "model.safetensors was changed"),
+        ("add", "extra.bin was added"),
+        ("remove", "tokenizer_config.json was removed"),
+        ("folder", "the folder is missing"),
+    ],
+)
 def test_each_kind_of_change_of_a_reward_model_is_named(change, what, warm_model_dir, rm_copy, tmp_path):
     manifest = prepare_suite(rm_suite_file(tmp_path, warm_model_dir, rm_copy), tmp_path / "out", Console(quiet=True))
     if change == "flip":
@@ -129,7 +135,8 @@ def test_each_kind_of_change_of_a_reward_model_is_named(change, what, warm_model
         shutil.rmtree(rm_copy)
     assert reward_model_problem(manifest.runs[0], Reporter(Console(quiet=True))) == (
         f"reward model {rm_copy} changed since the suite was prepared: {what}; restore it and resume, "
-        "or make a new suite")
+        "or make a new suite"
+    )
 
 
 FLIP_WHEN_THE_FIRST_RUN_ENDS = """
@@ -149,13 +156,16 @@ atexit.register(flip)
 
 @pytest.mark.slow  # default tier: the same with fake runs, and a run's record of its reward model, below
 def test_a_changed_reward_model_fails_its_run_before_it_starts_and_resume_goes_on_once_restored(
-        warm_model_dir, rm_copy, tmp_path, capsys, monkeypatch):
+    warm_model_dir, rm_copy, tmp_path, capsys, monkeypatch
+):
     root = tmp_path / "out"
     prepare_suite(rm_suite_file(tmp_path, warm_model_dir, rm_copy), root, Console(quiet=True))
     weights = rm_copy / "model.safetensors"
     original = weights.read_bytes()
-    line = (f"reward model {rm_copy} changed since the suite was prepared: model.safetensors was changed; "
-            "restore it and resume, or make a new suite")
+    line = (
+        f"reward model {rm_copy} changed since the suite was prepared: model.safetensors was changed; "
+        "restore it and resume, or make a new suite"
+    )
     # changed before the suite runs: run a fails at once, b stays queued, nothing started
     flip_a_byte(weights)
     assert main(["suite", "resume", str(root)]) == 1
@@ -169,8 +179,9 @@ def test_a_changed_reward_model_fails_its_run_before_it_starts_and_resume_goes_o
     weights.write_bytes(original)
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(FLIP_WHEN_THE_FIRST_RUN_ENDS.format(done=str(tmp_path / "flipped"),
-                                                                                weights=str(weights)))
+    (hook / "sitecustomize.py").write_text(
+        FLIP_WHEN_THE_FIRST_RUN_ENDS.format(done=str(tmp_path / "flipped"), weights=str(weights))
+    )
     monkeypatch.setenv("PYTHONPATH", str(hook))
     assert main(["suite", "resume", str(root)]) == 1
     a, b = SuiteManifest.load(root).runs
@@ -189,13 +200,16 @@ def test_a_changed_reward_model_fails_its_run_before_it_starts_and_resume_goes_o
 
 
 def test_a_changed_reward_model_fails_its_run_before_it_starts_and_resume_goes_on_once_restored_with_fake_runs(
-        warm_model_dir, rm_copy, fake_runs, tmp_path, capsys):
+    warm_model_dir, rm_copy, fake_runs, tmp_path, capsys
+):
     root = tmp_path / "out"
     prepare_suite(rm_suite_file(tmp_path, warm_model_dir, rm_copy), root, Console(quiet=True))
     weights = rm_copy / "model.safetensors"
     original = weights.read_bytes()
-    line = (f"reward model {rm_copy} changed since the suite was prepared: model.safetensors was changed; "
-            "restore it and resume, or make a new suite")
+    line = (
+        f"reward model {rm_copy} changed since the suite was prepared: model.safetensors was changed; "
+        "restore it and resume, or make a new suite"
+    )
     # changed before the suite runs: run a fails at once, b stays queued, nothing started
     fake_runs.use()
     flip_a_byte(weights)
@@ -223,8 +237,9 @@ def test_a_changed_reward_model_fails_its_run_before_it_starts_and_resume_goes_o
         assert record.reward_models[0]["sha256"] == model_sha256(rm_copy)
 
 
-def test_a_runs_data_record_names_its_reward_models_folder_and_hash_as_its_suite_does(warm_model_dir, rm_copy,
-                                                                                       tmp_path):
+def test_a_runs_data_record_names_its_reward_models_folder_and_hash_as_its_suite_does(
+    warm_model_dir, rm_copy, tmp_path
+):
     """What a run's manifest.json records of its task's data (the task's data fingerprint) names each reward
     model's folder and SHA-256 as the suite recorded them; the reward's own folder only for a reward model."""
     manifest = prepare_suite(rm_suite_file(tmp_path, warm_model_dir, rm_copy), tmp_path / "out", Console(quiet=True))
@@ -236,8 +251,13 @@ def test_a_runs_data_record_names_its_reward_models_folder_and_hash_as_its_suite
 
 
 def test_the_probe_counts_the_reward_models_memory(warm_model_dir, rm_copy, tmp_path):
-    cfg = rm_config(warm_model_dir, rm_copy, tmp_path / "unused", tmp_path, **{
-        "rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 8})
+    cfg = rm_config(
+        warm_model_dir,
+        rm_copy,
+        tmp_path / "unused",
+        tmp_path,
+        **{"rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 8},
+    )
     report = run_probe(cfg, tmp_path / "probe.json")
     rm = RewardModel.load(reward_model_spec(f"model:{rm_copy}", "rm", 1.0, {}), torch.device("cpu"))
     held = report["parameters"]["bytes"]
@@ -245,6 +265,7 @@ def test_the_probe_counts_the_reward_models_memory(warm_model_dir, rm_copy, tmp_
     buffers = sum(t.numel() * t.element_size() for t in rm.model.buffers())  # the rotary frequencies
     assert held["reward_models"] == weights + buffers and weights > 1000 * buffers
     assert held["total"] == sum(v for k, v in held.items() if k != "total")
-    plain = run_probe(validate_config({**cfg.model_dump(mode="json"), "task": {"name": "arithmetic"}}),
-                      tmp_path / "plain.json")
+    plain = run_probe(
+        validate_config({**cfg.model_dump(mode="json"), "task": {"name": "arithmetic"}}), tmp_path / "plain.json"
+    )
     assert plain["parameters"]["bytes"]["reward_models"] is None

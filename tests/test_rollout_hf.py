@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from conftest import assert_engine_contract
+
 from grpolab.learning.batching import collate
 from grpolab.models.logprobs import token_logprobs
 from grpolab.models.weights import ModelWeights
@@ -73,12 +73,16 @@ def test_stop_strings_trim(model, tokenizer, prompts, stop_len):
     free = _flat(engine.generate(prompts, 2, params))
     text = tokenizer.decode(free[1].completion_ids, skip_special_tokens=False)
     stop = text[4 : 4 + stop_len]
-    stopped = _flat(engine.generate(
-        prompts, 2, SamplingParams(max_new_tokens=20, temperature=0.8, seed=5, stop_strings=(stop, "\x00"))))
+    stopped = _flat(
+        engine.generate(
+            prompts, 2, SamplingParams(max_new_tokens=20, temperature=0.8, seed=5, stop_strings=(stop, "\x00"))
+        )
+    )
     for f, s in zip(free, stopped):
         ids = f.completion_ids
-        first = next((k for k in range(len(ids))
-                      if stop in tokenizer.decode(ids[: k + 1], skip_special_tokens=False)), None)
+        first = next(
+            (k for k in range(len(ids)) if stop in tokenizer.decode(ids[: k + 1], skip_special_tokens=False)), None
+        )
         if first is None:
             assert s.completion_ids == ids and s.finish_reason == f.finish_reason
         else:
@@ -114,15 +118,15 @@ def test_a_share_split_on_a_batch_boundary_samples_what_the_whole_call_samples(m
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "olmo2"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
-def test_engine_logprobs_match_token_logprobs(make_tiny_model, tokenizer, prompts, arch,
-                                              temperature, top_k, top_p):
+def test_engine_logprobs_match_token_logprobs(make_tiny_model, tokenizer, prompts, arch, temperature, top_k, top_p):
     model = make_tiny_model(arch)
     params = SamplingParams(max_new_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p, seed=1)
     completions = _flat(HFEngine(model, tokenizer).generate(prompts, 3, params))
     batch = collate(completions, tokenizer.pad_token_id)
     with torch.no_grad():
-        lp = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature,
-                            chunk_size=5).logprobs
+        lp = token_logprobs(
+            model, batch.input_ids, batch.attention_mask, temperature=temperature, chunk_size=5
+        ).logprobs
     mask = batch.response_mask.bool()
     assert (batch.engine_logprobs - lp)[mask].abs().max().item() < 1e-4
 
@@ -135,7 +139,7 @@ def test_greedy_is_argmax_continuation(model, tokenizer, prompts):
         with torch.no_grad():
             for _ in range(len(group[0].completion_ids)):
                 ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-        assert group[0].completion_ids == ids[len(prompt):]
+        assert group[0].completion_ids == ids[len(prompt) :]
         # greedy log-probs are reported at temperature 1
         batch = collate(group[:1], tokenizer.pad_token_id)
         with torch.no_grad():
@@ -172,8 +176,9 @@ def test_top_k_and_top_p_are_honoured(model, tokenizer, prompts):
     assert _ranks(model, topk, tokenizer.pad_token_id).max().item() < 4
 
     temperature, top_p = 2.0, 0.5
-    nucleus = _flat(engine.generate(
-        prompts, 6, SamplingParams(max_new_tokens=12, temperature=temperature, top_p=top_p, seed=0)))
+    nucleus = _flat(
+        engine.generate(prompts, 6, SamplingParams(max_new_tokens=12, temperature=temperature, top_p=top_p, seed=0))
+    )
     logits, tokens = _sampled_logits(model, nucleus, tokenizer.pad_token_id)
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     p_tok = probs.gather(1, tokens[:, None])
@@ -214,16 +219,21 @@ def test_shared_prefill_samples_what_a_full_prefill_does(make_tiny_model, tokeni
     model = make_tiny_model(arch)
     backbone = model.get_decoder()
     widths: list[tuple[int, int]] = []
-    hook = backbone.register_forward_pre_hook(lambda _, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)),
-                                              with_kwargs=True)
+    hook = backbone.register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
     try:
-        for params in (SamplingParams(max_new_tokens=10, temperature=0), SamplingParams(max_new_tokens=10, seed=5),
-                       SamplingParams(max_new_tokens=10, seed=5, stop_strings=["4"])):
+        for params in (
+            SamplingParams(max_new_tokens=10, temperature=0),
+            SamplingParams(max_new_tokens=10, seed=5),
+            SamplingParams(max_new_tokens=10, seed=5, stop_strings=["4"]),
+        ):
             runs = {}
             for shared in (True, False):
                 widths.clear()
-                runs[shared] = _flat(HFEngine(model, tokenizer, max_batch_size=5, shared_prefill=shared)
-                                     .generate(prompts, 4, params))
+                runs[shared] = _flat(
+                    HFEngine(model, tokenizer, max_batch_size=5, shared_prefill=shared).generate(prompts, 4, params)
+                )
                 # prompts of 6, 5 and 1 tokens x 4 rows, 5 rows a call: the calls' prompts are 6, 5 and 1 wide
                 prefills = [w for w in widths if w[1] > 1]
                 # shared: the 2 distinct prompts of each call, all but their last column; then a token per row
@@ -246,7 +256,8 @@ def test_a_prefix_all_prompts_share_is_prefilled_once(make_tiny_model, tokenizer
     prompts = [tokenizer.encode(p) for p in ("Question: 12+34=", "Question: 7+8=", "Question: 5*6=<think>")]
     widths: list[tuple[int, int]] = []
     hook = model.get_decoder().register_forward_pre_hook(
-        lambda _, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+        lambda _, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
     params = SamplingParams(max_new_tokens=8, seed=11)
     try:
         shared = _flat(HFEngine(model, tokenizer, shared_prefill=True).generate(prompts, n, params))
@@ -279,10 +290,12 @@ def test_a_short_common_prefix_is_not_prefilled_apart(make_tiny_model, tokenizer
     model = make_tiny_model("llama")
     widths: list[tuple[int, int]] = []
     hook = model.get_decoder().register_forward_pre_hook(
-        lambda _, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+        lambda _, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
     try:
-        HFEngine(model, tokenizer).generate([tokenizer.encode("abc12"), tokenizer.encode("abc345")], 2,
-                                            SamplingParams(max_new_tokens=2, seed=0))
+        HFEngine(model, tokenizer).generate(
+            [tokenizer.encode("abc12"), tokenizer.encode("abc345")], 2, SamplingParams(max_new_tokens=2, seed=0)
+        )
     finally:
         hook.remove()
     assert [w for w in widths if w[1] > 1] == [(2, 5)]

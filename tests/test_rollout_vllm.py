@@ -64,8 +64,7 @@ def engine(model_dir, tokenizer, children_before):
     from grpolab.rollout.vllm.engine import VLLMEngine
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    eng = VLLMEngine(model_dir, tokenizer, dtype="float32", seed=0, max_model_len=256, enforce_eager=True,
-                     lora_rank=4)
+    eng = VLLMEngine(model_dir, tokenizer, dtype="float32", seed=0, max_model_len=256, enforce_eager=True, lora_rank=4)
     yield eng
     eng.close()
 
@@ -98,8 +97,10 @@ def test_sync_check_is_masked_and_raises():
 
 
 def test_engine_logprob_matrix_matches_collate():
-    completions = [Completion([5, 6], [7, 8, 2], [-0.1, -0.2, -0.3], "stop", ""),
-                   Completion([5], [9], [-1.5], "length", "")]
+    completions = [
+        Completion([5, 6], [7, 8, 2], [-0.1, -0.2, -0.3], "stop", ""),
+        Completion([5], [9], [-1.5], "length", ""),
+    ]
     batch = collate(completions, pad_id=0)
     assert torch.equal(engine_logprob_matrix(completions, batch.input_ids.shape[1]), batch.engine_logprobs)
     assert logprob_diff(completions, batch.engine_logprobs, batch.response_mask).max_abs_diff == 0.0
@@ -125,8 +126,9 @@ def test_stop_strings_kept_and_cut(engine, tokenizer, prompts, stop_len):
     free = _flat(engine.generate(prompts, 2, params))
     source = next(c for c in free if len(c.completion_ids) > 6 + stop_len and c.finish_reason == "length")
     stop = tokenizer.decode(source.completion_ids[4 : 4 + stop_len])
-    cut = _flat(engine.generate(prompts, 2, SamplingParams(max_new_tokens=20, temperature=0.8, seed=5,
-                                                           stop_strings=(stop,))))
+    cut = _flat(
+        engine.generate(prompts, 2, SamplingParams(max_new_tokens=20, temperature=0.8, seed=5, stop_strings=(stop,)))
+    )
     hits = 0
     for f, c in zip(free, cut):
         assert f.completion_ids[: len(c.completion_ids)] == c.completion_ids  # same samples, cut earlier
@@ -240,8 +242,16 @@ def test_subprocess_engine(model_dir, model, tokenizer, prompts):
 
     before = _children()
     # sleep_level: a logged no-op on CPU (no sleep mode there); sleeps between rollouts on GPU
-    engine = VLLMSubprocessEngine(model_dir, tokenizer, python=_vllm_python(), dtype="float32", seed=0,
-                                  max_model_len=256, kv_cache_bytes=64 << 20, sleep_level=1)
+    engine = VLLMSubprocessEngine(
+        model_dir,
+        tokenizer,
+        python=_vllm_python(),
+        dtype="float32",
+        seed=0,
+        max_model_len=256,
+        kv_cache_bytes=64 << 20,
+        sleep_level=1,
+    )
     try:
         assert isinstance(engine, RolloutEngine) and engine.eos_token_ids == [tokenizer.eos_token_id]
         params = SamplingParams(max_new_tokens=16, temperature=0.7, seed=3, stop_strings=("=",))
@@ -290,9 +300,15 @@ os.kill(os.getpid(), 9)
 @pytest.mark.slow
 def test_a_killed_trainer_takes_the_engine_server_and_its_processes_with_it(model_dir):
     """kill -9 of the trainer: its vLLM server notices within a second and ends its engine's processes too."""
-    proc = subprocess.run([sys.executable, "-c", _KILLED_TRAINER, str(model_dir), _vllm_python(),
-                           str(Path(__file__).parent)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_TRAINER, str(model_dir), _vllm_python(), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    engine = {int(p) for p in next(ln for ln in proc.stdout.splitlines() if ln.startswith("engine processes")).split()[2:]}
+    engine = {
+        int(p) for p in next(ln for ln in proc.stdout.splitlines() if ln.startswith("engine processes")).split()[2:]
+    }
     assert len(engine) > 1, "the server and its engine-core process"
     assert wait_until_gone(lambda: engine & live_processes().keys()) == set()

@@ -61,6 +61,10 @@ def test_worker_processes_start_without_torch():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", "import sys, grpolab.tasks.sandbox; print('torch' in sys.modules)"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, grpolab.tasks.sandbox; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "False"

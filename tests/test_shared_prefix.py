@@ -16,10 +16,10 @@ from conftest import quick_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpolab.models.logprobs import token_logprobs
-from grpolab.models.fidelity import forward_fidelity
 from grpolab.learning.packing import MicroBatchPlanner, prompt_keys
 from grpolab.learning.shared_prefix import layout_units, unit_logprobs
+from grpolab.models.fidelity import forward_fidelity
+from grpolab.models.logprobs import token_logprobs
 from grpolab.run.trainer import Trainer
 
 GROUPS = ((5, [3, 7, 1, 4]), (9, [2, 6, 0]), (4, [5]), (5, [6, 2]))  # (prompt length, completion lengths)
@@ -39,10 +39,10 @@ def _batch(vocab: int, seed: int = 0):
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
-        ids[i, :len(r)], mask[i, :len(r)] = r, 1
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
     response = torch.zeros(ids.shape)
     for i, r in enumerate(rows):
-        response[i, plens[i]:len(r)] = 1
+        response[i, plens[i] : len(r)] = 1
     return ids, mask, response, plens, [len(r) for r in rows]
 
 
@@ -68,8 +68,7 @@ def test_shared_prompts_give_the_previous_paths_logprobs_and_gradients(make_tiny
     assert sorted(map(len, units)) == [1, 3, 6]
     for shared in (True, False):
         layout = layout_units(ids, plens, slens, units, shared)
-        stats = unit_logprobs(model, layout, len(ids), ids.shape[1], temperature=0.7, chunk_tokens=5,
-                              with_entropy=True)
+        stats = unit_logprobs(model, layout, len(ids), ids.shape[1], temperature=0.7, chunk_tokens=5, with_entropy=True)
         order = torch.tensor([r for u in units for r in u])  # output rows are in unit order
         assert torch.equal(stats.logprobs != 0, response[order] != 0)  # completion tokens only
         torch.testing.assert_close(stats.logprobs, before.logprobs[order] * response[order], rtol=0, atol=1e-5)
@@ -93,8 +92,11 @@ def test_sharing_blocker_names_what_prevents_it(make_tiny_model):
 
 @st.composite
 def _rows(draw):
-    groups = draw(st.lists(st.tuples(st.integers(1, 30), st.lists(st.integers(0, 40), min_size=1, max_size=9)),
-                           min_size=1, max_size=8))
+    groups = draw(
+        st.lists(
+            st.tuples(st.integers(1, 30), st.lists(st.integers(0, 40), min_size=1, max_size=9)), min_size=1, max_size=8
+        )
+    )
     keys, plens, slens = [], [], []
     for g, (p, comps) in enumerate(groups):
         for c in comps:
@@ -112,7 +114,7 @@ def test_planner_partitions_rows_within_the_limits(rows, share, max_sequences, m
     micro_batches = [m.tolist() for m in planner.plan(torch.tensor(step))]
     assert sorted(r for m in micro_batches for r in m) == sorted(step)
     if not share and max_tokens is None:  # the previous split, in order
-        assert micro_batches == [step[i:i + max_sequences] for i in range(0, len(step), max_sequences)]
+        assert micro_batches == [step[i : i + max_sequences] for i in range(0, len(step), max_sequences)]
     for micro in micro_batches:
         units = planner.runs(micro)
         assert all(len({keys[r] for r in u}) == 1 for u in units)
@@ -128,16 +130,25 @@ def test_planner_partitions_rows_within_the_limits(rows, share, max_sequences, m
                 assert max_tokens is not None or len(unit) <= max_sequences
 
 
-@pytest.mark.parametrize("overrides", [
-    {"optim.shared_prompts": True},
-    {"optim.shared_prompts": True, "optim.micro_batch_tokens": 300},
-    {"optim.shared_prompts": False, "optim.micro_batch_tokens": 300},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"optim.shared_prompts": True},
+        {"optim.shared_prompts": True, "optim.micro_batch_tokens": 300},
+        {"optim.shared_prompts": False, "optim.micro_batch_tokens": 300},
+    ],
+)
 def test_rl_steps_end_in_the_same_parameters(warm_model_dir, tmp_path, overrides):
     """GSPO (4 minibatches: frozen old log-probs, shuffled) with a KL reference, 2 steps: the
     parameters and metrics agree with shared prompts and token budgets off."""
-    common = {"algorithm.name": "gspo", "algorithm.beta": 0.04, "reference": "frozen", "steps": 2,
-              "eval.every": 100, "checkpoint.every": 100}
+    common = {
+        "algorithm.name": "gspo",
+        "algorithm.beta": 0.04,
+        "reference": "frozen",
+        "steps": 2,
+        "eval.every": 100,
+        "checkpoint.every": 100,
+    }
     results = []
     for i, extra in enumerate(({"optim.shared_prompts": False}, overrides)):
         trainer = Trainer(quick_config(warm_model_dir, tmp_path / str(i), **common, **extra))

@@ -31,8 +31,7 @@ def submit(cluster: SlurmCluster, tmp_path: Path, body: str) -> str:
     """sbatch a bash script with ``body`` (run in tmp_path, output there); the job id."""
     script = tmp_path / "job.sh"
     script.write_text(f"#!/bin/bash\n{body}\n")
-    out = cluster.run("sbatch", "--parsable", f"--chdir={tmp_path}",
-                      f"--output={tmp_path}/slurm-%j.out", str(script))
+    out = cluster.run("sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/slurm-%j.out", str(script))
     return out.strip().split(";")[0]
 
 

@@ -13,15 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import TASK, descendants
+from suite_runs import assert_same_runs, forked_runner, one_run_suite, steps_recorded, suite_file, trainers_of, untimed
+
 from grpolab.commands.cli import main
 from grpolab.config import load_config
 from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import MANIFEST, SuiteManifest
 from grpolab.studies.suite.runner import completion_problems, last_error
-from suite_runs import (assert_same_runs, forked_runner, one_run_suite, steps_recorded, suite_file, trainers_of,
-                        untimed)
 
 pytest_plugins = ["suite_fixtures"]  # finished: the uninterrupted suite; the fake trainer and its suite
 
@@ -30,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_dry_run_prints_configs_commands_and_footprint_and_writes_nothing(warm_model_dir, tmp_path, capsys):
     root = tmp_path / "out"
-    assert main(["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root), "--dry-run"]) == 0
+    assert (
+        main(["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root), "--dry-run"]) == 0
+    )
     out = capsys.readouterr().out
     assert "grpolab.commands.cli train --config" in out and out.count('"name": "dr_grpo"') == 1
     assert str(root / "runs" / "a" / "checkpoints" / "step_000003") in out  # b starts from a's final checkpoint
@@ -80,11 +81,16 @@ def test_a_failed_run_stops_the_queue_with_its_reason(warm_model_dir, tmp_path):
     assert a.reason == "eval.n_examples 17 > the 16 validation examples of task 'arithmetic'"
 
 
-def test_a_run_asking_for_more_validation_examples_than_its_task_has_ends_in_one_error_line(warm_model_dir, tmp_path,
-                                                                                            capsys):
+def test_a_run_asking_for_more_validation_examples_than_its_task_has_ends_in_one_error_line(
+    warm_model_dir, tmp_path, capsys
+):
     """The line a suite records as the failed run's reason (last_error: its log's last 'error:' line)."""
-    overrides = {"model.path": str(warm_model_dir), "output_dir": str(tmp_path / "run"), "eval.n_examples": 17,
-                 **{f"task.{k}": v for k, v in TASK.items()}}
+    overrides = {
+        "model.path": str(warm_model_dir),
+        "output_dir": str(tmp_path / "run"),
+        "eval.n_examples": 17,
+        **{f"task.{k}": v for k, v in TASK.items()},
+    }
     assert main(["train", *[f"--{k}={v}" for k, v in overrides.items()]]) == 2
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
     assert lines == ["error: eval.n_examples 17 > the 16 validation examples of task 'arithmetic'"]
@@ -100,10 +106,15 @@ def test_a_missing_start_model_is_refused_before_anything_is_written(warm_model_
 
 @pytest.mark.parametrize("name", ["demo_all", "reference_eight", "tools_minimind", "moe_e3"])
 def test_the_shipped_suites_resolve(name, tmp_path, capsys):
-    assert main(["suite", "run", str(ROOT / "suites" / f"{name}.toml"), "--output-root", str(tmp_path / "o"),
-                 "--dry-run"]) == 0
+    assert (
+        main(["suite", "run", str(ROOT / "suites" / f"{name}.toml"), "--output-root", str(tmp_path / "o"), "--dry-run"])
+        == 0
+    )
     out = capsys.readouterr().out
-    assert out.count("grpolab.commands.cli train --config") == {"demo_all": 15, "reference_eight": 8, "tools_minimind": 4, "moe_e3": 4}[name]
+    assert (
+        out.count("grpolab.commands.cli train --config")
+        == {"demo_all": 15, "reference_eight": 8, "tools_minimind": 4, "moe_e3": 4}[name]
+    )
 
 
 def test_the_reason_of_a_failure_is_its_error_line_or_the_end_of_its_traceback(tmp_path):
@@ -120,8 +131,9 @@ def write_checkpoint(folder: Path, files: dict[str, bytes], step: int) -> Path:
     folder.mkdir(parents=True)
     for name, content in files.items():
         (folder / name).write_bytes(content)
-    listing = {name: {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
-               for name, content in files.items()}
+    listing = {
+        name: {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()} for name, content in files.items()
+    }
     (folder / "checkpoint.json").write_text(json.dumps({"step": step, "files": listing}))
     return folder
 
@@ -129,22 +141,39 @@ def write_checkpoint(folder: Path, files: dict[str, bytes], step: int) -> Path:
 def test_exit_0_without_the_final_validation_record_is_not_completion(tmp_path):
     cfg = load_config(None, {"steps": 2})
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 2, "reward_mean": 0.5}) + "\n")
-    write_checkpoint(tmp_path / "checkpoints" / "step_000002", {"config.json": b"{}", "model.safetensors": b"w",
-                                                               "trainer_state.pt": b"s"}, step=2)
+    write_checkpoint(
+        tmp_path / "checkpoints" / "step_000002",
+        {"config.json": b"{}", "model.safetensors": b"w", "trainer_state.pt": b"s"},
+        step=2,
+    )
     assert completion_problems(tmp_path, cfg) == ["the validation record of step 2"]
 
 
 @pytest.mark.slow  # default tier: the one-run suite below (real runs) and the same with fake runs
-def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupted_suite(finished, warm_model_dir,
-                                                                                        tmp_path):
+def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupted_suite(
+    finished, warm_model_dir, tmp_path
+):
     """The suite runs from a copy of the package; that copy is broken once the suite has started (queued
     runs must not care), Ctrl-C stops run a after a step, and resume finishes with identical numbers."""
     package = tmp_path / "pkg"
     shutil.copytree(ROOT / "grpolab", package / "grpolab", ignore=shutil.ignore_patterns("__pycache__"))
     root = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(package)}
-    proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", "run", str(suite_file(tmp_path, warm_model_dir)),
-                             "--output-root", str(root)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "grpolab.commands.cli",
+            "suite",
+            "run",
+            str(suite_file(tmp_path, warm_model_dir)),
+            "--output-root",
+            str(root),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 300
     while not (root / MANIFEST).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -165,10 +194,12 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
     resumed = SuiteManifest.load(root).runs
     assert [r.state for r in resumed] == ["completed", "completed"] and resumed[0].attempts
     for name in ("a", "b"):
-        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
-            untimed(read_metrics(finished / "runs" / name / "metrics.jsonl")), name
-    assert [r.final_checkpoint_sha256 for r in resumed] == [r.final_checkpoint_sha256
-                                                           for r in SuiteManifest.load(finished).runs]
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == untimed(
+            read_metrics(finished / "runs" / name / "metrics.jsonl")
+        ), name
+    assert [r.final_checkpoint_sha256 for r in resumed] == [
+        r.final_checkpoint_sha256 for r in SuiteManifest.load(finished).runs
+    ]
 
 
 SLOW_CHECKPOINTS = """
@@ -183,7 +214,8 @@ checkpoints.save_checkpoint = save_checkpoint
 
 
 def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupted_suite_with_one_real_run(
-        finished, warm_model_dir, tmp_path, monkeypatch):
+    finished, warm_model_dir, tmp_path, monkeypatch
+):
     """The suite's exact resume with real runs (run a of the tiny suite, alone): Ctrl-C to the runner stops
     run a after a step, and resume finishes it with the numbers and weights of the uninterrupted suite's run a.
     (That a suite's runs import its code snapshot, not the working tree: test_a_suite_runs_every_run_...)"""
@@ -207,8 +239,9 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
     assert main(["suite", "resume", str(root)]) == 0
     (resumed,) = SuiteManifest.load(root).runs
     assert resumed.state == "completed" and resumed.attempts and resumed.command[-2] == "--resume"
-    assert untimed(read_metrics(root / "runs" / "a" / "metrics.jsonl")) == \
-        untimed(read_metrics(finished / "runs" / "a" / "metrics.jsonl"))
+    assert untimed(read_metrics(root / "runs" / "a" / "metrics.jsonl")) == untimed(
+        read_metrics(finished / "runs" / "a" / "metrics.jsonl")
+    )
     assert resumed.final_checkpoint_sha256 == SuiteManifest.load(finished).runs[0].final_checkpoint_sha256
 
 
@@ -216,8 +249,20 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
 def test_a_suite_killed_outright_resumes_with_identical_numbers(finished, warm_model_dir, tmp_path):
     """A power cut: the runner and its run die with SIGKILL; the manifest still says 'running'."""
     root = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", "run", str(suite_file(tmp_path, warm_model_dir)),
-                             "--output-root", str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "grpolab.commands.cli",
+            "suite",
+            "run",
+            str(suite_file(tmp_path, warm_model_dir)),
+            "--output-root",
+            str(root),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     metrics, deadline = root / "runs" / "a" / "metrics.jsonl", time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if metrics.exists() and metrics.read_text().count('"reward_mean"') >= 2:
@@ -230,8 +275,9 @@ def test_a_suite_killed_outright_resumes_with_identical_numbers(finished, warm_m
     assert SuiteManifest.load(root).runs[0].state == "running"
     assert main(["suite", "resume", str(root)]) == 0
     for name in ("a", "b"):
-        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
-            untimed(read_metrics(finished / "runs" / name / "metrics.jsonl")), name
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == untimed(
+            read_metrics(finished / "runs" / name / "metrics.jsonl")
+        ), name
 
 
 INJECT = {
@@ -260,7 +306,9 @@ torch.nn.utils.clip_grad_norm_ = clip
 
 @pytest.mark.slow  # default tier: test_update's non-finite tests and the failing fake run below
 @pytest.mark.parametrize("where", ["loss", "gradient"])
-def test_a_nan_stops_its_run_before_the_optimizer_step_and_stops_the_queue(where, warm_model_dir, tmp_path, monkeypatch):
+def test_a_nan_stops_its_run_before_the_optimizer_step_and_stops_the_queue(
+    where, warm_model_dir, tmp_path, monkeypatch
+):
     """A NaN is injected into every run process (a sitecustomize module on PYTHONPATH) from step 2 on."""
     hook = tmp_path / "hook"
     hook.mkdir()
@@ -278,8 +326,9 @@ def test_a_nan_stops_its_run_before_the_optimizer_step_and_stops_the_queue(where
 
 
 # ---- the scheduler with fake runs (tests/fake_trainer.py): the same claims in seconds ------------------
-def test_a_suite_killed_outright_resumes_with_identical_numbers_with_fake_runs(fake_finished, fake_runs,
-                                                                               warm_model_dir, tmp_path):
+def test_a_suite_killed_outright_resumes_with_identical_numbers_with_fake_runs(
+    fake_finished, fake_runs, warm_model_dir, tmp_path
+):
     """A power cut: the runner and its run die with SIGKILL; the manifest still says 'running'."""
     fake_runs.use(slow={"a": 0.3})
     root = tmp_path / "out"
@@ -300,7 +349,8 @@ def test_a_suite_killed_outright_resumes_with_identical_numbers_with_fake_runs(f
 
 
 def test_a_run_failing_mid_way_stops_the_queue_with_its_error_and_keeps_its_last_checkpoint_with_fake_runs(
-        fake_runs, warm_model_dir, tmp_path):
+    fake_runs, warm_model_dir, tmp_path
+):
     fake_runs.use(fail={"a": 2})
     root = tmp_path / "out"
     assert main(["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root)]) == 1
@@ -313,7 +363,8 @@ def test_a_run_failing_mid_way_stops_the_queue_with_its_error_and_keeps_its_last
 
 
 def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupted_suite_with_fake_runs(
-        fake_finished, fake_runs, warm_model_dir, tmp_path):
+    fake_finished, fake_runs, warm_model_dir, tmp_path
+):
     fake_runs.use(slow={"a": 0.3})
     root, log = tmp_path / "out", tmp_path / "runner.log"
     runner = forked_runner("run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root), log=log)

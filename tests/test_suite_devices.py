@@ -18,18 +18,17 @@ import time
 from pathlib import Path
 
 import pytest
-
-from grpolab.commands.cli import main
-from grpolab.run.rundir import read_metrics
-from grpolab.studies.manifest import SuiteManifest
 from suite_runs import forked_runner, steps_recorded
 from test_suite import INJECT, ROOT, suite_file, untimed
 from test_suite_safety import trainers_of
 
+from grpolab.commands.cli import main
+from grpolab.run.rundir import read_metrics
+from grpolab.studies.manifest import SuiteManifest
+
 pytest_plugins = ["suite_fixtures"]  # the fake trainer
 
 NAMES = ("a", "b", "c", "d")
-
 
 
 def slow(runs: tuple[str, ...], seconds: float) -> str:
@@ -47,7 +46,9 @@ checkpoints.save_checkpoint = save_checkpoint
 """
 
 
-NAN_IN_B = 'import sys\nif any(arg.endswith(("/b.json", "/b")) for arg in sys.argv):\n' + textwrap.indent(INJECT["loss"], "    ")
+NAN_IN_B = 'import sys\nif any(arg.endswith(("/b.json", "/b")) for arg in sys.argv):\n' + textwrap.indent(
+    INJECT["loss"], "    "
+)
 
 
 def four_run_suite(tmp_path: Path, model_dir: Path) -> Path:
@@ -55,7 +56,9 @@ def four_run_suite(tmp_path: Path, model_dir: Path) -> Path:
     path = suite_file(tmp_path, model_dir)
     text = path.read_text()
     runs = text.index("[[runs]]")
-    path.write_text(text[:runs] + """
+    path.write_text(
+        text[:runs]
+        + """
 [[runs]]
 name = "a"
 algo = "grpo"
@@ -72,7 +75,8 @@ devices_per_run = 2
 name = "d"
 algo = "dr_grpo"
 init_from = "a"
-""")
+"""
+    )
     return path
 
 
@@ -86,8 +90,9 @@ def hook(tmp_path: Path, monkeypatch, code: str) -> None:
 
 def assert_same_numbers(root: Path, reference: Path) -> None:
     for name in NAMES:
-        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
-            untimed(read_metrics(reference / "runs" / name / "metrics.jsonl")), name
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == untimed(
+            read_metrics(reference / "runs" / name / "metrics.jsonl")
+        ), name
     hashes = [r.final_checkpoint_sha256 for r in SuiteManifest.load(root).runs]
     assert hashes == [r.final_checkpoint_sha256 for r in SuiteManifest.load(reference).runs] and all(hashes)
 
@@ -104,13 +109,26 @@ def one_at_a_time(warm_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow  # default tier: the same claim with fake runs below
-def test_two_at_a_time_on_devices_gives_the_numbers_of_one_at_a_time(one_at_a_time, warm_model_dir, tmp_path,
-                                                                    monkeypatch, capsys):
+def test_two_at_a_time_on_devices_gives_the_numbers_of_one_at_a_time(
+    one_at_a_time, warm_model_dir, tmp_path, monkeypatch, capsys
+):
     hook(tmp_path, monkeypatch, slow(("a", "b"), 1.5))
     monkeypatch.setenv("COLUMNS", "250")  # status tables on one line a row
     root = tmp_path / "out"
-    assert main(["suite", "run", str(four_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
-                 "--devices", "0,1"]) == 0
+    assert (
+        main(
+            [
+                "suite",
+                "run",
+                str(four_run_suite(tmp_path, warm_model_dir)),
+                "--output-root",
+                str(root),
+                "--devices",
+                "0,1",
+            ]
+        )
+        == 0
+    )
     assert_same_numbers(root, one_at_a_time)
     manifest = SuiteManifest.load(root)
     a, b, c, d = manifest.runs
@@ -129,11 +147,24 @@ def test_two_at_a_time_on_devices_gives_the_numbers_of_one_at_a_time(one_at_a_ti
 
 @pytest.mark.slow  # default tier: the same claim with fake runs below
 def test_a_failing_run_stops_the_one_beside_it_resumably_and_resume_finishes_both_exactly(
-        one_at_a_time, warm_model_dir, tmp_path, monkeypatch, capsys):
+    one_at_a_time, warm_model_dir, tmp_path, monkeypatch, capsys
+):
     hook(tmp_path, monkeypatch, slow(("a",), 4) + NAN_IN_B)
     root = tmp_path / "out"
-    assert main(["suite", "run", str(four_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
-                 "--devices", "0,1"]) == 1
+    assert (
+        main(
+            [
+                "suite",
+                "run",
+                str(four_run_suite(tmp_path, warm_model_dir)),
+                "--output-root",
+                str(root),
+                "--devices",
+                "0,1",
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     a, b, c, d = SuiteManifest.load(root).runs
     assert (a.state, b.state, c.state, d.state) == ("stopped", "failed", "queued", "queued")
@@ -150,19 +181,36 @@ def test_a_failing_run_stops_the_one_beside_it_resumably_and_resume_finishes_bot
 
 @pytest.mark.slow  # default tier: the same claim with fake runs below
 def test_a_runner_killed_outright_then_resumed_never_starts_a_run_twice_and_finishes_exactly(
-        one_at_a_time, warm_model_dir, tmp_path, monkeypatch):
+    one_at_a_time, warm_model_dir, tmp_path, monkeypatch
+):
     """SIGKILL to the runner alone: its runs (in their own sessions) train on; resume at once waits for
     both on their devices, then runs c and d, and every number equals the one-at-a-time suite's."""
     hook(tmp_path, monkeypatch, slow(("a", "b"), 1.5))
     root = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ["PYTHONPATH"]])}
-    proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", "run",
-                             str(four_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
-                             "--devices", "0,1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "grpolab.commands.cli",
+            "suite",
+            "run",
+            str(four_run_suite(tmp_path, warm_model_dir)),
+            "--output-root",
+            str(root),
+            "--devices",
+            "0,1",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
-        texts = [(root / "runs" / n / "metrics.jsonl").read_text() if (root / "runs" / n / "metrics.jsonl").exists()
-                 else "" for n in ("a", "b")]
+        texts = [
+            (root / "runs" / n / "metrics.jsonl").read_text() if (root / "runs" / n / "metrics.jsonl").exists() else ""
+            for n in ("a", "b")
+        ]
         if all('"reward_mean"' in text for text in texts):
             break
         time.sleep(0.05)
@@ -211,12 +259,25 @@ def fake_one_at_a_time(warm_model_dir, fake_hook, tmp_path_factory) -> Path:
 
 
 def test_two_at_a_time_on_devices_gives_the_numbers_of_one_at_a_time_with_fake_runs(
-        fake_one_at_a_time, fake_runs, warm_model_dir, tmp_path, monkeypatch, capsys):
+    fake_one_at_a_time, fake_runs, warm_model_dir, tmp_path, monkeypatch, capsys
+):
     fake_runs.use(slow={"a": 0.7, "b": 0.7})  # a and b overlap by more than a second (the manifest's resolution)
     monkeypatch.setenv("COLUMNS", "250")
     root = tmp_path / "out"
-    assert main(["suite", "run", str(four_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
-                 "--devices", "0,1"]) == 0
+    assert (
+        main(
+            [
+                "suite",
+                "run",
+                str(four_run_suite(tmp_path, warm_model_dir)),
+                "--output-root",
+                str(root),
+                "--devices",
+                "0,1",
+            ]
+        )
+        == 0
+    )
     assert_same_numbers(root, fake_one_at_a_time)
     manifest = SuiteManifest.load(root)
     a, b, c, d = manifest.runs
@@ -234,11 +295,24 @@ def test_two_at_a_time_on_devices_gives_the_numbers_of_one_at_a_time_with_fake_r
 
 
 def test_a_failing_run_stops_the_one_beside_it_resumably_and_resume_finishes_both_exactly_with_fake_runs(
-        fake_one_at_a_time, fake_runs, warm_model_dir, tmp_path, capsys):
+    fake_one_at_a_time, fake_runs, warm_model_dir, tmp_path, capsys
+):
     fake_runs.use(slow={"a": 1.5, "b": 0.3}, fail={"b": 2})  # b fails while a is in its first step
     root = tmp_path / "out"
-    assert main(["suite", "run", str(four_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
-                 "--devices", "0,1"]) == 1
+    assert (
+        main(
+            [
+                "suite",
+                "run",
+                str(four_run_suite(tmp_path, warm_model_dir)),
+                "--output-root",
+                str(root),
+                "--devices",
+                "0,1",
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     a, b, c, d = SuiteManifest.load(root).runs
     assert (a.state, b.state, c.state, d.state) == ("stopped", "failed", "queued", "queued")
@@ -254,16 +328,21 @@ def test_a_failing_run_stops_the_one_beside_it_resumably_and_resume_finishes_bot
 
 
 def test_a_runner_killed_outright_then_resumed_never_starts_a_run_twice_and_finishes_exactly_with_fake_runs(
-        fake_one_at_a_time, fake_runs, warm_model_dir, tmp_path):
+    fake_one_at_a_time, fake_runs, warm_model_dir, tmp_path
+):
     """SIGKILL to the runner alone: its runs (in their own sessions) train on; resume at once waits for
     both on their devices, then runs c and d, and every number equals the one-at-a-time suite's."""
     fake_runs.use(slow={"a": 0.5, "b": 0.5})
     root = tmp_path / "out"
-    runner = forked_runner("run", str(four_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
-                           "--devices", "0,1")
+    runner = forked_runner(
+        "run", str(four_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root), "--devices", "0,1"
+    )
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and runner.is_alive() and \
-            min(steps_recorded(root / "runs" / n) for n in ("a", "b")) < 1:
+    while (
+        time.monotonic() < deadline
+        and runner.is_alive()
+        and min(steps_recorded(root / "runs" / n) for n in ("a", "b")) < 1
+    ):
         time.sleep(0.02)
     runner.kill()
     runner.join()

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from suite_runs import forked_runner, one_run_suite, steps_recorded, trainers_of
+from test_suite import ROOT, suite_file, untimed, write_checkpoint
 
-from grpolab.run.checkpoints import weights_sha256
 from grpolab.commands.cli import main
 from grpolab.config import load_config
+from grpolab.run.checkpoints import weights_sha256
 from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import MANIFEST, RunRecord, SuiteManifest
 from grpolab.studies.suite.flight import Flight, classify
 from grpolab.studies.suite.runner import SuiteRunner, completion_problems, prepare_suite, progress_of
-from suite_runs import forked_runner, one_run_suite, steps_recorded, trainers_of
-from test_suite import ROOT, suite_file, untimed, write_checkpoint
 
 pytest_plugins = ["suite_fixtures"]  # finished: the uninterrupted suite; the fake trainer and its suite
 
@@ -60,8 +60,11 @@ def complete_on_disk(run_dir: Path, steps: int = 3) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     records = [{"step": s, "reward_mean": 0.5} for s in range(1, steps + 1)] + [{"step": steps, "val/accuracy": 0.25}]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return write_checkpoint(run_dir / "checkpoints" / f"step_{steps:06d}", {
-        "config.json": b"{}", "model.safetensors": b"weights", "trainer_state.pt": b"state"}, step=steps)
+    return write_checkpoint(
+        run_dir / "checkpoints" / f"step_{steps:06d}",
+        {"config.json": b"{}", "model.safetensors": b"weights", "trainer_state.pt": b"state"},
+        step=steps,
+    )
 
 
 def mark_running(root: Path, name: str, pid: int | None = None) -> None:
@@ -75,16 +78,19 @@ def mark_running(root: Path, name: str, pid: int | None = None) -> None:
 
 def lock_holder_process(run_dir: Path, seconds: float) -> subprocess.Popen:
     """A process holding ``run_dir``'s lock for ``seconds`` (a trainer left behind), in its own session."""
-    code = (f"import time; from pathlib import Path; from grpolab.run.lock import RunLock; "
-            f"RunLock(Path({str(run_dir)!r})).acquire(); print('held', flush=True); time.sleep({seconds})")
+    code = (
+        f"import time; from pathlib import Path; from grpolab.run.lock import RunLock; "
+        f"RunLock(Path({str(run_dir)!r})).acquire(); print('held', flush=True); time.sleep({seconds})"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
     assert proc.stdout.readline().strip() == b"held"
     return proc
 
 
 @pytest.mark.slow  # default tier: the same with fake runs (next test) and the real Ctrl-C resume (test_suite.py)
-def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_training(finished, warm_model_dir,
-                                                                                      tmp_path, capsys):
+def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_training(
+    finished, warm_model_dir, tmp_path, capsys
+):
     """The runner alone dies (SIGKILL; its run, in its own session, trains on); suite resume at once waits
     for that orphan, finds run a complete on disk, runs b, and every number equals the uninterrupted suite's."""
     hook = tmp_path / "hook"
@@ -93,8 +99,12 @@ def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_tr
     root = tmp_path / "out"
     command = ["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(hook)])}  # this checkout's package, first
-    proc = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", *command], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpolab.commands.cli", *command],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     metrics, deadline = root / "runs" / "a" / "metrics.jsonl", time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if metrics.exists() and metrics.read_text().count('"reward_mean"') >= 2:
@@ -136,12 +146,14 @@ def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_tr
             steps = [r["step"] for r in records if key in r]
             assert len(steps) == len(set(steps)), (name, key, steps)
         assert untimed(records) == untimed(read_metrics(finished / "runs" / name / "metrics.jsonl")), name
-    assert [r.final_checkpoint_sha256 for r in (a, b)] == [r.final_checkpoint_sha256
-                                                           for r in SuiteManifest.load(finished).runs]
+    assert [r.final_checkpoint_sha256 for r in (a, b)] == [
+        r.final_checkpoint_sha256 for r in SuiteManifest.load(finished).runs
+    ]
 
 
 def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_training_with_fake_runs(
-        fake_finished, fake_runs, warm_model_dir, tmp_path, capsys):
+    fake_finished, fake_runs, warm_model_dir, tmp_path, capsys
+):
     fake_runs.use(slow={"a": 1.0})  # the orphan is surely still alive when resume looks
     root = tmp_path / "out"
     runner = forked_runner("run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root))
@@ -184,12 +196,14 @@ def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_tr
             steps = [r["step"] for r in records if key in r]
             assert len(steps) == len(set(steps)), (name, key, steps)
         assert untimed(records) == untimed(read_metrics(fake_finished / "runs" / name / "metrics.jsonl")), name
-    assert [r.final_checkpoint_sha256 for r in (a, b)] == [r.final_checkpoint_sha256
-                                                           for r in SuiteManifest.load(fake_finished).runs]
+    assert [r.final_checkpoint_sha256 for r in (a, b)] == [
+        r.final_checkpoint_sha256 for r in SuiteManifest.load(fake_finished).runs
+    ]
 
 
-def test_resume_waits_for_the_process_holding_a_runs_lock_then_judges_the_run_from_disk(warm_model_dir, tmp_path,
-                                                                                     capsys):
+def test_resume_waits_for_the_process_holding_a_runs_lock_then_judges_the_run_from_disk(
+    warm_model_dir, tmp_path, capsys
+):
     root = tmp_path / "out"
     prepare_suite(one_run_suite(tmp_path, warm_model_dir), root, Console())
     checkpoint = complete_on_disk(root / "runs" / "a")
@@ -200,16 +214,17 @@ def test_resume_waits_for_the_process_holding_a_runs_lock_then_judges_the_run_fr
     finally:
         holder.kill()
         holder.wait()
-    assert f"run a: waiting for process {holder.pid} (left training by an earlier runner) to end" in \
-        capsys.readouterr().out
+    assert (
+        f"run a: waiting for process {holder.pid} (left training by an earlier runner) to end"
+        in capsys.readouterr().out
+    )
     (a,) = SuiteManifest.load(root).runs
     assert a.state == "completed" and a.waits[0]["pid"] == holder.pid and a.waits[0]["until"]
     assert a.final_checkpoint_sha256 == weights_sha256(checkpoint)
     assert not (root / "logs" / "a.log").exists()  # nothing was started
 
 
-def test_ctrl_c_while_waiting_stops_the_runner_and_leaves_the_training_process_alone(warm_model_dir, tmp_path,
-                                                                                   capsys):
+def test_ctrl_c_while_waiting_stops_the_runner_and_leaves_the_training_process_alone(warm_model_dir, tmp_path, capsys):
     root = tmp_path / "out"
     prepare_suite(one_run_suite(tmp_path, warm_model_dir), root, Console())
     (root / "runs" / "a").mkdir(parents=True)
@@ -240,8 +255,7 @@ def test_ctrl_c_while_waiting_stops_the_runner_and_leaves_the_training_process_a
     assert not (root / "logs" / "a.log").exists()
 
 
-def test_a_run_recorded_running_but_complete_on_disk_is_completed_without_starting_anything(warm_model_dir,
-                                                                                           tmp_path):
+def test_a_run_recorded_running_but_complete_on_disk_is_completed_without_starting_anything(warm_model_dir, tmp_path):
     """The runner died while hashing run a's final checkpoint: resume records it, and starts nothing."""
     root = tmp_path / "out"
     prepare_suite(one_run_suite(tmp_path, warm_model_dir), root, Console())
@@ -266,8 +280,10 @@ def edit_config(root: Path) -> str:
 def edit_code(root: Path) -> str:
     with (root / "snapshot" / "src" / "grpolab" / "run" / "trainer.py").open("a") as f:
         f.write("\n# edited\n")
-    return (f"the code snapshot {root / 'snapshot' / 'src' / 'grpolab'} was changed after the suite was made: "
-            "run/trainer.py was changed; not run")
+    return (
+        f"the code snapshot {root / 'snapshot' / 'src' / 'grpolab'} was changed after the suite was made: "
+        "run/trainer.py was changed; not run"
+    )
 
 
 def edit_data(root: Path) -> str:
@@ -294,20 +310,28 @@ def test_a_suite_records_each_runs_config_and_the_code_files(queued):
         assert record.config == json.loads(Path(record.config_file).read_text())
         assert record.data_dir and (Path(record.data_dir) / "train.jsonl").is_file()
         cfg = load_config(record.config_file)
-        assert record.config_sha256 == hashlib.sha256(
-            json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+        assert (
+            record.config_sha256
+            == hashlib.sha256(json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+        )
 
 
-@pytest.mark.parametrize("where, expected", [
-    ("base", "error: base: output_dir is set by the suite"),
-    ("overrides", "error: run a: output_dir is set by the suite"),
-])
+@pytest.mark.parametrize(
+    "where, expected",
+    [
+        ("base", "error: base: output_dir is set by the suite"),
+        ("overrides", "error: run a: output_dir is set by the suite"),
+    ],
+)
 def test_output_dir_is_refused_in_a_suite(where, expected, warm_model_dir, tmp_path, capsys):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "keep.txt").write_text("the user's")
-    spec = suite_file(tmp_path, warm_model_dir, first_overrides=f'overrides = {{ "output_dir" = "{mine}" }}'
-                      if where == "overrides" else "")
+    spec = suite_file(
+        tmp_path,
+        warm_model_dir,
+        first_overrides=f'overrides = {{ "output_dir" = "{mine}" }}' if where == "overrides" else "",
+    )
     if where == "base":
         spec.write_text(spec.read_text().replace("[base]\n", f'[base]\noutput_dir = "{mine}"\n', 1))
     root = tmp_path / "out"
@@ -339,8 +363,12 @@ def test_an_earlier_attempt_moves_under_attempts_apart_from_every_run_name(tmp_p
 def test_a_torn_metrics_line_is_skipped_and_counted_never_fatal(queued, wide, capsys):
     run_dir = queued / "runs" / "a"
     run_dir.mkdir(parents=True)
-    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5}) + "\n"
-                                           + json.dumps({"step": 2, "reward_mean": 0.4}) + '\n{"step": 3, "rew')
+    (run_dir / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "reward_mean": 0.5})
+        + "\n"
+        + json.dumps({"step": 2, "reward_mean": 0.4})
+        + '\n{"step": 3, "rew'
+    )
     cfg = load_config(SuiteManifest.load(queued).runs[0].config_file)
     assert completion_problems(run_dir, cfg)[0] == "the training record of step 3"
     assert tuple(progress_of(run_dir)) == (2, None, 1)
@@ -361,15 +389,23 @@ def test_a_signal_before_the_first_checkpoint_does_not_promise_a_resume(tmp_path
     assert record.reason.endswith("resumable from its newest checkpoint step_000001")
 
 
-@pytest.mark.parametrize("exit_code, note, state, reason", [
-    (130, None, "stopped", "a signal from outside the suite: stopped by a signal (exit code 130)"),
-    (-15, "Slurm job 7 ended (CANCELLED) before its command recorded an exit code", "stopped",
-     "Slurm job 7 ended (CANCELLED) before its command recorded an exit code: stopped by a signal"),
-    (-9, None, "failed", "killed by signal SIGKILL"),
-    (3, None, "failed", "exit code 3"),
-])
-def test_a_run_ended_by_a_signal_from_outside_is_stopped_and_any_other_end_failed(exit_code, note, state, reason,
-                                                                                tmp_path):
+@pytest.mark.parametrize(
+    "exit_code, note, state, reason",
+    [
+        (130, None, "stopped", "a signal from outside the suite: stopped by a signal (exit code 130)"),
+        (
+            -15,
+            "Slurm job 7 ended (CANCELLED) before its command recorded an exit code",
+            "stopped",
+            "Slurm job 7 ended (CANCELLED) before its command recorded an exit code: stopped by a signal",
+        ),
+        (-9, None, "failed", "killed by signal SIGKILL"),
+        (3, None, "failed", "exit code 3"),
+    ],
+)
+def test_a_run_ended_by_a_signal_from_outside_is_stopped_and_any_other_end_failed(
+    exit_code, note, state, reason, tmp_path
+):
     cfg = load_config(None, {"steps": 3})
     record = RunRecord(name="a", run_dir=str(tmp_path / "a"), config_file="a.json", config_sha256="")
     (tmp_path / "a").mkdir()
@@ -401,6 +437,9 @@ def test_a_suite_whose_runner_on_another_host_wrote_lately_is_refused(queued, ca
     before = (queued / MANIFEST).read_bytes()
     assert main(["suite", "resume", str(queued), "--devices", "0"]) == 2
     (line,) = capsys.readouterr().out.splitlines()
-    assert re.fullmatch(rf"error: suite {re.escape(str(queued))} is being run by process 4242 on login2 "
-                        r"\(it wrote [5-9] s ago\)", line), line
+    assert re.fullmatch(
+        rf"error: suite {re.escape(str(queued))} is being run by process 4242 on login2 "
+        r"\(it wrote [5-9] s ago\)",
+        line,
+    ), line
     assert (queued / MANIFEST).read_bytes() == before

@@ -12,13 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-from grpolab.commands.cli import main
-from grpolab.run.rundir import read_metrics
-from grpolab.studies.manifest import SuiteManifest
+import pytest
 from suite_runs import forked_runner, steps_recorded
 from test_suite import ROOT, suite_file, untimed
 
-import pytest
+from grpolab.commands.cli import main
+from grpolab.run.rundir import read_metrics
+from grpolab.studies.manifest import SuiteManifest
 
 # the session's one-node Slurm cluster; the uninterrupted suites (real and fake) and the fake trainer
 pytest_plugins = ["slurm_cluster", "suite_fixtures"]
@@ -37,18 +37,39 @@ checkpoints.save_checkpoint = save_checkpoint
 
 @pytest.mark.slow  # default tier: the same with fake runs below; real runs on Slurm: the refused job
 def test_a_suite_on_slurm_a_cancelled_job_is_a_stopped_run_and_resume_finishes_it_exactly(
-        slurm_cluster, finished, warm_model_dir, tmp_path, monkeypatch, capsys):
+    slurm_cluster, finished, warm_model_dir, tmp_path, monkeypatch, capsys
+):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_A)
     spec = suite_file(tmp_path, warm_model_dir)
-    spec.write_text(spec.read_text().replace("[base]", f'[slurm]\npartition = "{slurm_cluster.partition}"\n'
-                                             'gpus_per_device = 0\ntime = "00:30:00"\n[base]', 1))
+    spec.write_text(
+        spec.read_text().replace(
+            "[base]",
+            f'[slurm]\npartition = "{slurm_cluster.partition}"\ngpus_per_device = 0\ntime = "00:30:00"\n[base]',
+            1,
+        )
+    )
     root = tmp_path / "out"
     env = {**slurm_cluster.env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(hook)])}
-    runner = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", "run", str(spec),
-                               "--output-root", str(root), "--launcher", "slurm"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runner = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "grpolab.commands.cli",
+            "suite",
+            "run",
+            str(spec),
+            "--output-root",
+            str(root),
+            "--launcher",
+            "slurm",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics, deadline = root / "runs" / "a" / "metrics.jsonl", time.monotonic() + 300
     while time.monotonic() < deadline and runner.poll() is None:
         if metrics.exists() and '"reward_mean"' in metrics.read_text():
@@ -60,8 +81,13 @@ def test_a_suite_on_slurm_a_cancelled_job_is_a_stopped_run_and_resume_finishes_i
     assert runner.returncode == 130, out
     a, b = SuiteManifest.load(root).runs
     assert (a.state, b.state) == ("stopped", "queued"), (a, out)
-    assert a.reason.startswith(f"Slurm job {job} was CANCELLED: stopped by a signal (exit code 130); resumable "
-                               "from its newest checkpoint step_00000") and a.job_id == job
+    assert (
+        a.reason.startswith(
+            f"Slurm job {job} was CANCELLED: stopped by a signal (exit code 130); resumable "
+            "from its newest checkpoint step_00000"
+        )
+        and a.job_id == job
+    )
     assert f"run a: submitted as Slurm job {job}" in out and a.job_state == "CANCELLED"
     assert slurm_cluster.run("scontrol", "show", "job", job).count("JobState=CANCELLED") == 1
 
@@ -74,8 +100,9 @@ def test_a_suite_on_slurm_a_cancelled_job_is_a_stopped_run_and_resume_finishes_i
     assert (a.job_state, b.job_state) == ("COMPLETED", "COMPLETED")
     reference = SuiteManifest.load(finished).runs
     for name in ("a", "b"):
-        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
-            untimed(read_metrics(finished / "runs" / name / "metrics.jsonl")), name
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == untimed(
+            read_metrics(finished / "runs" / name / "metrics.jsonl")
+        ), name
     assert [r.final_checkpoint_sha256 for r in (a, b)] == [r.final_checkpoint_sha256 for r in reference]
     # where each attempt ran, as the suite and the run itself recorded it; the scripts are kept
     sessions = json.loads((root / "runs" / "a" / "manifest.json").read_text())["sessions"]
@@ -96,13 +123,15 @@ def test_the_slurm_launcher_without_slurm_is_one_error_line(warm_model_dir, tmp_
     spec = suite_file(tmp_path, warm_model_dir)
     assert main(["suite", "run", str(spec), "--output-root", str(tmp_path / "out"), "--launcher", "slurm"]) == 2
     assert capsys.readouterr().out.splitlines() == [
-        "error: the slurm launcher needs Slurm's client commands (sbatch, squeue, scancel) on PATH"]
+        "error: the slurm launcher needs Slurm's client commands (sbatch, squeue, scancel) on PATH"
+    ]
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow  # default tier: the same with fake runs below
 def test_a_runner_killed_while_its_jobs_run_is_resumed_by_following_the_jobs_never_submitting_twice(
-        slurm_cluster, finished, warm_model_dir, tmp_path, monkeypatch):
+    slurm_cluster, finished, warm_model_dir, tmp_path, monkeypatch
+):
     """SIGKILL to the runner (a closed SSH session on a login node): run a's job trains on; resume follows
     that job to its end instead of submitting a second one, then submits b."""
     hook = tmp_path / "hook"
@@ -112,9 +141,23 @@ def test_a_runner_killed_while_its_jobs_run_is_resumed_by_following_the_jobs_nev
     spec.write_text(spec.read_text().replace("[base]", "[slurm]\ngpus_per_device = 0\n[base]", 1))
     root = tmp_path / "out"
     env = {**slurm_cluster.env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(hook)])}
-    runner = subprocess.Popen([sys.executable, "-m", "grpolab.commands.cli", "suite", "run", str(spec),
-                               "--output-root", str(root), "--launcher", "slurm"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    runner = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "grpolab.commands.cli",
+            "suite",
+            "run",
+            str(spec),
+            "--output-root",
+            str(root),
+            "--launcher",
+            "slurm",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     metrics, deadline = root / "runs" / "a" / "metrics.jsonl", time.monotonic() + 300
     while time.monotonic() < deadline and runner.poll() is None:
         if metrics.exists() and '"reward_mean"' in metrics.read_text():
@@ -131,12 +174,12 @@ def test_a_runner_killed_while_its_jobs_run_is_resumed_by_following_the_jobs_nev
     assert (a.state, b.state) == ("completed", "completed") and a.job_id == job and not a.attempts
     assert sorted(p.name for p in (root / "slurm").glob("*.sbatch")) == ["a.attempt-1.sbatch", "b.attempt-1.sbatch"]
     for name in ("a", "b"):
-        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
-            untimed(read_metrics(finished / "runs" / name / "metrics.jsonl")), name
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == untimed(
+            read_metrics(finished / "runs" / name / "metrics.jsonl")
+        ), name
 
 
-def test_a_job_slurm_refuses_is_a_failed_run_with_sbatchs_reason(slurm_cluster, warm_model_dir, tmp_path,
-                                                                 monkeypatch):
+def test_a_job_slurm_refuses_is_a_failed_run_with_sbatchs_reason(slurm_cluster, warm_model_dir, tmp_path, monkeypatch):
     spec = suite_file(tmp_path, warm_model_dir)
     spec.write_text(spec.read_text().replace("[base]", '[slurm]\npartition = "nope"\ngpus_per_device = 0\n[base]', 1))
     for key, value in slurm_cluster.env.items():
@@ -151,19 +194,28 @@ def test_a_job_slurm_refuses_is_a_failed_run_with_sbatchs_reason(slurm_cluster, 
 def slurm_suite(tmp_path: Path, model_dir: Path, partition: str | None = None) -> Path:
     spec = suite_file(tmp_path, model_dir)
     where = f'partition = "{partition}"\n' if partition else ""
-    spec.write_text(spec.read_text().replace("[base]", f'[slurm]\n{where}gpus_per_device = 0\ntime = "00:30:00"\n'
-                                             "[base]", 1))
+    spec.write_text(
+        spec.read_text().replace("[base]", f'[slurm]\n{where}gpus_per_device = 0\ntime = "00:30:00"\n[base]', 1)
+    )
     return spec
 
 
 def test_a_suite_on_slurm_a_cancelled_job_is_a_stopped_run_and_resume_finishes_it_exactly_with_fake_runs(
-        slurm_cluster, fake_finished, fake_runs, warm_model_dir, tmp_path, monkeypatch, capsys):
+    slurm_cluster, fake_finished, fake_runs, warm_model_dir, tmp_path, monkeypatch, capsys
+):
     for key, value in {**slurm_cluster.env, "COLUMNS": "250"}.items():
         monkeypatch.setenv(key, value)
     fake_runs.use(slow={"a": 0.6})  # run a is surely still training when the test cancels its job
     root, log = tmp_path / "out", tmp_path / "runner.log"
-    runner = forked_runner("run", str(slurm_suite(tmp_path, warm_model_dir, slurm_cluster.partition)),
-                           "--output-root", str(root), "--launcher", "slurm", log=log)
+    runner = forked_runner(
+        "run",
+        str(slurm_suite(tmp_path, warm_model_dir, slurm_cluster.partition)),
+        "--output-root",
+        str(root),
+        "--launcher",
+        "slurm",
+        log=log,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 1:
         time.sleep(0.05)
@@ -174,8 +226,13 @@ def test_a_suite_on_slurm_a_cancelled_job_is_a_stopped_run_and_resume_finishes_i
     assert runner.exitcode == 130, out
     a, b = SuiteManifest.load(root).runs
     assert (a.state, b.state) == ("stopped", "queued"), (a, out)
-    assert a.reason.startswith(f"Slurm job {job} was CANCELLED: stopped by a signal (exit code 130); resumable "
-                               "from its newest checkpoint step_00000") and a.job_id == job
+    assert (
+        a.reason.startswith(
+            f"Slurm job {job} was CANCELLED: stopped by a signal (exit code 130); resumable "
+            "from its newest checkpoint step_00000"
+        )
+        and a.job_id == job
+    )
     assert f"run a: submitted as Slurm job {job}" in out and a.job_state == "CANCELLED"
     assert slurm_cluster.run("scontrol", "show", "job", job).count("JobState=CANCELLED") == 1
 
@@ -187,8 +244,9 @@ def test_a_suite_on_slurm_a_cancelled_job_is_a_stopped_run_and_resume_finishes_i
     assert (a.job_state, b.job_state) == ("COMPLETED", "COMPLETED")
     reference = SuiteManifest.load(fake_finished).runs
     for name in ("a", "b"):
-        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
-            untimed(read_metrics(fake_finished / "runs" / name / "metrics.jsonl")), name
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == untimed(
+            read_metrics(fake_finished / "runs" / name / "metrics.jsonl")
+        ), name
     assert [r.final_checkpoint_sha256 for r in (a, b)] == [r.final_checkpoint_sha256 for r in reference]
     # where each attempt ran, as the suite and the run itself recorded it; the scripts are kept
     sessions = json.loads((root / "runs" / "a" / "manifest.json").read_text())["sessions"]
@@ -205,15 +263,17 @@ def test_a_suite_on_slurm_a_cancelled_job_is_a_stopped_run_and_resume_finishes_i
 
 
 def test_a_runner_killed_while_its_jobs_run_is_resumed_by_following_the_jobs_never_submitting_twice_with_fake_runs(
-        slurm_cluster, fake_finished, fake_runs, warm_model_dir, tmp_path, monkeypatch):
+    slurm_cluster, fake_finished, fake_runs, warm_model_dir, tmp_path, monkeypatch
+):
     """SIGKILL to the runner (a closed SSH session on a login node): run a's job trains on; resume follows
     that job to its end instead of submitting a second one, then submits b."""
     for key, value in slurm_cluster.env.items():
         monkeypatch.setenv(key, value)
     fake_runs.use(slow={"a": 0.6})
     root = tmp_path / "out"
-    runner = forked_runner("run", str(slurm_suite(tmp_path, warm_model_dir)), "--output-root", str(root),
-                           "--launcher", "slurm")
+    runner = forked_runner(
+        "run", str(slurm_suite(tmp_path, warm_model_dir)), "--output-root", str(root), "--launcher", "slurm"
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 1:
         time.sleep(0.05)
@@ -226,5 +286,6 @@ def test_a_runner_killed_while_its_jobs_run_is_resumed_by_following_the_jobs_nev
     assert (a.state, b.state) == ("completed", "completed") and a.job_id == job and not a.attempts
     assert sorted(p.name for p in (root / "slurm").glob("*.sbatch")) == ["a.attempt-1.sbatch", "b.attempt-1.sbatch"]
     for name in ("a", "b"):
-        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == \
-            untimed(read_metrics(fake_finished / "runs" / name / "metrics.jsonl")), name
+        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == untimed(
+            read_metrics(fake_finished / "runs" / name / "metrics.jsonl")
+        ), name

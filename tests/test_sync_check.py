@@ -77,8 +77,11 @@ class CopyEngine:
 
 
 def test_a_broken_sync_in_bf16_is_caught_by_the_calibrated_limit(warm_model_dir, tmp_path):
-    cfg = quick_config(warm_model_dir, tmp_path / "run", **{"model.dtype": "bfloat16", "rollout.sync_check": True,
-                                                             "optim.lr": 1e-5, "rollout.prompts_per_step": 16})
+    cfg = quick_config(
+        warm_model_dir,
+        tmp_path / "run",
+        **{"model.dtype": "bfloat16", "rollout.sync_check": True, "optim.lr": 1e-5, "rollout.prompts_per_step": 16},
+    )
     trainer = Trainer(cfg, Console(quiet=True))
     trainer.parts.collector.engine = CopyEngine(trainer.parts.model, trainer.parts.tokenizer)
     limit = cfg.rollout.sync_limits("bfloat16")[1]
@@ -132,8 +135,9 @@ def test_the_margin_is_the_observed_difference_over_the_stop_limit_every_step():
 
 def test_a_margin_past_the_warn_level_is_one_line_until_it_falls_back():
     lines: list[str] = []
-    monitor = SyncMonitor(None, None, noise_multiple=3.0, min_floor=1e-9, calibration_steps=1, warn_margin=0.6,
-                          warn=lines.append)
+    monitor = SyncMonitor(
+        None, None, noise_multiple=3.0, min_floor=1e-9, calibration_steps=1, warn_margin=0.6, warn=lines.append
+    )
     monitor.check(*_shifted(1e-3))  # limit 3e-3 from here on
     monitor.check(*_shifted(1.5e-3))  # margin 0.5
     assert lines == []
@@ -160,8 +164,9 @@ def test_the_calibration_window_survives_a_resume():
 
 def test_a_run_records_its_sync_margin_and_calibrates_over_its_window(warm_model_dir, tmp_path):
     """Every step logs its margin; a warn level every step passes gives one line for the whole excursion."""
-    cfg = quick_config(warm_model_dir, tmp_path / "run", **{"rollout.sync_calibration_steps": 2,
-                                                             "rollout.sync_warn_margin": 1e-9})
+    cfg = quick_config(
+        warm_model_dir, tmp_path / "run", **{"rollout.sync_calibration_steps": 2, "rollout.sync_warn_margin": 1e-9}
+    )
     out = io.StringIO()
     trainer = Trainer(cfg, Console(file=out, width=400))
     records = [trainer.train_step(step) for step in (1, 2, 3)]

@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import get_type_hints
 
+from conftest import GSM8K_DIR
+
 import grpolab
 from grpolab.models.tinymodel import WarmStartSettings
 from grpolab.tasks import BUILT_IN, Example, Task, build_task
@@ -17,16 +19,18 @@ from grpolab.tasks.base import OPTIONAL_MEMBERS, REQUIRED_MEMBERS, PlainTask
 from grpolab.tasks.reward_model_spec import RewardModelSpec
 from grpolab.tools import Toolset
 
-from conftest import GSM8K_DIR
-
 PROBE = re.compile(r"\b(getattr|hasattr)\(\s*(self\.|parts\.|cfg\.)?(task|t)\b")
 """A look-up of a member by name on a task or its settings (``getattr(task, "toolset", None)``)."""
 
 
 def test_no_package_module_probes_a_task_for_a_member():
     package = Path(grpolab.__file__).parent
-    found = [f"{path.relative_to(package)}:{n}: {line.strip()}" for path in sorted(package.rglob("*.py"))
-             for n, line in enumerate(path.read_text().splitlines(), 1) if PROBE.search(line)]
+    found = [
+        f"{path.relative_to(package)}:{n}: {line.strip()}"
+        for path in sorted(package.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if PROBE.search(line)
+    ]
     assert found == []
 
 
@@ -43,11 +47,18 @@ def test_every_member_of_the_contract_is_typed():
 def built_in_tasks(tmp_path: Path) -> dict[str, Task]:
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"question": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(6)))
-    settings = {"arithmetic": {"n_train": 4, "n_val": 2}, "calculator": {"n_train": 4, "n_val": 2},
-                "chat_arithmetic": {"n_val": 2},
-                "gsm8k": {"train_path": str(GSM8K_DIR / "train.jsonl"), "test_path": str(GSM8K_DIR / "test.jsonl"),
-                          "n_train": 2, "n_val": 2},
-                "dataset": {"train": str(rows), "validation_size": 2}}
+    settings = {
+        "arithmetic": {"n_train": 4, "n_val": 2},
+        "calculator": {"n_train": 4, "n_val": 2},
+        "chat_arithmetic": {"n_val": 2},
+        "gsm8k": {
+            "train_path": str(GSM8K_DIR / "train.jsonl"),
+            "test_path": str(GSM8K_DIR / "test.jsonl"),
+            "n_train": 2,
+            "n_val": 2,
+        },
+        "dataset": {"train": str(rows), "validation_size": 2},
+    }
     assert set(settings) == set(BUILT_IN)
     return {name: build_task({"name": name, **values}) for name, values in settings.items()}
 
@@ -75,8 +86,9 @@ def test_a_plain_task_class_gets_the_defaults_and_keeps_its_own_members():
     assert task.data_fingerprint() is None
     assert task.messages(example) == [{"role": "user", "content": "4-1=<think>"}]
     assert task.prompt_template() == "{question}=<think>"
-    assert task.grade_batch([(" <answer> 3 </answer>", example, False)]) == [task.grade(" <answer> 3 </answer>",
-                                                                                        example, False)]
+    assert task.grade_batch([(" <answer> 3 </answer>", example, False)]) == [
+        task.grade(" <answer> 3 </answer>", example, False)
+    ]
     task.bind_tokenizer(object())  # a no-op
 
     class Own:  # a plain class with some optional members of its own

@@ -8,7 +8,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpolab.tasks import ArithmeticTask, grade_r1_zero
 from grpolab.models.tinymodel import (
     TAGS,
     WarmStartSettings,
@@ -19,6 +18,7 @@ from grpolab.models.tinymodel import (
     warm_start_key,
     warm_start_model,
 )
+from grpolab.tasks import ArithmeticTask, grade_r1_zero
 
 TASK = ArithmeticTask(n_train=64, n_val=8)
 TINY = WarmStartSettings(steps=3, batch_size=8, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
@@ -35,7 +35,9 @@ def test_round_trip_of_prompt_and_solution(tokenizer) -> None:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert tokenizer.decode(ids) == text
         with_eos = ids + [tokenizer.eos_token_id]
-        completion = tokenizer.decode(with_eos[len(tokenizer(TASK.prompt(ex))["input_ids"]) :], skip_special_tokens=True)
+        completion = tokenizer.decode(
+            with_eos[len(tokenizer(TASK.prompt(ex))["input_ids"]) :], skip_special_tokens=True
+        )
         assert completion == ex.solution
         assert grade_r1_zero(completion, ex.answer, truncated=False).reward == 1.0
 
@@ -69,7 +71,9 @@ def test_digits_split_one_per_token(tokenizer) -> None:
 def test_special_tokens_and_any_text(tokenizer) -> None:
     assert tokenizer.eos_token_id is not None and tokenizer.pad_token_id is not None
     assert tokenizer.eos_token_id != tokenizer.pad_token_id
-    assert tokenizer(TASK.prompt(TASK.train_examples()[0]))["input_ids"][0] != tokenizer.eos_token_id  # no BOS/EOS added
+    assert (
+        tokenizer(TASK.prompt(TASK.train_examples()[0]))["input_ids"][0] != tokenizer.eos_token_id
+    )  # no BOS/EOS added
     text = "Unseen text: é ☃ 中文 {x} \t tabs"
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
 

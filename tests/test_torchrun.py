@@ -44,17 +44,42 @@ def blank_ids() -> list[str]:
 
     stream = PromptStream(ArithmeticWithBlanks(**TASK).train_examples(), seed=0)
     steps = [stream.take(PROMPTS) for _ in range(3)]
-    return [e.id for e in steps[1] + steps[2][PROMPTS // 2:]]
+    return [e.id for e in steps[1] + steps[2][PROMPTS // 2 :]]
 
 
-def run_args(model_dir: Path, out: Path, algo: str, steps: int = 3, task_args: list[str] | None = None,
-             **task) -> list[str]:
+def run_args(
+    model_dir: Path, out: Path, algo: str, steps: int = 3, task_args: list[str] | None = None, **task
+) -> list[str]:
     """A small run's arguments; its task is ``task_args``, else the arithmetic with blanks (``task`` changes)."""
-    args = ["train", "--model", str(model_dir), "--output-dir", str(out), "--algo", algo, "--steps", str(steps),
-            "--rollout.prompts_per_step", str(PROMPTS), "--rollout.group_size", str(GROUP),
-            "--rollout.max_new_tokens", "40", "--rollout.max_batch_size", str(PROMPTS * GROUP // 2),
-            "--optim.micro_batch_size", "6", "--optim.lr", "1e-4", "--eval.every", "2", "--checkpoint.every", "1",
-            "--threads", "1"]
+    args = [
+        "train",
+        "--model",
+        str(model_dir),
+        "--output-dir",
+        str(out),
+        "--algo",
+        algo,
+        "--steps",
+        str(steps),
+        "--rollout.prompts_per_step",
+        str(PROMPTS),
+        "--rollout.group_size",
+        str(GROUP),
+        "--rollout.max_new_tokens",
+        "40",
+        "--rollout.max_batch_size",
+        str(PROMPTS * GROUP // 2),
+        "--optim.micro_batch_size",
+        "6",
+        "--optim.lr",
+        "1e-4",
+        "--eval.every",
+        "2",
+        "--checkpoint.every",
+        "1",
+        "--threads",
+        "1",
+    ]
     if task_args is not None:
         return args + task_args
     args += ["--task.name", "custom_task:ArithmeticWithBlanks", "--task.blank", json.dumps(blank_ids())]
@@ -64,21 +89,44 @@ def run_args(model_dir: Path, out: Path, algo: str, steps: int = 3, task_args: l
 
 
 def torchrun(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "grpolab", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "grpolab",
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def steps_of(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)}
-            for r in read_metrics(run_dir / "metrics.jsonl")]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)} for r in read_metrics(run_dir / "metrics.jsonl")
+    ]
 
 
 def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     """A checkpoint's weights: the model's, or a LoRA run's adapter."""
     folder = run_dir / "checkpoints" / f"step_{step:06d}"
-    return load_file(folder / "model.safetensors" if (folder / "model.safetensors").is_file()
-                     else folder / "adapter_model.safetensors")
+    return load_file(
+        folder / "model.safetensors"
+        if (folder / "model.safetensors").is_file()
+        else folder / "adapter_model.safetensors"
+    )
 
 
 def assert_same_run(got: Path, want: Path, steps: int = 3) -> None:
@@ -98,10 +146,18 @@ def assert_same_run(got: Path, want: Path, steps: int = 3) -> None:
 
 # sequence, token, constant aggregation (the default tier runs grpo over DDP; the others' exactness over ranks:
 # test_distributed.py's threaded ranks; FSDP: the LoRA/DAPO run below)
-@pytest.mark.parametrize("algo, strategy", [("grpo", "ddp"), *[pytest.param(algo, strategy, marks=pytest.mark.slow)
-                                                               for algo in ("grpo", "cispo", "dr_grpo")
-                                                               for strategy in ("ddp", "fsdp")
-                                                               if (algo, strategy) != ("grpo", "ddp")]])
+@pytest.mark.parametrize(
+    "algo, strategy",
+    [
+        ("grpo", "ddp"),
+        *[
+            pytest.param(algo, strategy, marks=pytest.mark.slow)
+            for algo in ("grpo", "cispo", "dr_grpo")
+            for strategy in ("ddp", "fsdp")
+            if (algo, strategy) != ("grpo", "ddp")
+        ],
+    ],
+)
 def test_two_processes_compute_the_one_process_run(algo, strategy, warm_model_dir, tmp_path):
     two, one = tmp_path / "two", tmp_path / "one"
     # FSDP computes each row on its own (the shared-prompt forward takes a varying number of weight
@@ -155,8 +211,16 @@ def test_an_moe_policy_over_two_processes_computes_the_one_process_run(strategy,
     load-balancing loss: the same updates, router metrics (summed over the ranks) and routing mismatch. The loss is
     each forward's (as transformers computes it), so both runs split the rows into the same forwards: 8 rows."""
     two, one = tmp_path / "two", tmp_path / "one"
-    args = ["--algorithm.epochs", "2", "--algorithm.routing_replay", "true", "--model.router_aux_loss_coef", "0.01",
-            "--optim.micro_batch_size", "8"]
+    args = [
+        "--algorithm.epochs",
+        "2",
+        "--algorithm.routing_replay",
+        "true",
+        "--model.router_aux_loss_coef",
+        "0.01",
+        "--optim.micro_batch_size",
+        "8",
+    ]
     args += ["--optim.shared_prompts", "false"] if strategy == "fsdp" else []
     done = torchrun(run_args(warm_moe_dir, two, "grpo") + args + ["--dist.strategy", strategy])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -167,14 +231,23 @@ def test_an_moe_policy_over_two_processes_computes_the_one_process_run(strategy,
 
 
 def test_lora_dynamic_sampling_and_a_kl_penalty_over_two_sharded_processes_continue_the_one_process_run(
-        warm_model_dir, tmp_path):
+    warm_model_dir, tmp_path
+):
     """The default tier's FSDP run, several claims at once: LoRA adapters sharded with their decoder layers and
     summed like full weights, the reference the adapter switched off (beta > 0), DAPO's resampling decided alike
     on every rank (step 2 has no signal), and the two-process checkpoint of step 2 continued by one process to
     where an uninterrupted one-process run ends."""
     two, one = tmp_path / "two", tmp_path / "one"
-    args = ["--model.lora.rank", "4", "--reference", "frozen", "--algorithm.beta", "0.01",
-            "--optim.shared_prompts", "false"]
+    args = [
+        "--model.lora.rank",
+        "4",
+        "--reference",
+        "frozen",
+        "--algorithm.beta",
+        "0.01",
+        "--optim.shared_prompts",
+        "false",
+    ]
     done = torchrun(run_args(warm_model_dir, two, "dapo", steps=2) + args + ["--dist.strategy", "fsdp"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert main(["train", "--resume", str(two), "--steps", "3"]) == 0
@@ -198,20 +271,33 @@ def test_dynamic_sampling_keeps_the_same_groups_on_every_rank(warm_model_dir, tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_reward_model_over_two_processes_computes_the_one_process_run(strategy, warm_model_dir, reward_model_dir,
-                                                                         tmp_path):
+def test_a_reward_model_over_two_processes_computes_the_one_process_run(
+    strategy, warm_model_dir, reward_model_dir, tmp_path
+):
     """Each rank scores its share of the completions with its own whole copy of the reward model (FSDP shards
     the policy only); the running normalizer sees the whole round on every rank, so the updates and the
     reward-model metrics are the one-process run's."""
     from test_dataset_run import write_problems
 
     pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
-    rewards = [{"function": "numeric", "name": "correct", "weight": 0.0},
-               {"function": f"model:{reward_model_dir}", "name": "rm", "options": {"normalize": "running",
-                                                                                  "batch_size": 8}}]
-    task = ["--task.name", "dataset", "--task.train", str(write_problems(tmp_path / "train.jsonl", pairs[:60])),
-            "--task.validation", str(write_problems(tmp_path / "val.jsonl", pairs[60:76])),
-            "--task.question_field", "problem", "--task.answer_field", "result", "--task.rewards", json.dumps(rewards)]
+    rewards = [
+        {"function": "numeric", "name": "correct", "weight": 0.0},
+        {"function": f"model:{reward_model_dir}", "name": "rm", "options": {"normalize": "running", "batch_size": 8}},
+    ]
+    task = [
+        "--task.name",
+        "dataset",
+        "--task.train",
+        str(write_problems(tmp_path / "train.jsonl", pairs[:60])),
+        "--task.validation",
+        str(write_problems(tmp_path / "val.jsonl", pairs[60:76])),
+        "--task.question_field",
+        "problem",
+        "--task.answer_field",
+        "result",
+        "--task.rewards",
+        json.dumps(rewards),
+    ]
     args = task + (["--optim.shared_prompts", "false"] if strategy == "fsdp" else [])
     two, one = tmp_path / "two", tmp_path / "one"
     done = torchrun(run_args(warm_model_dir, two, "grpo", task_args=args) + ["--dist.strategy", strategy])
@@ -264,8 +350,9 @@ def test_a_rank_that_fails_mid_step_ends_every_rank(crash, warm_model_dir, tmp_p
 
 
 @pytest.mark.slow  # ~100 s a case (two vLLM engines); default tier: one process's sync check in test_trainer_vllm.py
-@pytest.mark.parametrize(("strategy", "lora_sync"), [("ddp", None), ("fsdp", None), ("fsdp", "adapter"),
-                                                     ("fsdp", "merged")])
+@pytest.mark.parametrize(
+    ("strategy", "lora_sync"), [("ddp", None), ("fsdp", None), ("fsdp", "adapter"), ("fsdp", "merged")]
+)
 def test_one_vllm_engine_per_rank_each_synced_and_checked(strategy, lora_sync, warm_model_dir, tmp_path):
     """Each rank starts its own vLLM engine and syncs it from its weights (under FSDP the whole weights,
     gathered; with LoRA the merged weights or the adapter, gathered) after every update; the sync check (on
@@ -284,21 +371,43 @@ def test_one_vllm_engine_per_rank_each_synced_and_checked(strategy, lora_sync, w
         for key in ("reward_mean", "accuracy", "completion_len_mean", "actual_updates"):
             assert x[key] == y[key], key
         assert x["loss"] == pytest.approx(y["loss"], abs=1e-6) and x["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
-        assert ("grad_norm" in x) == ("grad_norm" in y) and x.get("grad_norm", 0) == pytest.approx(y.get("grad_norm", 0), rel=1e-5)
+        assert ("grad_norm" in x) == ("grad_norm" in y) and x.get("grad_norm", 0) == pytest.approx(
+            y.get("grad_norm", 0), rel=1e-5
+        )
         assert x["sync/logprob_diff_max"] < 1e-4  # engines and trainers agree after every sync
 
 
 @pytest.mark.slow
 def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step_with_a_checkpoint_that_continues_exactly(
-        warm_model_dir, tmp_path):
+    warm_model_dir, tmp_path
+):
     """As a suite stops a torchrun run: SIGTERM to the agent, which passes it on to the ranks; they agree
     at a step's end to stop, rank 0 writes that step's checkpoint, and a resume ends where an
     uninterrupted one-process run does."""
     two, one = tmp_path / "two", tmp_path / "one"
     args = run_args(warm_model_dir, two, "grpo", steps=4) + ["--checkpoint.every", "10"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             "-m", "grpolab", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "grpolab",
+            *args,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         if (two / "metrics.jsonl").exists() and '"reward_mean"' in (two / "metrics.jsonl").read_text():

@@ -9,9 +9,9 @@ import pytest
 from conftest import params_of, quick_config, same
 from transformers import AutoModelForCausalLM
 
-from grpolab.objectives.algorithms import PRESETS
 from grpolab.commands.cli import main
 from grpolab.config import load_config
+from grpolab.objectives.algorithms import PRESETS
 from grpolab.rollout.evaluation import pass_at_k
 from grpolab.run.rundir import RunDirError, read_metrics
 from grpolab.run.trainer import Trainer, train
@@ -59,15 +59,28 @@ def test_dynamic_sampling_keeps_the_batch_size(warm_model_dir, tmp_path):
 
 
 def test_full_run_writes_metrics_checkpoints_summary_and_is_deterministic(warm_model_dir, tmp_path):
-    summaries = [train(quick_config(warm_model_dir, tmp_path / f"run{i}", reference="frozen"))
-                 for i in range(2)]
+    summaries = [train(quick_config(warm_model_dir, tmp_path / f"run{i}", reference="frozen")) for i in range(2)]
     run = tmp_path / "run0"
     metrics = read_metrics(run / "metrics.jsonl")
     steps = [m for m in metrics if "reward_mean" in m]
     assert [m["step"] for m in steps] == [1, 2]
-    for key in ("reward_mean", "accuracy", "format_rate", "advantage_std", "kl_ref", "completion_len_mean",
-                "truncation_rate", "time/generate", "time/reward", "time/train", "time/sync", "time/step", "tokens_per_s",
-                "total_attempted_updates", "total_actual_updates"):
+    for key in (
+        "reward_mean",
+        "accuracy",
+        "format_rate",
+        "advantage_std",
+        "kl_ref",
+        "completion_len_mean",
+        "truncation_rate",
+        "time/generate",
+        "time/reward",
+        "time/train",
+        "time/sync",
+        "time/step",
+        "tokens_per_s",
+        "total_attempted_updates",
+        "total_actual_updates",
+    ):
         assert key in steps[-1] or key in ("kl_ref", "grad_norm"), key
     assert [m["step"] for m in metrics if "val/accuracy" in m] == [0, 2]
     summary = json.loads((run / "summary.json").read_text())
@@ -76,7 +89,10 @@ def test_full_run_writes_metrics_checkpoints_summary_and_is_deterministic(warm_m
     assert model.num_parameters() > 0
     assert not list((run / "checkpoints").glob(".*")), "no temp dirs left behind"
     other = read_metrics(tmp_path / "run1" / "metrics.jsonl")
-    untimed = lambda ms: [{k: v for k, v in m.items() if not k.startswith("time/") and k != "tokens_per_s"} for m in ms]
+
+    def untimed(ms):
+        return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "tokens_per_s"} for m in ms]
+
     assert untimed(metrics) == untimed(other)
     assert summaries[0]["val_accuracy"] == summaries[1]["val_accuracy"]
 
@@ -108,8 +124,13 @@ def test_toml_config_with_command_line_overrides(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('steps = 7\n[algorithm]\nname = "dapo"\neps_high = 0.3\n[optim]\nlr = 2e-4\n')
     cfg = load_config(path, {"optim.lr": 5e-4, "rollout.group_size": 4})
-    assert (cfg.steps, cfg.algorithm.name, cfg.algorithm.eps_high, cfg.optim.lr, cfg.rollout.group_size) == \
-        (7, "dapo", 0.3, 5e-4, 4)
+    assert (cfg.steps, cfg.algorithm.name, cfg.algorithm.eps_high, cfg.optim.lr, cfg.rollout.group_size) == (
+        7,
+        "dapo",
+        0.3,
+        5e-4,
+        4,
+    )
     assert cfg.algorithm.aggregation == "token"  # the rest of the preset is kept
 
 
@@ -117,11 +138,17 @@ def test_command_line_values_are_toml_literals_or_json_lists_and_objects():
     from grpolab.config import parse_value
 
     rewards = [{"function": "numeric", "weight": 0.0}, {"function": "model:rm", "options": {"clip": 3.0}}]
-    assert parse_value('[{function = "numeric", weight = 0.0}, {function = "model:rm", options = {clip = 3.0}}]') \
+    assert (
+        parse_value('[{function = "numeric", weight = 0.0}, {function = "model:rm", options = {clip = 3.0}}]')
         == rewards
+    )
     assert parse_value(json.dumps(rewards)) == rewards  # JSON objects are not TOML inline tables
-    assert (parse_value("3e-4"), parse_value("true"), parse_value("[1, 2]"), parse_value("grpo")) == \
-        (3e-4, True, [1, 2], "grpo")
+    assert (parse_value("3e-4"), parse_value("true"), parse_value("[1, 2]"), parse_value("grpo")) == (
+        3e-4,
+        True,
+        [1, 2],
+        "grpo",
+    )
     assert parse_value("[not json") == "[not json" and parse_value("") == ""
 
 

@@ -69,10 +69,35 @@ def test_multi_epoch_preset_and_vllm_under_another_interpreter_via_cli(warm_mode
     before = descendants()
     out = tmp_path / "run"
     cfg = quick_config(warm_model_dir, out, algo="offpolicy_clip")
-    args = ["train", "--model", cfg.model.path, "--output-dir", str(out), "--vllm-python", sys.executable,
-            "--algo", "offpolicy_clip", "--algorithm.engine_correction", "token", "--steps", "2", "--task.digits", "1", "--task.n_train", "60",
-            "--task.n_val", "16", "--rollout.prompts_per_step", "4", "--rollout.max_new_tokens", "40",
-            "--optim.micro_batch_size", "16", "--optim.lr", "1e-3"]
+    args = [
+        "train",
+        "--model",
+        cfg.model.path,
+        "--output-dir",
+        str(out),
+        "--vllm-python",
+        sys.executable,
+        "--algo",
+        "offpolicy_clip",
+        "--algorithm.engine_correction",
+        "token",
+        "--steps",
+        "2",
+        "--task.digits",
+        "1",
+        "--task.n_train",
+        "60",
+        "--task.n_val",
+        "16",
+        "--rollout.prompts_per_step",
+        "4",
+        "--rollout.max_new_tokens",
+        "40",
+        "--optim.micro_batch_size",
+        "16",
+        "--optim.lr",
+        "1e-3",
+    ]
     assert main(args) == 0
     steps = [m for m in read_metrics(out / "metrics.jsonl") if "reward_mean" in m]
     assert len(steps) == 2 and all(m["sync/logprob_diff_max"] < TOL for m in steps)
@@ -86,16 +111,42 @@ def test_multi_epoch_preset_and_vllm_under_another_interpreter_via_cli(warm_mode
 # the in-process Ctrl-C case is slow (a minute): the child-interpreter case covers the same signal with more
 # processes (its engine server, sampling and synced every step, and the server's own engine processes); SIGTERM
 # (~45 s) is slow too: test_dead_ends.py and test_edges.py test its handler, the trainer's stop in-process
-@pytest.mark.parametrize("how", [pytest.param("ctrl-c", marks=pytest.mark.slow),
-                                 pytest.param("sigterm", marks=pytest.mark.slow), "ctrl-c, vllm in a child interpreter"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param("ctrl-c", marks=pytest.mark.slow),
+        pytest.param("sigterm", marks=pytest.mark.slow),
+        "ctrl-c, vllm in a child interpreter",
+    ],
+)
 def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, how):
     """Ctrl-C in a terminal signals the whole process group (engine processes included); SIGTERM
     (``kill PID``) reaches the trainer alone. Either way: exit code 130 and no process left."""
     out = tmp_path / "run"
     engine = ["--vllm-python", sys.executable] if "child" in how else ["--engine", "vllm"]
-    command = [sys.executable, "-m", "grpolab.commands.cli", "train", "--model", str(warm_model_dir), "--output-dir", str(out),
-               *engine, "--steps", "1000", "--task.digits", "1", "--task.n_train", "60", "--task.n_val", "16",
-               "--rollout.prompts_per_step", "4", "--threads", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "grpolab.commands.cli",
+        "train",
+        "--model",
+        str(warm_model_dir),
+        "--output-dir",
+        str(out),
+        *engine,
+        "--steps",
+        "1000",
+        "--task.digits",
+        "1",
+        "--task.n_train",
+        "60",
+        "--task.n_val",
+        "16",
+        "--rollout.prompts_per_step",
+        "4",
+        "--threads",
+        "1",
+    ]
     proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
@@ -119,15 +170,35 @@ def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, how):
 @pytest.mark.slow  # ~30 s; default tier: test_vllm_sleep.py's bench rollout timing on vLLM, test_engine_config.py's bench
 def test_bench_step_times_both_engines(warm_model_dir, tmp_path):
     report = tmp_path / "bench.json"
-    args = ["bench", "step", "--engines", "hf,vllm", "--repeats", "1", "--json", str(report),
-            "--model", str(warm_model_dir), "--task.digits", "1", "--task.n_train", "60", "--task.n_val", "16",
-            "--rollout.prompts_per_step", "4", "--rollout.max_new_tokens", "24", "--threads", "1"]
+    args = [
+        "bench",
+        "step",
+        "--engines",
+        "hf,vllm",
+        "--repeats",
+        "1",
+        "--json",
+        str(report),
+        "--model",
+        str(warm_model_dir),
+        "--task.digits",
+        "1",
+        "--task.n_train",
+        "60",
+        "--task.n_val",
+        "16",
+        "--rollout.prompts_per_step",
+        "4",
+        "--rollout.max_new_tokens",
+        "24",
+        "--threads",
+        "1",
+    ]
     assert main(args) == 0
     results = json.loads(report.read_text())["results"]
     assert list(results) == ["hf", "vllm"]
     assert results["vllm"]["logprob_diff_max"] < TOL and 0 < results["vllm"]["sync"] < results["vllm"]["step"]
     assert all(results[e]["tokens_per_s"] > 0 for e in results)
-
 
 
 def test_an_moe_policy_on_vllms_cpu_build_is_refused_in_one_line(warm_moe_dir, tmp_path, capsys):

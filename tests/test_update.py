@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from host_reads import HostReads
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from host_reads import HostReads
 
+from grpolab.learning.update import UpdateData, accumulate_gradients, run_update
 from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec
 from grpolab.objectives.losses import NonFiniteError
-from grpolab.learning.update import UpdateData, accumulate_gradients, run_update
 
 V, D = 11, 5
 
@@ -46,7 +46,7 @@ def make_data(policy: ToyPolicy, seed: int, groups: int, group_size: int, spec: 
     mask = torch.zeros(n, t, dtype=torch.float64)
     for i in range(n):
         start = int(torch.randint(1, 3, (1,), generator=g))
-        mask[i, start:start + int(torch.randint(1, t - start + 1, (1,), generator=g))] = 1
+        mask[i, start : start + int(torch.randint(1, t - start + 1, (1,), generator=g))] = 1
     with torch.no_grad():
         old, _ = policy(torch.arange(n))
         old = old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.1  # slightly stale
@@ -117,8 +117,16 @@ def test_schedule_runs_epochs_times_steps(name, steps):
     spec = PRESETS[name]
     policy = ToyPolicy(64, 6, seed=5)
     data = make_data(policy, 5, groups=8, group_size=8, spec=spec, zero_groups=())
-    result = run_update(spec, data, policy, optimizer_for(policy), [policy.weight], micro_batch_size=16,
-                        max_new_tokens=6, generator=torch.Generator().manual_seed(0))
+    result = run_update(
+        spec,
+        data,
+        policy,
+        optimizer_for(policy),
+        [policy.weight],
+        micro_batch_size=16,
+        max_new_tokens=6,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert result.attempted == steps
     assert result.actual <= steps and result.actual >= 1
     assert len(result.grad_norms) == result.actual
@@ -130,7 +138,9 @@ def test_first_on_policy_update_has_ratio_exactly_one():
     data = make_data(policy, 6, groups=4, group_size=4, spec=spec)
     with torch.no_grad():
         data.old_logprobs = policy(torch.arange(16))[0]
-    result = run_update(spec, data, policy, optimizer_for(policy), [policy.weight], micro_batch_size=4, max_new_tokens=6)
+    result = run_update(
+        spec, data, policy, optimizer_for(policy), [policy.weight], micro_batch_size=4, max_new_tokens=6
+    )
     m = result.metrics()
     assert m["first_update/ratio_mean"] == 1.0 and m["first_update/clip_frac"] == 0.0
     assert m["actual_updates"] == 1 and "entropy" in m
@@ -142,8 +152,15 @@ def test_multi_epoch_updates_drift_from_the_frozen_old_logprobs():
     data = make_data(policy, 7, groups=4, group_size=4, spec=spec, zero_groups=())
     with torch.no_grad():
         data.old_logprobs = policy(torch.arange(16))[0]
-    result = run_update(spec, data, policy, torch.optim.SGD([policy.weight], lr=5.0), [policy.weight],
-                        micro_batch_size=16, max_new_tokens=6)
+    result = run_update(
+        spec,
+        data,
+        policy,
+        torch.optim.SGD([policy.weight], lr=5.0),
+        [policy.weight],
+        micro_batch_size=16,
+        max_new_tokens=6,
+    )
     assert result.first_step["ratio_mean"] == 1.0
     assert result.tokens.ratio_max > 1.0 or result.tokens.ratio_min < 1.0
 
@@ -153,7 +170,9 @@ def test_all_zero_advantages_skip_the_optimizer_step():
     policy = ToyPolicy(8, 6, seed=8)
     data = make_data(policy, 8, groups=2, group_size=4, spec=spec, zero_groups=(0, 1))
     before = policy.weight.detach().clone()
-    result = run_update(spec, data, policy, optimizer_for(policy), [policy.weight], micro_batch_size=4, max_new_tokens=6)
+    result = run_update(
+        spec, data, policy, optimizer_for(policy), [policy.weight], micro_batch_size=4, max_new_tokens=6
+    )
     assert (result.attempted, result.actual) == (1, 0)
     assert torch.equal(policy.weight.detach(), before)
 
@@ -180,13 +199,20 @@ def test_impossible_split_is_refused():
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 1000), groups=st.integers(1, 4), group_size=st.integers(2, 5),
-       micro=st.integers(1, 7), name=st.sampled_from(list(PRESETS)))
+@given(
+    seed=st.integers(0, 1000),
+    groups=st.integers(1, 4),
+    group_size=st.integers(2, 5),
+    micro=st.integers(1, 7),
+    name=st.sampled_from(list(PRESETS)),
+)
 def test_property_split_and_prune_equivalence(seed, groups, group_size, micro, name):
     spec = PRESETS[name]
     n = groups * group_size
     policy = ToyPolicy(n, 7, seed=seed)
-    data = make_data(policy, seed, groups=groups, group_size=group_size, spec=spec, zero_groups=(0,) if groups > 1 else ())
+    data = make_data(
+        policy, seed, groups=groups, group_size=group_size, spec=spec, zero_groups=(0,) if groups > 1 else ()
+    )
     whole, _ = step_grad(spec.override(prune_zero_advantage=False), data, policy, micro=n)
     split, _ = step_grad(spec, data, policy, micro=micro)
     if split is None or whole is None:  # the step's whole loss is zero: nothing is backpropagated
@@ -206,8 +232,16 @@ def test_the_update_waits_for_the_device_per_optimizer_step_not_per_micro_batch(
         data = make_data(policy, 4, groups=3, group_size=4, spec=spec)
         data.engine_logprobs = data.old_logprobs - 0.01
         with HostReads() as mode:
-            result = run_update(spec, data, policy, optimizer_for(policy), [policy.weight], micro_batch_size=micro,
-                                max_new_tokens=9, generator=torch.Generator().manual_seed(0))
+            result = run_update(
+                spec,
+                data,
+                policy,
+                optimizer_for(policy),
+                [policy.weight],
+                micro_batch_size=micro,
+                max_new_tokens=9,
+                generator=torch.Generator().manual_seed(0),
+            )
         assert result.actual == spec.epochs * spec.steps_per_epoch
         reads[micro] = mode.count
     assert reads[1] == reads[rows_per_step] > 0

@@ -60,8 +60,9 @@ def assert_serves_the_synced_adapter_exactly(engine, model_dir, tokenizer) -> No
 def test_vllm_serves_the_synced_adapter_exactly_and_reloads_it_in_place(vllm_model_dir, tokenizer):
     from grpolab.rollout.vllm.engine import VLLMEngine
 
-    engine = VLLMEngine(vllm_model_dir, tokenizer, dtype="float32", seed=0, max_model_len=256,
-                        kv_cache_bytes=64 << 20, lora_rank=4)
+    engine = VLLMEngine(
+        vllm_model_dir, tokenizer, dtype="float32", seed=0, max_model_len=256, kv_cache_bytes=64 << 20, lora_rank=4
+    )
     try:
         assert_serves_the_synced_adapter_exactly(engine, vllm_model_dir, tokenizer)
     finally:
@@ -79,14 +80,23 @@ def test_a_tied_models_trained_head_is_served_untied_by_the_merged_sync(vllm_mod
 
     model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
     assert model.config.tie_word_embeddings
-    adapter = add_adapter(model, LoraSettings(rank=4, alpha=8, modules_to_save=["lm_head"]), seed=0,
-                          base_dir=vllm_model_dir)
+    adapter = add_adapter(
+        model, LoraSettings(rank=4, alpha=8, modules_to_save=["lm_head"]), seed=0, base_dir=vllm_model_dir
+    )
     assert trains_tied_head(adapter.model) and not trains_tied_head(
-        AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32))
+        AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32)
+    )
     base = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
     cfg = load_config(None, {"rollout.engine": "vllm", "rollout.vllm.kv_cache_gib": 0.0625})
-    engine = build_engine(cfg.rollout, adapter.model, tokenizer, vllm_model_dir, seed=0, max_model_len=256,
-                          precision=resolve_precision("float32", torch.float32))
+    engine = build_engine(
+        cfg.rollout,
+        adapter.model,
+        tokenizer,
+        vllm_model_dir,
+        seed=0,
+        max_model_len=256,
+        precision=resolve_precision("float32", torch.float32),
+    )
     prompts = [tokenizer.encode(p) for p in ("12+34=", "7+8=<think>")]
     params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=5)
     try:

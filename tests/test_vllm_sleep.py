@@ -103,8 +103,11 @@ class FakeLLM:
     def generate(self, prompts, sampling_params, use_tqdm=True, lora_request=None):
         from vllm.v1.engine.parallel_sampling import ParentRequest
 
-        self.calls.append(("generate", len(prompts)) if lora_request is None
-                          else ("generate", len(prompts), lora_request.lora_path, lora_request.load_inplace))
+        self.calls.append(
+            ("generate", len(prompts))
+            if lora_request is None
+            else ("generate", len(prompts), lora_request.lora_path, lora_request.load_inplace)
+        )
         if self.asleep:
             raise RuntimeError(f"generate with {sorted(self.asleep)} asleep")
         if self.fresh_weights or not all(torch.isfinite(p).all() for p in self.model.parameters()):
@@ -116,15 +119,29 @@ class FakeLLM:
                 parent = ParentRequest(SimpleNamespace(params=sp, request_id="r", external_req_id="r"))
                 seeds = [parent.get_child_info(j)[1].seed for j in range(sp.n)] if sp.n > 1 else [sp.seed]
                 assert all(0 <= s < 2**63 for s in seeds), seeds
-            params = SamplingParams(max_new_tokens=sp.max_tokens, temperature=sp.temperature,
-                                    stop_strings=tuple(sp.stop or ()), seed=sp.seed)
+            params = SamplingParams(
+                max_new_tokens=sp.max_tokens,
+                temperature=sp.temperature,
+                stop_strings=tuple(sp.stop or ()),
+                seed=sp.seed,
+            )
             group = HFEngine(self.model, self.tokenizer, eos_token_ids=list(sp.stop_token_ids)).generate(
-                [list(prompt["prompt_token_ids"])], sp.n, params)[0]
-            outputs.append(SimpleNamespace(outputs=[
-                SimpleNamespace(index=j, token_ids=c.completion_ids, finish_reason=c.finish_reason, stop_reason=None,
-                                logprobs=[{t: SimpleNamespace(logprob=lp)}
-                                          for t, lp in zip(c.completion_ids, c.logprobs)])
-                for j, c in reversed(list(enumerate(group)))]))  # any order: the engine sorts by index
+                [list(prompt["prompt_token_ids"])], sp.n, params
+            )[0]
+            outputs.append(
+                SimpleNamespace(
+                    outputs=[
+                        SimpleNamespace(
+                            index=j,
+                            token_ids=c.completion_ids,
+                            finish_reason=c.finish_reason,
+                            stop_reason=None,
+                            logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(c.completion_ids, c.logprobs)],
+                        )
+                        for j, c in reversed(list(enumerate(group)))
+                    ]
+                )
+            )  # any order: the engine sorts by index
         return outputs
 
 
@@ -164,8 +181,9 @@ def hf_reference(model, tokenizer, eos: list[int], prompts, n: int, params: Samp
     with the request's seed (greedy: one sample, copied)."""
     k = 1 if params.greedy else n
     engine = HFEngine(model, tokenizer, eos_token_ids=eos)
-    groups = [engine.generate([p], k, replace(params, seed=request_seed(params.seed, i, n)))[0]
-              for i, p in enumerate(prompts)]
+    groups = [
+        engine.generate([p], k, replace(params, seed=request_seed(params.seed, i, n)))[0] for i, p in enumerate(prompts)
+    ]
     return [g if k == n else g * n for g in groups]
 
 
@@ -185,7 +203,9 @@ def spy_generate(trainer: Trainer) -> list[SamplingParams]:
         weights = params_of(trainer.parts.model)
         out = generate(prompts, n, params)
         assert same(engine.llm.generated_with[-1], weights), "generated on other weights than the trainer's"
-        assert_same(out, hf_reference(trainer.parts.model, trainer.parts.tokenizer, engine.eos_token_ids, prompts, n, params))
+        assert_same(
+            out, hf_reference(trainer.parts.model, trainer.parts.tokenizer, engine.eos_token_ids, prompts, n, params)
+        )
         seen.append(params)
         return out
 
@@ -201,7 +221,7 @@ def check_wakes(calls: list[tuple], level: int, model_dir: str) -> list[str]:
     restores, state, latest = [], "awake", model_dir
     for i, call in enumerate(calls):
         if call[0] == "wake_up":
-            assert calls[i - 1] == ("empty_cache",), calls[max(0, i - 3): i + 1]
+            assert calls[i - 1] == ("empty_cache",), calls[max(0, i - 3) : i + 1]
             assert call[1] in (("weights",), ("kv_cache",)), call
         if call[0] == "sleep":
             assert call[1] == level and state == "awake", (call, state)
@@ -228,9 +248,21 @@ def check_wakes(calls: list[tuple], level: int, model_dir: str) -> list[str]:
 # ---- the trainer on every call path --------------------------------------------------------------
 @pytest.mark.parametrize("level", [2, 1])
 def test_weights_restored_before_every_generation(warm_model_dir, tmp_path, fake_vllm, fake_cuda, level):
-    cfg = quick_config(warm_model_dir, tmp_path / "run", engine="vllm", algo="dapo", **{
-        "model.device": "cpu", "rollout.vllm.sleep_level": level, "eval.pass_k": [1, 2], "eval.pass_n": 2,
-        "rollout.group_size": 2, "rollout.max_new_tokens": 24, "task.n_val": 6})
+    cfg = quick_config(
+        warm_model_dir,
+        tmp_path / "run",
+        engine="vllm",
+        algo="dapo",
+        **{
+            "model.device": "cpu",
+            "rollout.vllm.sleep_level": level,
+            "eval.pass_k": [1, 2],
+            "eval.pass_n": 2,
+            "rollout.group_size": 2,
+            "rollout.max_new_tokens": 24,
+            "task.n_val": 6,
+        },
+    )
     trainer = Trainer(cfg)
     try:
         fake, model_dir = fake_vllm[-1], str(trainer.parts.engine.model_dir)
@@ -262,8 +294,12 @@ def test_weights_restored_before_every_generation(warm_model_dir, tmp_path, fake
 @pytest.mark.parametrize("level", [2, 1])
 def test_bench_rollout_timing(warm_model_dir, tmp_path, fake_vllm, fake_cuda, level):
     """(c) bench: warm-up and timed generations before any sync, then syncs."""
-    cfg = quick_config(warm_model_dir, tmp_path / "run", engine="vllm", **{
-        "model.device": "cpu", "rollout.vllm.sleep_level": level, "rollout.max_new_tokens": 16})
+    cfg = quick_config(
+        warm_model_dir,
+        tmp_path / "run",
+        engine="vllm",
+        **{"model.device": "cpu", "rollout.vllm.sleep_level": level, "rollout.max_new_tokens": 16},
+    )
     trainer = Trainer(cfg)
     try:
         fake_cuda(fake_vllm)
@@ -274,7 +310,9 @@ def test_bench_rollout_timing(warm_model_dir, tmp_path, fake_vllm, fake_cuda, le
         restores = check_wakes(fake.calls, level, str(trainer.parts.engine.model_dir))
         assert restores == ([str(trainer.parts.engine.model_dir)] * 2 if level == 2 else [])
         prompts = [trainer.parts.prompt_ids[e.id] for e in trainer.parts.prompts.take(2)]
-        trainer.parts.engine.generate(prompts, 2, trainer.parts.collector.sampling_params(9, 0))  # after the syncs: synced weights
+        trainer.parts.engine.generate(
+            prompts, 2, trainer.parts.collector.sampling_params(9, 0)
+        )  # after the syncs: synced weights
         check_wakes(fake.calls, level, str(trainer.parts.engine.model_dir))
     finally:
         trainer.close()
@@ -298,19 +336,35 @@ def test_sync_while_asleep_then_generate(warm_model_dir, fake_vllm, fake_cuda, l
                 p.add_(0.01)
         engine.sync_weights(ModelWeights(model))
         folder = str(engine._sync_dir)
-        assert fake.calls[-5:] == [("sleep", level), ("empty_cache",), ("wake_up", ("weights",)),
-                                   ("collective_rpc", "grpolab_reload_weights", {"weights_path": folder}),
-                                   ("reset_prefix_cache",)]
+        assert fake.calls[-5:] == [
+            ("sleep", level),
+            ("empty_cache",),
+            ("wake_up", ("weights",)),
+            ("collective_rpc", "grpolab_reload_weights", {"weights_path": folder}),
+            ("reset_prefix_cache",),
+        ]
         out = engine.generate(prompts, 2, params)
-        assert fake.calls[-5:] == [("reset_prefix_cache",), ("empty_cache",), ("wake_up", ("kv_cache",)),
-                                   ("generate", 1), ("sleep", level)]
+        assert fake.calls[-5:] == [
+            ("reset_prefix_cache",),
+            ("empty_cache",),
+            ("wake_up", ("kv_cache",)),
+            ("generate", 1),
+            ("sleep", level),
+        ]
         assert same(fake.generated_with[-1], params_of(model))
         assert_same(out, hf_reference(model, engine.tokenizer, engine.eos_token_ids, prompts, 2, params))
         calls = len(fake.calls)
         engine.generate(prompts, 1, replace(params, temperature=0.0))  # no sync in between
         restore = [("collective_rpc", "grpolab_reload_weights", {"weights_path": folder})] if level == 2 else []
-        assert fake.calls[calls:] == [("empty_cache",), ("wake_up", ("weights",)), *restore,
-                                      ("empty_cache",), ("wake_up", ("kv_cache",)), ("generate", 1), ("sleep", level)]
+        assert fake.calls[calls:] == [
+            ("empty_cache",),
+            ("wake_up", ("weights",)),
+            *restore,
+            ("empty_cache",),
+            ("wake_up", ("kv_cache",)),
+            ("generate", 1),
+            ("sleep", level),
+        ]
         assert same(fake.generated_with[-1], params_of(model))
     finally:
         engine.close()
@@ -336,15 +390,28 @@ def test_an_adapter_synced_after_a_level_2_sleep_comes_with_the_base_every_time(
         engine.sync_weights(AdapterWeights(adapter))
         base = ("collective_rpc", "grpolab_reload_weights", {"weights_path": str(warm_model_dir)})
         folder = str(engine._sync_dir / "adapter")
-        assert fake.calls[-6:] == [("sleep", 2), ("empty_cache",), ("wake_up", ("weights",)), base,
-                                   ("add_lora", folder, True), ("reset_prefix_cache",)]
+        assert fake.calls[-6:] == [
+            ("sleep", 2),
+            ("empty_cache",),
+            ("wake_up", ("weights",)),
+            base,
+            ("add_lora", folder, True),
+            ("reset_prefix_cache",),
+        ]
         assert sorted(p.name for p in Path(folder).iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
         engine.generate(prompts, 1, params)
         calls = len(fake.calls)
         engine.generate(prompts, 1, params)  # no sync in between: the wake restores both
-        assert fake.calls[calls:] == [("empty_cache",), ("wake_up", ("weights",)), base, ("add_lora", folder, True),
-                                      ("empty_cache",), ("wake_up", ("kv_cache",)), ("generate", 1, folder, False),
-                                      ("sleep", 2)]
+        assert fake.calls[calls:] == [
+            ("empty_cache",),
+            ("wake_up", ("weights",)),
+            base,
+            ("add_lora", folder, True),
+            ("empty_cache",),
+            ("wake_up", ("kv_cache",)),
+            ("generate", 1, folder, False),
+            ("sleep", 2),
+        ]
     finally:
         engine.close()
 
@@ -357,8 +424,10 @@ def test_missing_restore_is_caught(warm_model_dir, fake_vllm):
         engine.generate(prompts, 1, SamplingParams(max_new_tokens=4, temperature=0.0))
         engine.llm.wake_up()
         with pytest.raises(RuntimeError, match="never reloaded"):
-            engine.llm.generate([{"prompt_token_ids": prompts[0]}],
-                                [engine.sampling_params(SamplingParams(max_new_tokens=4, temperature=0.0), 1, None)])
+            engine.llm.generate(
+                [{"prompt_token_ids": prompts[0]}],
+                [engine.sampling_params(SamplingParams(max_new_tokens=4, temperature=0.0), 1, None)],
+            )
     finally:
         engine.close()
 

@@ -30,8 +30,10 @@ PHASES = ("generate", "reward", "train", "sync", "step")
 def _parts(cfg: RunConfig, engine: str):
     from grpolab.run.parts import assemble
 
-    return assemble(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": engine})}),
-                    lambda ranks: Reporter(Console(quiet=True)))
+    return assemble(
+        cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": engine})}),
+        lambda ranks: Reporter(Console(quiet=True)),
+    )
 
 
 def time_rollout(parts, repeats: int) -> dict[str, Any]:
@@ -50,9 +52,13 @@ def time_rollout(parts, repeats: int) -> dict[str, Any]:
         started = time.perf_counter()
         parts.engine.sync_weights(parts.sync_source())
         syncs.append(time.perf_counter() - started)
-    return {"sequences": len(prompts) * cfg.group_size, "tokens": statistics.mean(tokens),
-            "seconds": statistics.median(seconds), "tokens_per_s": sum(tokens) / sum(seconds),
-            "sync_seconds": statistics.median(syncs)}
+    return {
+        "sequences": len(prompts) * cfg.group_size,
+        "tokens": statistics.mean(tokens),
+        "seconds": statistics.median(seconds),
+        "tokens_per_s": sum(tokens) / sum(seconds),
+        "sync_seconds": statistics.median(syncs),
+    }
 
 
 def time_steps(parts, repeats: int) -> dict[str, Any]:
@@ -86,23 +92,39 @@ def run_bench(kind: str, cfg: RunConfig, engines: list[str], repeats: int, conso
 def _table(kind: str, cfg: RunConfig, results: dict[str, Any]) -> Table:
     r, first = cfg.rollout, next(iter(results))
     base = results[first]
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False,
-                  title=f"bench {kind}: {r.prompts_per_step} prompts x {r.group_size}, <= {r.max_new_tokens} new "
-                        f"tokens, temperature {r.temperature:g}; ratios to {first}")
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        title=f"bench {kind}: {r.prompts_per_step} prompts x {r.group_size}, <= {r.max_new_tokens} new "
+        f"tokens, temperature {r.temperature:g}; ratios to {first}",
+    )
     if kind == "rollout":
         for column in ("engine", "tokens/call", "seconds/call", "tokens/s", "speed-up", "sync s"):
             table.add_column(column, justify="right")
         for name, m in results.items():
-            table.add_row(name, f"{m['tokens']:.0f}", f"{m['seconds']:.3f}", f"{m['tokens_per_s']:.0f}",
-                          f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}x", f"{m['sync_seconds']:.4f}")
+            table.add_row(
+                name,
+                f"{m['tokens']:.0f}",
+                f"{m['seconds']:.3f}",
+                f"{m['tokens_per_s']:.0f}",
+                f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}x",
+                f"{m['sync_seconds']:.4f}",
+            )
         return table
-    table.caption = ("seconds per phase (mean of the timed steps): generate, reward, train, sync, whole step; "
-                     f"vs {first}: step speed-up; max|d|: engine vs trainer log-probs")
+    table.caption = (
+        "seconds per phase (mean of the timed steps): generate, reward, train, sync, whole step; "
+        f"vs {first}: step speed-up; max|d|: engine vs trainer log-probs"
+    )
     for column in ("engine", "gen", "reward", "train", "sync", "step", f"vs {first}", "sync%", "tok/s", "max|d|"):
         table.add_column(column, justify="right")
     for name, m in results.items():
         diff = m["logprob_diff_max"]
-        table.add_row(name, *(f"{m[p]:.2f}" for p in PHASES), f"{base['step'] / m['step']:.2f}x",
-                      f"{100 * m['sync_share']:.1f}", f"{m['tokens_per_s']:.0f}",
-                      "-" if diff is None or math.isnan(diff) else f"{diff:.0e}")
+        table.add_row(
+            name,
+            *(f"{m[p]:.2f}" for p in PHASES),
+            f"{base['step'] / m['step']:.2f}x",
+            f"{100 * m['sync_share']:.1f}",
+            f"{m['tokens_per_s']:.0f}",
+            "-" if diff is None or math.isnan(diff) else f"{diff:.0e}",
+        )
     return table

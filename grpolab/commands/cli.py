@@ -24,13 +24,21 @@ from grpolab.run.stop import RunStopped, StopRequest
 
 def print_algorithms(console: Console) -> None:
     """Every preset: its settings on one line, its formula on the next."""
-    console.print("[bold]grpolab algorithms[/bold]  (any field can be overridden; docs/algorithms.md has the details)\n")
+    console.print(
+        "[bold]grpolab algorithms[/bold]  (any field can be overridden; docs/algorithms.md has the details)\n"
+    )
     for spec in PRESETS.values():
-        weight = spec.weight if spec.weight in ("none", "noclip") else f"{spec.weight}({spec.eps_low:g}, {spec.eps_high:g})"
+        weight = (
+            spec.weight if spec.weight in ("none", "noclip") else f"{spec.weight}({spec.eps_low:g}, {spec.eps_high:g})"
+        )
         schedule = f"{spec.epochs}x{spec.steps_per_epoch} (epochs x steps)"
         extra = ", dynamic sampling" if spec.dynamic_sampling else ""
-        console.print(f"[bold cyan]{spec.name:<17}[/] advantage={spec.baseline}/{spec.normalizer} weight={weight} "
-                      f"aggregation={spec.aggregation} schedule={schedule}{extra}", highlight=False, soft_wrap=True)
+        console.print(
+            f"[bold cyan]{spec.name:<17}[/] advantage={spec.baseline}/{spec.normalizer} weight={weight} "
+            f"aggregation={spec.aggregation} schedule={schedule}{extra}",
+            highlight=False,
+            soft_wrap=True,
+        )
         console.print(f"{'':<18}loss = {spec.formula()}", highlight=False, soft_wrap=True)
 
 
@@ -56,48 +64,72 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpolab", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="grpolab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("algorithms", help="list every algorithm preset with its settings and formula")
     train = sub.add_parser("train", help="train with a TOML config; --dotted.name value overrides any field")
     train.add_argument("--config", help="TOML file (fields by section, e.g. [optim] lr = 1e-4)")
-    train.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint "
-                       "(exactly: weights, optimizer, RNGs, data position); --steps N may extend it")
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its newest complete checkpoint "
+        "(exactly: weights, optimizer, RNGs, data position); --steps N may extend it",
+    )
     sub.add_parser("demo", help="train the built-in tiny model on the built-in task (CPU, minutes)")
     probe = sub.add_parser("probe", help="capacity check: two real updates at the config's worst-case shapes")
     probe.add_argument("--config", help="TOML file, as for train")
     probe.add_argument("--report", default="probe_report.json", help="where to write the JSON report (must not exist)")
-    bench = sub.add_parser("bench", help="time every available rollout engine side by side: generation "
-                           "(rollout) or whole RL steps with the phase split (step)")
+    bench = sub.add_parser(
+        "bench",
+        help="time every available rollout engine side by side: generation "
+        "(rollout) or whole RL steps with the phase split (step)",
+    )
     bench.add_argument("kind", choices=["rollout", "step"])
     bench.add_argument("--config", help="TOML file, as for train (default: the demo's settings)")
     bench.add_argument("--engines", help="comma-separated, e.g. hf,vllm (default: every available engine)")
     bench.add_argument("--repeats", type=int, default=3, help="timed generations / steps after one warm-up")
     bench.add_argument("--json", help="also write the figures to this JSON file (must not exist)")
-    suite = sub.add_parser("suite", help="a queue of runs, one process each, resumable: run SUITE.toml "
-                           "--output-root DIR | resume DIR | status DIR")
+    suite = sub.add_parser(
+        "suite",
+        help="a queue of runs, one process each, resumable: run SUITE.toml --output-root DIR | resume DIR | status DIR",
+    )
     suite.add_argument("action", choices=["run", "resume", "status"])
     suite.add_argument("target", help="run: the suite TOML file; resume / status: the suite directory")
     suite.add_argument("--output-root", help="run: a new or empty directory for the suite")
-    suite.add_argument("--dry-run", action="store_true", help="run: print every resolved config, command and the "
-                       "expected checkpoint footprint; write nothing")
-    suite.add_argument("--devices", help="run / resume: place runs on these devices (such as 0,1,2,3), each on "
-                       "devices_per_run of them, as many at once as fit (default: one run at a time)")
-    suite.add_argument("--launcher", choices=["local", "slurm"], help="run: local processes (default) or one Slurm "
-                       "batch job per run")
-    for option, what in (("partition", "partition"), ("time", "time limit, such as 04:00:00"),
-                         ("account", "account")):
+    suite.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run: print every resolved config, command and the expected checkpoint footprint; write nothing",
+    )
+    suite.add_argument(
+        "--devices",
+        help="run / resume: place runs on these devices (such as 0,1,2,3), each on "
+        "devices_per_run of them, as many at once as fit (default: one run at a time)",
+    )
+    suite.add_argument(
+        "--launcher", choices=["local", "slurm"], help="run: local processes (default) or one Slurm batch job per run"
+    )
+    for option, what in (("partition", "partition"), ("time", "time limit, such as 04:00:00"), ("account", "account")):
         suite.add_argument(f"--{option}", help=f"run, with --launcher slurm: each job's {what}")
-    report = sub.add_parser("report", help="report.md, report.json and figures in DIR/report/ for a suite or run "
-                            "directory: run table, paired bootstrap CIs and McNemar tests, 2x2, seeds, pass@k, curves")
+    report = sub.add_parser(
+        "report",
+        help="report.md, report.json and figures in DIR/report/ for a suite or run "
+        "directory: run table, paired bootstrap CIs and McNemar tests, 2x2, seeds, pass@k, curves",
+    )
     report.add_argument("directory", help="a suite directory, a run directory or a folder of run directories")
-    compare = sub.add_parser("compare", help="paired accuracy difference of two runs' last evaluations, with "
-                             "its bootstrap CI and McNemar p-value")
+    compare = sub.add_parser(
+        "compare",
+        help="paired accuracy difference of two runs' last evaluations, with its bootstrap CI and McNemar p-value",
+    )
     compare.add_argument("run_a")
     compare.add_argument("run_b")
-    export = sub.add_parser("export", help="a LoRA checkpoint's adapter merged into its base: a Hugging Face model "
-                            "folder that transformers or vLLM loads without peft")
+    export = sub.add_parser(
+        "export",
+        help="a LoRA checkpoint's adapter merged into its base: a Hugging Face model "
+        "folder that transformers or vLLM loads without peft",
+    )
     export.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N of a LoRA run")
     export.add_argument("out", help="a new or empty folder")
     report.add_argument("--baseline", help="the run every other run is compared with (default: the first)")
@@ -122,15 +154,22 @@ def report_command(args: argparse.Namespace, console: Console) -> int:
     c = compare_runs(Path(args.run_a), Path(args.run_b), args.resamples, args.seed)
     if "difference" not in c:
         raise ValueError(f"{args.run_a} vs {args.run_b}: {c.get('note')}")
-    console.print(f"{c['run']} (step {c['step']}) vs {Path(args.run_b).name} (step {c['baseline_step']}), "
-                  f"{c['items']} paired items: accuracy {c['accuracy']:.3f} vs {c['baseline_accuracy']:.3f}, "
-                  f"difference {c['difference']:+.3f}, 95% CI [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] "
-                  f"(paired bootstrap, {args.resamples:,} resamples); McNemar exact p = {c['p_value']:.3g} "
-                  f"({c['only_run_right']} items right only in A, {c['only_baseline_right']} only in B)",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"{c['run']} (step {c['step']}) vs {Path(args.run_b).name} (step {c['baseline_step']}), "
+        f"{c['items']} paired items: accuracy {c['accuracy']:.3f} vs {c['baseline_accuracy']:.3f}, "
+        f"difference {c['difference']:+.3f}, 95% CI [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}] "
+        f"(paired bootstrap, {args.resamples:,} resamples); McNemar exact p = {c['p_value']:.3g} "
+        f"({c['only_run_right']} items right only in A, {c['only_baseline_right']} only in B)",
+        highlight=False,
+        soft_wrap=True,
+    )
     if c["unpaired_items"] or c["differing_prompts"]:
-        console.print(f"left out: {c['unpaired_items']} items evaluated by one run only, {c['differing_prompts']} "
-                      "with different prompts", highlight=False, soft_wrap=True)
+        console.print(
+            f"left out: {c['unpaired_items']} items evaluated by one run only, {c['differing_prompts']} "
+            "with different prompts",
+            highlight=False,
+            soft_wrap=True,
+        )
     return 0
 
 
@@ -165,14 +204,18 @@ def bench_command(args: argparse.Namespace, cfg, console: Console) -> None:
     engines = args.engines.split(",") if args.engines else available_engines(cfg.rollout)
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown or args.repeats < 1:
-        raise ValueError(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}" if unknown
-                         else "--repeats must be >= 1")
+        raise ValueError(
+            f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}"
+            if unknown
+            else "--repeats must be >= 1"
+        )
     if args.json and Path(args.json).exists():
         raise FileExistsError(f"--json {args.json} already exists; not overwritten")
     results = run_bench(args.kind, cfg, engines, args.repeats, console)
     if args.json:
-        Path(args.json).write_text(json.dumps({"kind": args.kind, "config": cfg.model_dump(mode="json"),
-                                               "results": results}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"kind": args.kind, "config": cfg.model_dump(mode="json"), "results": results}, indent=2)
+        )
 
 
 def run_command(args: argparse.Namespace, extra: list[str], console: Console) -> int:
@@ -196,12 +239,15 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
 
         with Reporter(console).phase(f"export {args.checkpoint}"):  # loading and merging a large base takes a while
             done = export_merged(Path(args.checkpoint), Path(args.out))
-        console.print(f"export: {done['checkpoint']} merged into its base {done['base']} -> {done['out']}",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"export: {done['checkpoint']} merged into its base {done['base']} -> {done['out']}",
+            highlight=False,
+            soft_wrap=True,
+        )
         return 0
-    from grpolab.config import ConfigError, load_config, load_run_config
-
     from transformers.utils import logging as hf_logging
+
+    from grpolab.config import ConfigError, load_config, load_run_config
 
     hf_logging.disable_progress_bar()
     resume = getattr(args, "resume", None)
@@ -211,8 +257,11 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         from grpolab.run.resume import check_target
 
         check_target(Path(resume))
-    cfg = load_run_config(resume, parse_overrides(extra)) if resume else load_config(getattr(args, "config", None),
-                                                                                      parse_overrides(extra))
+    cfg = (
+        load_run_config(resume, parse_overrides(extra))
+        if resume
+        else load_config(getattr(args, "config", None), parse_overrides(extra))
+    )
     from grpolab.rollout.engines import check_settings
 
     check_settings(cfg)  # what the chosen engine cannot run: one line, before anything is written
@@ -220,9 +269,11 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         from grpolab.commands.probe import run_probe
 
         report = run_probe(cfg, Path(args.report))
-        console.print(f"probe: peak memory {report['peak_memory_mb']:.0f} MB ({report['peak_memory_kind']}), "
-                      f"{report['batch']['sequences']} x {report['batch']['sequence_length']} tokens; "
-                      f"report in {args.report}")
+        console.print(
+            f"probe: peak memory {report['peak_memory_mb']:.0f} MB ({report['peak_memory_kind']}), "
+            f"{report['batch']['sequences']} x {report['batch']['sequence_length']} tokens; "
+            f"report in {args.report}"
+        )
         return 0
     if args.command == "bench":
         bench_command(args, cfg, console)
@@ -257,7 +308,11 @@ class _Interrupts:
         if cls.stop.armed and not cls.stop.requested:
             cls.stop.requested, cls.stop.requested_at = True, time.monotonic()
             return
-        if cls.stop.armed and signum == signal.SIGTERM and time.monotonic() - cls.stop.requested_at < REPEATED_SIGTERM_S:
+        if (
+            cls.stop.armed
+            and signum == signal.SIGTERM
+            and time.monotonic() - cls.stop.requested_at < REPEATED_SIGTERM_S
+        ):
             return
         raise KeyboardInterrupt
 

@@ -15,14 +15,19 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from grpolab.common.progress import Reporter, format_seconds
+from grpolab.common.threads import choose_threads
 from grpolab.config import RolloutConfig, RunConfig
 from grpolab.models.loading import check_model_spec
-from grpolab.common.progress import Reporter, format_seconds
+from grpolab.models.tinymodel import (
+    WarmStartSettings,
+    default_cache_root,
+    settings_config,
+    warm_start_key,
+    warm_start_settings,
+)
 from grpolab.run.rundir import resolve_run_dir
 from grpolab.tasks import build_task
-from grpolab.common.threads import choose_threads
-from grpolab.models.tinymodel import (WarmStartSettings, default_cache_root, settings_config, warm_start_key,
-                                      warm_start_settings)
 
 WARM_START_RATIO = 0.72  # warm-start step / calibration step
 RL_STEP_RATIO = (2.7, 4.5)  # RL step / calibration step, per 32 x 8 completions of <= 48 tokens
@@ -69,19 +74,30 @@ def print_demo_plan(cfg: RunConfig, reporter: Reporter) -> None:
     ev = tuple(evals * r * step * n_val / 500 for r in EVAL_RATIO)
     cache = default_cache_root() / warm_start_key(task, settings)
     calibrated = RolloutConfig.model_fields["engine"].default  # the estimates' ratios were measured on it
-    engine = ("" if cfg.rollout.engine == calibrated
-              else f" (estimates for the {calibrated} engine; {cfg.rollout.engine} differs)")
-    lines = [f"grpolab demo: {cfg.algorithm.name} on {task.name} with a {parameters / 1e6:.1f}M-parameter "
-             f"{settings.arch} model, {torch.get_num_threads()} cpu thread(s). Estimated on this machine{engine}:"]
+    engine = (
+        ""
+        if cfg.rollout.engine == calibrated
+        else f" (estimates for the {calibrated} engine; {cfg.rollout.engine} differs)"
+    )
+    lines = [
+        f"grpolab demo: {cfg.algorithm.name} on {task.name} with a {parameters / 1e6:.1f}M-parameter "
+        f"{settings.arch} model, {torch.get_num_threads()} cpu thread(s). Estimated on this machine{engine}:"
+    ]
     if cfg.model.path is None and not (cache / "warm_start.json").exists():
-        lines.append(f"  1. warm start: {settings.steps} supervised steps on worked solutions, "
-                     f"~{format_seconds(settings.steps * step * WARM_START_RATIO)} (once; cached in {cache.parent})")
+        lines.append(
+            f"  1. warm start: {settings.steps} supervised steps on worked solutions, "
+            f"~{format_seconds(settings.steps * step * WARM_START_RATIO)} (once; cached in {cache.parent})"
+        )
     else:
         lines.append("  1. warm start: cached, skipped")
-    lines.append(f"  2. RL: {cfg.steps} steps of {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} "
-                 f"samples (<= {cfg.rollout.max_new_tokens} new tokens), {_span(rl)}")
-    lines.append(f"  3. evaluation: greedy accuracy on {n_val} problems, {evals} times (every {cfg.eval.every} steps), "
-                 f"{_span(ev)} in all")
+    lines.append(
+        f"  2. RL: {cfg.steps} steps of {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} "
+        f"samples (<= {cfg.rollout.max_new_tokens} new tokens), {_span(rl)}"
+    )
+    lines.append(
+        f"  3. evaluation: greedy accuracy on {n_val} problems, {evals} times (every {cfg.eval.every} steps), "
+        f"{_span(ev)} in all"
+    )
     lines.append(f"  then: summary, metrics and checkpoints in {cfg.output_dir or 'runs/<time>-' + cfg.algorithm.name}")
     for line in lines:
         reporter.line(line)

@@ -19,16 +19,16 @@ from typing import Any
 
 import torch
 
-from grpolab.learning.batching import TrainBatch, collate
 from grpolab.config import RunConfig
+from grpolab.learning.batching import TrainBatch, collate
 from grpolab.learning.learner import PolicyLearner
+from grpolab.learning.update import UpdateData
 from grpolab.models.loading import model_record
 from grpolab.models.precision import memory_table
 from grpolab.rollout.base import Completion
 from grpolab.rollout.engines import capabilities
-from grpolab.run.rundir import write_json
 from grpolab.run.parts import RunParts, assemble
-from grpolab.learning.update import UpdateData
+from grpolab.run.rundir import write_json
 
 
 def peak_memory_mb(device: torch.device, reset: bool = False) -> float:
@@ -43,23 +43,32 @@ def peak_memory_mb(device: torch.device, reset: bool = False) -> float:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(t.numel() * t.element_size() for state in optimizer.state.values()
-               for t in state.values() if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def bytes_by_part(parts: RunParts) -> dict[str, int | None]:
     """Bytes the run holds for each part: the frozen weights, the trained ones, their gradients (same dtype),
     the optimizer's state, the reference's own weights (0 when it is the policy, adapter off), the reward
     models' weights and buffers (None without a reward model) and ``total``, their sum."""
+
     def size(params) -> int:
         return sum(p.numel() * p.element_size() for p in params)
 
     model, reference = parts.model, parts.reference
     trained = size(parts.policy.trainable())
-    out = {"frozen_weights": size(p for p in model.parameters() if not p.requires_grad), "trained_weights": trained,
-           "gradients": trained, "optimizer_state": optimizer_state_bytes(parts.optimizer),
-           "reference_weights": 0 if reference is None or reference is model else size(reference.parameters()),
-           "reward_models": parts.reward_models.memory_bytes() if parts.reward_models is not None else None}
+    out = {
+        "frozen_weights": size(p for p in model.parameters() if not p.requires_grad),
+        "trained_weights": trained,
+        "gradients": trained,
+        "optimizer_state": optimizer_state_bytes(parts.optimizer),
+        "reference_weights": 0 if reference is None or reference is model else size(reference.parameters()),
+        "reward_models": parts.reward_models.memory_bytes() if parts.reward_models is not None else None,
+    }
     return {**out, "total": sum(v or 0 for v in out.values())}
 
 
@@ -92,17 +101,24 @@ def probe_update(learner: PolicyLearner, batch: TrainBatch, advantages: torch.Te
     started = time.perf_counter()
     data = UpdateData(advantages=advantages, response_mask=batch.response_mask, old_logprobs=None)
     with_grad: list[int] = []
-    counting = learner.optimizer.register_step_pre_hook(lambda *_: with_grad.append(
-        sum(1 for p in learner.params if p.grad is not None and bool(p.grad.abs().sum() > 0))))
+    counting = learner.optimizer.register_step_pre_hook(
+        lambda *_: with_grad.append(
+            sum(1 for p in learner.params if p.grad is not None and bool(p.grad.abs().sum() > 0))
+        )
+    )
     try:
         result = learner.update(data, learner.forward(batch), spec=learner.spec.override(epochs=1, steps_per_epoch=1))
     finally:
         counting.remove()
     if learner.device.type == "cuda":
         torch.cuda.synchronize()
-    return {"seconds": time.perf_counter() - started, "grad_norm": result.grad_norms[0],
-            "parameter_tensors_with_nonzero_grad": with_grad[0], "parameter_tensors": len(learner.params),
-            "trained_tokens": result.tokens.tokens}
+    return {
+        "seconds": time.perf_counter() - started,
+        "grad_norm": result.grad_norms[0],
+        "parameter_tensors_with_nonzero_grad": with_grad[0],
+        "parameter_tensors": len(learner.params),
+        "trained_tokens": result.tokens.tokens,
+    }
 
 
 def run_probe(cfg: RunConfig, report_path: Path) -> dict[str, Any]:
@@ -134,16 +150,19 @@ def _probe(parts: RunParts) -> dict[str, Any]:
     started = time.perf_counter()
     prompt = parts.prompt_ids[longest_id]
     r = cfg.rollout
-    groups = parts.engine.generate([prompt] * r.prompts_per_step, r.group_size,
-                                     parts.collector.sampling_params(0, 0))
+    groups = parts.engine.generate([prompt] * r.prompts_per_step, r.group_size, parts.collector.sampling_params(0, 0))
     parts.engine.sync_weights(parts.sync_source())
     rows = r.prompts_per_step * r.group_size
     cache_rows = min(rows, r.max_batch_size) if capabilities(r.engine).bounded_batch else rows
-    generation = {"seconds": time.perf_counter() - started, "completions": rows,
-                  "tokens": sum(len(c.completion_ids) for g in groups for c in g),
-                  "kv_cache_rows": cache_rows,
-                  "kv_cache_bytes": kv_cache_bytes(parts.model.config, cache_rows,
-                                                   len(prompt) + r.max_new_tokens, parts.precision.compute)}
+    generation = {
+        "seconds": time.perf_counter() - started,
+        "completions": rows,
+        "tokens": sum(len(c.completion_ids) for g in groups for c in g),
+        "kv_cache_rows": cache_rows,
+        "kv_cache_bytes": kv_cache_bytes(
+            parts.model.config, cache_rows, len(prompt) + r.max_new_tokens, parts.precision.compute
+        ),
+    }
     phase_peaks["generation"] = peak_memory_mb(device, reset=True)
     second = probe_update(parts.learner, batch, advantages)
     phase_peaks["update_2"] = peak_memory_mb(device)
@@ -154,31 +173,60 @@ def _probe(parts: RunParts) -> dict[str, Any]:
     vocab = parts.model.get_output_embeddings().weight.shape[0]
     mb, length, chunk = cfg.optim.micro_batch_size, batch.input_ids.shape[1], cfg.model.logprob_chunk_size
     return {
-        "model": model_record(parts.model, parts.model_dir), "device": str(device),
-        "dtype": str(next(parts.model.parameters()).dtype), "algorithm": parts.spec.name,
-        "batch": {"sequences": len(batch), "longest_prompt_id": longest_id, "prompt_tokens": len(prompt),
-                  "max_new_tokens": cfg.rollout.max_new_tokens, "sequence_length": length,
-                  "micro_batch_size": mb, "micro_batch_tokens": cfg.optim.micro_batch_tokens,
-                  "micro_batches": len(parts.learner.forward(batch).planner.plan(torch.arange(len(batch)))),
-                  "shared_prompts": parts.learner.share_prompts, "logprob_chunk_size": chunk,
-                  "gradient_checkpointing": cfg.model.gradient_checkpointing},
-        "shapes": {"input_ids": [len(batch), length], "micro_batch": [mb, length], "hidden_states": [mb, length, hidden],
-                   "logits_chunk": [mb, min(chunk, length - 1), vocab], "full_logits_avoided": [mb, length, vocab]},
+        "model": model_record(parts.model, parts.model_dir),
+        "device": str(device),
+        "dtype": str(next(parts.model.parameters()).dtype),
+        "algorithm": parts.spec.name,
+        "batch": {
+            "sequences": len(batch),
+            "longest_prompt_id": longest_id,
+            "prompt_tokens": len(prompt),
+            "max_new_tokens": cfg.rollout.max_new_tokens,
+            "sequence_length": length,
+            "micro_batch_size": mb,
+            "micro_batch_tokens": cfg.optim.micro_batch_tokens,
+            "micro_batches": len(parts.learner.forward(batch).planner.plan(torch.arange(len(batch)))),
+            "shared_prompts": parts.learner.share_prompts,
+            "logprob_chunk_size": chunk,
+            "gradient_checkpointing": cfg.model.gradient_checkpointing,
+        },
+        "shapes": {
+            "input_ids": [len(batch), length],
+            "micro_batch": [mb, length],
+            "hidden_states": [mb, length, hidden],
+            "logits_chunk": [mb, min(chunk, length - 1), vocab],
+            "full_logits_avoided": [mb, length, vocab],
+        },
         "updates": [first, second],
         "generation": generation,
-        "parameters": {"total": n_params, "trained": sum(p.numel() for p in parts.policy.trainable()),
-                       "bytes": bytes_by_part(parts),
-                       "lora_rank": cfg.model.lora.rank if cfg.model.lora else None,
-                       "reference": ("none" if parts.reference is None else "the policy, adapter off (no copy)"
-                                     if parts.reference is parts.model else "a frozen copy")},
+        "parameters": {
+            "total": n_params,
+            "trained": sum(p.numel() for p in parts.policy.trainable()),
+            "bytes": bytes_by_part(parts),
+            "lora_rank": cfg.model.lora.rank if cfg.model.lora else None,
+            "reference": (
+                "none"
+                if parts.reference is None
+                else "the policy, adapter off (no copy)"
+                if parts.reference is parts.model
+                else "a frozen copy"
+            ),
+        },
         "optimizer_state_initialised": len(state) > 0 and all(len(s) > 0 for s in state.values()),
         "optimizer_state_tensors": len(state),
-        "precision": {"setting": parts.precision.name, "weights": str(parts.precision.storage),
-                      "compute": str(parts.precision.compute), "optimizer_state_bytes": optimizer_state_bytes(
-                          parts.optimizer), "bytes_by_setting": memory_table(n_params)},
+        "precision": {
+            "setting": parts.precision.name,
+            "weights": str(parts.precision.storage),
+            "compute": str(parts.precision.compute),
+            "optimizer_state_bytes": optimizer_state_bytes(parts.optimizer),
+            "bytes_by_setting": memory_table(n_params),
+        },
         "peak_memory_mb": max(phase_peaks.values()),
         "phase_peak_memory_mb": phase_peaks,
         "peak_memory_kind": "cuda max allocated" if device.type == "cuda" else "process max resident",
-        "phase_seconds": {"update_1": first["seconds"], "generation": generation["seconds"],
-                          "update_2": second["seconds"]},
+        "phase_seconds": {
+            "update_1": first["seconds"],
+            "generation": generation["seconds"],
+            "update_2": second["seconds"],
+        },
     }

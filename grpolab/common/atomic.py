@@ -44,8 +44,9 @@ def fsync_tree(folder: Path, sync: Callable[[Path], None] = fsync_path, files: b
     for path in paths if files else []:
         if path.is_file() and not path.is_symlink():
             sync(path)
-    for path in sorted([p for p in paths if p.is_dir() and not p.is_symlink()] + [Path(folder)],
-                       key=lambda p: -len(p.parts)):
+    for path in sorted(
+        [p for p in paths if p.is_dir() and not p.is_symlink()] + [Path(folder)], key=lambda p: -len(p.parts)
+    ):
         sync(path)
 
 
@@ -82,7 +83,7 @@ def remove_stale(target: Path) -> list[Path]:
         return removed
     for path in entries:
         name = path.name
-        if not name.startswith(prefix) or not _TAIL.fullmatch(name[len(prefix) - 1:]) or not owner_gone(path):
+        if not name.startswith(prefix) or not _TAIL.fullmatch(name[len(prefix) - 1 :]) or not owner_gone(path):
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
@@ -99,7 +100,7 @@ def named(err: OSError, path: Path, tmp: Path | None = None) -> OSError:
         return err
     name = None if err.filename is None else str(err.filename)
     if name is not None and tmp is not None and (name == str(tmp) or name.startswith(str(tmp) + os.sep)):
-        name = str(path) + name[len(str(tmp)):]
+        name = str(path) + name[len(str(tmp)) :]
     if name is None or name != err.filename:
         return type(err)(err.errno, err.strerror or os.strerror(err.errno), name or str(path))
     return err
@@ -198,8 +199,12 @@ def _put_in_place(tmp: Path, target: Path, replace: Callable[[Path], None] | Non
 
 
 @contextmanager
-def atomic_folder(target: Path, replace: Callable[[Path], None] | None = None,
-                  sync: Callable[[Path], None] = fsync_path, files_synced: bool = False) -> Iterator[Path]:
+def atomic_folder(
+    target: Path,
+    replace: Callable[[Path], None] | None = None,
+    sync: Callable[[Path], None] = fsync_path,
+    files_synced: bool = False,
+) -> Iterator[Path]:
     """A new temporary folder beside ``target`` to write into; when the block ends without an error every
     file (unless ``files_synced``: the block fsynced each itself) and folder in it is fsynced, it is renamed to ``target`` (which may be absent or an empty folder;
     see ``_put_in_place`` for ``replace``) and the parent fsynced. On an error, or when ``target`` already

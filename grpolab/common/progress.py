@@ -35,8 +35,7 @@ def format_seconds(seconds: float) -> str:
 class Phase:
     """One long phase: ``advance`` as units finish, ``status`` for what it is doing now."""
 
-    def __init__(self, reporter: "Reporter", title: str, total: int | None, unit: str, every: int | None,
-                 done: int = 0):
+    def __init__(self, reporter: Reporter, title: str, total: int | None, unit: str, every: int | None, done: int = 0):
         self.reporter, self.title, self.total, self.unit, self.every = reporter, title, total, unit, every
         self.done, self.info, self.status, self.lines = done, "", "", 0
         self.first = done  # units done before this phase started (a resumed run)
@@ -53,7 +52,9 @@ class Phase:
         return self.elapsed() / (self.done - self.first) * (self.total - self.done)
 
     def text(self) -> str:
-        count = f"{self.done}/{self.total} {self.unit}" if self.total else (f"{self.done} {self.unit}" if self.done else "")
+        count = (
+            f"{self.done}/{self.total} {self.unit}" if self.total else (f"{self.done} {self.unit}" if self.done else "")
+        )
         return ", ".join(part for part in (count.strip(), self.status, self.info) if part)
 
     def advance(self, n: int = 1, info: str | None = None) -> None:
@@ -104,8 +105,15 @@ class Reporter:
             self._live.update(phase.task_id, completed=phase.done, text=phase.text())
 
     @contextmanager
-    def phase(self, title: str, total: int | None = None, unit: str = "", every: int | None = None,
-              done_note: bool | None = True, done: int = 0) -> Iterator[Phase]:
+    def phase(
+        self,
+        title: str,
+        total: int | None = None,
+        unit: str = "",
+        every: int | None = None,
+        done_note: bool | None = True,
+        done: int = 0,
+    ) -> Iterator[Phase]:
         """A phase of ``total`` units (None: unknown). Plain output gets a 'running' line after a few
         seconds, a line every ``every`` units (None: by time only), heartbeats and an end line: always
         with ``done_note`` True, never with False, with None only when the phase printed a line; never when the
@@ -119,9 +127,15 @@ class Reporter:
             beat.start()
         else:
             if self._live is None:
-                self._live = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                      TextColumn("{task.fields[text]}"), TimeElapsedColumn(),
-                                      console=self.console, transient=True)
+                self._live = Progress(
+                    SpinnerColumn(),
+                    TextColumn("{task.description}"),
+                    BarColumn(),
+                    TextColumn("{task.fields[text]}"),
+                    TimeElapsedColumn(),
+                    console=self.console,
+                    transient=True,
+                )
                 self._live.start()
             phase.task_id = self._live.add_task(title, total=total, completed=done, text=phase.text())
         try:
@@ -136,7 +150,9 @@ class Reporter:
                     self._live.stop()
                     self._live = None
             if finished and (done_note or (done_note is None and phase.lines)):
-                self.line(f"{title}: done in {format_seconds(phase.elapsed())}" + (f" ({phase.info})" if phase.info else ""))
+                self.line(
+                    f"{title}: done in {format_seconds(phase.elapsed())}" + (f" ({phase.info})" if phase.info else "")
+                )
 
     def _heartbeat(self, phase: Phase, stop: threading.Event) -> None:
         """A 'running' line once the phase has taken ``ANNOUNCE_SECONDS`` (instant phases print only their

@@ -62,7 +62,9 @@ def choose_threads(requested: int | None, busy: float | None = None) -> ThreadCh
         threads = requested
         note = f"cpu threads: {threads} ({cores} cores, {busy:.1f} busy with other work)"
         if threads > free:
-            note = (f"warning: --threads {threads} but only {free} of {cores} cores are free ({busy:.1f} busy with "
-                    f"other work): oversubscribed threads can slow small models by orders of magnitude; "
-                    f"--threads {free} avoids it")
+            note = (
+                f"warning: --threads {threads} but only {free} of {cores} cores are free ({busy:.1f} busy with "
+                f"other work): oversubscribed threads can slow small models by orders of magnitude; "
+                f"--threads {free} avoids it"
+            )
     return ThreadChoice(threads, cores, busy, note)

@@ -59,10 +59,14 @@ class TrainBatch:
         ``tokens/masked_prompt`` and ``tokens/masked_padding``."""
         policy, prompt = self.num_response_tokens, int(self.prompt_lens.sum())
         real = int(self.attention_mask.sum())
-        return {"tokens/policy": policy, "tokens/masked_observation": real - prompt - policy,
-                "tokens/masked_prompt": prompt, "tokens/masked_padding": self.attention_mask.numel() - real}
+        return {
+            "tokens/policy": policy,
+            "tokens/masked_observation": real - prompt - policy,
+            "tokens/masked_prompt": prompt,
+            "tokens/masked_padding": self.attention_mask.numel() - real,
+        }
 
-    def _map(self, fn) -> "TrainBatch":
+    def _map(self, fn) -> TrainBatch:
         changes = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -70,7 +74,7 @@ class TrainBatch:
                 changes[f.name] = fn(value)
         return dataclasses.replace(self, **changes)
 
-    def select(self, indices: Sequence[int] | Tensor) -> "TrainBatch":
+    def select(self, indices: Sequence[int] | Tensor) -> TrainBatch:
         """Sub-batch of the given rows (in that order), trimmed to its longest row."""
         idx = torch.as_tensor(indices, dtype=torch.long, device=self.input_ids.device)
         if idx.numel() == 0:
@@ -83,7 +87,7 @@ class TrainBatch:
 
         return self._map(pick)
 
-    def to(self, device: torch.device | str) -> "TrainBatch":
+    def to(self, device: torch.device | str) -> TrainBatch:
         return self._map(lambda t: t.to(device))
 
 

@@ -20,23 +20,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from grpolab.objectives.advantages import advantage_metrics, group_advantages
-from grpolab.learning.batching import TrainBatch, collate
-from grpolab.rollout.base import Completion
-from grpolab.rollout.collect import RolloutBatch
 from grpolab.config import RunConfig
-from grpolab.parallel.ranks import Ranks, wrap_ddp
-from grpolab.parallel.fsdp import drop_stale_weights, is_sharded
-from grpolab.learning.packing import MicroBatchPlanner, prompt_keys
-from grpolab.models.precision import TrainingPrecision
-from grpolab.rollout.sync_check import SyncMonitor
-from grpolab.models.fidelity import forward_fidelity
-from grpolab.objectives.algorithms import AlgorithmSpec
+from grpolab.learning.batching import TrainBatch, collate
 from grpolab.learning.lockstep import RankPart, UpdateLockstep
 from grpolab.learning.moe_routing import DenseRouting, batch_routing, completion_routing, is_moe
+from grpolab.learning.packing import MicroBatchPlanner, prompt_keys
 from grpolab.learning.shared_prefix import UnitLayout, layout_units, unit_logprobs
 from grpolab.learning.update import StepCheck, UpdateData, UpdateResult, run_update
-
+from grpolab.models.fidelity import forward_fidelity
+from grpolab.models.precision import TrainingPrecision
+from grpolab.objectives.advantages import advantage_metrics, group_advantages
+from grpolab.objectives.algorithms import AlgorithmSpec
+from grpolab.parallel.fsdp import drop_stale_weights, is_sharded
+from grpolab.parallel.ranks import Ranks, wrap_ddp
+from grpolab.rollout.base import Completion
+from grpolab.rollout.collect import RolloutBatch
+from grpolab.rollout.sync_check import SyncMonitor
 
 # the name under which an FSDP-sharded model carries ``unit_logprobs`` as a weight-gathering method
 SHARDED_FORWARD = "grpolab_unit_logprobs"
@@ -51,8 +50,9 @@ class PolicyForward(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, layout: UnitLayout, n_rows: int, width: int, temperature: float, with_entropy: bool,
-                chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, layout: UnitLayout, n_rows: int, width: int, temperature: float, with_entropy: bool, chunk_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         fn = getattr(self.model, SHARDED_FORWARD, None) or (lambda *a, **k: unit_logprobs(self.model, *a, **k))
         stats = fn(layout, n_rows, width, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
         return stats.logprobs, stats.entropy
@@ -62,15 +62,26 @@ class BatchForward:
     """Training forwards over the rows of one collated batch: micro-batches as planned, rows that share a
     prompt computed as one unit (``grpolab.learning.shared_prefix``) when ``share``."""
 
-    def __init__(self, cfg: RunConfig, batch: TrainBatch, precision: TrainingPrecision, device: torch.device,
-                 share: bool, lockstep: Ranks | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        batch: TrainBatch,
+        precision: TrainingPrecision,
+        device: torch.device,
+        share: bool,
+        lockstep: Ranks | None = None,
+    ):
         self.cfg, self.batch, self.precision, self.device = cfg, batch, precision, device
         self.lockstep = lockstep  # every forward a collective over these ranks (FSDP): equal counts
         prompt_lens, seq_lens = batch.prompt_lens.tolist(), batch.attention_mask.sum(1).tolist()
         self.planner = MicroBatchPlanner(
             keys=prompt_keys(batch.input_ids, batch.prompt_lens) if share else list(range(len(batch))),
-            prompt_lens=prompt_lens, seq_lens=seq_lens, share=share,
-            max_sequences=cfg.optim.micro_batch_size, max_tokens=cfg.optim.micro_batch_tokens)
+            prompt_lens=prompt_lens,
+            seq_lens=seq_lens,
+            share=share,
+            max_sequences=cfg.optim.micro_batch_size,
+            max_tokens=cfg.optim.micro_batch_tokens,
+        )
         # every planned micro-batch of this batch, by id (the tensor is kept, so that its id stays its own)
         self._planned: dict[int, tuple[torch.Tensor, list[int]]] = {}
 
@@ -80,24 +91,40 @@ class BatchForward:
         micros = self.planner.plan(rows)
         host = torch.cat(micros).tolist() if micros else []
         starts = itertools.accumulate((len(m) for m in micros), initial=0)
-        self._planned.update((id(m), (m, host[start:start + len(m)])) for m, start in zip(micros, starts))
+        self._planned.update((id(m), (m, host[start : start + len(m)])) for m, start in zip(micros, starts))
         return micros
 
     def _rows(self, indices: torch.Tensor) -> list[int]:
         planned = self._planned.get(id(indices))
         return planned[1] if planned is not None else indices.tolist()
 
-    def logprobs(self, forward: nn.Module, indices: torch.Tensor, with_entropy: bool,
-                 around: Callable[[UnitLayout], AbstractContextManager] | None = None):
+    def logprobs(
+        self,
+        forward: nn.Module,
+        indices: torch.Tensor,
+        with_entropy: bool,
+        around: Callable[[UnitLayout], AbstractContextManager] | None = None,
+    ):
         """Log-probs (and entropy) [n, T] of the rows ``indices`` (in that order) at the batch width T, by
         ``forward`` (a ``PolicyForward``, DDP-wrapped or not); consecutive rows with the same prompt share
         its computation. ``around(layout)``: a context the forward runs in (an MoE model's routing watch)."""
         units = self.planner.runs(self._rows(indices))
-        layout = layout_units(self.batch.input_ids, self.planner.prompt_lens, self.planner.seq_lens, units,
-                              shared=any(len(u) > 1 for u in units))
-        with self.precision.autocast(self.device), (around(layout) if around is not None else nullcontext()):
-            return forward(layout, len(indices), self.batch.input_ids.shape[1], self.cfg.rollout.temperature,
-                           with_entropy, self.cfg.model.logprob_chunk_size * len(indices))
+        layout = layout_units(
+            self.batch.input_ids,
+            self.planner.prompt_lens,
+            self.planner.seq_lens,
+            units,
+            shared=any(len(u) > 1 for u in units),
+        )
+        with self.precision.autocast(self.device), around(layout) if around is not None else nullcontext():
+            return forward(
+                layout,
+                len(indices),
+                self.batch.input_ids.shape[1],
+                self.cfg.rollout.temperature,
+                with_entropy,
+                self.cfg.model.logprob_chunk_size * len(indices),
+            )
 
     @torch.no_grad()
     def frozen(self, model: nn.Module, around: Callable[[UnitLayout], AbstractContextManager] | None = None):
@@ -121,10 +148,12 @@ def refuse_nonbinary_rewards(rollout: RolloutBatch) -> None:
         for j, grade in enumerate(grades):
             if grade.reward not in (0.0, 1.0):
                 terms = ", ".join(f"{n} {v:g}" for n, v in grade.components) or f"answer_reward {grade.answer_reward:g}"
-                raise ValueError(f"normalizer 'mean' (MaxRL) needs RL rewards in {{0, 1}}: example {example.id} "
-                                 f"sample {j} got {grade.reward:g} (its reward terms: {terms}), and (r - mean) / mean "
-                                 "changes sign when a group's mean is negative; make that term 0 or 1, or use "
-                                 "another normalizer (e.g. --algo grpo)")
+                raise ValueError(
+                    f"normalizer 'mean' (MaxRL) needs RL rewards in {{0, 1}}: example {example.id} "
+                    f"sample {j} got {grade.reward:g} (its reward terms: {terms}), and (r - mean) / mean "
+                    "changes sign when a group's mean is negative; make that term 0 or 1, or use "
+                    "another normalizer (e.g. --algo grpo)"
+                )
 
 
 class SyncCheck:
@@ -148,10 +177,21 @@ class PolicyLearner:
     ``ranks`` the training forward is wrapped in DDP (which broadcasts rank 0's weights here), unless FSDP
     sharded ``model``."""
 
-    def __init__(self, cfg: RunConfig, model, reference, optimizer: torch.optim.Optimizer,
-                 precision: TrainingPrecision, device: torch.device, pad_token_id: int,
-                 minibatch_gen: torch.Generator, sync_monitor: SyncMonitor, updates: dict[str, int],
-                 ranks: Ranks = Ranks(), reference_context: Callable[[], AbstractContextManager] = nullcontext):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model,
+        reference,
+        optimizer: torch.optim.Optimizer,
+        precision: TrainingPrecision,
+        device: torch.device,
+        pad_token_id: int,
+        minibatch_gen: torch.Generator,
+        sync_monitor: SyncMonitor,
+        updates: dict[str, int],
+        ranks: Ranks = Ranks(),
+        reference_context: Callable[[], AbstractContextManager] = nullcontext,
+    ):
         self.cfg, self.spec, self.ranks = cfg, cfg.algorithm, ranks
         self.model, self.reference, self.optimizer = model, reference, optimizer
         self.reference_context = reference_context  # within it, ``reference`` computes the reference policy
@@ -167,8 +207,7 @@ class PolicyLearner:
         self.minibatch_gen, self.sync_monitor, self.updates = minibatch_gen, sync_monitor, updates
         blocker = None
         if cfg.optim.shared_prompts:  # FSDP gathers weights at every backbone pass: a unit takes two, a lone row one
-            blocker = ("FSDP ranks must run the same forwards" if self.sharded
-                       else forward_fidelity(model).share_blocker)
+            blocker = "FSDP ranks must run the same forwards" if self.sharded else forward_fidelity(model).share_blocker
         self.share_prompts = cfg.optim.shared_prompts and blocker is None
         # said once, at start: why every sequence is computed on its own
         self.sharing_note = None if blocker is None else f"shared prompts off: {blocker}"
@@ -176,13 +215,15 @@ class PolicyLearner:
     def forward(self, batch: TrainBatch) -> BatchForward:
         return BatchForward(self.cfg, batch, self.precision, self.device, self.share_prompts, self.lockstep.forwards)
 
-    def routing(self, batch: TrainBatch, completions: list[Completion] | None = None,
-                spec: AlgorithmSpec | None = None) -> DenseRouting:
+    def routing(
+        self, batch: TrainBatch, completions: list[Completion] | None = None, spec: AlgorithmSpec | None = None
+    ) -> DenseRouting:
         """The routing part of an update of ``spec`` (None: the run's algorithm) over ``batch``, whose rows are
         ``completions`` (the engine's routing record is followed where every row has one; None: no record)."""
         routed = [c.routed_experts for c in completions] if completions is not None else [None]
-        return batch_routing(self.model, spec or self.spec, self.cfg.model.router_aux_loss_coef,
-                             tuple(batch.input_ids.shape), routed)
+        return batch_routing(
+            self.model, spec or self.spec, self.cfg.model.router_aux_loss_coef, tuple(batch.input_ids.shape), routed
+        )
 
     def routing_of(self, completions: list[Completion]) -> dict[str, float]:
         """An MoE policy's ``router/...`` metrics over the completion tokens of ``completions`` (one forward
@@ -205,16 +246,26 @@ class PolicyLearner:
         if sync.enabled and old is not None:
             sync(old, torch.ones(len(batch), dtype=torch.bool, device=old.device))
         ref = self.reference_logprobs(forward)
-        data = UpdateData(advantages=part.of(advantages).flatten().to(self.device),
-                          response_mask=batch.response_mask, old_logprobs=old, ref_logprobs=ref,
-                          engine_logprobs=batch.engine_logprobs)
+        data = UpdateData(
+            advantages=part.of(advantages).flatten().to(self.device),
+            response_mask=batch.response_mask,
+            old_logprobs=old,
+            ref_logprobs=ref,
+            engine_logprobs=batch.engine_logprobs,
+        )
         # with one optimizer step the sync check reads the update's own forward, before its optimizer step
-        result = self.update(data, forward, routing, part=part,
-                             first_step_check=sync if sync.enabled and old is None else None)
+        result = self.update(
+            data, forward, routing, part=part, first_step_check=sync if sync.enabled and old is None else None
+        )
         self.updates["attempted"] += result.attempted
         self.updates["actual"] += result.actual
-        return {**advantage_metrics(rewards, advantages), **result.metrics(), **sync.metrics,
-                **self.lockstep.sum_counts(batch.token_counts()), **routing.metrics(self.lockstep.total)}
+        return {
+            **advantage_metrics(rewards, advantages),
+            **result.metrics(),
+            **sync.metrics,
+            **self.lockstep.sum_counts(batch.token_counts()),
+            **routing.metrics(self.lockstep.total),
+        }
 
     def advantages(self, rollout: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(rewards, advantages) [B, G] of every group of ``rollout``."""
@@ -238,9 +289,16 @@ class PolicyLearner:
         with self.reference_context():
             return forward.frozen(self.reference)
 
-    def update(self, data: UpdateData, forward: BatchForward, routing: DenseRouting | None = None, *,
-               spec: AlgorithmSpec | None = None, part: RankPart | None = None,
-               first_step_check: StepCheck | None = None) -> UpdateResult:
+    def update(
+        self,
+        data: UpdateData,
+        forward: BatchForward,
+        routing: DenseRouting | None = None,
+        *,
+        spec: AlgorithmSpec | None = None,
+        part: RankPart | None = None,
+        first_step_check: StepCheck | None = None,
+    ) -> UpdateResult:
         """The optimizer steps of ``spec``'s schedule (None: the run's algorithm) over the batch of ``forward``
         (``grpolab.learning.update.run_update``: per step its forwards, loss, backward, clipped optimizer step),
         ``data`` its rows' advantages and log-probs, the model in training mode meanwhile. ``routing``: the
@@ -260,11 +318,21 @@ class PolicyLearner:
         self.model.train()
         try:
             with routing.training():
-                return run_update(spec, data, routing.with_aux_loss(policy), self.optimizer, self.params,
-                                  plan=forward.plan, micro_batch_size=self.cfg.optim.micro_batch_size,
-                                  max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                  max_grad_norm=self.cfg.optim.max_grad_norm, generator=self.minibatch_gen,
-                                  full_metrics=self.cfg.optim.full_metrics, dp=share,
-                                  first_step_check=first_step_check, extra_loss=routing.extra_loss)
+                return run_update(
+                    spec,
+                    data,
+                    routing.with_aux_loss(policy),
+                    self.optimizer,
+                    self.params,
+                    plan=forward.plan,
+                    micro_batch_size=self.cfg.optim.micro_batch_size,
+                    max_new_tokens=self.cfg.rollout.max_new_tokens,
+                    max_grad_norm=self.cfg.optim.max_grad_norm,
+                    generator=self.minibatch_gen,
+                    full_metrics=self.cfg.optim.full_metrics,
+                    dp=share,
+                    first_step_check=first_step_check,
+                    extra_loss=routing.extra_loss,
+                )
         finally:
             self.model.eval()

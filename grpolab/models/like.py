@@ -21,8 +21,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from grpolab.models.cached_folder import cached_folder
-from grpolab.tasks.base import Task
 from grpolab.models.tinymodel import default_cache_root
+from grpolab.tasks.base import Task
 
 LIKE_PREFIX = "like:"
 MARKER = "grpolab_like.json"
@@ -33,12 +33,28 @@ PAD_TOKEN = "<|pad|>"
 OVERRIDABLE = ("num_hidden_layers", "max_position_embeddings")  # keep width and vocabulary real
 
 _QWEN3 = {  # shared by Qwen3-0.6B and Qwen3-1.7B
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 28,
-    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-    "max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": None, "rms_norm_eps": 1e-06,
-    "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
-    "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "max_window_layers": 28,
-    "sliding_window": None, "use_sliding_window": False, "use_cache": True,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": True,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "max_window_layers": 28,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "use_cache": True,
 }
 
 # The published config.json fields (minus torch_dtype / transformers_version), checked against
@@ -53,42 +69,109 @@ LIKE_CONFIGS: dict[str, dict] = {
     "qwen3-0.6b": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072},
     "qwen3-1.7b": {**_QWEN3, "hidden_size": 2048, "intermediate_size": 6144},
     "olmo2-1b": {
-        "architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "hidden_size": 2048,
-        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16,
-        "num_key_value_heads": 16, "vocab_size": 100352, "max_position_embeddings": 4096,
-        "rope_theta": 500000.0, "rope_scaling": None, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
-        "bos_token_id": None, "eos_token_id": 100257, "pad_token_id": 100277, "hidden_act": "silu",
-        "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+        "architectures": ["Olmo2ForCausalLM"],
+        "model_type": "olmo2",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "vocab_size": 100352,
+        "max_position_embeddings": 4096,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": 100257,
+        "pad_token_id": 100277,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
     },
     # Mixture-of-Experts (``like:`` shapes for probe and bench; override num_hidden_layers to fit): Qwen3-30B-A3B
     # against its config.json quoted in public tests (48 layers, 128 experts of 768, top 8, 32/4 heads) and
     # its card's 30.5B total / 3.3B active parameters; OLMoE-1B-7B-0924 against copies of its config.json
     # (64 experts of 1024, top 8, no top-k renormalisation, eos 50279, pad 1) and its 6.9B / 1.3B.
     "qwen3-30b-a3b": {
-        **_QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 48,
-        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_attention_heads": 32,
-        "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "max_window_layers": 48,
+        **_QWEN3,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 48,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "max_window_layers": 48,
         "tie_word_embeddings": False,
     },
     "olmoe-1b-7b": {
-        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024,
-        "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64,
-        "num_experts_per_tok": 8, "norm_topk_prob": False, "vocab_size": 50304, "max_position_embeddings": 4096,
-        "rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
-        "clip_qkv": None, "bos_token_id": None, "eos_token_id": 50279, "pad_token_id": 1, "hidden_act": "silu",
-        "router_aux_loss_coef": 0.01, "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "architectures": ["OlmoeForCausalLM"],
+        "model_type": "olmoe",
+        "hidden_size": 2048,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "vocab_size": 50304,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+        "clip_qkv": None,
+        "bos_token_id": None,
+        "eos_token_id": 50279,
+        "pad_token_id": 1,
+        "hidden_act": "silu",
+        "router_aux_loss_coef": 0.01,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
         "use_cache": True,
     },
     "llama3.2-1b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
-        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072,
-        "rope_theta": 500000.0, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                                                 "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "rms_norm_eps": 1e-05, "tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": 128001,
-        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-        "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": True,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
     },
 }
 
@@ -128,12 +211,19 @@ def build_like_tokenizer(texts: list[str], config: PretrainedConfig) -> PreTrain
     (150k added tokens would make loading slow), and no merge ever produces them.
     """
     bpe = Tokenizer(models.BPE())
-    pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                             pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     bpe.pre_tokenizer = pre_tokenizer
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB, min_frequency=2, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=BPE_VOCAB,
+            min_frequency=2,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     learned = json.loads(bpe.to_str())["model"]
     size = config.vocab_size
     eos_id = _special_id(config.eos_token_id, size)
@@ -149,19 +239,25 @@ def build_like_tokenizer(texts: list[str], config: PretrainedConfig) -> PreTrain
     tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (EOS_TOKEN, PAD_TOKEN)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-                                   clean_up_tokenization_spaces=False,
-                                   model_max_length=config.max_position_embeddings)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=config.max_position_embeddings,
+    )
 
 
 def task_texts(task: Task) -> list[str]:
     """The tokenizer's training text: every train and validation prompt, solution and gold answer."""
-    return [task.prompt(e) + (e.solution or "") + " " + e.answer
-            for e in task.train_examples() + task.validation_examples()]
+    return [
+        task.prompt(e) + (e.solution or "") + " " + e.answer for e in task.train_examples() + task.validation_examples()
+    ]
 
 
-def like_model_dir(spec: str, task: Task, overrides: dict[str, int] | None = None,
-                   cache_dir: Path | None = None) -> Path:
+def like_model_dir(
+    spec: str, task: Task, overrides: dict[str, int] | None = None, cache_dir: Path | None = None
+) -> Path:
     """The folder of ``like:<spec>`` for ``task``: config.json, tokenizer files and a marker, no weights.
 
     Built once and cached under ``<cache_dir or $GRPOLAB_CACHE or ~/.cache/grpolab>/like`` by name,
@@ -170,8 +266,7 @@ def like_model_dir(spec: str, task: Task, overrides: dict[str, int] | None = Non
     """
     config = like_config(spec, overrides)  # validates name and overrides first
     texts = task_texts(task)
-    key = hashlib.sha256(json.dumps([LIKE_VERSION, BPE_VOCAB, like_fields(spec, overrides)],
-                                    sort_keys=True).encode())
+    key = hashlib.sha256(json.dumps([LIKE_VERSION, BPE_VOCAB, like_fields(spec, overrides)], sort_keys=True).encode())
     for text in texts:
         key.update(f"{len(text)}:{text}".encode())
     root = Path(cache_dir) if cache_dir is not None else default_cache_root().parent / "like"

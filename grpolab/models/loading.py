@@ -11,14 +11,14 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from grpolab.common.progress import Reporter
+from grpolab.models.dropout import disable_dropout
+from grpolab.models.fidelity import attention_implementation
 from grpolab.models.gguf import GGUF_PREFIX, absolute_spec, gguf_file, gguf_model_dir, gguf_source
 from grpolab.models.like import LIKE_PREFIX, is_like_dir, like_model_dir
 from grpolab.models.routing import check_router_layout
-from grpolab.models.fidelity import attention_implementation
-from grpolab.models.dropout import disable_dropout
-from grpolab.common.progress import Reporter
-from grpolab.tasks.base import Task
 from grpolab.models.tinymodel import warm_start_model, warm_start_settings
+from grpolab.tasks.base import Task
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -38,8 +38,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_model_dir(path: str | None, task: Task, like_overrides: dict[str, int] | None = None,
-                      reporter: Reporter | None = None, warm_start: dict[str, Any] | None = None) -> Path:
+def resolve_model_dir(
+    path: str | None,
+    task: Task,
+    like_overrides: dict[str, int] | None = None,
+    reporter: Reporter | None = None,
+    warm_start: dict[str, Any] | None = None,
+) -> Path:
     """The model directory to train: ``path`` (must exist), the cached folder of a ``like:NAME`` model
     (random weights at a reference model's shapes; ``like_overrides`` may shrink it), the cached
     conversion of a ``gguf:FILE`` model (``grpolab.models.gguf``), or the demo's cached warm-started tiny model
@@ -49,11 +54,11 @@ def resolve_model_dir(path: str | None, task: Task, like_overrides: dict[str, in
     if like_overrides and not is_like:
         raise ValueError("model.like_overrides applies only to like: models")
     if is_like:
-        return like_model_dir(path[len(LIKE_PREFIX):], task, like_overrides)
+        return like_model_dir(path[len(LIKE_PREFIX) :], task, like_overrides)
     if path is None:
         return warm_start_model(task, warm_start_settings(task, warm_start), reporter=reporter)
     if path.startswith(GGUF_PREFIX):
-        return gguf_model_dir(path[len(GGUF_PREFIX):], reporter)
+        return gguf_model_dir(path[len(GGUF_PREFIX) :], reporter)
     return check_model_path(path)
 
 
@@ -63,7 +68,7 @@ def check_model_spec(path: str | None) -> None:
     if not path or path.startswith(LIKE_PREFIX):
         return
     if path.startswith(GGUF_PREFIX):
-        gguf_file(path[len(GGUF_PREFIX):])
+        gguf_file(path[len(GGUF_PREFIX) :])
     else:
         check_model_path(path)
 
@@ -73,7 +78,7 @@ def absolute_model_spec(path: str) -> str:
     if path.startswith(LIKE_PREFIX):
         return path
     if path.startswith(GGUF_PREFIX):
-        return GGUF_PREFIX + absolute_spec(path[len(GGUF_PREFIX):])
+        return GGUF_PREFIX + absolute_spec(path[len(GGUF_PREFIX) :])
     return str(Path(path).resolve())
 
 
@@ -90,8 +95,12 @@ def check_model_path(path: str) -> Path:
     return model_dir
 
 
-def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
-                attn_implementation: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_policy(
+    model_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = torch.device("cpu"),
+    attn_implementation: str = "sdpa",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model and tokenizer through the Auto classes; the tokenizer gets a pad token if it has none.
 
     The attention kernel is ``attn_implementation`` unless the model needs another to compute as designed
@@ -124,10 +133,14 @@ def model_record(model: PreTrainedModel, model_dir: Path) -> dict[str, Any]:
     revision = getattr(model.config, "_commit_hash", None)
     if revision is None and model_dir.parent.name == "snapshots":  # a Hugging Face cache snapshot
         revision = model_dir.name
-    return {"dir": str(model_dir), "config_sha256": hashlib.sha256(config.encode()).hexdigest(),
-            "revision": revision, "architecture": type(model).__name__,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "gguf_source": gguf_source(model_dir)}
+    return {
+        "dir": str(model_dir),
+        "config_sha256": hashlib.sha256(config.encode()).hexdigest(),
+        "revision": revision,
+        "architecture": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "gguf_source": gguf_source(model_dir),
+    }
 
 
 def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:

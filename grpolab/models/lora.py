@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,8 +37,17 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 BASE_RECORD = "base_model.json"  # beside the adapter: the base it was trained on, its folder and SHA-256
 # what makes an adapter the policy it is, beyond its weights: peft's adapter_config.json fields
-SETTINGS = ("r", "lora_alpha", "use_rslora", "use_dora", "target_modules", "modules_to_save", "rank_pattern",
-            "alpha_pattern", "bias")
+SETTINGS = (
+    "r",
+    "lora_alpha",
+    "use_rslora",
+    "use_dora",
+    "target_modules",
+    "modules_to_save",
+    "rank_pattern",
+    "alpha_pattern",
+    "bias",
+)
 
 
 def is_adapter_folder(folder: Path) -> bool:
@@ -82,16 +92,19 @@ def base_mismatch(folder: Path, base_sha256: str | None = None) -> str | None:
         return f"its base model {base} is not a model folder any more"
     found = base_sha256 or model_sha256(base)
     if found != record["sha256"]:
-        return (f"its base model {base} changed since the adapter was trained on it (SHA-256 {found[:12]}, "
-                f"recorded {record['sha256'][:12]})")
+        return (
+            f"its base model {base} changed since the adapter was trained on it (SHA-256 {found[:12]}, "
+            f"recorded {record['sha256'][:12]})"
+        )
     return None
 
 
 def linear_module_names(model: nn.Module) -> list[str]:
     """The leaf names of ``model``'s linear layers that LoRA may target (the output layer excluded)."""
     head = model.get_output_embeddings()
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                   if isinstance(m, nn.Linear) and m is not head})
+    return sorted(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    )
 
 
 def _target_modules(model: nn.Module, targets: list[str] | str) -> list[str] | str:
@@ -101,11 +114,18 @@ def _target_modules(model: nn.Module, targets: list[str] | str) -> list[str] | s
     names = linear_module_names(model)
     unknown = [t for t in targets if t not in names and t != "lm_head"]
     if unknown:
-        moe = (" (a Mixture-of-Experts model's experts are fused 3-D parameters and its routers plain weights, "
-               "not linear layers: target_modules = \"all-linear\" adapts them too, peft wrapping the parameters)"
-               ) if routers(model) else ""
-        raise ValueError(f"model.lora.target_modules: {', '.join(unknown)} not a linear layer of "
-                         f"{type(model).__name__}; its linear layers: {', '.join(names)}{moe}")
+        moe = (
+            (
+                " (a Mixture-of-Experts model's experts are fused 3-D parameters and its routers plain weights, "
+                'not linear layers: target_modules = "all-linear" adapts them too, peft wrapping the parameters)'
+            )
+            if routers(model)
+            else ""
+        )
+        raise ValueError(
+            f"model.lora.target_modules: {', '.join(unknown)} not a linear layer of "
+            f"{type(model).__name__}; its linear layers: {', '.join(names)}{moe}"
+        )
     return list(targets)
 
 
@@ -165,16 +185,19 @@ class Adapter:
 
         mismatch = settings_mismatch(self.peft_model.peft_config["default"].to_dict(), folder)
         if mismatch:
-            raise ValueError(f"{folder}: a LoRA checkpoint loads only with its own settings, and [model.lora] "
-                             f"gives {mismatch}")
+            raise ValueError(
+                f"{folder}: a LoRA checkpoint loads only with its own settings, and [model.lora] gives {mismatch}"
+            )
         mismatch = base_mismatch(folder, self.base_sha256)
         if mismatch:
             raise ValueError(f"{folder}: {mismatch}; not loaded")
         result = set_peft_model_state_dict(self.peft_model, load_file(Path(folder) / ADAPTER_WEIGHTS))
         missing = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
         if missing or result.unexpected_keys:
-            raise ValueError(f"{folder}: the adapter does not fit model.lora's settings (missing "
-                             f"{missing[:3]}, unexpected {result.unexpected_keys[:3]})")
+            raise ValueError(
+                f"{folder}: the adapter does not fit model.lora's settings (missing "
+                f"{missing[:3]}, unexpected {result.unexpected_keys[:3]})"
+            )
 
 
 def add_adapter(model: nn.Module, settings, seed: int, base_dir: Path) -> Adapter:
@@ -182,10 +205,15 @@ def add_adapter(model: nn.Module, settings, seed: int, base_dir: Path) -> Adapte
     ``seed`` (B starts at zero: the policy starts as the base). Returns the adapter."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha if settings.alpha is not None else settings.rank,
-                        lora_dropout=settings.dropout, target_modules=_target_modules(model, settings.target_modules),
-                        modules_to_save=settings.modules_to_save or None, bias="none",
-                        base_model_name_or_path=str(base_dir))
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha if settings.alpha is not None else settings.rank,
+        lora_dropout=settings.dropout,
+        target_modules=_target_modules(model, settings.target_modules),
+        modules_to_save=settings.modules_to_save or None,
+        bias="none",
+        base_model_name_or_path=str(base_dir),
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
@@ -231,8 +259,11 @@ class MergedWeights(PolicyWeights):
             return re.sub(r"(\.base_layer)+\.", ".", name).replace(".modules_to_save.default.", ".")
 
         # peft's wrappers of a parameter (an MoE's fused experts, its routers): the plain name of what they wrap
-        wrapped = {plain(f"{owner}.{layer.parameter_name}"): owner for owner, layer in layers.items()
-                   if hasattr(layer, "parameter_name")}
+        wrapped = {
+            plain(f"{owner}.{layer.parameter_name}"): owner
+            for owner, layer in layers.items()
+            if hasattr(layer, "parameter_name")
+        }
         weights: dict[str, torch.Tensor] = {}
         for name, param in params.items():
             if ".lora_" in name or ".original_module." in name:
@@ -273,7 +304,9 @@ class AdapterWeights(PolicyWeights):
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         cast = getattr(torch, dtype) if dtype else None
-        save_file({k: v.to("cpu", dtype=cast).contiguous() for k, v in self.state.items()}, str(folder / ADAPTER_WEIGHTS))
+        save_file(
+            {k: v.to("cpu", dtype=cast).contiguous() for k, v in self.state.items()}, str(folder / ADAPTER_WEIGHTS)
+        )
         self.config.save_pretrained(str(folder))
         return folder
 
@@ -286,8 +319,10 @@ def export_merged(checkpoint: Path, out: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not is_adapter_folder(checkpoint):
-        raise ValueError(f"{checkpoint}: not a LoRA checkpoint (no {ADAPTER_CONFIG}); a full-weight checkpoint "
-                         "is a Hugging Face model already")
+        raise ValueError(
+            f"{checkpoint}: not a LoRA checkpoint (no {ADAPTER_CONFIG}); a full-weight checkpoint "
+            "is a Hugging Face model already"
+        )
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; not overwritten")
     base = adapter_base(checkpoint)
@@ -295,8 +330,9 @@ def export_merged(checkpoint: Path, out: Path) -> dict[str, Any]:
     if mismatch or not (base / "config.json").is_file():
         raise ValueError(f"{checkpoint}: {mismatch or f'its base model {base} is not a model folder any more'}")
     # a throwaway float32 copy: peft's own merge is the same W + (alpha / r) B A as ``MergedWeights``
-    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                                      checkpoint).merge_and_unload()
+    plain = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), checkpoint
+    ).merge_and_unload()
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_folder(out) as tmp:  # whole or absent: a killed export leaves nothing in ``out``
         plain.save_pretrained(tmp)

@@ -34,8 +34,16 @@ class Policy:
     adapter this run continues (None otherwise); device: where its weights live.
     """
 
-    def __init__(self, model_dir: Path, weights_dir: Path, precision: TrainingPrecision, model: nn.Module,
-                 tokenizer: Any, device: torch.device, started_from: Path | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        weights_dir: Path,
+        precision: TrainingPrecision,
+        model: nn.Module,
+        tokenizer: Any,
+        device: torch.device,
+        started_from: Path | None = None,
+    ):
         self.model_dir, self.weights_dir, self.precision = model_dir, weights_dir, precision
         self.model, self.tokenizer, self.device, self.started_from = model, tokenizer, device, started_from
         self.reference: nn.Module | None = None
@@ -113,8 +121,11 @@ class FullPolicy(Policy):
     def add_reference(self) -> None:
         """A frozen copy of the start policy (reloaded when the policy resumed from a checkpoint), kept in the
         compute dtype (no master copy needed)."""
-        start = (load_policy(self.model_dir, self.precision.storage, self.device)[0]
-                 if self.weights_dir != self.model_dir else self.model)
+        start = (
+            load_policy(self.model_dir, self.precision.storage, self.device)[0]
+            if self.weights_dir != self.model_dir
+            else self.model
+        )
         self.reference = frozen_copy(start).to(self.precision.compute)
 
 
@@ -180,16 +191,29 @@ def policy_start(model_dir: Path, lora, needs_reference: bool) -> tuple[Path, Pa
         return model_dir, None
     started_from, model_dir = model_dir, adapter_base(model_dir)
     if lora is None:
-        raise ValueError(f"model.path {started_from} is a LoRA checkpoint: set [model.lora] (its rank and "
-                         "targets) to continue its adapter, or `grpolab export` it into a full model first")
+        raise ValueError(
+            f"model.path {started_from} is a LoRA checkpoint: set [model.lora] (its rank and "
+            "targets) to continue its adapter, or `grpolab export` it into a full model first"
+        )
     if needs_reference:
-        raise ValueError(f"model.path {started_from} is a LoRA checkpoint: its adapter switched off is its "
-                         "base, not this run's start policy, so a KL term or frozen reference cannot start from it")
+        raise ValueError(
+            f"model.path {started_from} is a LoRA checkpoint: its adapter switched off is its "
+            "base, not this run's start policy, so a KL term or frozen reference cannot start from it"
+        )
     return model_dir, started_from
 
 
-def load_run_policy(model_dir: Path, weights_dir: Path, precision: TrainingPrecision, device: torch.device, *,
-                    lora, seed: int, sharded: bool, started_from: Path | None = None) -> Policy:
+def load_run_policy(
+    model_dir: Path,
+    weights_dir: Path,
+    precision: TrainingPrecision,
+    device: torch.device,
+    *,
+    lora,
+    seed: int,
+    sharded: bool,
+    started_from: Path | None = None,
+) -> Policy:
     """The policy in ``weights_dir``; with ``lora`` settings (a ``LoraSettings``) the base in ``model_dir`` (a
     checkpoint holds only the adapter) with its adapter: fresh from ``seed``, or the adapter of the checkpoint
     resumed (``weights_dir``) or started from (``started_from``). The adapter is float32 (peft casts it); the
@@ -202,5 +226,14 @@ def load_run_policy(model_dir: Path, weights_dir: Path, precision: TrainingPreci
     adapter = add_adapter(model, lora, seed, model_dir)
     if weights_dir != model_dir or started_from is not None:
         adapter.load(weights_dir if weights_dir != model_dir else started_from)
-    return LoraPolicy(model_dir, weights_dir, precision, adapter.model, tokenizer, device, started_from,
-                      adapter=adapter, rank=lora.rank)
+    return LoraPolicy(
+        model_dir,
+        weights_dir,
+        precision,
+        adapter.model,
+        tokenizer,
+        device,
+        started_from,
+        adapter=adapter,
+        rank=lora.rank,
+    )

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Literal
 
 import torch
 
@@ -33,9 +34,11 @@ BYTES_PER_PARAMETER: dict[str, dict[str, int]] = {
     "bf16": {"weights": 2, "gradients": 2, "optimizer_state": 4},
 }
 
-BF16_WARNING = ("optim.precision 'bf16': AdamW updates bf16 weights directly, and an update smaller than "
-                "half a bf16 ulp of a weight rounds away (at lr 1e-5 most weights never move); use "
-                "'fp32_master' or 'bf16_compensated'")
+BF16_WARNING = (
+    "optim.precision 'bf16': AdamW updates bf16 weights directly, and an update smaller than "
+    "half a bf16 ulp of a weight rounds away (at lr 1e-5 most weights never move); use "
+    "'fp32_master' or 'bf16_compensated'"
+)
 
 
 @dataclass(frozen=True)
@@ -52,18 +55,22 @@ class TrainingPrecision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.compute)
 
-    def optimizer(self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float],
-                  weight_decay: float, eps: float = 1e-8) -> torch.optim.Optimizer:
+    def optimizer(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        lr: float,
+        betas: tuple[float, float],
+        weight_decay: float,
+        eps: float = 1e-8,
+    ) -> torch.optim.Optimizer:
         """AdamW (torch's), or torch-optimi's AdamW with Kahan summation for bf16_compensated."""
         if self.name == "bf16_compensated":
             from optimi import AdamW
 
             # decoupled weight decay as torch's AdamW (decouple_lr=False); the triton kernel is off:
             # the foreach path is the one tested on CPU
-            return AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, kahan_sum=True,
-                         triton=False)
+            return AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, kahan_sum=True, triton=False)
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
-
 
 
 def resolve_precision(setting: str, compute: torch.dtype, warn: bool = True) -> TrainingPrecision:
@@ -81,6 +88,7 @@ def resolve_precision(setting: str, compute: torch.dtype, warn: bool = True) -> 
 
 def memory_table(n_parameters: int) -> dict[str, dict[str, int]]:
     """Bytes of weights, gradients and optimizer state under every bf16 setting (for the probe)."""
-    return {name: {**{k: v * n_parameters for k, v in per.items()},
-                   "total": sum(per.values()) * n_parameters}
-            for name, per in BYTES_PER_PARAMETER.items()}
+    return {
+        name: {**{k: v * n_parameters for k, v in per.items()}, "total": sum(per.values()) * n_parameters}
+        for name, per in BYTES_PER_PARAMETER.items()
+    }

@@ -21,7 +21,7 @@ def leading_special_ids(tokenizer) -> list[int]:
     plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
     full = tokenizer(probe, add_special_tokens=True)["input_ids"]
     for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
+        if full[start : start + len(plain)] == plain:
             return list(full[:start])
     return []
 
@@ -31,4 +31,4 @@ def tokenize_prompts(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     unless the text already starts with them (a chat template that wrote BOS)."""
     prefix = leading_special_ids(tokenizer)
     ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
-    return [list(p) if not prefix or list(p[:len(prefix)]) == prefix else prefix + list(p) for p in ids]
+    return [list(p) if not prefix or list(p[: len(prefix)]) == prefix else prefix + list(p) for p in ids]

@@ -23,7 +23,9 @@ from grpolab.models.loading import resolve_dtype
 from grpolab.tasks.reward_model_spec import RewardModelSpec, check_reward_model_dir
 
 
-def padded_batch(rows: Sequence[Sequence[int]], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def padded_batch(
+    rows: Sequence[Sequence[int]], pad_id: int, side: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token rows -> (input_ids [N, T], attention_mask [N, T], position_ids [N, T]), padded on ``side``
     ("left" or "right") to the longest row T; positions count the real tokens of each row from 0."""
     width = max(map(len, rows))
@@ -40,13 +42,14 @@ def padded_batch(rows: Sequence[Sequence[int]], pad_id: int, side: str) -> tuple
 class RewardModel:
     """A loaded reward model; ``score(texts)`` gives one float32 score per text. Build with ``load``."""
 
-    def __init__(self, spec: RewardModelSpec, model: torch.nn.Module, tokenizer: Any, device: torch.device,
-                 max_length: int):
+    def __init__(
+        self, spec: RewardModelSpec, model: torch.nn.Module, tokenizer: Any, device: torch.device, max_length: int
+    ):
         self.spec, self.model, self.tokenizer, self.device, self.max_length = spec, model, tokenizer, device, max_length
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
 
     @classmethod
-    def load(cls, spec: RewardModelSpec, device: torch.device) -> "RewardModel":
+    def load(cls, spec: RewardModelSpec, device: torch.device) -> RewardModel:
         """The model in ``spec.options.dtype`` on ``device``, frozen; one ``ValueError`` line when its tokenizer
         cannot pad."""
         config = check_reward_model_dir(spec.path)
@@ -54,12 +57,15 @@ class RewardModel:
         tokenizer = AutoTokenizer.from_pretrained(spec.path)
         if options.pad_token is not None:
             if options.pad_token not in tokenizer.get_vocab():
-                raise ValueError(f"reward model {spec.path!r}: pad_token {options.pad_token!r} is not one of its "
-                                 "tokenizer's tokens")
+                raise ValueError(
+                    f"reward model {spec.path!r}: pad_token {options.pad_token!r} is not one of its tokenizer's tokens"
+                )
             tokenizer.pad_token = options.pad_token
         if tokenizer.pad_token_id is None:
-            raise ValueError(f"reward model {spec.path!r}: its tokenizer has no pad token; set options.pad_token "
-                             f"(e.g. its EOS token {tokenizer.eos_token!r})")
+            raise ValueError(
+                f"reward model {spec.path!r}: its tokenizer has no pad token; set options.pad_token "
+                f"(e.g. its EOS token {tokenizer.eos_token!r})"
+            )
         dtype = resolve_dtype(options.dtype, device)
         model = AutoModelForSequenceClassification.from_pretrained(Path(spec.path), dtype=dtype).to(device).eval()
         model.requires_grad_(False)
@@ -75,8 +81,9 @@ class RewardModel:
         template when it has one, else ``prompt + completion``."""
         if not self.has_template:
             return prompt + completion
-        return self.tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}],
-                                                  tokenize=False)
+        return self.tokenizer.apply_chat_template(
+            messages + [{"role": "assistant", "content": completion}], tokenize=False
+        )
 
     def encode(self, text: str) -> list[int]:
         """All tokens of one rendered text."""
@@ -87,9 +94,11 @@ class RewardModel:
         ids = self.encode(text)
         if len(ids) > self.max_length:
             if self.spec.options.truncate != "left":
-                raise ValueError(f"reward model {self.spec.name!r}: a text of {len(ids)} tokens is longer than "
-                                 f"max_length {self.max_length}; set options.truncate = \"left\" to keep its end")
-            ids = ids[-self.max_length:]
+                raise ValueError(
+                    f"reward model {self.spec.name!r}: a text of {len(ids)} tokens is longer than "
+                    f'max_length {self.max_length}; set options.truncate = "left" to keep its end'
+                )
+            ids = ids[-self.max_length :]
         return ids
 
     @torch.no_grad()
@@ -100,11 +109,15 @@ class RewardModel:
         scores = [0.0] * len(rows)
         size = self.spec.options.batch_size
         for start in range(0, len(order), size):
-            chosen = order[start:start + size]
-            ids, mask, positions = padded_batch([rows[i] for i in chosen], self.tokenizer.pad_token_id,
-                                                self.tokenizer.padding_side)
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                position_ids=positions.to(self.device)).logits
+            chosen = order[start : start + size]
+            ids, mask, positions = padded_batch(
+                [rows[i] for i in chosen], self.tokenizer.pad_token_id, self.tokenizer.padding_side
+            )
+            logits = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+            ).logits
             for i, value in zip(chosen, logits[:, 0].float().tolist()):
                 scores[i] = value
         return scores

@@ -20,8 +20,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ROUTED_FAMILIES", "RouterRecorder", "RouterTally", "RoutingTable", "check_router_layout",
-           "load_balancing_loss", "router_metrics", "router_sums", "routers"]
+__all__ = [
+    "ROUTED_FAMILIES",
+    "RouterRecorder",
+    "RouterTally",
+    "RoutingTable",
+    "check_router_layout",
+    "load_balancing_loss",
+    "router_metrics",
+    "router_sums",
+    "routers",
+]
 
 # model_type -> its router class: the families whose router layout the metrics, the load-balancing loss and the
 # routing replay are tested on (tests/test_moe.py)
@@ -45,12 +54,19 @@ def check_router_layout(config, model: nn.Module | None = None) -> None:
     if model_type in ROUTED_FAMILIES:
         return
     declared = [f"{f} {v}" for f in EXPERT_FIELDS if isinstance(v := getattr(config, f, None), int) and v > 1]
-    modules = sorted({type(m).__name__ for m in (model.modules() if model is not None else ())
-                      if "router" in type(m).__name__.lower() or "moe" in type(m).__name__.lower()})
+    modules = sorted(
+        {
+            type(m).__name__
+            for m in (model.modules() if model is not None else ())
+            if "router" in type(m).__name__.lower() or "moe" in type(m).__name__.lower()
+        }
+    )
     if declared or modules:
-        raise ValueError(f"{model_type}: a Mixture-of-Experts family whose router layout grpolab has not tested "
-                         f"({(declared or modules)[0]}); its router metrics, load-balancing loss and routing replay "
-                         f"would not be its own formula. Tested: {', '.join(ROUTED_FAMILIES)}")
+        raise ValueError(
+            f"{model_type}: a Mixture-of-Experts family whose router layout grpolab has not tested "
+            f"({(declared or modules)[0]}); its router metrics, load-balancing loss and routing replay "
+            f"would not be its own formula. Tested: {', '.join(ROUTED_FAMILIES)}"
+        )
 
 
 def router_sums(logits: Tensor, selected: Tensor, mask: Tensor, num_experts: int) -> Tensor:
@@ -84,9 +100,13 @@ def router_metrics(sums: Tensor) -> dict[str, float]:
     if tokens == 0:
         return {}
     load, mean_prob = counts / counts.sum(), prob_sum / tokens
-    return {"load": load.tolist(), "load_max_violation": float(load.max() * num_experts - 1),
-            "confidence": float(confidence / tokens), "entropy": float(entropy / tokens),
-            "aux_loss": float(num_experts * (counts / tokens * mean_prob).sum())}
+    return {
+        "load": load.tolist(),
+        "load_max_violation": float(load.max() * num_experts - 1),
+        "confidence": float(confidence / tokens),
+        "entropy": float(entropy / tokens),
+        "aux_loss": float(num_experts * (counts / tokens * mean_prob).sum()),
+    }
 
 
 def load_balancing_loss(logits: list[Tensor], selected: list[Tensor], masks: list[Tensor], num_experts: int) -> Tensor:
@@ -125,6 +145,7 @@ class RouterRecorder:
             def hook(module, args, output):
                 self.logits[layer].append(output[0] if self.with_grad else output[0].detach())
                 self.selected[layer].append(output[2].detach())
+
             return hook
 
         handles = [m.register_forward_hook(hook_for(i)) for i, m in enumerate(found)]
@@ -144,8 +165,9 @@ class RouterTally:
     def __init__(self, model: nn.Module, balance: bool = False):
         found = routers(model)
         self.model, self.num_experts, self.balance = model, int(found[0].num_experts), balance
-        self.sums = torch.zeros(len(found), 2 * self.num_experts + 3, dtype=torch.float64,
-                                device=next(model.parameters()).device)
+        self.sums = torch.zeros(
+            len(found), 2 * self.num_experts + 3, dtype=torch.float64, device=next(model.parameters()).device
+        )
         self.balance_sum: Tensor | None = None
 
     @contextlib.contextmanager
@@ -157,13 +179,15 @@ class RouterTally:
             yield
         for layer, (calls, chosen) in enumerate(zip(recorder.logits, recorder.selected)):
             for logits, selected, mask in zip(calls, chosen, masks, strict=True):
-                self.sums[layer] += router_sums(logits.detach(), selected, mask.to(logits.device),
-                                                self.num_experts).to(self.sums.device)
+                self.sums[layer] += router_sums(logits.detach(), selected, mask.to(logits.device), self.num_experts).to(
+                    self.sums.device
+                )
         if self.balance:
             flat = lambda per_layer: [t for calls in per_layer for t in calls]  # noqa: E731
             tokens = sum(m.sum() for m in masks).to(self.sums.device)
-            self.balance_sum = tokens * load_balancing_loss(flat(recorder.logits), flat(recorder.selected),
-                                                            masks * len(recorder.logits), self.num_experts)
+            self.balance_sum = tokens * load_balancing_loss(
+                flat(recorder.logits), flat(recorder.selected), masks * len(recorder.logits), self.num_experts
+            )
 
     def metrics(self, total: Callable[[Tensor], Tensor] = lambda sums: sums) -> dict[str, float]:
         """``router/...`` step metrics from the sums, after ``total`` (e.g. a sum over the ranks): per layer the
@@ -217,7 +241,7 @@ class RoutingTable:
         """The record made where the rows were generated: row i's tokens took the experts ``routed[i]`` [n_i, L, k]
         (-1: no record; ``Completion.routed_experts``)."""
         for row, experts in enumerate(routed):
-            self.choices[row, :len(experts)] = experts.to(self.choices.device, torch.long)
+            self.choices[row, : len(experts)] = experts.to(self.choices.device, torch.long)
 
     @contextlib.contextmanager
     def record(self, places: list[tuple[Tensor, Tensor, Tensor]]):
@@ -229,6 +253,7 @@ class RoutingTable:
                 rows, cols, real = places[calls[layer]]
                 calls[layer] += 1
                 self.choices[rows[real], cols[real], layer] = output[2][real]
+
             return hook
 
         with self._hooks(hook_for):
@@ -263,6 +288,7 @@ class RoutingTable:
                 if getattr(module, "norm_topk_prob", True):  # Mixtral's router always renormalises
                     weights = weights / weights.sum(-1, keepdim=True)
                 return logits, weights.to(torch.promote_types(scores.dtype, logits.dtype)), forced
+
             return hook
 
         with self._hooks(hook_for):

@@ -14,8 +14,8 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -29,8 +29,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from grpolab.models.cached_folder import cached_folder
 from grpolab.common.progress import Reporter
+from grpolab.models.cached_folder import cached_folder
 from grpolab.tasks.base import Task
 
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
@@ -84,15 +84,33 @@ MOE_ARCHS = {"qwen3_moe": "num_experts", "olmoe": "num_experts", "mixtral": "num
 MOE_FIELDS = ("num_experts", "experts_per_token", "moe_intermediate_size")
 
 
-def model_config(vocab_size: int, arch: str, *, hidden_size: int, num_layers: int, num_heads: int,
-                 intermediate_size: int, tie_word_embeddings: bool, experts: dict[str, int] | None = None,
-                 **fields: Any) -> PretrainedConfig:
+def model_config(
+    vocab_size: int,
+    arch: str,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    intermediate_size: int,
+    tie_word_embeddings: bool,
+    experts: dict[str, int] | None = None,
+    **fields: Any,
+) -> PretrainedConfig:
     """The transformers config of a tiny model of type ``arch`` (``experts``: an MoE arch's expert fields)."""
-    return AutoConfig.for_model(arch, vocab_size=vocab_size, hidden_size=hidden_size,
-                                intermediate_size=intermediate_size, num_hidden_layers=num_layers,
-                                num_attention_heads=num_heads, num_key_value_heads=num_heads,
-                                head_dim=hidden_size // num_heads, tie_word_embeddings=tie_word_embeddings,
-                                bos_token_id=None, **(experts or {}), **fields)
+    return AutoConfig.for_model(
+        arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        head_dim=hidden_size // num_heads,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        **(experts or {}),
+        **fields,
+    )
 
 
 def build_model(
@@ -114,10 +132,19 @@ def build_model(
     ``AutoTokenizer`` loads a folder whose model type is ``qwen2`` as ``Qwen2Tokenizer`` and swaps
     in Qwen's pre-tokenizer, so ``save_checked`` refuses that arch.
     """
-    config = model_config(len(tokenizer), arch, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                          intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
-                          experts=experts, max_position_embeddings=max_position_embeddings,
-                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = model_config(
+        len(tokenizer),
+        arch,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        experts=experts,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -154,24 +181,36 @@ class WarmStartSettings(BaseModel):
     weight_decay: float = 0.0
     max_examples: int | None = Field(default=None, description="use only the first N solved examples")
 
-
     @model_validator(mode="after")
-    def _experts_fit(self) -> "WarmStartSettings":
+    def _experts_fit(self) -> WarmStartSettings:
         if self.num_experts and self.experts_per_token > self.num_experts:
             raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
         if bool(self.num_experts) != (self.arch in MOE_ARCHS):
-            raise ValueError(f"num_experts > 0 goes with a Mixture-of-Experts arch ({', '.join(MOE_ARCHS)}), "
-                             f"got arch {self.arch!r} and num_experts {self.num_experts}")
+            raise ValueError(
+                f"num_experts > 0 goes with a Mixture-of-Experts arch ({', '.join(MOE_ARCHS)}), "
+                f"got arch {self.arch!r} and num_experts {self.num_experts}"
+            )
         return self
 
     def shape(self) -> dict[str, Any]:
         """The config fields of the model's size (``build_model``'s keyword arguments)."""
-        out = {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads,
-               "intermediate_size": self.intermediate_size, "tie_word_embeddings": self.tie_word_embeddings}
+        out = {
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "intermediate_size": self.intermediate_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
         if self.num_experts:
-            out["experts"] = {MOE_ARCHS[self.arch]: self.num_experts, "num_experts_per_tok": self.experts_per_token,
-                              **({"moe_intermediate_size": self.moe_intermediate_size or self.intermediate_size}
-                                 if self.arch == "qwen3_moe" else {})}
+            out["experts"] = {
+                MOE_ARCHS[self.arch]: self.num_experts,
+                "num_experts_per_tok": self.experts_per_token,
+                **(
+                    {"moe_intermediate_size": self.moe_intermediate_size or self.intermediate_size}
+                    if self.arch == "qwen3_moe"
+                    else {}
+                ),
+            }
         return out
 
 
@@ -224,8 +263,11 @@ def warm_start_key(task: Task, settings: WarmStartSettings) -> str:
     return h.hexdigest()[:12]
 
 
-def _encode(tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, str]],
-            segments: Callable[[str], list[tuple[str, bool]]] = _whole) -> list[tuple[list[int], list[bool]]]:
+def _encode(
+    tokenizer: PreTrainedTokenizerFast,
+    pairs: list[tuple[str, str]],
+    segments: Callable[[str], list[tuple[str, bool]]] = _whole,
+) -> list[tuple[list[int], list[bool]]]:
     """Token ids of prompt + solution + EOS, and which of them the loss trains on: the solution's and
     EOS, except tool observations. Each segment of the solution is tokenised on its own, as a
     multi-turn rollout joins a turn's tokens and an observation's."""
@@ -278,9 +320,7 @@ def supervised_warm_start(
     """
     rows = _encode(tokenizer, pairs, segments)
     gen = torch.Generator().manual_seed(settings.seed)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay
-    )
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: _lr_factor(step, settings))
     order: list[int] = []
     losses: list[float] = []
@@ -302,9 +342,7 @@ def supervised_warm_start(
     return losses
 
 
-def save_checked(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, folder: Path, probe: str
-) -> None:
+def save_checked(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, folder: Path, probe: str) -> None:
     """``save_pretrained`` both, then check the Auto classes load back the same tokenizer.
 
     transformers maps some model types to their own tokenizer class on load (``qwen2`` gets
@@ -321,7 +359,9 @@ def save_checked(
 
 
 def warm_start_model(
-    task: Task, settings: WarmStartSettings | None = None, cache_dir: str | Path | None = None,
+    task: Task,
+    settings: WarmStartSettings | None = None,
+    cache_dir: str | Path | None = None,
     reporter: Reporter | None = None,
 ) -> Path:
     """Path of a warm-started tiny model for ``task``, training and caching it on first use.
@@ -348,13 +388,21 @@ def warm_start_model(
         if reporter is None:
             losses = supervised_warm_start(model, tokenizer, pairs, settings, segments=_segments(task))
         else:
-            reporter.line(f"warm start: {settings.steps} supervised steps on {len(pairs)} worked solutions, "
-                          f"cached afterwards in {target}")
-            with reporter.phase("warm start", total=settings.steps, unit="steps",
-                                every=max(1, settings.steps // 10)) as phase:
-                losses = supervised_warm_start(model, tokenizer, pairs, settings,
-                                               on_step=lambda loss: phase.advance(info=f"loss {loss:.3f}"),
-                                               segments=_segments(task))
+            reporter.line(
+                f"warm start: {settings.steps} supervised steps on {len(pairs)} worked solutions, "
+                f"cached afterwards in {target}"
+            )
+            with reporter.phase(
+                "warm start", total=settings.steps, unit="steps", every=max(1, settings.steps // 10)
+            ) as phase:
+                losses = supervised_warm_start(
+                    model,
+                    tokenizer,
+                    pairs,
+                    settings,
+                    on_step=lambda loss: phase.advance(info=f"loss {loss:.3f}"),
+                    segments=_segments(task),
+                )
         save_checked(model, tokenizer, folder, probe=pairs[0][0] + pairs[0][1])
         info = {
             "task": task.name,

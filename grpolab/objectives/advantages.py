@@ -29,9 +29,11 @@ def group_advantages(rewards: Tensor, baseline: str, normalizer: str, eps: float
         outside = ((rewards != 0) & (rewards != 1)).nonzero()
         if len(outside):
             b, g = outside[0].tolist()
-            raise ValueError(f"normalizer 'mean' (MaxRL) needs rewards in {{0, 1}}: group {b} sample {g} has "
-                             f"{rewards[b, g].item():g} (the advantage (r - mean) / mean changes sign when a "
-                             "group's mean is negative)")
+            raise ValueError(
+                f"normalizer 'mean' (MaxRL) needs rewards in {{0, 1}}: group {b} sample {g} has "
+                f"{rewards[b, g].item():g} (the advantage (r - mean) / mean changes sign when a "
+                "group's mean is negative)"
+            )
     mean = rewards.mean(dim=1, keepdim=True)
     if baseline == "mean":
         centered = rewards - mean

@@ -8,7 +8,6 @@ The trainer reads the fields; it never looks at the name. Adding an algorithm = 
 
 from __future__ import annotations
 
-
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -80,7 +79,7 @@ class AlgorithmSpec(BaseModel):
     prune_zero_advantage: bool = True
 
     @model_validator(mode="after")
-    def _check(self) -> "AlgorithmSpec":
+    def _check(self) -> AlgorithmSpec:
         if self.normalizer == "mean" and self.baseline != "mean":
             raise ValueError("normalizer 'mean' (MaxRL) needs baseline 'mean'")
         return self
@@ -93,7 +92,7 @@ class AlgorithmSpec(BaseModel):
     def formula(self) -> str:
         return f"{WEIGHT_FORMULAS[self.weight]}; reduced {AGGREGATION_FORMULAS[self.aggregation]}"
 
-    def override(self, **changes: Any) -> "AlgorithmSpec":
+    def override(self, **changes: Any) -> AlgorithmSpec:
         """A validated copy with some fields changed (unknown fields and bad values raise)."""
         return AlgorithmSpec.model_validate({**self.model_dump(), **changes})
 
@@ -104,30 +103,80 @@ PRESETS: dict[str, AlgorithmSpec] = {
     spec.name: spec
     for spec in [
         AlgorithmSpec(name="grpo", reference="DeepSeekMath (Shao et al., 2024)"),
-        AlgorithmSpec(name="grpo_constant", aggregation="constant",
-                      reference="GRPO advantages with Dr. GRPO's constant denominator"),
-        AlgorithmSpec(name="dr_grpo", normalizer="none", aggregation="constant",
-                      reference="Understanding R1-Zero-Like Training (Liu et al., 2025)"),
-        AlgorithmSpec(name="rft", baseline="none", normalizer="none", weight="none",
-                      aggregation="constant", reference="Rejection-sampling fine-tuning (RAFT / STaR style)"),
-        AlgorithmSpec(name="maxrl", normalizer="mean", aggregation="constant",
-                      reference="MaxRL (Tajwar et al., 2026, arXiv 2602.02710)"),
+        AlgorithmSpec(
+            name="grpo_constant",
+            aggregation="constant",
+            reference="GRPO advantages with Dr. GRPO's constant denominator",
+        ),
+        AlgorithmSpec(
+            name="dr_grpo",
+            normalizer="none",
+            aggregation="constant",
+            reference="Understanding R1-Zero-Like Training (Liu et al., 2025)",
+        ),
+        AlgorithmSpec(
+            name="rft",
+            baseline="none",
+            normalizer="none",
+            weight="none",
+            aggregation="constant",
+            reference="Rejection-sampling fine-tuning (RAFT / STaR style)",
+        ),
+        AlgorithmSpec(
+            name="maxrl",
+            normalizer="mean",
+            aggregation="constant",
+            reference="MaxRL (Tajwar et al., 2026, arXiv 2602.02710)",
+        ),
         # the paper (sec. 5.1): each rollout batch partitioned into four minibatches, one optimizer step each;
         # left and right clipping ranges 3e-4 and 4e-4
-        AlgorithmSpec(name="gspo", weight="gspo", eps_low=3e-4, eps_high=4e-4, steps_per_epoch=4,
-                      reference="Group Sequence Policy Optimization (Zheng et al., 2025)"),
-        AlgorithmSpec(name="cispo", weight="cispo", eps_high=5.0, aggregation="token", epochs=4,
-                      reference="MiniMax-M1 (MiniMax, 2025)"),
-        AlgorithmSpec(name="dapo", eps_low=0.2, eps_high=0.28, aggregation="token", dynamic_sampling=True,
-                      reference="DAPO (Yu et al., 2025)"),
-        AlgorithmSpec(name="offpolicy_naive", weight="none", **_OFFPOLICY,
-                      reference="REINFORCE on stale samples (baseline for the off-policy family)"),
-        AlgorithmSpec(name="offpolicy_noclip", weight="noclip", **_OFFPOLICY,
-                      reference="Unclipped importance sampling"),
-        AlgorithmSpec(name="offpolicy_clip", weight="clip", **_OFFPOLICY,
-                      reference="PPO clip (Schulman et al., 2017) over many steps"),
-        AlgorithmSpec(name="offpolicy_gspo", weight="gspo", eps_low=3e-4, eps_high=3e-4, **_OFFPOLICY,
-                      reference="GSPO over many steps"),
+        AlgorithmSpec(
+            name="gspo",
+            weight="gspo",
+            eps_low=3e-4,
+            eps_high=4e-4,
+            steps_per_epoch=4,
+            reference="Group Sequence Policy Optimization (Zheng et al., 2025)",
+        ),
+        AlgorithmSpec(
+            name="cispo",
+            weight="cispo",
+            eps_high=5.0,
+            aggregation="token",
+            epochs=4,
+            reference="MiniMax-M1 (MiniMax, 2025)",
+        ),
+        AlgorithmSpec(
+            name="dapo",
+            eps_low=0.2,
+            eps_high=0.28,
+            aggregation="token",
+            dynamic_sampling=True,
+            reference="DAPO (Yu et al., 2025)",
+        ),
+        AlgorithmSpec(
+            name="offpolicy_naive",
+            weight="none",
+            **_OFFPOLICY,
+            reference="REINFORCE on stale samples (baseline for the off-policy family)",
+        ),
+        AlgorithmSpec(
+            name="offpolicy_noclip", weight="noclip", **_OFFPOLICY, reference="Unclipped importance sampling"
+        ),
+        AlgorithmSpec(
+            name="offpolicy_clip",
+            weight="clip",
+            **_OFFPOLICY,
+            reference="PPO clip (Schulman et al., 2017) over many steps",
+        ),
+        AlgorithmSpec(
+            name="offpolicy_gspo",
+            weight="gspo",
+            eps_low=3e-4,
+            eps_high=3e-4,
+            **_OFFPOLICY,
+            reference="GSPO over many steps",
+        ),
     ]
 }
 

@@ -52,8 +52,9 @@ class Denominators:
     kl: float
 
 
-def step_denominators(spec: AlgorithmSpec, response_mask: Tensor, max_new_tokens: int,
-                      reduce: Callable[[Tensor], Tensor] | None = None) -> Denominators:
+def step_denominators(
+    spec: AlgorithmSpec, response_mask: Tensor, max_new_tokens: int, reduce: Callable[[Tensor], Tensor] | None = None
+) -> Denominators:
     """Denominators for an optimizer step over the sequences of ``response_mask`` [n, T].
 
     Count every sequence of the step, including those later pruned for zero advantage.
@@ -96,15 +97,20 @@ class TokenMetrics:
     def add(self, name: str, per_token: Tensor, mask: Tensor) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + (per_token.detach().double() * mask).sum()
 
-    def merge(self, other: "TokenMetrics") -> "TokenMetrics":
+    def merge(self, other: TokenMetrics) -> TokenMetrics:
         sums = dict(self.sums)
         for k, v in other.sums.items():
             sums[k] = sums.get(k, 0.0) + v
-        return TokenMetrics(self.tokens + other.tokens, sums, _extreme(min, self.ratio_min, other.ratio_min),
-                            _extreme(max, self.ratio_max, other.ratio_max), self.loss + other.loss,
-                            self.nonfinite + other.nonfinite)
+        return TokenMetrics(
+            self.tokens + other.tokens,
+            sums,
+            _extreme(min, self.ratio_min, other.ratio_min),
+            _extreme(max, self.ratio_max, other.ratio_max),
+            self.loss + other.loss,
+            self.nonfinite + other.nonfinite,
+        )
 
-    def on_host(self) -> "TokenMetrics":
+    def on_host(self) -> TokenMetrics:
         """The same metrics as Python floats, read from the device in one transfer."""
         values = [self.tokens, self.ratio_min, self.ratio_max, self.loss, self.nonfinite, *self.sums.values()]
         on_device = [v for v in values if isinstance(v, Tensor)]
@@ -182,8 +188,9 @@ def per_token_surrogate(inp: PolicyLossInput, spec: AlgorithmSpec) -> tuple[Tens
     raise ValueError(f"unknown weight {spec.weight!r}")
 
 
-def engine_correction_weight(old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, level: str,
-                             cap: float) -> Tensor:
+def engine_correction_weight(
+    old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, level: str, cap: float
+) -> Tensor:
     """Truncated importance weight [N, T] of the trainer's sampling policy over the engine's (detached).
 
     token:    min(exp(logp_old - logp_engine), cap) per token
@@ -224,8 +231,9 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
     surrogate, ratio, clip_low, clip_high = per_token_surrogate(inp, spec)
     metrics = TokenMetrics(tokens=mask.sum().double())
     if spec.engine_correction != "none" and inp.engine_logprobs is not None:
-        weight = engine_correction_weight(inp.old_logprobs, inp.engine_logprobs, mask, spec.engine_correction,
-                                          spec.engine_correction_cap)
+        weight = engine_correction_weight(
+            inp.old_logprobs, inp.engine_logprobs, mask, spec.engine_correction, spec.engine_correction_cap
+        )
         surrogate = surrogate * weight
         metrics.add("engine_is_weight_mean", weight, mask)
         metrics.add("engine_is_capped_frac", (weight >= spec.engine_correction_cap).to(mask.dtype), mask)

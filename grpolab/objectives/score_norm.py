@@ -65,8 +65,9 @@ class RunningMoments:
         self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
 
 
-def normalize_scores(scores: Tensor, how: Normalize, moments: RunningMoments | None = None,
-                     clip: float | None = None) -> Tensor:
+def normalize_scores(
+    scores: Tensor, how: Normalize, moments: RunningMoments | None = None, clip: float | None = None
+) -> Tensor:
     """[N] raw scores -> [N] the RL reward's term before its weight; ``running`` updates ``moments`` first."""
     if how == "batch":
         out = batch_zscore(scores)

@@ -29,13 +29,20 @@ class Interval:
 
 def _mean_of_contrast(weights: tuple[float, ...]):
     """statistic(*samples, axis) = mean over items of sum_j weights[j] * samples[j]."""
+
     def statistic(*samples: np.ndarray, axis: int = -1) -> np.ndarray:
         return np.mean(sum(w * s for w, s in zip(weights, samples)), axis=axis)
+
     return statistic
 
 
-def contrast_bootstrap(samples: list[np.ndarray], weights: tuple[float, ...], resamples: int = RESAMPLES,
-                       seed: int = 0, confidence: float = CONFIDENCE) -> Interval:
+def contrast_bootstrap(
+    samples: list[np.ndarray],
+    weights: tuple[float, ...],
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+    confidence: float = CONFIDENCE,
+) -> Interval:
     """Mean over items of ``sum_j weights[j] * samples[j][i]`` with a paired percentile-bootstrap CI.
 
     samples: J arrays of shape [items], aligned item by item; the items are resampled together
@@ -49,8 +56,16 @@ def contrast_bootstrap(samples: list[np.ndarray], weights: tuple[float, ...], re
     estimate = float(statistic(*arrays))
     if len(arrays[0]) < 2 or np.all(sum(w * s for w, s in zip(weights, arrays)) == estimate):
         return Interval(estimate, estimate, estimate)  # no spread: every resample gives the estimate
-    result = stats.bootstrap(tuple(arrays), statistic, n_resamples=resamples, paired=True, vectorized=True,
-                             confidence_level=confidence, method="percentile", rng=np.random.default_rng(seed))
+    result = stats.bootstrap(
+        tuple(arrays),
+        statistic,
+        n_resamples=resamples,
+        paired=True,
+        vectorized=True,
+        confidence_level=confidence,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    )
     return Interval(estimate, float(result.confidence_interval.low), float(result.confidence_interval.high))
 
 
@@ -64,8 +79,9 @@ def mean_interval(x: np.ndarray, resamples: int = RESAMPLES, seed: int = 0) -> I
     return contrast_bootstrap([x], (1.0,), resamples, seed)
 
 
-def interaction(y00: np.ndarray, y01: np.ndarray, y10: np.ndarray, y11: np.ndarray,
-                resamples: int = RESAMPLES, seed: int = 0) -> Interval:
+def interaction(
+    y00: np.ndarray, y01: np.ndarray, y10: np.ndarray, y11: np.ndarray, resamples: int = RESAMPLES, seed: int = 0
+) -> Interval:
     """The 2x2 interaction (y11 - y01) - (y10 - y00) over paired items: how much more the second
     factor's change helps when the first factor is changed too (0 = the effects add up)."""
     return contrast_bootstrap([y00, y01, y10, y11], (1.0, -1.0, -1.0, 1.0), resamples, seed)
@@ -128,7 +144,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def pass_at_k_curve(n: int, correct: list[int]) -> dict[int, float]:
     """Mean unbiased pass@k over items (``correct``: correct samples of n per item) for k = 1, 2, 4, ...
     up to n, n included."""
-    ks = sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n})
+    ks = sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
     return {k: float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks}
 
 

@@ -10,8 +10,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["drop_stale_weights", "full_optimizer_state", "full_state_dict", "is_sharded", "load_optimizer_state",
-           "shard_fsdp", "whole"]
+__all__ = [
+    "drop_stale_weights",
+    "full_optimizer_state",
+    "full_state_dict",
+    "is_sharded",
+    "load_optimizer_state",
+    "shard_fsdp",
+    "whole",
+]
 
 
 # Before torch 2.13 the root's pre-backward gather does not cover a checkpointed output-layer chunk that

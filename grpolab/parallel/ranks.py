@@ -22,13 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-
 __all__ = ["Ranks", "end_process_group", "init_from_env", "no_sync", "split_evenly", "wrap_ddp"]
 
 T = TypeVar("T")
 
 
-def init_from_env(device: torch.device, timeout_minutes: int = 30) -> tuple["Ranks", torch.device]:
+def init_from_env(device: torch.device, timeout_minutes: int = 30) -> tuple[Ranks, torch.device]:
     """Join the process group ``torchrun`` describes (WORLD_SIZE > 1 in the environment): gloo on CPU,
     NCCL on CUDA, each rank on its LOCAL_RANK device. Returns (ranks, this rank's device). Without
     torchrun: one process, nothing started. A rank that dies leaves the others in a collective: torchrun
@@ -37,8 +36,9 @@ def init_from_env(device: torch.device, timeout_minutes: int = 30) -> tuple["Ran
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes)
+        )
     return Ranks.current(), device
 
 
@@ -77,8 +77,9 @@ def wrap_ddp(module: nn.Module, device: torch.device) -> nn.Module:
     """``module`` in ``DistributedDataParallel`` with summed gradients. Its weights are broadcast from
     rank 0 here with its buffers; buffers are not re-synchronised at each forward (they never change, and
     a forward must not be a collective: ranks run different numbers of forwards)."""
-    ddp = nn.parallel.DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None,
-                                              **no_forward_buffer_sync())
+    ddp = nn.parallel.DistributedDataParallel(
+        module, device_ids=[device] if device.type == "cuda" else None, **no_forward_buffer_sync()
+    )
     ddp.register_comm_hook(None, _sum_allreduce_hook)
     return ddp
 
@@ -93,7 +94,7 @@ class Ranks:
     device: str = "cpu"  # where the backend's tensors must be: NCCL reduces CUDA tensors only
 
     @classmethod
-    def current(cls) -> "Ranks":
+    def current(cls) -> Ranks:
         if dist.is_available() and dist.is_initialized():
             nccl = dist.get_backend() == "nccl"
             return cls(dist.get_rank(), dist.get_world_size(), f"cuda:{torch.cuda.current_device()}" if nccl else "cpu")

@@ -27,8 +27,15 @@ from torch import Tensor
 
 from grpolab.models.weights import PolicyWeights
 
-__all__ = ["SamplingParams", "Completion", "EngineCapabilities", "RolloutEngine", "FinishReason", "collect_eos_ids",
-           "let_an_interrupt_land"]
+__all__ = [
+    "SamplingParams",
+    "Completion",
+    "EngineCapabilities",
+    "RolloutEngine",
+    "FinishReason",
+    "collect_eos_ids",
+    "let_an_interrupt_land",
+]
 
 FinishReason = Literal["stop", "length"]
 
@@ -111,9 +118,7 @@ class Completion:
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
-            raise ValueError(
-                f"{len(self.logprobs)} logprobs for {len(self.completion_ids)} completion tokens"
-            )
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.completion_ids)} completion tokens")
         if self.policy_mask is not None and len(self.policy_mask) != len(self.completion_ids):
             raise ValueError(
                 f"{len(self.policy_mask)} policy-mask entries for {len(self.completion_ids)} completion tokens"
@@ -168,9 +173,7 @@ class RolloutEngine(Protocol):
     """A sampler of completions from the current policy. An engine class also declares what it can do as
     ``capabilities`` (an ``EngineCapabilities``)."""
 
-    def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams
-    ) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
         """``n`` completions for each prompt; outer list in prompt order, inner of length n."""
         ...
 

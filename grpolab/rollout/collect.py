@@ -15,16 +15,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from grpolab.config import RewardShapingConfig, RolloutConfig
 from grpolab.objectives.advantages import informative_groups
 from grpolab.objectives.algorithms import AlgorithmSpec
-from grpolab.config import RewardShapingConfig, RolloutConfig
 from grpolab.parallel.ranks import Ranks
-from grpolab.rollout.evaluation import grade_completions
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
+from grpolab.rollout.evaluation import grade_completions
 from grpolab.rollout.reward_models import RewardModels
-from grpolab.tasks.stream import PromptStream
-from grpolab.tasks.shaping import shape_rewards
 from grpolab.tasks.base import Example, Grade, Task
+from grpolab.tasks.shaping import shape_rewards
+from grpolab.tasks.stream import PromptStream
 
 
 @dataclass
@@ -56,31 +56,58 @@ class RolloutCollector:
     """Draws prompts from ``prompts`` (token ids in ``prompt_ids``), samples with ``engine`` and grades.
     Every generation is seeded from (seed, step, round), so a collector holds no sampling state."""
 
-    def __init__(self, engine: RolloutEngine, task: Task, prompts: PromptStream, prompt_ids: dict[str, list[int]],
-                 rollout: RolloutConfig, spec: AlgorithmSpec, seed: int, shaping: RewardShapingConfig | None = None,
-                 ranks: Ranks = Ranks(), reward_models: RewardModels | None = None):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        task: Task,
+        prompts: PromptStream,
+        prompt_ids: dict[str, list[int]],
+        rollout: RolloutConfig,
+        spec: AlgorithmSpec,
+        seed: int,
+        shaping: RewardShapingConfig | None = None,
+        ranks: Ranks = Ranks(),
+        reward_models: RewardModels | None = None,
+    ):
         self.engine, self.task, self.prompts, self.prompt_ids = engine, task, prompts, prompt_ids
         self.rollout, self.spec, self.seed = rollout, spec, seed
         self.shaping = shaping or RewardShapingConfig()
         self.ranks, self.reward_models = ranks, reward_models
         # ranks take whole generation batches of a round (up to their equal share of a step's prompts): with
         # rollout.max_batch_size dividing a rank's rows, every batch is one the single process generates
-        self.rank_chunk = max(1, min(rollout.max_batch_size // rollout.group_size, rollout.prompts_per_step // ranks.world))
+        self.rank_chunk = max(
+            1, min(rollout.max_batch_size // rollout.group_size, rollout.prompts_per_step // ranks.world)
+        )
 
     def grade(self, examples: list[Example], completions: list[list[Completion]]) -> list[list[Grade]]:
         """The task's grades (with the reward models' raw scores), with the configured length shaping added to
         the RL reward."""
         s = self.shaping
-        return [shape_rewards(grades, [len(c.completion_ids) for c in group], [c.truncated for c in group],
-                              self.rollout.max_new_tokens, s.truncation_penalty, s.overlong_buffer, s.overlong_factor)
-                for grades, group in zip(grade_completions(self.task, examples, completions, self.reward_models),
-                                          completions)]
+        return [
+            shape_rewards(
+                grades,
+                [len(c.completion_ids) for c in group],
+                [c.truncated for c in group],
+                self.rollout.max_new_tokens,
+                s.truncation_penalty,
+                s.overlong_buffer,
+                s.overlong_factor,
+            )
+            for grades, group in zip(
+                grade_completions(self.task, examples, completions, self.reward_models), completions
+            )
+        ]
 
     def sampling_params(self, step: int, round_: int) -> SamplingParams:
         r = self.rollout
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_strings=tuple(r.stop_strings),
-                              seed=self.seed * 1_000_003 + step * 1_009 + round_)
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_strings=tuple(r.stop_strings),
+            seed=self.seed * 1_000_003 + step * 1_009 + round_,
+        )
 
     def collect(self, step: int) -> RolloutBatch:
         """G completions for each of B prompts, graded. With dynamic sampling, groups that ``kept_groups``
@@ -89,18 +116,22 @@ class RolloutCollector:
         want, group = self.rollout.prompts_per_step, self.rollout.group_size
         spec = self.spec
         # the reward models' term is needed round by round only by a filter on the RL reward
-        per_round = (self.reward_models is not None and spec.dynamic_sampling
-                     and spec.dynamic_sampling_filter == "reward")
+        per_round = (
+            self.reward_models is not None and spec.dynamic_sampling and spec.dynamic_sampling_filter == "reward"
+        )
         kept, dropped, rounds = RolloutBatch([], [], []), RolloutBatch([], [], []), 0
         seconds = {"generate": 0.0, "reward": 0.0}
         while len(kept.examples) < want and rounds <= spec.max_resample_rounds:
             examples = self.prompts.take(want - len(kept.examples))
             mine = self.ranks.share_chunks(len(examples), self.rank_chunk)  # this rank's prompts of the round
             t0 = time.perf_counter()
-            completions = self.engine.generate([self.prompt_ids[e.id] for e in examples[mine.start:mine.stop]], group,
-                                               replace(self.sampling_params(step, rounds), prompt_offset=mine.start))
+            completions = self.engine.generate(
+                [self.prompt_ids[e.id] for e in examples[mine.start : mine.stop]],
+                group,
+                replace(self.sampling_params(step, rounds), prompt_offset=mine.start),
+            )
             t1 = time.perf_counter()
-            grades = self.grade(examples[mine.start:mine.stop], completions)
+            grades = self.grade(examples[mine.start : mine.stop], completions)
             seconds["generate"] += t1 - t0
             seconds["reward"] += time.perf_counter() - t1
             if self.ranks.parallel:  # every rank gets the round's groups, in prompt order
@@ -108,8 +139,11 @@ class RolloutCollector:
             if per_round:  # the whole round's scores, normalized alike on every rank
                 grades = self.reward_models.reward(grades)
             rounds += 1
-            keep = (kept_groups(grades, spec.dynamic_sampling_filter) if spec.dynamic_sampling
-                    else torch.ones(len(examples), dtype=torch.bool))
+            keep = (
+                kept_groups(grades, spec.dynamic_sampling_filter)
+                if spec.dynamic_sampling
+                else torch.ones(len(examples), dtype=torch.bool)
+            )
             for i, k in enumerate(keep.tolist()):
                 target = kept if k else dropped
                 target.examples.append(examples[i])
@@ -121,5 +155,10 @@ class RolloutCollector:
             t0 = time.perf_counter()
             grades = self.reward_models.reward(grades)
             seconds["reward"] += time.perf_counter() - t0
-        return RolloutBatch(kept.examples + dropped.examples[:short], kept.completions + dropped.completions[:short],
-                            grades, rounds, seconds)
+        return RolloutBatch(
+            kept.examples + dropped.examples[:short],
+            kept.completions + dropped.completions[:short],
+            grades,
+            rounds,
+            seconds,
+        )

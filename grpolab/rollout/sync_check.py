@@ -55,8 +55,10 @@ def logprob_diff(engine: Tensor | Sequence[Completion], trainer: Tensor, respons
     if not isinstance(engine, Tensor):
         engine = engine_logprob_matrix(engine, trainer.shape[1])
     if engine.shape != trainer.shape or trainer.shape != response_mask.shape:
-        raise ValueError(f"shape mismatch: engine {tuple(engine.shape)}, trainer {tuple(trainer.shape)}, "
-                         f"mask {tuple(response_mask.shape)}")
+        raise ValueError(
+            f"shape mismatch: engine {tuple(engine.shape)}, trainer {tuple(trainer.shape)}, "
+            f"mask {tuple(response_mask.shape)}"
+        )
     mask = response_mask.detach().bool()
     diff = (engine.detach().float().to(trainer.device) - trainer.detach().float())[mask.to(trainer.device)].abs()
     if diff.numel() == 0:
@@ -64,8 +66,14 @@ def logprob_diff(engine: Tensor | Sequence[Completion], trainer: Tensor, respons
     return SyncCheck(float(diff.mean()), float(diff.max()), int(diff.numel()))
 
 
-def verify_weight_sync(engine: Tensor | Sequence[Completion], trainer: Tensor, response_mask: Tensor, *,
-                       max_abs_diff: float | None = None, mean_abs_diff: float | None = None) -> SyncCheck:
+def verify_weight_sync(
+    engine: Tensor | Sequence[Completion],
+    trainer: Tensor,
+    response_mask: Tensor,
+    *,
+    max_abs_diff: float | None = None,
+    mean_abs_diff: float | None = None,
+) -> SyncCheck:
     """``logprob_diff`` plus a check: raises ``WeightSyncError`` when a given threshold is exceeded or
     a difference is not finite (the test is ``not value <= limit``, which NaN fails).
 
@@ -76,13 +84,15 @@ def verify_weight_sync(engine: Tensor | Sequence[Completion], trainer: Tensor, r
         raise ValueError("give max_abs_diff and/or mean_abs_diff")
     check = logprob_diff(engine, trainer, response_mask)
     limits = (("max |diff|", check.max_abs_diff, max_abs_diff), ("mean |diff|", check.mean_abs_diff, mean_abs_diff))
-    over = [f"{name} {value:.3g} > {limit:.3g}" for name, value, limit in limits
-            if limit is not None and not value <= limit]  # NaN fails too
+    over = [
+        f"{name} {value:.3g} > {limit:.3g}" for name, value, limit in limits if limit is not None and not value <= limit
+    ]  # NaN fails too
     if over:
         raise WeightSyncError(
             f"engine and trainer log-probs disagree over {check.num_tokens} response tokens ({'; '.join(over)}): "
             "the rollout engine is not sampling from the trainer's current weights "
-            "(missed or failed sync_weights, corrupted weights, or a dtype / temperature mismatch)")
+            "(missed or failed sync_weights, corrupted weights, or a dtype / temperature mismatch)"
+        )
     return check
 
 
@@ -108,9 +118,16 @@ class SyncMonitor:
     falls back below it.
     """
 
-    def __init__(self, max_abs_diff: float | None, mean_abs_diff: float | None, noise_multiple: float | None,
-                 min_floor: float = MIN_NOISE_FLOOR["float32"], calibration_steps: int = 1,
-                 warn_margin: float | None = None, warn: Callable[[str], None] = logger.warning):
+    def __init__(
+        self,
+        max_abs_diff: float | None,
+        mean_abs_diff: float | None,
+        noise_multiple: float | None,
+        min_floor: float = MIN_NOISE_FLOOR["float32"],
+        calibration_steps: int = 1,
+        warn_margin: float | None = None,
+        warn: Callable[[str], None] = logger.warning,
+    ):
         self.max_abs_diff, self.mean_abs_diff = max_abs_diff, mean_abs_diff
         self.noise_multiple, self.min_floor = noise_multiple, min_floor
         self.calibration_steps, self.warn_margin, self.warn = calibration_steps, warn_margin, warn
@@ -128,17 +145,27 @@ class SyncMonitor:
         """Check one step (raises ``WeightSyncError``); returns its ``sync/...`` metrics."""
         limits = [x for x in (self.mean_abs_diff, self.calibrated_limit()) if x is not None]
         mean_limit = min(limits) if limits else None
-        found = verify_weight_sync(engine, trainer, response_mask, max_abs_diff=self.max_abs_diff,
-                                   mean_abs_diff=mean_limit if mean_limit is not None else float("inf"))
+        found = verify_weight_sync(
+            engine,
+            trainer,
+            response_mask,
+            max_abs_diff=self.max_abs_diff,
+            mean_abs_diff=mean_limit if mean_limit is not None else float("inf"),
+        )
         out = {"sync/logprob_diff_mean": found.mean_abs_diff, "sync/logprob_diff_max": found.max_abs_diff}
-        margins = [value / limit for value, limit in ((found.mean_abs_diff, mean_limit),
-                                                      (found.max_abs_diff, self.max_abs_diff)) if limit]
+        margins = [
+            value / limit
+            for value, limit in ((found.mean_abs_diff, mean_limit), (found.max_abs_diff, self.max_abs_diff))
+            if limit
+        ]
         if margins:
             out["sync/margin"] = margin = max(margins)
             if self.warn_margin is not None and margin > self.warn_margin and not self._warned:
-                self.warn(f"sync check: engine and trainer log-probs are at {margin:.2f} of the stop limit (mean "
-                          f"|diff| {found.mean_abs_diff:.3g}, limit {mean_limit or float('inf'):.3g}; max |diff| "
-                          f"{found.max_abs_diff:.3g}); warned past {self.warn_margin:g}, the run stops at 1")
+                self.warn(
+                    f"sync check: engine and trainer log-probs are at {margin:.2f} of the stop limit (mean "
+                    f"|diff| {found.mean_abs_diff:.3g}, limit {mean_limit or float('inf'):.3g}; max |diff| "
+                    f"{found.max_abs_diff:.3g}); warned past {self.warn_margin:g}, the run stops at 1"
+                )
             self._warned = self.warn_margin is not None and margin > self.warn_margin
         if mean_limit is not None:
             out["sync/mean_limit"] = mean_limit

@@ -10,9 +10,10 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from grpolab.common.atomic import atomic_folder, fsync_path
 from grpolab.run.state import STATE_FILE
@@ -40,8 +41,14 @@ def step_folder(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
-def save_checkpoint(model, tokenizer, run_dir: Path, step: int, state: Callable[[Path], None] | None = None,
-                    weights: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    model,
+    tokenizer,
+    run_dir: Path,
+    step: int,
+    state: Callable[[Path], None] | None = None,
+    weights: dict[str, Any] | None = None,
+) -> Path:
     """Write checkpoints/step_NNNNNN: the model (its ``weights`` when given: a sharded model's, gathered),
     the tokenizer and what ``state(folder)`` writes, into a temp folder; every file fsynced and listed
     with its SHA-256 in checkpoint.json (written last); then renamed into place."""
@@ -52,8 +59,11 @@ def save_checkpoint(model, tokenizer, run_dir: Path, step: int, state: Callable[
         tokenizer.save_pretrained(tmp)
         if state is not None:
             state(tmp)
-        files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256_and_sync(p)}
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {
+            p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256_and_sync(p)}
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file()
+        }
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
         _fsync(tmp / MANIFEST)
     return target
@@ -70,8 +80,14 @@ def listed_files(folder: Path) -> dict[str, dict[str, Any]]:
     if not isinstance(files, dict):
         raise ValueError(f"{MANIFEST} is unreadable (no file list)")
     for name, entry in files.items():  # it parses, yet an entry may not be one this code wrote
-        if not (isinstance(entry, dict) and type(entry.get("bytes")) is int and isinstance(entry.get("sha256"), str)
-                and name and not name.startswith("/") and ".." not in Path(name).parts):
+        if not (
+            isinstance(entry, dict)
+            and type(entry.get("bytes")) is int
+            and isinstance(entry.get("sha256"), str)
+            and name
+            and not name.startswith("/")
+            and ".." not in Path(name).parts
+        ):
             raise ValueError(f"{MANIFEST} is unreadable (its entry for {name!r} is not a size and a SHA-256)")
     return files
 
@@ -139,8 +155,9 @@ class Resumable:
     damaged: list[tuple[Path, str]]
 
 
-def newest_verified(run_dir: Path, needs: tuple[str, ...] = (),
-                    on_check: Callable[[Path], None] = lambda _: None) -> Resumable:
+def newest_verified(
+    run_dir: Path, needs: tuple[str, ...] = (), on_check: Callable[[Path], None] = lambda _: None
+) -> Resumable:
     """Verify checkpoints newest first until one checks out (``on_check`` hears each one it reads)."""
     damaged = []
     for folder in reversed(step_folders(run_dir)):

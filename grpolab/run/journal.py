@@ -23,8 +23,12 @@ def now() -> str:
 
 def where_this_runs() -> dict[str, Any]:
     """Host, visible devices, Slurm job and world size of this process (torchrun and Slurm set them)."""
-    return {"host": socket.gethostname(), "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+    return {
+        "host": socket.gethostname(),
+        "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+    }
 
 
 class RunJournal:
@@ -34,7 +38,7 @@ class RunJournal:
         self.run_dir, self.data = Path(run_dir), data
 
     @classmethod
-    def load(cls, run_dir: Path) -> "RunJournal":
+    def load(cls, run_dir: Path) -> RunJournal:
         """The manifest on disk; one-line errors when it is missing or unreadable."""
         path = Path(run_dir) / MANIFEST
         if not path.is_file():
@@ -48,12 +52,14 @@ class RunJournal:
         return cls(run_dir, data)
 
     @classmethod
-    def create(cls, run_dir: Path, config: dict[str, Any], record: dict[str, Any]) -> "RunJournal":
+    def create(cls, run_dir: Path, config: dict[str, Any], record: dict[str, Any]) -> RunJournal:
         """A new run: config.json, then manifest.json with ``record``, the config and its SHA-256."""
         config = json.loads(json.dumps(config))  # as it reads back from config.json
         write_json(Path(run_dir) / CONFIG, config)
-        journal = cls(run_dir, {**record, "config": config, "config_sha256": config_sha256(config),
-                                "started": now(), "sessions": []})
+        journal = cls(
+            run_dir,
+            {**record, "config": config, "config_sha256": config_sha256(config), "started": now(), "sessions": []},
+        )
         journal.begin_session(0)
         return journal
 
@@ -63,13 +69,23 @@ class RunJournal:
     def config_on_disk(self) -> dict[str, Any]:
         return read_config_json(self.run_dir / CONFIG)
 
-    def record_resume(self, checkpoint: Path | None, step: int, changes: dict[str, Any],
-                      damaged: list[tuple[Path, str]], removed_temps: list[Path]) -> None:
+    def record_resume(
+        self,
+        checkpoint: Path | None,
+        step: int,
+        changes: dict[str, Any],
+        damaged: list[tuple[Path, str]],
+        removed_temps: list[Path],
+    ) -> None:
         """A resume from ``checkpoint`` (its ``step``; None: a run with no checkpoint yet, started again from step
         0) with top-level config ``changes`` (a grown ``steps``: config.json is rewritten with them), the
         damaged checkpoints set aside and the temp folders removed."""
-        entry: dict[str, Any] = {"from_checkpoint": None if checkpoint is None else str(checkpoint), "step": step,
-                                 "command": sys.argv, "at": now()}
+        entry: dict[str, Any] = {
+            "from_checkpoint": None if checkpoint is None else str(checkpoint),
+            "step": step,
+            "command": sys.argv,
+            "at": now(),
+        }
         before = self.data["config"]
         changed = {k: {"from": before.get(k), "to": v} for k, v in changes.items() if before.get(k) != v}
         if changed:
@@ -85,8 +101,9 @@ class RunJournal:
         self.begin_session(step)
 
     def begin_session(self, step: int) -> None:
-        self.data["sessions"].append({"started": now(), "from_step": step, "to_step": step, "seconds": 0.0,
-                                      "where": where_this_runs()})
+        self.data["sessions"].append(
+            {"started": now(), "from_step": step, "to_step": step, "seconds": 0.0, "where": where_this_runs()}
+        )
         self.save()
 
     def tick(self, step: int, seconds: float) -> None:

@@ -20,8 +20,10 @@ class RunLocked(RunDirError):
     def __init__(self, run_dir: Path, pid: int | None):
         self.pid = pid
         holder = f"process {pid}" if pid else "another process"
-        super().__init__(f"run directory {run_dir} is in use by {holder} (a trainer holds its lock); "
-                         "wait for it to end or stop it, then retry")
+        super().__init__(
+            f"run directory {run_dir} is in use by {holder} (a trainer holds its lock); "
+            "wait for it to end or stop it, then retry"
+        )
 
 
 def _read_pid(fd: int) -> int | None:
@@ -36,7 +38,7 @@ class RunLock:
     def __init__(self, run_dir: Path):
         self.run_dir, self.fd = Path(run_dir), None
 
-    def acquire(self, patience: float = 1.0) -> "RunLock":
+    def acquire(self, patience: float = 1.0) -> RunLock:
         fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + patience
         while True:

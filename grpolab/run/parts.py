@@ -8,10 +8,10 @@ build the same parts with ``assemble`` and no run directory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 from rich.console import Console
@@ -47,8 +47,10 @@ from grpolab.tasks.base import Example, Task
 from grpolab.tasks.stream import PromptStream
 from grpolab.tools.protocol import Toolset
 
-FSDP_TOOLS = ("dist.strategy 'fsdp' with rollout.engine 'hf' cannot use tools (every rank must take the same number "
-              "of generation steps on the sharded model); use rollout.engine 'vllm' or dist.strategy 'ddp'")
+FSDP_TOOLS = (
+    "dist.strategy 'fsdp' with rollout.engine 'hf' cannot use tools (every rank must take the same number "
+    "of generation steps on the sharded model); use rollout.engine 'vllm' or dist.strategy 'ddp'"
+)
 
 
 @dataclass
@@ -126,8 +128,10 @@ def set_up(cfg: RunConfig, reporter_for: Callable[[Ranks], Reporter]) -> Setting
     check_settings(cfg)
     ranks, device = init_from_env(resolve_device(cfg.model.device), cfg.dist.timeout_minutes)
     if cfg.rollout.prompts_per_step % ranks.world:
-        raise ValueError(f"rollout.prompts_per_step {cfg.rollout.prompts_per_step} cannot be split into whole "
-                         f"prompt groups over {ranks.world} ranks")
+        raise ValueError(
+            f"rollout.prompts_per_step {cfg.rollout.prompts_per_step} cannot be split into whole "
+            f"prompt groups over {ranks.world} ranks"
+        )
     torch.manual_seed(cfg.seed)
     threads = choose_threads(cfg.threads)
     torch.set_num_threads(threads.threads)
@@ -144,8 +148,9 @@ def load_task(cfg: RunConfig, reporter: Reporter) -> tuple[Task, list[Example]]:
             if not count:  # a run could draw no prompt (it would wait forever) or evaluate nothing
                 raise ValueError(f"task {task.name!r} has no {split} examples")
         if wanted is not None and wanted > len(examples):
-            raise ValueError(f"eval.n_examples {wanted} > the {len(examples)} validation examples of task "
-                             f"{task.name!r}")
+            raise ValueError(
+                f"eval.n_examples {wanted} > the {len(examples)} validation examples of task {task.name!r}"
+            )
     return task, examples[:wanted]
 
 
@@ -164,23 +169,36 @@ def prepare_policy(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Pa
     check_model_spec(cfg.model.path)
     reporter.line(setting.threads.note)
     if ranks.parallel:
-        reporter.line(f"data parallel: {ranks.world} ranks ({cfg.dist.strategy}), "
-                      f"{cfg.rollout.prompts_per_step // ranks.world} prompt groups each per step")
+        reporter.line(
+            f"data parallel: {ranks.world} ranks ({cfg.dist.strategy}), "
+            f"{cfg.rollout.prompts_per_step // ranks.world} prompt groups each per step"
+        )
     # rank 0 first: a warm start of the demo's model is cached, and the other ranks then find it
-    resolve = partial(resolve_model_dir, cfg.model.path, task, cfg.model.like_overrides,
-                      warm_start=cfg.model.warm_start)
+    resolve = partial(
+        resolve_model_dir, cfg.model.path, task, cfg.model.like_overrides, warm_start=cfg.model.warm_start
+    )
     model_dir = ranks.run_on_main(lambda: resolve(reporter=reporter))
     if not ranks.is_main:
         model_dir = resolve()
     if is_like_dir(model_dir):
-        reporter.line(f"{cfg.model.path}: random weights at the real shapes (for memory and speed): "
-                      "completions rarely stop and run to max_new_tokens")
+        reporter.line(
+            f"{cfg.model.path}: random weights at the real shapes (for memory and speed): "
+            "completions rarely stop and run to max_new_tokens"
+        )
     precision = resolve_precision(cfg.optim.precision, resolve_dtype(cfg.model.dtype, device))
     model_dir, started_from = policy_start(model_dir, cfg.model.lora, cfg.needs_reference())
     weights_dir = weights_dir or model_dir
     with reporter.phase(f"load model {weights_dir}") as phase:
-        policy = load_run_policy(model_dir, weights_dir, precision, device, lora=cfg.model.lora, seed=cfg.seed,
-                                 sharded=sharded, started_from=started_from)
+        policy = load_run_policy(
+            model_dir,
+            weights_dir,
+            precision,
+            device,
+            lora=cfg.model.lora,
+            seed=cfg.seed,
+            sharded=sharded,
+            started_from=started_from,
+        )
         phase.info = policy.describe()
     model = policy.model
     if cfg.model.router_aux_loss_coef and not routers(model):
@@ -204,8 +222,9 @@ def _checkpoint_path(path: str | None) -> Path | None:
     return folder if folder.is_dir() and is_checkpoint(folder) else None
 
 
-def prompt_token_ids(cfg: RunConfig, task: Task, tokenizer, model: nn.Module,
-                     examples: list[Example]) -> dict[str, list[int]]:
+def prompt_token_ids(
+    cfg: RunConfig, task: Task, tokenizer, model: nn.Module, examples: list[Example]
+) -> dict[str, list[int]]:
     """Prompt token ids by example id, with the tokenizer's BOS once (``grpolab.models.prompt_tokens``). Refuses
     (listing example ids) prompts longer than rollout.max_prompt_tokens or leaving no room for
     max_new_tokens in the model's context."""
@@ -216,9 +235,11 @@ def prompt_token_ids(cfg: RunConfig, task: Task, tokenizer, model: nn.Module,
         limit = min(limit, context - cfg.rollout.max_new_tokens)
     too_long = [e.id for e, p in zip(examples, ids) if len(p) > limit]
     if too_long:
-        raise ValueError(f"{len(too_long)} prompts are longer than {limit} tokens (rollout.max_prompt_tokens, "
-                         f"or the model's context minus rollout.max_new_tokens); never truncated. Example ids: "
-                         f"{', '.join(too_long[:20])}{' ...' if len(too_long) > 20 else ''}")
+        raise ValueError(
+            f"{len(too_long)} prompts are longer than {limit} tokens (rollout.max_prompt_tokens, "
+            f"or the model's context minus rollout.max_new_tokens); never truncated. Example ids: "
+            f"{', '.join(too_long[:20])}{' ...' if len(too_long) > 20 else ''}"
+        )
     return {e.id: p for e, p in zip(examples, ids)}
 
 
@@ -229,9 +250,17 @@ def rollout_engine(cfg: RunConfig, setting: Setting, task: Task, policy: Policy,
     sharded = is_sharded_run(cfg, setting.ranks)
     shares = capabilities(cfg.rollout.engine).shares_training_model
     with setting.reporter.phase(f"start {cfg.rollout.engine} engine", done_note=not shares or None):
-        engine = build_engine(cfg.rollout, policy.model, policy.tokenizer, policy.start_files, seed=cfg.seed,
-                              max_model_len=max_model_len, precision=policy.precision, sharded=sharded,
-                              adapter_rank=policy.adapter_rank)
+        engine = build_engine(
+            cfg.rollout,
+            policy.model,
+            policy.tokenizer,
+            policy.start_files,
+            seed=cfg.seed,
+            max_model_len=max_model_len,
+            precision=policy.precision,
+            sharded=sharded,
+            adapter_rank=policy.adapter_rank,
+        )
         if sharded and shares:  # it generates with the sharded model
             engine = LockstepEngine(engine, setting.ranks, filler=[policy.tokenizer.pad_token_id])
     toolset = task.toolset
@@ -240,15 +269,17 @@ def rollout_engine(cfg: RunConfig, setting: Setting, task: Task, policy: Policy,
     return engine
 
 
-def build_parts(cfg: RunConfig, setting: Setting, task: Task, val_examples: list[Example],
-                weights_dir: Path | None = None) -> RunParts:
+def build_parts(
+    cfg: RunConfig, setting: Setting, task: Task, val_examples: list[Example], weights_dir: Path | None = None
+) -> RunParts:
     """Every part of a run after its task: policy, optimizer, prompts, sync check, state, engine,
     collector, learner. ``weights_dir``: the checkpoint a resumed run continues from (its state is
     loaded by the caller, ``RunState.load``)."""
     policy = prepare_policy(cfg, setting, task, weights_dir)
     reward_models = RewardModels.load(task, setting.device, setting.reporter)
-    optimizer = policy.precision.optimizer(policy.trainable(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                           weight_decay=cfg.optim.weight_decay)
+    optimizer = policy.precision.optimizer(
+        policy.trainable(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
+    )
     prompts = PromptStream(task.train_examples(), cfg.seed)
     prompt_ids = prompt_token_ids(cfg, task, policy.tokenizer, policy.model, task.train_examples() + val_examples)
     max_model_len = max(map(len, prompt_ids.values())) + cfg.rollout.max_new_tokens
@@ -258,20 +289,50 @@ def build_parts(cfg: RunConfig, setting: Setting, task: Task, val_examples: list
     check_trainable(policy.model, max_model_len)
     minibatch_gen = torch.Generator().manual_seed(cfg.seed)
     compute = dtype_name(policy.precision.compute)
-    sync_monitor = SyncMonitor(*cfg.rollout.sync_limits(compute), noise_multiple=cfg.rollout.sync_noise_multiple,
-                               min_floor=MIN_NOISE_FLOOR[compute], calibration_steps=cfg.rollout.sync_calibration_steps,
-                               warn_margin=cfg.rollout.sync_warn_margin, warn=setting.reporter.line)
+    sync_monitor = SyncMonitor(
+        *cfg.rollout.sync_limits(compute),
+        noise_multiple=cfg.rollout.sync_noise_multiple,
+        min_floor=MIN_NOISE_FLOOR[compute],
+        calibration_steps=cfg.rollout.sync_calibration_steps,
+        warn_margin=cfg.rollout.sync_warn_margin,
+        warn=setting.reporter.line,
+    )
     ranks = setting.ranks
     state = RunState(optimizer, prompts, minibatch_gen, sync_monitor, ranks, policy.model, reward_models)
     engine = rollout_engine(cfg, setting, task, policy, max_model_len)
-    collector = RolloutCollector(engine, task, prompts, prompt_ids, cfg.rollout, cfg.algorithm, cfg.seed, cfg.reward,
-                                 ranks, reward_models)
+    collector = RolloutCollector(
+        engine, task, prompts, prompt_ids, cfg.rollout, cfg.algorithm, cfg.seed, cfg.reward, ranks, reward_models
+    )
     try:
-        learner = PolicyLearner(cfg, policy.model, policy.reference, optimizer, policy.precision, setting.device,
-                                policy.tokenizer.pad_token_id, minibatch_gen, sync_monitor, state.updates, ranks,
-                                reference_context=policy.reference_context)
-        parts = RunParts(cfg, setting, task, val_examples, policy, reward_models, optimizer, prompts, prompt_ids,
-                         sync_monitor, state, collector, learner)
+        learner = PolicyLearner(
+            cfg,
+            policy.model,
+            policy.reference,
+            optimizer,
+            policy.precision,
+            setting.device,
+            policy.tokenizer.pad_token_id,
+            minibatch_gen,
+            sync_monitor,
+            state.updates,
+            ranks,
+            reference_context=policy.reference_context,
+        )
+        parts = RunParts(
+            cfg,
+            setting,
+            task,
+            val_examples,
+            policy,
+            reward_models,
+            optimizer,
+            prompts,
+            prompt_ids,
+            sync_monitor,
+            state,
+            collector,
+            learner,
+        )
         if not (capabilities(cfg.rollout.engine).shares_training_model or policy.files_are_policy):
             engine.sync_weights(parts.sync_source())  # it started from files that are not the policy (a base)
     except BaseException:

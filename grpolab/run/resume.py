@@ -10,16 +10,17 @@ aside as a resume sets aside the records after its checkpoint."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from grpolab.config import ConfigError, RunConfig, config_sha256, first_difference, read_config_json, validate_config
 from grpolab.run.checkpoints import MANIFEST as CHECKPOINT_MANIFEST
 from grpolab.run.checkpoints import newest_verified, step_folders
-from grpolab.config import ConfigError, RunConfig, config_sha256, first_difference, read_config_json, validate_config
 from grpolab.run.journal import CONFIG, MANIFEST, RunJournal
-from grpolab.run.state import STATE_FILE
 from grpolab.run.rundir import LOCK_FILE, RunDirError, start_leftovers
+from grpolab.run.state import STATE_FILE
 
 
 @dataclass(frozen=True)
@@ -52,15 +53,20 @@ def check_target(run_dir: Path) -> None:
     """One line for a folder that ``--resume`` cannot take: a checkpoint (it takes the run directory), a
     folder without config.json (a run stopped before writing it trained nothing: start it again)."""
     run_dir = Path(run_dir)
-    if (run_dir / CHECKPOINT_MANIFEST).is_file() or (run_dir.parent.name == "checkpoints"
-                                                    and run_dir.name.startswith("step_")):
-        raise ConfigError(f"--resume {run_dir} is a checkpoint; give its run directory: grpolab train --resume "
-                          f"{run_dir.parent.parent} (a run continues from its newest complete checkpoint)")
+    if (run_dir / CHECKPOINT_MANIFEST).is_file() or (
+        run_dir.parent.name == "checkpoints" and run_dir.name.startswith("step_")
+    ):
+        raise ConfigError(
+            f"--resume {run_dir} is a checkpoint; give its run directory: grpolab train --resume "
+            f"{run_dir.parent.parent} (a run continues from its newest complete checkpoint)"
+        )
     if (run_dir / CONFIG).is_file():
         return
     if run_dir.is_dir() and start_leftovers(run_dir) is not None:
-        raise FileNotFoundError(f"nothing to resume in {run_dir}: no {CONFIG} (a run stopped before writing it "
-                                "trained nothing); start it again with its own command: a new run takes this folder")
+        raise FileNotFoundError(
+            f"nothing to resume in {run_dir}: no {CONFIG} (a run stopped before writing it "
+            "trained nothing); start it again with its own command: a new run takes this folder"
+        )
     raise FileNotFoundError(f"nothing to resume in {run_dir}: no {CONFIG}")
 
 
@@ -75,8 +81,10 @@ def _unfollowed_config(run_dir: Path) -> tuple[dict[str, Any], tuple[Path, ...]]
     except ConfigError:
         whole = False
     if others or not whole:
-        raise FileNotFoundError(f"nothing to resume in {run_dir}: no {MANIFEST}, and "
-                                + (f"it holds {', '.join(others)}" if others else f"its {CONFIG} is not a run's config"))
+        raise FileNotFoundError(
+            f"nothing to resume in {run_dir}: no {MANIFEST}, and "
+            + (f"it holds {', '.join(others)}" if others else f"its {CONFIG} is not a run's config")
+        )
     return found, temps
 
 
@@ -87,15 +95,19 @@ def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: Non
     if not (run_dir / MANIFEST).is_file():
         found, temps = _unfollowed_config(run_dir)
         if cfg.steps < found["steps"]:
-            raise ConfigError(f"--steps {cfg.steps}: the run is set to {found['steps']} steps, and --steps may only grow")
+            raise ConfigError(
+                f"--steps {cfg.steps}: the run is set to {found['steps']} steps, and --steps may only grow"
+            )
         changes = {k: v for k, v in (("steps", cfg.steps), ("log_every", cfg.log_every)) if found.get(k) != v}
         return ResumePlan(None, None, 0, [], changes, {**found, **changes}, temps)
     journal = RunJournal.load(run_dir)
     found = journal.config_on_disk()
     if config_sha256(found) != journal.data["config_sha256"]:
         diff = first_difference(journal.recorded_config(), found) or "its SHA-256 differs"
-        raise ConfigError(f"{run_dir / CONFIG} differs from the config the run started with ({MANIFEST}): {diff}; "
-                          "a resumed run keeps its config (only --steps and --log_every may change)")
+        raise ConfigError(
+            f"{run_dir / CONFIG} differs from the config the run started with ({MANIFEST}): {diff}; "
+            "a resumed run keeps its config (only --steps and --log_every may change)"
+        )
     if cfg.steps < found["steps"]:
         raise ConfigError(f"--steps {cfg.steps}: the run is set to {found['steps']} steps, and --steps may only grow")
     changes = {k: v for k, v in (("steps", cfg.steps), ("log_every", cfg.log_every)) if found.get(k) != v}
@@ -104,15 +116,21 @@ def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: Non
     verified = newest_verified(run_dir, (STATE_FILE,), on_check)
     if verified.checkpoint is None:
         problems = "; ".join(f"{p.name}: {why}" for p, why in verified.damaged)
-        raise FileNotFoundError(f"nothing to resume in {run_dir}: no complete checkpoint (checkpoints/step_NNNNNN "
-                                f"with {STATE_FILE} and a checkpoint.json its files match)"
-                                + (f"; {problems}" if problems else ""))
+        raise FileNotFoundError(
+            f"nothing to resume in {run_dir}: no complete checkpoint (checkpoints/step_NNNNNN "
+            f"with {STATE_FILE} and a checkpoint.json its files match)" + (f"; {problems}" if problems else "")
+        )
     step = step_of(verified.checkpoint)
     if step >= cfg.steps:
-        unfinished = "" if (run_dir / "summary.json").is_file() else \
-            " (killed while finishing: no summary.json, but its metrics and final checkpoint are complete)"
-        raise RunDirError(f"run {run_dir} is already complete at step {step}{unfinished}; nothing to resume "
-                          f"(extend it with --steps N, N > {step})")
+        unfinished = (
+            ""
+            if (run_dir / "summary.json").is_file()
+            else " (killed while finishing: no summary.json, but its metrics and final checkpoint are complete)"
+        )
+        raise RunDirError(
+            f"run {run_dir} is already complete at step {step}{unfinished}; nothing to resume "
+            f"(extend it with --steps N, N > {step})"
+        )
     return ResumePlan(journal, verified.checkpoint, step, verified.damaged, changes)
 
 
@@ -124,5 +142,7 @@ def check_data(journal: RunJournal, fingerprint: dict[str, Any] | None) -> None:
     keys = lambda d: {k: v for k, v in d.items() if k.endswith(("_sha256", "_rows"))}  # noqa: E731
     diff = first_difference(keys(recorded), keys(fingerprint))
     if diff is not None:
-        raise ConfigError(f"the task's data changed since the run started ({journal.run_dir / MANIFEST}): {diff}; "
-                          "a resumed run trains on the same data")
+        raise ConfigError(
+            f"the task's data changed since the run started ({journal.run_dir / MANIFEST}): {diff}; "
+            "a resumed run trains on the same data"
+        )

@@ -7,8 +7,8 @@ import json
 import math
 import os
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from grpolab.common.atomic import atomic_file, named, write_file
@@ -39,8 +39,10 @@ def resolve_run_dir(output_dir: str | None, label: str, root: str = "runs") -> P
     run_dir = Path(output_dir) if output_dir else Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}"
     if run_dir.exists() and (not run_dir.is_dir() or start_leftovers(run_dir) is None):
         if (run_dir / CONFIG_FILE).is_file():
-            raise RunDirError(f"output directory {run_dir} holds a run (its {CONFIG_FILE}): continue it with "
-                              f"grpolab train --resume {run_dir}, or choose another --output-dir")
+            raise RunDirError(
+                f"output directory {run_dir} holds a run (its {CONFIG_FILE}): continue it with "
+                f"grpolab train --resume {run_dir}, or choose another --output-dir"
+            )
         raise RunDirError(f"output directory already exists and is not empty: {run_dir} (choose another --output-dir)")
     return run_dir
 
@@ -63,8 +65,9 @@ def summary_writer():
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as err:
-        raise ValueError(f"log.tensorboard needs the tensorboard package ({err}); "
-                         "pip install 'grpolab[tensorboard]'") from None
+        raise ValueError(
+            f"log.tensorboard needs the tensorboard package ({err}); pip install 'grpolab[tensorboard]'"
+        ) from None
     return SummaryWriter
 
 

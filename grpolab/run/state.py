@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from grpolab.common.atomic import RecordingWriter
-
 from grpolab.parallel.fsdp import full_optimizer_state, is_sharded, load_optimizer_state
 from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.reward_models import RewardModels
@@ -28,8 +27,12 @@ STATE_FILE = "trainer_state.pt"
 
 def rng_state() -> dict[str, Any]:
     """The global RNGs: python, numpy, torch (CPU and every CUDA device)."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -47,12 +50,24 @@ class RunState:
     reward models' running moments. Under data
     parallelism every other part is the same on every rank (the ranks step alike)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, prompts: PromptStream, minibatch_gen: torch.Generator,
-                 sync_monitor: SyncMonitor, ranks: Ranks = Ranks(), model: torch.nn.Module | None = None,
-                 reward_models: RewardModels | None = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        prompts: PromptStream,
+        minibatch_gen: torch.Generator,
+        sync_monitor: SyncMonitor,
+        ranks: Ranks = Ranks(),
+        model: torch.nn.Module | None = None,
+        reward_models: RewardModels | None = None,
+    ):
         self.step = 0
         self.updates = {"attempted": 0, "actual": 0}
-        self.optimizer, self.prompts, self.minibatch_gen, self.sync_monitor = optimizer, prompts, minibatch_gen, sync_monitor
+        self.optimizer, self.prompts, self.minibatch_gen, self.sync_monitor = (
+            optimizer,
+            prompts,
+            minibatch_gen,
+            sync_monitor,
+        )
         self.ranks, self.model = ranks, model  # the model whose parameters the optimizer holds
         self.reward_models = reward_models
 
@@ -61,10 +76,17 @@ class RunState:
         rngs = self.ranks.gather(rng_state())
         sharded = self.model is not None and is_sharded(self.model)
         optimizer = full_optimizer_state(self.model, self.optimizer) if sharded else self.optimizer.state_dict()
-        return {"step": self.step, "updates": dict(self.updates), "optimizer": optimizer,
-                "prompts": self.prompts.state_dict(), "minibatch_gen": self.minibatch_gen.get_state(),
-                "rng": rngs[0], "rng_by_rank": rngs, "sync_monitor": self.sync_monitor.state_dict(),
-                "reward_models": self.reward_models.state_dict() if self.reward_models is not None else {}}
+        return {
+            "step": self.step,
+            "updates": dict(self.updates),
+            "optimizer": optimizer,
+            "prompts": self.prompts.state_dict(),
+            "minibatch_gen": self.minibatch_gen.get_state(),
+            "rng": rngs[0],
+            "rng_by_rank": rngs,
+            "sync_monitor": self.sync_monitor.state_dict(),
+            "reward_models": self.reward_models.state_dict() if self.reward_models is not None else {},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Each rank takes its own RNGs; a run resumed with another number of ranks takes rank 0's."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from statistics import mean
-from typing import Any, Callable
+from typing import Any
 
 from grpolab.common.progress import format_seconds
 from grpolab.rollout.multiturn import tool_metrics
@@ -18,26 +19,35 @@ def rl_step(parts: RunParts, step: int, status: Callable[[str], None] = lambda _
     ``status`` hears the phase it enters (generate, update, sync)."""
     t0 = time.perf_counter()
     status("generate")
-    rollout = parts.collector.collect(step)          # 1. rollout + 2. reward
+    rollout = parts.collector.collect(step)  # 1. rollout + 2. reward
     t1 = time.perf_counter()
     status("update")
-    metrics = parts.learner.learn(rollout)           # 3. group advantages + 4. policy update
+    metrics = parts.learner.learn(rollout)  # 3. group advantages + 4. policy update
     t2 = time.perf_counter()
     status("sync")
-    parts.engine.sync_weights(parts.sync_source())    # 5. sync the new weights to the engine
+    parts.engine.sync_weights(parts.sync_source())  # 5. sync the new weights to the engine
     t3 = time.perf_counter()
     flat = rollout.flat()
     grades = [g for group in rollout.grades for g in group]
     tokens = sum(len(c.completion_ids) for c in flat)
     record = {
-        "step": step, **metrics,
-        "accuracy": mean(g.answer_reward for g in grades), "format_rate": mean(g.format_reward for g in grades),
-        "response_tokens": tokens, "completion_len_mean": tokens / len(flat), "truncation_rate": mean(c.truncated for c in flat),
-        "rollout_rounds": rollout.rounds, "total_attempted_updates": parts.state.updates["attempted"],
+        "step": step,
+        **metrics,
+        "accuracy": mean(g.answer_reward for g in grades),
+        "format_rate": mean(g.format_reward for g in grades),
+        "response_tokens": tokens,
+        "completion_len_mean": tokens / len(flat),
+        "truncation_rate": mean(c.truncated for c in flat),
+        "rollout_rounds": rollout.rounds,
+        "total_attempted_updates": parts.state.updates["attempted"],
         "total_actual_updates": parts.state.updates["actual"],
-        "time/generate": rollout.seconds["generate"], "time/reward": rollout.seconds["reward"],
-        "time/train": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
-        "tokens_per_s": tokens / rollout.seconds["generate"], **reward_components(grades),
+        "time/generate": rollout.seconds["generate"],
+        "time/reward": rollout.seconds["reward"],
+        "time/train": t2 - t1,
+        "time/sync": t3 - t2,
+        "time/step": t3 - t0,
+        "tokens_per_s": tokens / rollout.seconds["generate"],
+        **reward_components(grades),
     }
     if parts.reward_models is not None:
         record.update(parts.reward_models.metrics(grades))
@@ -65,22 +75,36 @@ def reward_components(grades: list[Grade]) -> dict[str, float]:
 def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
     """One log line of a step's vital signs (KL only when a reference exists, grad norm only when
     an optimizer step ran, tool calls only with tools, routing only for an MoE policy)."""
+
     def num(key: str, fmt: str) -> str:
         value = record.get(key)
         return "-" if value is None else format(value, fmt)
 
-    parts = [f"step {record['step']}/{steps}", f"reward {num('reward_mean', '.3f')}", f"acc {num('accuracy', '.3f')}",
-             f"adv_std {num('advantage_std', '.3f')}"]
+    parts = [
+        f"step {record['step']}/{steps}",
+        f"reward {num('reward_mean', '.3f')}",
+        f"acc {num('accuracy', '.3f')}",
+        f"adv_std {num('advantage_std', '.3f')}",
+    ]
     if "kl_ref" in record:
         parts.append(f"kl {num('kl_ref', '.4f')}")
     clip = record.get("clip_low_frac", 0.0) + record.get("clip_high_frac", 0.0)
-    parts += [f"clip {clip:.3f}", f"ratio {num('ratio_mean', '.3f')}", f"len {num('completion_len_mean', '.1f')}",
-              f"trunc {num('truncation_rate', '.2f')}", f"gnorm {num('grad_norm', '.3f')}",
-              f"{record['time/step']:.1f} s/step", f"~{format_seconds(seconds_left)} left"]
+    parts += [
+        f"clip {clip:.3f}",
+        f"ratio {num('ratio_mean', '.3f')}",
+        f"len {num('completion_len_mean', '.1f')}",
+        f"trunc {num('truncation_rate', '.2f')}",
+        f"gnorm {num('grad_norm', '.3f')}",
+        f"{record['time/step']:.1f} s/step",
+        f"~{format_seconds(seconds_left)} left",
+    ]
     if "router/load_max_violation" in record:  # an MoE policy
         mismatch = f" mismatch {record['router/mismatch']:.3f}" if "router/mismatch" in record else ""
-        parts.insert(-3, f"router violation {record['router/load_max_violation']:.2f} "
-                         f"confidence {record['router/confidence']:.2f}{mismatch}")
+        parts.insert(
+            -3,
+            f"router violation {record['router/load_max_violation']:.2f} "
+            f"confidence {record['router/confidence']:.2f}{mismatch}",
+        )
     if "tool/call_rate" in record:
         parts.insert(-3, f"tool calls {record['tool/call_rate']:.2f} (errors {record['tool/errors']})")
     failed = sum(v for k, v in record.items() if k.startswith("reward/") and k.endswith("_failed"))

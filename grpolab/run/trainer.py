@@ -10,10 +10,11 @@ from __future__ import annotations
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from statistics import mean
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import transformers
@@ -80,17 +81,20 @@ class Trainer:
             summary_writer()
         task, val_examples = load_task(cfg, self.reporter)
         if resume:
-            self.ranks.run_on_main(lambda: self.plan.journal is None or
-                                   check_data(self.plan.journal, task.data_fingerprint()))
+            self.ranks.run_on_main(
+                lambda: self.plan.journal is None or check_data(self.plan.journal, task.data_fingerprint())
+            )
         self.parts = build_parts(cfg, setting, task, val_examples, self.resumed_from)
         if self.resumed_from is not None:
             self.parts.state.load(self.resumed_from)
         # the metrics of the steps before a resume
         self.records: list[dict[str, Any]] = self.ranks.run_on_main(lambda: self._prepare_run_dir(resume))
         if self.ranks.is_main:
-            self.log = MetricsLog(self.run_dir / "metrics.jsonl",
-                                  self.run_dir / "tensorboard" if cfg.log.tensorboard else None,
-                                  first_step=self.plan.kept_step + 1 if resume else None)
+            self.log = MetricsLog(
+                self.run_dir / "metrics.jsonl",
+                self.run_dir / "tensorboard" if cfg.log.tensorboard else None,
+                first_step=self.plan.kept_step + 1 if resume else None,
+            )
 
     def _run_dir(self, resume: bool) -> tuple[Path, Path | None]:
         """(run directory, checkpoint resumed from). A new run refuses a used directory; a resume takes the
@@ -102,11 +106,15 @@ class Trainer:
         self.lock = RunLock(run_dir).acquire()
         self.plan = plan_resume(self.cfg, on_check=lambda folder: self.reporter.line(f"verify checkpoint {folder}"))
         for folder, why in self.plan.damaged:
-            self.reporter.line(f"checkpoint {folder.name} is damaged ({why}): set aside into checkpoints/damaged/; "
-                               f"continuing from {self.plan.checkpoint.name}")
+            self.reporter.line(
+                f"checkpoint {folder.name} is damaged ({why}): set aside into checkpoints/damaged/; "
+                f"continuing from {self.plan.checkpoint.name}"
+            )
         if self.plan.checkpoint is None:
-            self.reporter.line(f"run {run_dir} was stopped before its first checkpoint: starting it again from "
-                               "step 0 in place (what it wrote is set aside)")
+            self.reporter.line(
+                f"run {run_dir} was stopped before its first checkpoint: starting it again from "
+                "step 0 in place (what it wrote is set aside)"
+            )
         return run_dir, self.plan.checkpoint
 
     def _prepare_run_dir(self, resume: bool) -> list[dict[str, Any]]:
@@ -134,7 +142,9 @@ class Trainer:
         removed = remove_temp_folders(self.run_dir)
         for folder, _ in plan.damaged:
             set_aside(folder)
-        records = rewind_metrics(self.run_dir / "metrics.jsonl", plan.kept_step, session=plan.journal.session_number + 1)
+        records = rewind_metrics(
+            self.run_dir / "metrics.jsonl", plan.kept_step, session=plan.journal.session_number + 1
+        )
         plan.journal.record_resume(plan.checkpoint, plan.step, plan.changes, plan.damaged, removed)
         return records
 
@@ -142,19 +152,34 @@ class Trainer:
         """What manifest.json records about a new run's start (``RunJournal`` adds the config and sessions)."""
         parts, threads = self.parts, self.parts.setting.threads
         return {
-            "grpolab": grpolab.__version__, "grpolab_source": str(Path(grpolab.__file__).resolve().parent),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "command": sys.argv, "device": str(parts.device),
+            "grpolab": grpolab.__version__,
+            "grpolab_source": str(Path(grpolab.__file__).resolve().parent),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "command": sys.argv,
+            "device": str(parts.device),
             "ranks": {"world": self.ranks.world, "strategy": self.cfg.dist.strategy},
             "cpu": {"threads": threads.threads, "cores": threads.cores, "busy_at_start": threads.busy},
-            "model": model_record(parts.model, parts.model_dir), "task": parts.task.name,
+            "model": model_record(parts.model, parts.model_dir),
+            "task": parts.task.name,
             # a start from another run's checkpoint: its weights only, with a fresh optimizer and this seed
-            "warm_start_from": (str(parts.policy.started_from) if parts.policy.started_from is not None
-                                else str(parts.model_dir) if (parts.model_dir / STATE_FILE).is_file() else None),
-            "data": parts.task.data_fingerprint(), "train_examples": len(parts.task.train_examples()),
-            "val_examples": len(parts.val_examples), "algorithm": self.spec.model_dump(),
-            "precision": {"setting": parts.precision.name, "weights": dtype_name(parts.precision.storage),
-                          "compute": dtype_name(parts.precision.compute)},
+            "warm_start_from": (
+                str(parts.policy.started_from)
+                if parts.policy.started_from is not None
+                else str(parts.model_dir)
+                if (parts.model_dir / STATE_FILE).is_file()
+                else None
+            ),
+            "data": parts.task.data_fingerprint(),
+            "train_examples": len(parts.task.train_examples()),
+            "val_examples": len(parts.val_examples),
+            "algorithm": self.spec.model_dump(),
+            "precision": {
+                "setting": parts.precision.name,
+                "weights": dtype_name(parts.precision.storage),
+                "compute": dtype_name(parts.precision.compute),
+            },
             "rollout_engine": engine_record(self.cfg.rollout),
         }
 
@@ -164,14 +189,22 @@ class Trainer:
         parts, started, chunk = self.parts, time.perf_counter(), self.cfg.rollout.max_batch_size
         mine = len(self.ranks.share_chunks(len(parts.val_examples), chunk))
         with self.reporter.phase(f"eval step {step}", total=mine, unit="items") as phase:
-            out, records = evaluate(parts.engine, parts.task, parts.val_examples,
-                                    [parts.prompt_ids[e.id] for e in parts.val_examples],
-                                    replace(parts.collector.sampling_params(0, 0), top_p=self.cfg.eval.top_p,
-                                            top_k=self.cfg.eval.top_k), self.cfg.eval.pass_k, self.cfg.eval.pass_n,
-                                    seed=self.cfg.seed + 7, chunk=chunk, on_items=phase.advance, ranks=self.ranks,
-                                    measure=parts.learner.routing_of, reward_models=parts.reward_models)
-            phase.info = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in out.items()
-                                   if "/layer" not in k)
+            out, records = evaluate(
+                parts.engine,
+                parts.task,
+                parts.val_examples,
+                [parts.prompt_ids[e.id] for e in parts.val_examples],
+                replace(parts.collector.sampling_params(0, 0), top_p=self.cfg.eval.top_p, top_k=self.cfg.eval.top_k),
+                self.cfg.eval.pass_k,
+                self.cfg.eval.pass_n,
+                seed=self.cfg.seed + 7,
+                chunk=chunk,
+                on_items=phase.advance,
+                ranks=self.ranks,
+                measure=parts.learner.routing_of,
+                reward_models=parts.reward_models,
+            )
+            phase.info = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in out.items() if "/layer" not in k)
         out["time/eval"] = time.perf_counter() - started
         if self.ranks.is_main:
             write_eval_records(self.run_dir, step, records)
@@ -184,8 +217,9 @@ class Trainer:
         cfg, started, first = self.cfg, time.perf_counter(), self.parts.state.step + 1
         stop = stop or StopRequest()
         resumed = f" (resumed after step {first - 1})" if first > 1 else ""
-        self.reporter.line(f"{self.spec.name} on {self.parts.task.name}, {cfg.steps} steps{resumed} "
-                           f"-> run dir {self.run_dir}")
+        self.reporter.line(
+            f"{self.spec.name} on {self.parts.task.name}, {cfg.steps} steps{resumed} -> run dir {self.run_dir}"
+        )
         evals = {r["step"]: r for r in self.records if "val/accuracy" in r} if first > 1 else {0: self.evaluate(0)}
         rewards = [r["reward_mean"] for r in self.records if "reward_mean" in r]
         log_every = cfg.log_every or (1 if self.reporter.plain else None)
@@ -214,8 +248,10 @@ class Trainer:
                 bar.set_status("")
                 bar.advance(info=f"reward {record['reward_mean']:.3f}, val acc {evals[max(evals)]['val/accuracy']:.3f}")
                 if stopping and step < cfg.steps:
-                    raise RunStopped(f"stopped after step {step} with a checkpoint; continue with: "
-                                     f"grpolab train --resume {self.run_dir}")
+                    raise RunStopped(
+                        f"stopped after step {step} with a checkpoint; continue with: "
+                        f"grpolab train --resume {self.run_dir}"
+                    )
             stop.armed = False
         seconds = self.journal.total_seconds() if self.journal is not None else time.perf_counter() - started
         return self._summarize(evals, rewards, seconds)
@@ -228,11 +264,19 @@ class Trainer:
         state = self.parts.state.state_dict()
 
         def write() -> str:
-            folder = save_checkpoint(self.parts.policy.saved, self.parts.tokenizer, self.run_dir, step,
-                                     lambda tmp: RunState.save(state, tmp), weights)
+            folder = save_checkpoint(
+                self.parts.policy.saved,
+                self.parts.tokenizer,
+                self.run_dir,
+                step,
+                lambda tmp: RunState.save(state, tmp),
+                weights,
+            )
             keep = self.cfg.checkpoint.keep_last
             removed = prune(self.run_dir, keep, (STATE_FILE,)) if keep else []
-            return str(folder) + (f"; removed {', '.join(p.name for p in removed)} (keep_last {keep})" if removed else "")
+            return str(folder) + (
+                f"; removed {', '.join(p.name for p in removed)} (keep_last {keep})" if removed else ""
+            )
 
         return self.ranks.run_on_main(write)
 
@@ -247,11 +291,14 @@ class Trainer:
         first, last = evals[0], evals[max(evals)]
         window = max(1, len(rewards) // 10)
         summary = {
-            "algorithm": self.spec.name, "run_dir": str(self.run_dir), "steps": self.cfg.steps,
+            "algorithm": self.spec.name,
+            "run_dir": str(self.run_dir),
+            "steps": self.cfg.steps,
             "val_accuracy": {"start": first["val/accuracy"], "final": last["val/accuracy"]},
             "val_format_rate": {"start": first["val/format_rate"], "final": last["val/format_rate"]},
             "train_reward": {"first": mean(rewards[:window]), "last": mean(rewards[-window:])},
-            "updates": dict(self.parts.state.updates), "wall_seconds": seconds,
+            "updates": dict(self.parts.state.updates),
+            "wall_seconds": seconds,
             "sessions": self.journal.session_number if self.journal is not None else 1,
             "final_checkpoint": str(self.run_dir / "checkpoints" / f"step_{self.cfg.steps:06d}"),
         }
@@ -262,12 +309,20 @@ class Trainer:
             table.add_column(column)
         for key in ("val/accuracy", "val/format_rate", "val/completion_len_mean"):
             table.add_row(key, f"{first[key]:.3f}", f"{last[key]:.3f}")
-        table.add_row("train reward", f"{summary['train_reward']['first']:.3f}", f"{summary['train_reward']['last']:.3f}")
-        table.add_row("updates (actual/attempted)", "", f"{self.parts.state.updates['actual']}/{self.parts.state.updates['attempted']}")
+        table.add_row(
+            "train reward", f"{summary['train_reward']['first']:.3f}", f"{summary['train_reward']['last']:.3f}"
+        )
+        table.add_row(
+            "updates (actual/attempted)",
+            "",
+            f"{self.parts.state.updates['actual']}/{self.parts.state.updates['attempted']}",
+        )
         self.console.print(table)
-        self.reporter.line(f"done in {format_seconds(seconds)}. Run directory {self.run_dir}: summary.json, "
-                           f"metrics.jsonl, eval/ (per-item records), manifest.json; final checkpoint "
-                           f"{summary['final_checkpoint']}; figures and CIs: grpolab report {self.run_dir}")
+        self.reporter.line(
+            f"done in {format_seconds(seconds)}. Run directory {self.run_dir}: summary.json, "
+            f"metrics.jsonl, eval/ (per-item records), manifest.json; final checkpoint "
+            f"{summary['final_checkpoint']}; figures and CIs: grpolab report {self.run_dir}"
+        )
         return summary
 
     def close(self) -> None:
@@ -282,8 +337,9 @@ class Trainer:
             self.lock = None
 
 
-def train(cfg: RunConfig, console: Console | None = None, resume: bool = False,
-          stop: StopRequest | None = None) -> dict[str, Any]:
+def train(
+    cfg: RunConfig, console: Console | None = None, resume: bool = False, stop: StopRequest | None = None
+) -> dict[str, Any]:
     """Run ``cfg`` to the end (with ``resume``: continue the run in ``cfg.output_dir``); the engine is
     closed whatever happens."""
     trainer = None

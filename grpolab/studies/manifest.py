@@ -44,11 +44,15 @@ class RunRecord(BaseModel):
     config: dict[str, Any] = Field(default_factory=dict, description="the resolved config as written to config_file")
     data_sha256: dict[str, str] = Field(default_factory=dict, description="train, validation rows; prompt template")
     data_dir: str | None = Field(None, description="the data snapshot folder holding those rows and the template")
-    data_files_sha256: dict[str, str] = Field(default_factory=dict,
-                                              description="a file-backed task's copied source files, by path")
-    reward_models: list[dict[str, Any]] = Field(default_factory=list, description="the reward model folders the "
-                                                "run reads (not copied): name, path, sha256 (over its files) and "
-                                                "files (each file's SHA-256, by relative path)")
+    data_files_sha256: dict[str, str] = Field(
+        default_factory=dict, description="a file-backed task's copied source files, by path"
+    )
+    reward_models: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="the reward model folders the "
+        "run reads (not copied): name, path, sha256 (over its files) and "
+        "files (each file's SHA-256, by relative path)",
+    )
     init_from: str | None = None
     factors: dict[str, str] = Field(default_factory=dict)
     world_size: int = Field(1, description="processes (devices) of the run: more than 1 runs under torchrun")
@@ -62,8 +66,10 @@ class RunRecord(BaseModel):
     started: str | None = None
     ended: str | None = None
     attempts: list[dict[str, Any]] = Field(default_factory=list, description="earlier attempts: command, exit, reason")
-    waits: list[dict[str, Any]] = Field(default_factory=list, description="processes still training this run that "
-                                        "a runner waited for before judging it: pid, since, until")
+    waits: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="processes still training this run that a runner waited for before judging it: pid, since, until",
+    )
     final_checkpoint: str | None = None
     final_checkpoint_sha256: str | None = None
     reason: str | None = None
@@ -74,8 +80,10 @@ class SuiteManifest(BaseModel):
     source_file: str
     created: str = Field(default_factory=now)
     code: dict[str, Any] = Field(default_factory=dict, description="version, git commit and dirty flag, sha256, path")
-    placement: dict[str, Any] = Field(default_factory=dict, description="launcher, devices (None: one run at a "
-                                      "time on what each run sees) and the Slurm settings")
+    placement: dict[str, Any] = Field(
+        default_factory=dict,
+        description="launcher, devices (None: one run at a time on what each run sees) and the Slurm settings",
+    )
     runner_pid: int | None = None
     runner_host: str | None = None
     runner_seen: float | None = Field(None, description="when the runner last wrote (seconds since the epoch)")
@@ -85,14 +93,16 @@ class SuiteManifest(BaseModel):
         write_json(root / MANIFEST, self.model_dump(mode="json"))
 
     @classmethod
-    def load(cls, root: Path) -> "SuiteManifest":
+    def load(cls, root: Path) -> SuiteManifest:
         """The manifest of the suite in ``root``; one-line errors when it is missing or unreadable."""
         path = root / MANIFEST
         if not path.is_file():
             if (root / PREPARING).is_file():
-                raise FileNotFoundError(f"{root}: the suite's preparation was stopped before its {MANIFEST} was "
-                                        "written; run grpolab suite run SUITE.toml --output-root with this folder "
-                                        "again (it starts over)")
+                raise FileNotFoundError(
+                    f"{root}: the suite's preparation was stopped before its {MANIFEST} was "
+                    "written; run grpolab suite run SUITE.toml --output-root with this folder "
+                    "again (it starts over)"
+                )
             raise FileNotFoundError(f"not a suite directory (no {MANIFEST}): {root}")
         try:
             return cls.model_validate(json.loads(path.read_text()))
@@ -100,5 +110,7 @@ class SuiteManifest(BaseModel):
             raise ValueError(f"{path}: not valid JSON ({err}); not a readable suite manifest") from None
         except ValidationError as err:
             first = err.errors()[0]
-            raise ValueError(f"{path}: not a suite manifest ({first['msg']} at "
-                             f"{'.'.join(map(str, first['loc'])) or 'the top level'})") from None
+            raise ValueError(
+                f"{path}: not a suite manifest ({first['msg']} at "
+                f"{'.'.join(map(str, first['loc'])) or 'the top level'})"
+            ) from None

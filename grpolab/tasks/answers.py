@@ -119,9 +119,7 @@ def is_single_answer(gold: str) -> bool:
     return _GOLD_LIST.search(gold) is None
 
 
-def answers_match(
-    predicted: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, symbolic: bool = True
-) -> bool:
+def answers_match(predicted: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, symbolic: bool = True) -> bool:
     """Whether ``predicted`` is the same final answer as ``gold``; never raises, never hangs.
 
     Empty answers never match; identical stripped strings always do. Two plain numbers (see

@@ -71,7 +71,7 @@ class Grade:
         """The scalar reward used for RL: ``total`` when set, else the answer reward."""
         return self.answer_reward if self.total is None else self.total
 
-    def plus(self, name: str, value: float) -> "Grade":
+    def plus(self, name: str, value: float) -> Grade:
         """This grade with one more additive component (e.g. a length penalty) in its RL reward."""
         return replace(self, components=self.components + ((name, value),), total=self.reward + value)
 
@@ -149,14 +149,27 @@ def grade_safely(task: Task, completion: str, example: Example, truncated: bool)
     except Exception:
         if task.name not in _reported:
             _reported.add(task.name)
-            logger.warning("task %r: grade raised on item %s (it scores 0; later failures are only counted in "
-                           "reward/grade_failed):\n%s", task.name, example.id, traceback.format_exc())
+            logger.warning(
+                "task %r: grade raised on item %s (it scores 0; later failures are only counted in "
+                "reward/grade_failed):\n%s",
+                task.name,
+                example.id,
+                traceback.format_exc(),
+            )
         return Grade(0.0, 0.0, failed=("grade",))
 
 
 REQUIRED_MEMBERS = ("name", "train_examples", "validation_examples", "prompt", "grade")
-OPTIONAL_MEMBERS = ("toolset", "reward_models", "warm_start_overrides", "grade_batch", "bind_tokenizer", "messages",
-                    "prompt_template", "data_fingerprint")
+OPTIONAL_MEMBERS = (
+    "toolset",
+    "reward_models",
+    "warm_start_overrides",
+    "grade_batch",
+    "bind_tokenizer",
+    "messages",
+    "prompt_template",
+    "data_fingerprint",
+)
 
 
 class PlainTask(Task):

@@ -83,11 +83,15 @@ class CalculatorTask(Task):
             answer = calculate(question)
             direct = f" </think> <answer> {answer} </answer>"
             uses_tool = rng.random() < self.tool_demos
-            return Example(id=f"calculator-{split}-{index}", question=question, answer=answer,
-                           solution=tool_solution(self.toolset, question, answer) if uses_tool else direct)
+            return Example(
+                id=f"calculator-{split}-{index}",
+                question=question,
+                answer=answer,
+                solution=tool_solution(self.toolset, question, answer) if uses_tool else direct,
+            )
 
-        object.__setattr__(self, "_val", [make("val", i, q) for i, q in enumerate(questions[:self.n_val])])
-        object.__setattr__(self, "_train", [make("train", i, q) for i, q in enumerate(questions[self.n_val:])])
+        object.__setattr__(self, "_val", [make("val", i, q) for i, q in enumerate(questions[: self.n_val])])
+        object.__setattr__(self, "_train", [make("train", i, q) for i, q in enumerate(questions[self.n_val :])])
 
     def train_examples(self) -> list[Example]:
         return list(self._train)  # type: ignore[attr-defined]
@@ -115,8 +119,12 @@ class CalculatorTaskConfig(TaskSettings):
     n_val: int = Field(500, ge=1)
     seed: int = 0
     digits: int = Field(2, ge=1, le=4)
-    tool_demos: float = Field(0.8, ge=0, le=1, description="share of the warm start's demonstrations that "
-                              "call the calculator (the others answer directly)")
+    tool_demos: float = Field(
+        0.8,
+        ge=0,
+        le=1,
+        description="share of the warm start's demonstrations that call the calculator (the others answer directly)",
+    )
     tools: ToolsConfig = Field(default_factory=lambda: ToolsConfig(enabled=["calculator"], max_turns=3))
 
     FILES: ClassVar[tuple[str, ...]] = ()

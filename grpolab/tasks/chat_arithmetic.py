@@ -59,8 +59,10 @@ class ChatArithmeticTask(Task):
         val, rest = self._split()
         n_train = len(rest) if self.n_train is None else self.n_train
         if n_train < 1 or n_train > len(rest):
-            raise ValueError(f"{len(val) + len(rest)} distinct problems for operations {self.operations!r} in "
-                             f"[{self.low}, {self.high}]: cannot take {self.n_val} for validation and {n_train} to train")
+            raise ValueError(
+                f"{len(val) + len(rest)} distinct problems for operations {self.operations!r} in "
+                f"[{self.low}, {self.high}]: cannot take {self.n_val} for validation and {n_train} to train"
+            )
 
         def make(split: str, index: int, a: int, op: str, b: int) -> Example:
             return Example(id=f"{split}-{index}", question=f"{a} {op} {b}", answer=str(OPERATIONS[op](a, b)))
@@ -108,10 +110,13 @@ class ChatArithmeticTask(Task):
 
     def data_fingerprint(self) -> dict[str, Any]:
         rows = lambda examples: "\n".join(f"{e.id}\t{e.question}\t{e.answer}" for e in examples)  # noqa: E731
-        return {"train_rows": len(self._train), "validation_rows": len(self._val),  # type: ignore[attr-defined]
-                "train_sha256": text_sha256(rows(self._train)),  # type: ignore[attr-defined]
-                "validation_sha256": text_sha256(rows(self._val)),  # type: ignore[attr-defined]
-                "prompt_template_sha256": text_sha256(self.prompt_template())}
+        return {
+            "train_rows": len(self._train),
+            "validation_rows": len(self._val),  # type: ignore[attr-defined]
+            "train_sha256": text_sha256(rows(self._train)),  # type: ignore[attr-defined]
+            "validation_sha256": text_sha256(rows(self._val)),  # type: ignore[attr-defined]
+            "prompt_template_sha256": text_sha256(self.prompt_template()),
+        }
 
     def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
         """Format: an ``answer is N`` and not truncated; answer: that N equals the exact result."""

@@ -23,8 +23,13 @@ from grpolab.tasks.dataset import DatasetTaskConfig
 from grpolab.tasks.gsm8k import GSM8KTaskConfig
 from grpolab.tasks.sandbox import IMPORT_PATH, resolve
 
-SETTINGS: tuple[type[TaskSettings], ...] = (ArithmeticTaskConfig, GSM8KTaskConfig, CalculatorTaskConfig,
-                                             ChatArithmeticTaskConfig, DatasetTaskConfig)
+SETTINGS: tuple[type[TaskSettings], ...] = (
+    ArithmeticTaskConfig,
+    GSM8KTaskConfig,
+    CalculatorTaskConfig,
+    ChatArithmeticTaskConfig,
+    DatasetTaskConfig,
+)
 """The built-in kinds, registered: each class's ``name`` default is its tag."""
 
 
@@ -55,8 +60,10 @@ class ImportedTaskConfig(TaskSettings):
             raise ValueError(f"task {self.name!r}: {err}") from None
         missing = [m for m in REQUIRED_MEMBERS if not hasattr(made, m)]
         if missing:
-            raise ValueError(f"task {self.name!r} does not follow the Task contract (grpolab.tasks.base.Task): "
-                             f"missing {', '.join(missing)}")
+            raise ValueError(
+                f"task {self.name!r} does not follow the Task contract (grpolab.tasks.base.Task): "
+                f"missing {', '.join(missing)}"
+            )
         return made if isinstance(made, Task) else PlainTask(made)
 
 
@@ -73,8 +80,10 @@ def _kind(value: Any) -> str:
 
 
 TaskConfig = Annotated[
-    Union[tuple(Annotated[cls, Tag(name)] for name, cls in BUILT_IN.items())
-          + (Annotated[ImportedTaskConfig, Tag("imported")],)],
+    Union[  # noqa: UP007 (a union of a tuple built at import: no `X | Y` spelling)
+        tuple(Annotated[cls, Tag(name)] for name, cls in BUILT_IN.items())
+        + (Annotated[ImportedTaskConfig, Tag("imported")],)
+    ],
     Discriminator(_kind),
 ]
 

@@ -34,8 +34,8 @@ from grpolab.tasks.datasets import (
     source_records,
     text_sha256,
 )
-from grpolab.tasks.folder_hash import model_sha256
 from grpolab.tasks.extract import AnswerFormat, extract_answer, last_boxed
+from grpolab.tasks.folder_hash import model_sha256
 from grpolab.tasks.prompts import PromptBuilder, PromptFormat, template_fields
 from grpolab.tasks.reward_model_spec import MODEL_PREFIX, RewardModelSpec, is_model_reward, reward_model_spec
 from grpolab.tasks.rewards import VERIFIERS, RewardSet, Sample, reward_term
@@ -90,15 +90,25 @@ class DatasetTask(Task):
         self.toolset = cfg.tools.build()
         self.prompts = PromptBuilder(p.format, p.template, p.system, p.chat_template_kwargs, self.toolset)
         self.answer_format = p.answer or "r1_zero"
-        self.rewards = RewardSet([reward_term(r.function, r.name, r.weight, r.options, r.timeout_s)
-                                  for r in cfg.rewards if not is_model_reward(r.function)])
-        self.reward_models: list[RewardModelSpec] = [reward_model_spec(r.function, r.name, r.weight, r.options)
-                                                     for r in cfg.rewards if is_model_reward(r.function)]
+        self.rewards = RewardSet(
+            [
+                reward_term(r.function, r.name, r.weight, r.options, r.timeout_s)
+                for r in cfg.rewards
+                if not is_model_reward(r.function)
+            ]
+        )
+        self.reward_models: list[RewardModelSpec] = [
+            reward_model_spec(r.function, r.name, r.weight, r.options)
+            for r in cfg.rewards
+            if is_model_reward(r.function)
+        ]
         train = rows_of(cfg.train, "train")
         if cfg.validation is not None:
             validation = rows_of(cfg.validation, "validation")
-            splits = {"train": (cfg.train, train, range(len(train))),
-                      "validation": (cfg.validation, validation, range(len(validation)))}
+            splits = {
+                "train": (cfg.train, train, range(len(train))),
+                "validation": (cfg.validation, validation, range(len(validation))),
+            }
         else:
             train_rows, val_rows = seeded_split(len(train), cfg.validation_size or 0, cfg.split_seed)
             splits = {"train": (cfg.train, train, train_rows), "validation": (cfg.train, train, val_rows)}
@@ -133,8 +143,10 @@ class DatasetTask(Task):
             raise DataError(f"{location}: field {cfg.answer_field!r} must be a non-empty answer, got {answer!r}")
         gold = read_gold(str(answer), cfg.gold)
         if not gold:
-            raise DataError(f"{location}: no gold answer in field {cfg.answer_field!r} (task.gold = {cfg.gold!r}): "
-                            f"{str(answer)[-80:]!r}")
+            raise DataError(
+                f"{location}: no gold answer in field {cfg.answer_field!r} (task.gold = {cfg.gold!r}): "
+                f"{str(answer)[-80:]!r}"
+            )
         example_id = default_id
         if cfg.id_field is not None:
             value = record[cfg.id_field]
@@ -170,9 +182,14 @@ class DatasetTask(Task):
         extracted = extract_answer(completion, self.answer_format)
         sample = Sample(completion, example.answer, example.question, example.id, extracted, truncated, example.fields)
         values, failed = self.rewards.score(sample)
-        return Grade(format_reward=float(extracted is not None and not truncated),
-                     answer_reward=values[self.rewards.terms[0].name], extracted=extracted,
-                     components=tuple(values.items()), total=self.rewards.total(values), failed=failed)
+        return Grade(
+            format_reward=float(extracted is not None and not truncated),
+            answer_reward=values[self.rewards.terms[0].name],
+            extracted=extracted,
+            components=tuple(values.items()),
+            total=self.rewards.total(values),
+            failed=failed,
+        )
 
     def grade_batch(self, items: list[tuple[str, Example, bool]]) -> list[Grade]:
         """``grade`` over (completion, example, truncated) items, several at once (reward functions and
@@ -186,44 +203,61 @@ class DatasetTask(Task):
         rewards = []
         for r in self.cfg.rewards:
             entry = {"function": r.function, "name": r.name, "weight": r.weight, "options": r.options}
-            source = (getattr(sys.modules.get(r.function.partition(":")[0]), "__file__", None)
-                      if ":" in r.function and not is_model_reward(r.function) else None)
+            source = (
+                getattr(sys.modules.get(r.function.partition(":")[0]), "__file__", None)
+                if ":" in r.function and not is_model_reward(r.function)
+                else None
+            )
             if source:  # a user function: which file, and its exact text
                 entry.update(source=source, source_sha256=file_sha256(Path(source)))
             if is_model_reward(r.function):  # a reward model: which folder, and its exact files
-                folder = Path(r.function[len(MODEL_PREFIX):]).resolve()
+                folder = Path(r.function[len(MODEL_PREFIX) :]).resolve()
                 entry.update(model_dir=str(folder), model_sha256=model_sha256(folder))
             rewards.append(entry)
         return {
-            "task": self.name, "train": self.cfg.train, "validation": self.cfg.validation,
-            "train_rows": len(self._rows["train"]), "train_sha256": rows_sha256(self._rows["train"]),
-            "validation_rows": len(self._rows["validation"]), "validation_sha256": rows_sha256(self._rows["validation"]),
-            "prompt_template_sha256": text_sha256(self.prompt_template()), "answer_format": self.answer_format,
-            "rewards": rewards, "rewards_sha256": text_sha256(canonical_json(rewards)),
+            "task": self.name,
+            "train": self.cfg.train,
+            "validation": self.cfg.validation,
+            "train_rows": len(self._rows["train"]),
+            "train_sha256": rows_sha256(self._rows["train"]),
+            "validation_rows": len(self._rows["validation"]),
+            "validation_sha256": rows_sha256(self._rows["validation"]),
+            "prompt_template_sha256": text_sha256(self.prompt_template()),
+            "answer_format": self.answer_format,
+            "rewards": rewards,
+            "rewards_sha256": text_sha256(canonical_json(rewards)),
         }
 
 
 class PromptConfig(TaskSettings):
     """How prompts are made and where the completion states its answer (``grpolab.tasks.prompts``)."""
 
-    format: PromptFormat = Field("r1_zero", description="r1_zero; chat = the tokenizer's "
-                                                           "chat template; template = your format string")
-    template: str | None = Field(None, description="template: the whole prompt; chat: the user message (default "
-                                 "'{question}'); fields as {name}: question and the data row's fields")
+    format: PromptFormat = Field(
+        "r1_zero", description="r1_zero; chat = the tokenizer's chat template; template = your format string"
+    )
+    template: str | None = Field(
+        None,
+        description="template: the whole prompt; chat: the user message (default "
+        "'{question}'); fields as {name}: question and the data row's fields",
+    )
     system: str | None = Field(None, description="chat: a system message")
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="chat: passed to the chat "
-                                                 "template, e.g. {enable_thinking = false}")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="chat: passed to the chat template, e.g. {enable_thinking = false}"
+    )
     answer: AnswerFormat | None = Field(
-        None, description="where the completion states its answer: r1_zero ('</think> <answer> X </answer>'), "
+        None,
+        description="where the completion states its answer: r1_zero ('</think> <answer> X </answer>'), "
         "answer_tags (the last <answer>X</answer>), boxed (the last \\boxed{X}), last_number; None = r1_zero for "
-        "the r1_zero format, else required")
+        "the r1_zero format, else required",
+    )
 
     @model_validator(mode="after")
-    def _answer_format(self) -> "PromptConfig":
+    def _answer_format(self) -> PromptConfig:
         if self.answer is None:
             if self.format != "r1_zero":
-                raise ValueError(f"prompt.answer is required with prompt.format {self.format!r}: answer_tags, "
-                                 "boxed or last_number")
+                raise ValueError(
+                    f"prompt.answer is required with prompt.format {self.format!r}: answer_tags, boxed or last_number"
+                )
             self.answer = "r1_zero"
         PromptBuilder(self.format, self.template, self.system, self.chat_template_kwargs)  # refuses bad combinations
         return self
@@ -232,24 +266,29 @@ class PromptConfig(TaskSettings):
 class RewardConfig(TaskSettings):
     """One weighted reward function (``grpolab.tasks.rewards``)."""
 
-    function: str = Field(description="a verifier (numeric, math, exact, regex), 'package.module:function', or "
-                          "'model:DIR', a reward model (grpolab.tasks.reward_model_spec; its options there)")
+    function: str = Field(
+        description="a verifier (numeric, math, exact, regex), 'package.module:function', or "
+        "'model:DIR', a reward model (grpolab.tasks.reward_model_spec; its options there)"
+    )
     name: str | None = Field(None, description="label in the metrics (reward/<name>); default: the function's name")
     weight: float = 1.0
-    timeout_s: float | None = Field(None, gt=0, description="time bound per call (math: 2 s, regex: 1 s, "
-                                    "user functions: 10 s)")
+    timeout_s: float | None = Field(
+        None, gt=0, description="time bound per call (math: 2 s, regex: 1 s, user functions: 10 s)"
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the verifier or function")
 
     @field_validator("function")
     @classmethod
     def _known(cls, value: str) -> str:
         if value not in VERIFIERS and not IMPORT_PATH.fullmatch(value) and not is_model_reward(value):
-            raise ValueError(f"unknown reward function {value!r}; use a verifier ({', '.join(VERIFIERS)}), "
-                             f"'package.module:function' or '{MODEL_PREFIX}DIR'")
+            raise ValueError(
+                f"unknown reward function {value!r}; use a verifier ({', '.join(VERIFIERS)}), "
+                f"'package.module:function' or '{MODEL_PREFIX}DIR'"
+            )
         return value
 
     @model_validator(mode="after")
-    def _model_options(self) -> "RewardConfig":
+    def _model_options(self) -> RewardConfig:
         if is_model_reward(self.function):
             if self.timeout_s is not None:
                 raise ValueError(f"reward {self.function!r}: a reward model takes no timeout_s")
@@ -263,34 +302,48 @@ class DatasetTaskConfig(TaskSettings):
     name: Literal["dataset"] = "dataset"
     train: str = Field(description="a .jsonl or .parquet file, or hub:NAME[:CONFIG]:SPLIT")
     validation: str | None = Field(None, description="as train; None = a seeded split of train (validation_size)")
-    validation_size: float | None = Field(None, gt=0, description="without validation: a count (>= 1) or a "
-                                          "fraction (< 1) of the train rows, drawn with split_seed")
+    validation_size: float | None = Field(
+        None,
+        gt=0,
+        description="without validation: a count (>= 1) or a fraction (< 1) of the train rows, drawn with split_seed",
+    )
     split_seed: int = 0
     n_train: int | None = Field(None, ge=1, description="the first N train rows (after the split; None = all)")
     n_val: int | None = Field(None, ge=1, description="the first M validation rows (None = all)")
     question_field: str = "question"
     answer_field: str = "answer"
     id_field: str | None = Field(None, description="a field of unique ids; None = '<split>-<row>'")
-    gold: Literal["text", "boxed", "gsm8k"] = Field("text", description="how the answer field holds the gold "
-                                                    "answer: as text, in its last \\boxed{} (MATH solutions), or "
-                                                    "after '####' (GSM8K)")
+    gold: Literal["text", "boxed", "gsm8k"] = Field(
+        "text",
+        description="how the answer field holds the gold "
+        "answer: as text, in its last \\boxed{} (MATH solutions), or "
+        "after '####' (GSM8K)",
+    )
     prompt: PromptConfig = PromptConfig()
-    rewards: list[RewardConfig] = Field(default_factory=lambda: [RewardConfig(function="math")], min_length=1,
-                                        description="weighted; the first is the task's correctness (accuracy)")
-    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="tools the model may call; the prompt "
-                               "says how (chat: the template's tools argument; template: {tools})")
+    rewards: list[RewardConfig] = Field(
+        default_factory=lambda: [RewardConfig(function="math")],
+        min_length=1,
+        description="weighted; the first is the task's correctness (accuracy)",
+    )
+    tools: ToolsConfig = Field(
+        default_factory=ToolsConfig,
+        description="tools the model may call; the prompt "
+        "says how (chat: the template's tools argument; template: {tools})",
+    )
 
     FILES: ClassVar[tuple[str, ...]] = ("train", "validation")
 
     @model_validator(mode="after")
-    def _split(self) -> "DatasetTaskConfig":
+    def _split(self) -> DatasetTaskConfig:
         if (self.validation is None) == (self.validation_size is None):
             raise ValueError("give either task.validation (a source) or task.validation_size (a split of train)")
         if self.validation_size is not None and self.validation_size >= 1 and self.validation_size % 1:
             raise ValueError(f"task.validation_size {self.validation_size}: a count must be whole, a fraction < 1")
         if is_model_reward(self.rewards[0].function):
-            raise ValueError("task.rewards: the first reward is the task's correctness (accuracy, pass@k): make it a "
-                             "verifier or function (with weight = 0 to keep it out of the RL reward), the model after it")
+            raise ValueError(
+                "task.rewards: the first reward is the task's correctness (accuracy, pass@k): make it a "
+                "verifier or function (with weight = 0 to keep it out of the RL reward), the model after it"
+            )
         if not self.tools.enabled and "tools" in template_fields(self.prompt.template or ""):
             raise ValueError("task.prompt.template names {tools} but task.tools.enabled is empty")
         return self
@@ -307,8 +360,10 @@ class DatasetTaskConfig(TaskSettings):
                 terms.append(label)
         if len(weighted) > 1:
             i, r = weighted[1]
-            terms.append(f"task.rewards[{i}] ({r.name or r.function}), a second weighted term added to "
-                         f"task.rewards[{weighted[0][0]}],")
+            terms.append(
+                f"task.rewards[{i}] ({r.name or r.function}), a second weighted term added to "
+                f"task.rewards[{weighted[0][0]}],"
+            )
         return terms
 
     def prompt_format(self) -> str | None:
@@ -317,9 +372,14 @@ class DatasetTaskConfig(TaskSettings):
     def absolute_reward_models(self) -> dict[str, Any]:
         if not any(is_model_reward(r.function) for r in self.rewards):
             return {}
-        return {"rewards": [r.model_copy(update={"function": MODEL_PREFIX + str(Path(r.function[len(MODEL_PREFIX):])
-                                                                              .resolve())})
-                            if is_model_reward(r.function) else r for r in self.rewards]}
+        return {
+            "rewards": [
+                r.model_copy(update={"function": MODEL_PREFIX + str(Path(r.function[len(MODEL_PREFIX) :]).resolve())})
+                if is_model_reward(r.function)
+                else r
+                for r in self.rewards
+            ]
+        }
 
     def build(self) -> DatasetTask:
         return DatasetTask(self)

@@ -80,9 +80,7 @@ def local_records(path: str | Path) -> list[tuple[str, Any]]:
     raise DataError(f"{path}: unknown data format {suffix!r}; use {JSONL_SUFFIXES + PARQUET_SUFFIXES}")
 
 
-def load_rows(
-    path: str | Path, question_field: str = "question", answer_field: str = "answer"
-) -> list[dict[str, str]]:
+def load_rows(path: str | Path, question_field: str = "question", answer_field: str = "answer") -> list[dict[str, str]]:
     """All rows of a local ``.jsonl`` or ``.parquet`` file as ``{"question", "answer"}`` dicts.
 
     Raises DataError as ``local_records`` does, and for a missing or non-string field.
@@ -90,8 +88,7 @@ def load_rows(
     return [_to_qa(loc, rec, question_field, answer_field) for loc, rec in local_records(path)]
 
 
-def hub_records(name: str, split: str, config: str | None = None, revision: str | None = None
-                ) -> list[tuple[str, Any]]:
+def hub_records(name: str, split: str, config: str | None = None, revision: str | None = None) -> list[tuple[str, Any]]:
     """(location, record) of a hub dataset split via the optional ``datasets`` package
     (e.g. ``"openai/gsm8k", "test", "main"``).
 
@@ -100,8 +97,10 @@ def hub_records(name: str, split: str, config: str | None = None, revision: str 
     try:
         import datasets
     except ImportError:
-        raise DataError("loading from the Hugging Face hub needs the optional `datasets` package "
-                        "(pip install datasets); or download the files and give local paths") from None
+        raise DataError(
+            "loading from the Hugging Face hub needs the optional `datasets` package "
+            "(pip install datasets); or download the files and give local paths"
+        ) from None
     source = f"hub dataset {name!r} (config {config!r}, split {split!r})"
     try:
         records = datasets.load_dataset(name, config, split=split, revision=revision)
@@ -119,14 +118,16 @@ def source_records(source: str | Path) -> list[tuple[str, Any]]:
     text = str(source)
     if not text.startswith(HUB_PREFIX):
         return local_records(source)
-    parts = text[len(HUB_PREFIX):].split(":")
+    parts = text[len(HUB_PREFIX) :].split(":")
     if len(parts) not in (2, 3) or not all(parts):
         raise DataError(f"{text!r}: expected hub:NAME:SPLIT or hub:NAME:CONFIG:SPLIT")
     name, config, split = (parts[0], None, parts[1]) if len(parts) == 2 else parts
     return hub_records(name, split, config)
 
 
-def load_source(source: str | Path, question_field: str = "question", answer_field: str = "answer") -> list[dict[str, str]]:
+def load_source(
+    source: str | Path, question_field: str = "question", answer_field: str = "answer"
+) -> list[dict[str, str]]:
     """``{"question", "answer"}`` rows of ``source`` (see ``source_records``)."""
     return [_to_qa(loc, rec, question_field, answer_field) for loc, rec in source_records(source)]
 

@@ -32,7 +32,7 @@ def after_thinking(text: str) -> str | None:
     """The text after the last ``</think>``; None when a ``<think>`` is never closed; else the text."""
     close = text.rfind(THINK_CLOSE)
     if close >= 0:
-        return text[close + len(THINK_CLOSE):]
+        return text[close + len(THINK_CLOSE) :]
     return None if THINK_OPEN in text else text
 
 
@@ -40,7 +40,7 @@ def last_answer_tags(text: str) -> str | None:
     """The stripped content of the last ``<answer>...</answer>`` (the last opening tag before the last closing one)."""
     close = text.rfind("</answer>")
     start = text.rfind("<answer>", 0, close) if close >= 0 else -1
-    return text[start + len("<answer>"):close].strip() if start >= 0 else None
+    return text[start + len("<answer>") : close].strip() if start >= 0 else None
 
 
 def _matching_braces(text: str) -> dict[int, int]:
@@ -61,9 +61,9 @@ def last_boxed(text: str) -> str | None:
         if text.startswith("{", rest):
             pairs = _matching_braces(text) if pairs is None else pairs
             if rest in pairs:
-                return text[rest + 1:pairs[rest]].strip()
+                return text[rest + 1 : pairs[rest]].strip()
         elif text.startswith(" ", rest):
-            word = re.match(r" +([^\s$]+)", text[rest:rest + 1000])
+            word = re.match(r" +([^\s$]+)", text[rest : rest + 1000])
             if word:
                 return word.group(1)
     return None
@@ -76,7 +76,10 @@ def last_number(text: str) -> str | None:
 
 
 _FINDERS: dict[str, Callable[[str], str | None]] = {
-    "answer_tags": last_answer_tags, "boxed": last_boxed, "last_number": last_number}
+    "answer_tags": last_answer_tags,
+    "boxed": last_boxed,
+    "last_number": last_number,
+}
 
 
 def extract_answer(completion: str, answer_format: AnswerFormat) -> str | None:

@@ -55,8 +55,11 @@ def gsm8k_examples(rows: list[dict[str, str]], split: str, source: str) -> list[
             rationale, gold = split_gsm8k_answer(row["answer"])
         except DataError as err:
             raise DataError(f"{source}: row {index}: {err}") from None
-        examples.append(Example(id=f"{split}-{index}", question=row["question"], answer=gold,
-                                solution=r1_zero_solution(rationale, gold)))
+        examples.append(
+            Example(
+                id=f"{split}-{index}", question=row["question"], answer=gold, solution=r1_zero_solution(rationale, gold)
+            )
+        )
     return examples
 
 
@@ -114,8 +117,9 @@ class GSM8KTask(Task):
             "train_sha256": rows_sha256(train_rows),
             "validation_rows": len(val_rows),
             "validation_sha256": rows_sha256(val_rows),
-            "prompt_template_sha256": text_sha256(R1_ZERO_TEMPLATE if self.toolset is None else
-                                                  r1_zero_prompt("{question}", self.toolset.instruction())),
+            "prompt_template_sha256": text_sha256(
+                R1_ZERO_TEMPLATE if self.toolset is None else r1_zero_prompt("{question}", self.toolset.instruction())
+            ),
         }
 
 
@@ -129,8 +133,10 @@ class GSM8KTaskConfig(TaskSettings):
     n_val: int | None = Field(1024, ge=1, description="first M test rows as validation (None = all)")
     question_field: str = "question"
     answer_field: str = "answer"
-    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="e.g. {enabled = [\"calculator\"]}: "
-                               "the prompt says how to call them, rollouts run them")
+    tools: ToolsConfig = Field(
+        default_factory=ToolsConfig,
+        description='e.g. {enabled = ["calculator"]}: the prompt says how to call them, rollouts run them',
+    )
 
     FILES: ClassVar[tuple[str, ...]] = ("train_path", "test_path")
 

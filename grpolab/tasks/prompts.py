@@ -37,6 +37,7 @@ def template_fields(template: str) -> list[str]:
 
 def fill_template(template: str, fields: Mapping[str, Any]) -> str:
     """``template`` with each ``{name}`` replaced by ``str(fields[name])`` (KeyError when one is missing)."""
+
     def substitute(match: re.Match) -> str:
         token = match.group(0)
         if token in ("{{", "}}"):
@@ -49,13 +50,21 @@ def fill_template(template: str, fields: Mapping[str, Any]) -> str:
 class PromptBuilder:
     """Renders prompts of one format; chat prompts only once ``bind_tokenizer`` has been called."""
 
-    def __init__(self, format: PromptFormat, template: str | None = None, system: str | None = None,
-                 chat_template_kwargs: Mapping[str, Any] | None = None, toolset: Any = None):
+    def __init__(
+        self,
+        format: PromptFormat,
+        template: str | None = None,
+        system: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        toolset: Any = None,
+    ):
         if format == "template" and not template:
             raise ValueError("prompt format 'template' needs prompt.template, e.g. \"Q: {question}\\nA:\"")
         if format == "r1_zero" and (template or system or chat_template_kwargs):
-            raise ValueError("prompt format 'r1_zero' is fixed; prompt.template / system / chat_template_kwargs "
-                             "apply to 'chat' or 'template'")
+            raise ValueError(
+                "prompt format 'r1_zero' is fixed; prompt.template / system / chat_template_kwargs "
+                "apply to 'chat' or 'template'"
+            )
         if format == "template" and (system or chat_template_kwargs):
             raise ValueError("prompt.system and prompt.chat_template_kwargs apply to format 'chat' only")
         self.format, self.system = format, system
@@ -67,15 +76,20 @@ class PromptBuilder:
     @property
     def fields(self) -> list[str]:
         """Row fields every example must have."""
-        return ["question"] if self.format == "r1_zero" else [f for f in template_fields(self.template)
-                                                               if not (f == "tools" and self.toolset is not None)]
+        return (
+            ["question"]
+            if self.format == "r1_zero"
+            else [f for f in template_fields(self.template) if not (f == "tools" and self.toolset is not None)]
+        )
 
     def bind_tokenizer(self, tokenizer: Any) -> None:
         """The tokenizer whose chat template renders chat prompts (refused when it has none)."""
         if self.format == "chat":
             if not getattr(tokenizer, "chat_template", None):
-                raise ValueError("prompt format 'chat' needs a tokenizer with a chat template; this model's "
-                                 "tokenizer has none (use prompt.format 'r1_zero' or 'template')")
+                raise ValueError(
+                    "prompt format 'chat' needs a tokenizer with a chat template; this model's "
+                    "tokenizer has none (use prompt.format 'r1_zero' or 'template')"
+                )
             self.tokenizer = tokenizer
 
     def messages(self, fields: Mapping[str, Any]) -> list[dict[str, str]]:
@@ -92,8 +106,9 @@ class PromptBuilder:
         if self.tokenizer is None:
             raise RuntimeError("chat prompts are rendered once the model's tokenizer is bound (bind_tokenizer)")
         tools = {"tools": self.toolset.schemas()} if self.toolset is not None else {}
-        return self.tokenizer.apply_chat_template(self.messages(fields), tokenize=False, add_generation_prompt=True,
-                                                  **tools, **self.chat_template_kwargs)
+        return self.tokenizer.apply_chat_template(
+            self.messages(fields), tokenize=False, add_generation_prompt=True, **tools, **self.chat_template_kwargs
+        )
 
     def describe(self) -> str:
         """How prompts are made, as text (for the snapshot and the fingerprint); for chat prompts the
@@ -103,7 +118,16 @@ class PromptBuilder:
         if self.format == "template":
             return self.template + (f"\n[tools]\n{self.tools_note}" if self.toolset is not None else "")
         tools = {"tools": self.toolset.schemas()} if self.toolset is not None else {}
-        return json.dumps({"format": "chat", "system": self.system, "user": self.template,
-                           "chat_template_kwargs": self.chat_template_kwargs, **tools,
-                           "chat_template": getattr(self.tokenizer, "chat_template", None)},
-                          sort_keys=True, ensure_ascii=False, indent=1)
+        return json.dumps(
+            {
+                "format": "chat",
+                "system": self.system,
+                "user": self.template,
+                "chat_template_kwargs": self.chat_template_kwargs,
+                **tools,
+                "chat_template": getattr(self.tokenizer, "chat_template", None),
+            },
+            sort_keys=True,
+            ensure_ascii=False,
+            indent=1,
+        )

@@ -21,6 +21,7 @@ R1_ZERO_TEMPLATE = (
 THINK_CLOSE_ANSWER_OPEN = "</think> <answer>"
 ANSWER_CLOSE = "</answer>"
 
+
 def r1_zero_prompt(question: str, tools_note: str = "") -> str:
     """Insert ``question`` into the r1_zero template; ``tools_note`` (how to call the tools, e.g.
     ``Toolset.instruction()``) goes on its own line before the question."""
@@ -60,4 +61,6 @@ def grade_r1_zero(completion: str, gold: str, truncated: bool, symbolic: bool = 
     format_ok, answer = parse_r1_zero(completion)
     if truncated or not format_ok or answer is None:
         return Grade(format_reward=0.0, answer_reward=0.0, extracted=answer)
-    return Grade(format_reward=1.0, answer_reward=1.0 if answers_match(answer, gold, symbolic) else 0.0, extracted=answer)
+    return Grade(
+        format_reward=1.0, answer_reward=1.0 if answers_match(answer, gold, symbolic) else 0.0, extracted=answer
+    )

@@ -27,17 +27,20 @@ class RewardModelOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     normalize: Literal["none", "batch", "running"] = Field(
-        "none", description="none = the raw score; batch = z-score over each rollout batch; running = z-score "
-        "with the running mean/std of every score so far (kept in the run state: resume is exact)")
+        "none",
+        description="none = the raw score; batch = z-score over each rollout batch; running = z-score "
+        "with the running mean/std of every score so far (kept in the run state: resume is exact)",
+    )
     clip: float | None = Field(None, gt=0, description="clamp the (normalized) score to [-clip, clip]")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="auto = bf16 on CUDA, float32 on CPU")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto = bf16 on CUDA, float32 on CPU")
     batch_size: int = Field(16, ge=1, description="texts per forward")
     max_length: int | None = Field(None, ge=1, description="tokens per rendered text; None = the model's context")
-    truncate: Literal["error", "left"] = Field("error", description="a longer text: error, or keep its last "
-                                               "max_length tokens")
-    pad_token: str | None = Field(None, description="for a tokenizer without a pad token: one of its tokens to "
-                                  "pad with (e.g. its EOS token)")
+    truncate: Literal["error", "left"] = Field(
+        "error", description="a longer text: error, or keep its last max_length tokens"
+    )
+    pad_token: str | None = Field(
+        None, description="for a tokenizer without a pad token: one of its tokens to pad with (e.g. its EOS token)"
+    )
 
 
 class RewardModelSpec(BaseModel):
@@ -65,9 +68,11 @@ def check_reward_model_dir(path: str) -> dict:
     config = json.loads(config_file.read_text())
     architectures = config.get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
-        raise ValueError(f"reward model {path!r} is not a sequence-classification model (architectures: "
-                         f"{', '.join(architectures) or 'none'}); train or save it with "
-                         "AutoModelForSequenceClassification and num_labels = 1")
+        raise ValueError(
+            f"reward model {path!r} is not a sequence-classification model (architectures: "
+            f"{', '.join(architectures) or 'none'}); train or save it with "
+            "AutoModelForSequenceClassification and num_labels = 1"
+        )
     labels = config.get("num_labels", len(config.get("id2label") or {}) or 2)
     if labels != 1:
         raise ValueError(f"reward model {path!r} has {labels} labels; a reward model has one output (num_labels = 1)")
@@ -76,7 +81,7 @@ def check_reward_model_dir(path: str) -> dict:
 
 def reward_model_spec(function: str, name: str | None, weight: float, options: dict) -> RewardModelSpec:
     """The spec of a ``model:DIR`` reward entry, checked (one ``ValueError`` line when not)."""
-    path = function[len(MODEL_PREFIX):]
+    path = function[len(MODEL_PREFIX) :]
     try:
         checked = RewardModelOptions(**options)
     except ValidationError as err:

@@ -72,8 +72,9 @@ def regex_in_worker(pattern: str, answer: str, flags: int, timeout_s: float) -> 
         return False
 
 
-def regex_verifier(pattern: str = "{gold}", ignore_case: bool = False, timeout_s: float = 1.0
-                   ) -> Callable[[str, str], bool]:
+def regex_verifier(
+    pattern: str = "{gold}", ignore_case: bool = False, timeout_s: float = 1.0
+) -> Callable[[str, str], bool]:
     flags = regex.IGNORECASE if ignore_case else 0
     if pattern != "gold":  # checked once: a pattern that cannot compile is a config error
         try:
@@ -91,7 +92,11 @@ def regex_verifier(pattern: str = "{gold}", ignore_case: bool = False, timeout_s
 
 
 VERIFIERS: dict[str, Callable[..., Callable[[str, str], bool]]] = {
-    "numeric": numeric_verifier, "math": math_verifier, "exact": exact_verifier, "regex": regex_verifier}
+    "numeric": numeric_verifier,
+    "math": math_verifier,
+    "exact": exact_verifier,
+    "regex": regex_verifier,
+}
 
 
 def _check_options(factory: Callable, options: dict[str, Any], where: str) -> None:
@@ -119,8 +124,9 @@ class UserFunction:
 
     def __init__(self, target: str, options: dict[str, Any], timeout_s: float):
         if not IMPORT_PATH.fullmatch(target):
-            raise ValueError(f"reward function {target!r}: expected a verifier ({', '.join(VERIFIERS)}) or "
-                             "'package.module:function'")
+            raise ValueError(
+                f"reward function {target!r}: expected a verifier ({', '.join(VERIFIERS)}) or 'package.module:function'"
+            )
         try:
             function = resolve(target)
         except Exception as err:
@@ -169,8 +175,9 @@ class RewardTerm:
     failures: int = 0
 
 
-def reward_term(function: str, name: str | None, weight: float, options: dict[str, Any],
-                timeout_s: float | None) -> RewardTerm:
+def reward_term(
+    function: str, name: str | None, weight: float, options: dict[str, Any], timeout_s: float | None
+) -> RewardTerm:
     """A term from its config: a verifier name or a ``module:function``."""
     label = name or function.rpartition(":")[2]
     if function in VERIFIERS:
@@ -212,8 +219,14 @@ class RewardSet:
                     first = term.failures == 1
                 failed.append(term.name)
                 if first:
-                    logger.warning("reward %r failed on item %s (it scores 0; later failures are only counted "
-                                   "in reward/%s_failed):\n%s", term.name, sample.id, term.name, error)
+                    logger.warning(
+                        "reward %r failed on item %s (it scores 0; later failures are only counted "
+                        "in reward/%s_failed):\n%s",
+                        term.name,
+                        sample.id,
+                        term.name,
+                        error,
+                    )
             values[term.name] = value
         return values, tuple(failed)
 

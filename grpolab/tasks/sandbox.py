@@ -121,7 +121,10 @@ class _Worker:
     def __init__(self, target: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from grpolab.tasks.sandbox import serve; serve(sys.argv[1])", target],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_child_env(), start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=_child_env(),
+            start_new_session=True,
         )
         first = self._read(STARTUP_TIMEOUT_S)
         if first != "ready":
@@ -168,7 +171,7 @@ class WorkerPool:
     setup error the caller reports once).
     """
 
-    _shared: dict[str, "WorkerPool"] = {}
+    _shared: dict[str, WorkerPool] = {}
 
     def __init__(self, target: str, max_workers: int = MAX_WORKERS) -> None:
         self.target = target
@@ -177,7 +180,7 @@ class WorkerPool:
         self.slots = threading.BoundedSemaphore(max_workers)
 
     @classmethod
-    def shared(cls, target: str) -> "WorkerPool":
+    def shared(cls, target: str) -> WorkerPool:
         """The process-wide pool of ``target`` (tasks that use the same function share its workers)."""
         if target not in cls._shared:
             cls._shared[target] = cls(target)

@@ -35,8 +35,15 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: f
     return -factor * torch.clamp(excess / buffer, min=0.0, max=1.0)
 
 
-def shape_rewards(grades: list[Grade], lengths: list[int], truncated: list[bool], max_len: int,
-                  penalty: float, buffer: int, factor: float) -> list[Grade]:
+def shape_rewards(
+    grades: list[Grade],
+    lengths: list[int],
+    truncated: list[bool],
+    max_len: int,
+    penalty: float,
+    buffer: int,
+    factor: float,
+) -> list[Grade]:
     """``grades`` with the enabled length terms added to their RL reward as named components."""
     if penalty == 0 and buffer == 0:
         return grades

@@ -37,8 +37,7 @@ TIME_LIMIT_S = 0.05
 DECIMALS = 10
 
 CALCULATOR_DESCRIPTION = (
-    "Evaluate an arithmetic expression exactly (numbers, + - * / // % ^ and parentheses) "
-    "and return the result."
+    "Evaluate an arithmetic expression exactly (numbers, + - * / // % ^ and parentheses) and return the result."
 )
 CALCULATOR_SCHEMA = {
     "type": "object",
@@ -57,8 +56,15 @@ CALCULATOR_SCHEMA = {
 _DIGITS = frozenset("0123456789")
 _ALLOWED = _DIGITS | frozenset(".+-*/%^() \t")
 _SEPARATORS = "write numbers without thousands separators"
-_HINTS = {",": _SEPARATORS, "_": _SEPARATORS, "\u2212": "use '-'", "\u00d7": "use '*'", "\u00f7": "use '/'",
-          "\u00b2": "use ^2", "\u00b3": "use ^3"}
+_HINTS = {
+    ",": _SEPARATORS,
+    "_": _SEPARATORS,
+    "\u2212": "use '-'",
+    "\u00d7": "use '*'",
+    "\u00f7": "use '/'",
+    "\u00b2": "use ^2",
+    "\u00b3": "use ^3",
+}
 _TOO_LARGE = "too large (limit 10^15 in absolute value)"
 _TOO_PRECISE = "too precise (denominator above 10^12)"
 
@@ -71,8 +77,10 @@ class CalculatorError(ValueError):
 
 def _refuse_character(char: str, pos: int) -> CalculatorError:
     hint = _HINTS.get(char) or (
-        "use ASCII digits 0-9" if char.isdigit()
-        else "separate tokens with ASCII spaces" if char.isspace()
+        "use ASCII digits 0-9"
+        if char.isdigit()
+        else "separate tokens with ASCII spaces"
+        if char.isspace()
         else "use only digits, '.', + - * / // % ^ ( ) and spaces"
     )
     return CalculatorError(f"character U+{ord(char):04X} (position {pos}) is not allowed; {hint}")

@@ -39,8 +39,10 @@ class Tool:
 
     def schema(self) -> dict[str, Any]:
         """The function schema chat templates take (``apply_chat_template(tools=[...])``)."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": dict(self.parameters)}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": dict(self.parameters)},
+        }
 
 
 def _calculator(arguments: dict[str, Any]) -> str:
@@ -87,8 +89,13 @@ class Toolset:
         trajectory ends there, counted as a tool error).
     """
 
-    def __init__(self, names: Sequence[str], max_turns: int = 4, call_tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
-                 response_tags: tuple[str, str] = ("<tool_response>", "</tool_response>")):
+    def __init__(
+        self,
+        names: Sequence[str],
+        max_turns: int = 4,
+        call_tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
+        response_tags: tuple[str, str] = ("<tool_response>", "</tool_response>"),
+    ):
         unknown = [n for n in names if n not in TOOLS]
         if unknown or not names:
             raise ValueError(f"unknown tools {unknown or names}; available: {', '.join(TOOLS)}")
@@ -112,10 +119,14 @@ class Toolset:
     def instruction(self) -> str:
         """How to call the tools, for prompts that are not chat templates (one paragraph, ends in a newline)."""
         open_, close = self.call_tags
-        listed = "; ".join(f"{t.name}: {t.description} Arguments: {json.dumps(dict(t.parameters)['properties'])}"
-                           for t in self.tools.values())
-        return (f"The Assistant may call a tool by writing {open_}{{\"name\": ..., \"arguments\": {{...}}}}{close} "
-                f"and then reads its result between {self.response_tags[0]} {self.response_tags[1]}. Tools: {listed}\n")
+        listed = "; ".join(
+            f"{t.name}: {t.description} Arguments: {json.dumps(dict(t.parameters)['properties'])}"
+            for t in self.tools.values()
+        )
+        return (
+            f'The Assistant may call a tool by writing {open_}{{"name": ..., "arguments": {{...}}}}{close} '
+            f"and then reads its result between {self.response_tags[0]} {self.response_tags[1]}. Tools: {listed}\n"
+        )
 
     def observation(self, output: str) -> str:
         return f"{self.response_tags[0]}{output}{self.response_tags[1]}"
@@ -131,11 +142,12 @@ class Toolset:
         if end < 0:
             return None
         start = turn_text.rfind(open_, 0, end)
-        return None if start < 0 else turn_text[start + len(open_):end]
+        return None if start < 0 else turn_text[start + len(open_) : end]
 
     def execute(self, text: str | None) -> ToolCall:
         """Parse, check and run one call (``text`` between the tags; None: the closing tag had no opening
         tag). Never raises: every failure is an error observation."""
+
         def failed(error: str, name: str | None = None, arguments: dict | None = None) -> ToolCall:
             return ToolCall(text or "", name, arguments, error, self.observation(f"error: {error}"))
 
@@ -147,8 +159,12 @@ class Toolset:
             call = json.loads(text)
         except (ValueError, RecursionError):
             return failed(f"the call is not valid JSON: {_quote(text.strip())}")
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments"), dict) \
-                or set(call) - {"name", "arguments"}:
+        if (
+            not isinstance(call, dict)
+            or not isinstance(call.get("name"), str)
+            or not isinstance(call.get("arguments"), dict)
+            or set(call) - {"name", "arguments"}
+        ):
             return failed('a call is {"name": "<tool>", "arguments": {...}}')
         name, arguments = call["name"], call["arguments"]
         tool = self.tools.get(name)
@@ -169,8 +185,8 @@ class Toolset:
         open_, close = self.response_tags
         out: list[tuple[str, bool]] = []
         while (start := text.find(open_)) >= 0 and (end := text.find(close, start)) >= 0:
-            out += [(text[:start], False), (text[start:end + len(close)], True)]
-            text = text[end + len(close):]
+            out += [(text[:start], False), (text[start : end + len(close)], True)]
+            text = text[end + len(close) :]
         return [(piece, obs) for piece, obs in out + [(text, False)] if piece]
 
 
@@ -182,7 +198,9 @@ def schema_error(schema: Mapping[str, Any], arguments: dict[str, Any]) -> str | 
     if error is None:
         return None
     where = "/".join(map(str, error.absolute_path))
-    return (f"{where}: " if where else "") + (error.message if len(error.message) <= 120 else error.message[:120] + "...")
+    return (f"{where}: " if where else "") + (
+        error.message if len(error.message) <= 120 else error.message[:120] + "..."
+    )
 
 
 class ToolsConfig(BaseModel):
@@ -192,10 +210,13 @@ class ToolsConfig(BaseModel):
 
     enabled: list[str] = Field(default_factory=list, description="tool names (calculator); [] = no tools")
     max_turns: int = Field(4, ge=2, description="generation turns per trajectory; a call in the last is not run")
-    call_tags: tuple[str, str] = Field(("<tool_call>", "</tool_call>"), description="around a JSON call "
-                                       '{"name": ..., "arguments": {...}}; best single tokens of the vocabulary')
-    response_tags: tuple[str, str] = Field(("<tool_response>", "</tool_response>"),
-                                           description="around the tool's output in the observation")
+    call_tags: tuple[str, str] = Field(
+        ("<tool_call>", "</tool_call>"),
+        description='around a JSON call {"name": ..., "arguments": {...}}; best single tokens of the vocabulary',
+    )
+    response_tags: tuple[str, str] = Field(
+        ("<tool_response>", "</tool_response>"), description="around the tool's output in the observation"
+    )
 
     @field_validator("enabled")
     @classmethod

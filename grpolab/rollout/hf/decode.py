@@ -33,8 +33,9 @@ from grpolab.rollout.hf.kv_cache import reserved_cache
 __all__ = ["Decoded", "compaction", "decode", "left_padded_positions", "sample_step", "sequence_places"]
 
 
-def sample_step(logits: Tensor, uniform: Tensor | None, temperature: float, top_k: int = 0,
-                top_p: float = 1.0) -> tuple[Tensor, Tensor]:
+def sample_step(
+    logits: Tensor, uniform: Tensor | None, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> tuple[Tensor, Tensor]:
     """One token per row, and its log-prob under ``softmax(logits / temperature)``.
 
     logits: [A, V] float32 (divided by the temperature in place when it is not 1).
@@ -93,7 +94,7 @@ class _StopStrings:
         self.window = 4 * max(len(s) for s in self.stop_strings) + 8
 
     def __call__(self, generated: list[int]) -> bool:
-        text = self.decode_ids(generated[-self.window:])
+        text = self.decode_ids(generated[-self.window :])
         return any(s in text for s in self.stop_strings)
 
 
@@ -110,16 +111,34 @@ def sequence_places(attention_mask: Tensor, positions: Tensor) -> Tensor:
 
 def _forward(model: nn.Module, ids: Tensor, mask: Tensor, positions: Tensor, cache: Cache) -> Tensor:
     """The model's own forward over ``ids`` [A, C] with the cache; the last column's logits [A, V] float32."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     return out.logits[:, -1].float()
 
 
-def decode(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,
-           temperature: float, top_k: int, top_p: float, eos_token_ids: Sequence[int],
-           cache: Cache | None = None, stop_strings: Sequence[str] = (),
-           decode_ids: Callable[[list[int]], str] | None = None, synced: bool = False,
-           drop_fraction: float = 0.0, on_forward: Callable[[list[int], Tensor], None] | None = None) -> Decoded:
+def decode(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    eos_token_ids: Sequence[int],
+    cache: Cache | None = None,
+    stop_strings: Sequence[str] = (),
+    decode_ids: Callable[[list[int]], str] | None = None,
+    synced: bool = False,
+    drop_fraction: float = 0.0,
+    on_forward: Callable[[list[int], Tensor], None] | None = None,
+) -> Decoded:
     """Sample up to ``max_new_tokens`` tokens for each left-padded row of ``input_ids`` [B, P].
 
     attention_mask: [B, P], 0 on the left padding.

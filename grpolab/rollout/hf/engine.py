@@ -69,14 +69,28 @@ class HFEngine:
     (``Completion.routed_experts``; ``grpolab.rollout.hf.routing_capture``).
     """
 
-    capabilities = EngineCapabilities(shares_training_model=True, max_temperature=None, truncated_sampling=True,
-                                      graceful_stop=True, records_routing=True, serves_adapters=False,
-                                      batch_refill=False, bounded_batch=True)
+    capabilities = EngineCapabilities(
+        shares_training_model=True,
+        max_temperature=None,
+        truncated_sampling=True,
+        graceful_stop=True,
+        records_routing=True,
+        serves_adapters=False,
+        batch_refill=False,
+        bounded_batch=True,
+    )
 
-    def __init__(self, model: nn.Module, tokenizer, max_batch_size: int = 64,
-                 eos_token_ids: Sequence[int] | None = None,
-                 compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 shared_prefill: bool = True, synced: bool = False, pack_weights: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        max_batch_size: int = 64,
+        eos_token_ids: Sequence[int] | None = None,
+        compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        shared_prefill: bool = True,
+        synced: bool = False,
+        pack_weights: bool = True,
+    ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.model = model
@@ -84,8 +98,11 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.compute_context = compute_context
         self.shared_prefill, self.synced, self.pack_weights = shared_prefill, synced, pack_weights
-        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else collect_eos_ids(
-            tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+        self.eos_token_ids = (
+            list(eos_token_ids)
+            if eos_token_ids is not None
+            else collect_eos_ids(tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+        )
         if not self.eos_token_ids:
             raise ValueError("no EOS token id: pass eos_token_ids")
         pad = getattr(tokenizer, "pad_token_id", None)
@@ -135,22 +152,43 @@ class HFEngine:
         with capture.attach() if capture is not None else contextlib.nullcontext():
             if self.shared_prefill:
                 input_ids, attention_mask, cache = shared_prefill(
-                    backbone_and_head(self.model)[0], self.model.config, prompts, self.pad_token_id, device,
-                    params.max_new_tokens, on_forward=capture.at if capture is not None else None)
+                    backbone_and_head(self.model)[0],
+                    self.model.config,
+                    prompts,
+                    self.pad_token_id,
+                    device,
+                    params.max_new_tokens,
+                    on_forward=capture.at if capture is not None else None,
+                )
             else:
                 input_ids, attention_mask = (t.to(device) for t in prompt_layout(prompts, self.pad_token_id))
                 cache = None
-            out = decode(self.model, input_ids, attention_mask, max_new_tokens=params.max_new_tokens,
-                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                         eos_token_ids=self.eos_token_ids, cache=cache,
-                         stop_strings=params.stop_strings, synced=self.synced,
-                         decode_ids=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
-                         on_forward=(lambda rows, places: capture.at([[r] for r in rows], places))
-                         if capture is not None else None)
+            out = decode(
+                self.model,
+                input_ids,
+                attention_mask,
+                max_new_tokens=params.max_new_tokens,
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                eos_token_ids=self.eos_token_ids,
+                cache=cache,
+                stop_strings=params.stop_strings,
+                synced=self.synced,
+                decode_ids=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+                on_forward=(lambda rows, places: capture.at([[r] for r in rows], places))
+                if capture is not None
+                else None,
+            )
         routed = capture.choices.cpu() if capture is not None else None
-        return [Completion(prompt_ids=prompt, completion_ids=ids, logprobs=logprobs,
-                           finish_reason="stop" if stopped else "length",
-                           text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                           routed_experts=None if routed is None else routed[row, :len(prompt) + len(ids)])
-                for row, (prompt, ids, logprobs, stopped) in enumerate(zip(prompts, out.tokens, out.logprobs,
-                                                                           out.stopped))]
+        return [
+            Completion(
+                prompt_ids=prompt,
+                completion_ids=ids,
+                logprobs=logprobs,
+                finish_reason="stop" if stopped else "length",
+                text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                routed_experts=None if routed is None else routed[row, : len(prompt) + len(ids)],
+            )
+            for row, (prompt, ids, logprobs, stopped) in enumerate(zip(prompts, out.tokens, out.logprobs, out.stopped))
+        ]

@@ -30,19 +30,34 @@ __all__ = ["SDPA_GROUPED", "grouped_kv_attention", "sdpa_grouped_attention"]
 SDPA_GROUPED = "grpolab_sdpa_grouped"
 
 
-def sdpa_grouped_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                           attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                           **kwargs) -> tuple[Tensor, None]:
+def sdpa_grouped_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
     """transformers' attention-function contract: query [B, H, Q, D], key/value [B, H_kv, K, D], mask
     [B, 1, Q, K] (bool, True = attend) -> (output [B, Q, H, D], None). With a mask on grouped CPU heads,
     one ``F.scaled_dot_product_attention(..., enable_gqa=True)``; otherwise ``sdpa_attention_forward``."""
     grouped = getattr(module, "num_key_value_groups", 1) > 1
-    if (attention_mask is None or not grouped or query.device.type != "cpu" or key.shape[-1] != value.shape[-1]
-            or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    if (
+        attention_mask is None
+        or not grouped
+        or query.device.type != "cpu"
+        or key.shape[-1] != value.shape[-1]
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("cache") is not None
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -62,8 +77,11 @@ def grouped_kv_attention(model: nn.Module) -> Iterator[bool]:
     ``SDPA_GROUPED``; yields whether it switched (False, nothing changed, elsewhere)."""
     configs = _configs(model.config)
     parameter = next(model.parameters(), None)
-    if (parameter is None or parameter.device.type != "cpu"
-            or any(getattr(c, "_attn_implementation", None) != "sdpa" for c in configs)):
+    if (
+        parameter is None
+        or parameter.device.type != "cpu"
+        or any(getattr(c, "_attn_implementation", None) != "sdpa" for c in configs)
+    ):
         yield False
         return
     model.config._attn_implementation = SDPA_GROUPED  # transformers sets it on the sub-configs too

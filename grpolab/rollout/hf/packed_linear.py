@@ -40,17 +40,22 @@ def _large_linears(model: nn.Module) -> list[nn.Linear]:
 
 def packing_applies(model: nn.Module) -> bool:
     """Whether ``packed_linears`` would pack some of ``model``'s linear layers (see the module docstring)."""
-    if (not torch.backends.mkldnn.is_available() or torch.is_autocast_enabled("cpu")
-            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+    if (
+        not torch.backends.mkldnn.is_available()
+        or torch.is_autocast_enabled("cpu")
+        or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ):
         return False
     weights = [m.weight for m in model.modules() if type(m) is nn.Linear]
-    return bool(_large_linears(model)) and all(type(w) in (Tensor, nn.Parameter) and w.device.type == "cpu"
-                                               and w.dtype == torch.float32 for w in weights)
+    return bool(_large_linears(model)) and all(
+        type(w) in (Tensor, nn.Parameter) and w.device.type == "cpu" and w.dtype == torch.float32 for w in weights
+    )
 
 
 def _packed_forward(packed: Tensor, bias: Tensor | None):
     def forward(x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
     return forward
 
 

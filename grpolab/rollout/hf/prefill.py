@@ -41,14 +41,20 @@ def prompt_layout(prompts: list[list[int]], pad_id: int, prefix: int = 0) -> tup
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, p in enumerate(prompts):
         rest = len(p) - prefix
-        input_ids[row, :prefix], input_ids[row, width - rest:] = torch.tensor(p[:prefix]), torch.tensor(p[prefix:])
-        attention_mask[row, :prefix] = attention_mask[row, width - rest:] = 1
+        input_ids[row, :prefix], input_ids[row, width - rest :] = torch.tensor(p[:prefix]), torch.tensor(p[prefix:])
+        attention_mask[row, :prefix] = attention_mask[row, width - rest :] = 1
     return input_ids, attention_mask
 
 
-def shared_prefill(backbone: nn.Module, config, prompts: list[list[int]], pad_id: int, device: torch.device,
-                   max_new_tokens: int, on_forward: Callable[[list[list[int]], Tensor], None] | None = None,
-                   ) -> tuple[Tensor, Tensor, DynamicCache | None]:
+def shared_prefill(
+    backbone: nn.Module,
+    config,
+    prompts: list[list[int]],
+    pad_id: int,
+    device: torch.device,
+    max_new_tokens: int,
+    on_forward: Callable[[list[list[int]], Tensor], None] | None = None,
+) -> tuple[Tensor, Tensor, DynamicCache | None]:
     """Input ids and attention mask [B, W] of ``prompts`` (``prompt_layout``, on ``device``) and the cache of
     all their columns but the last, each distinct prompt and the prefix they all share computed once; the
     cache is None when no prompt repeats and no prefix is worth sharing (``decode`` prefills every row).
@@ -69,16 +75,28 @@ def shared_prefill(backbone: nn.Module, config, prompts: list[list[int]], pad_id
     announce = on_forward or (lambda members, places: None)
     if prefix:
         announce([list(range(len(prompts)))], torch.arange(prefix, device=device)[None])
-        backbone(input_ids=input_ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix],
-                 position_ids=torch.arange(prefix, device=device)[None], past_key_values=cache, use_cache=True)
+        backbone(
+            input_ids=input_ids[:1, :prefix],
+            attention_mask=attention_mask[:1, :prefix],
+            position_ids=torch.arange(prefix, device=device)[None],
+            past_key_values=cache,
+            use_cache=True,
+        )
         cache.batch_select_indices(torch.zeros(len(distinct), dtype=torch.long, device=device))
     firsts = [row_of.index(u) for u in range(len(distinct))]
     ids, mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]
     if ids.shape[1] > prefix:
         positions = left_padded_positions(mask)[:, prefix:]
-        announce([[r for r, u in enumerate(row_of) if u == unit] for unit in range(len(distinct))],
-                 sequence_places(mask[:, prefix:], positions))
-        backbone(input_ids=ids[:, prefix:], attention_mask=mask, position_ids=positions, past_key_values=cache,
-                 use_cache=True)
+        announce(
+            [[r for r, u in enumerate(row_of) if u == unit] for unit in range(len(distinct))],
+            sequence_places(mask[:, prefix:], positions),
+        )
+        backbone(
+            input_ids=ids[:, prefix:],
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
     cache.batch_select_indices(torch.tensor(row_of, device=device))
     return input_ids, attention_mask, cache

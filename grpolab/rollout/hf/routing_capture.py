@@ -43,11 +43,13 @@ class RoutingCapture:
     @contextlib.contextmanager
     def attach(self):
         """Within it, every router call writes its choices at the announced places."""
+
         def hook_for(layer: int):
             def hook(module, args, output):
                 if self._targets is not None:
                     rows, cols, tokens = self._targets
                     self.choices[rows, cols, layer] = output[2][tokens].to(torch.int16)
+
             return hook
 
         with contextlib.ExitStack() as stack:

@@ -48,10 +48,15 @@ VLLM_MAX_TEMPERATURE = 2.0
 (vllm/sampling_params.py, vLLM 0.32) raises ``VLLMValidationError`` (not a ValueError) "temperature
 must be in [0, 2], got ..."."""
 VLLM_CAPABILITIES = EngineCapabilities(
-    shares_training_model=False, max_temperature=VLLM_MAX_TEMPERATURE,
+    shares_training_model=False,
+    max_temperature=VLLM_MAX_TEMPERATURE,
     truncated_sampling=False,  # it reports log-probs renormalised over the truncated set
     graceful_stop=False,  # its engine processes share the terminal's process group and die of the same Ctrl-C
-    records_routing=False, serves_adapters=True, batch_refill=False, bounded_batch=False)
+    records_routing=False,
+    serves_adapters=True,
+    batch_refill=False,
+    bounded_batch=False,
+)
 """What vLLM can do, in this process or under another interpreter (``VLLMSubprocessEngine``)."""
 
 logger = logging.getLogger(__name__)
@@ -140,8 +145,10 @@ def lora_engine_kwargs(model_dir: str, rank: int) -> dict[str, Any]:
 
     max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), None)
     if max_rank is None:
-        raise ValueError(f"model.lora.rank {rank}: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}; "
-                         "use rollout.vllm.lora_sync 'merged'")
+        raise ValueError(
+            f"model.lora.rank {rank}: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}; "
+            "use rollout.vllm.lora_sync 'merged'"
+        )
     for arch in AutoConfig.from_pretrained(model_dir).architectures or []:
         entry = ModelRegistry.models.get(arch)  # absent: vLLM's Transformers backend, which has LoRA
         if entry is not None and not supports_lora(entry.load_model_cls()):
@@ -173,12 +180,25 @@ class VLLMEngine:
 
     capabilities = VLLM_CAPABILITIES
 
-    def __init__(self, model_dir: str | Path, tokenizer=None, *, dtype: str = "float32", seed: int = 0,
-                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.3,
-                 kv_cache_bytes: int | None = None, sleep_level: int | None = None, enforce_eager: bool = True,
-                 weight_sync: WeightSync = "auto", eos_token_ids: Sequence[int] | None = None,
-                 sync_dir: str | Path | None = None, lora_rank: int | None = None, untie_head: bool = False,
-                 **llm_kwargs: Any):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        tokenizer=None,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_bytes: int | None = None,
+        sleep_level: int | None = None,
+        enforce_eager: bool = True,
+        weight_sync: WeightSync = "auto",
+        eos_token_ids: Sequence[int] | None = None,
+        sync_dir: str | Path | None = None,
+        lora_rank: int | None = None,
+        untie_head: bool = False,
+        **llm_kwargs: Any,
+    ):
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -190,8 +210,11 @@ class VLLMEngine:
 
             tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.tokenizer = tokenizer
-        self.eos_token_ids = (list(eos_token_ids) if eos_token_ids is not None
-                              else collect_eos_ids(tokenizer, _generation_eos(self.model_dir)))
+        self.eos_token_ids = (
+            list(eos_token_ids)
+            if eos_token_ids is not None
+            else collect_eos_ids(tokenizer, _generation_eos(self.model_dir))
+        )
         if not self.eos_token_ids:
             raise ValueError("no EOS token id: pass eos_token_ids")
         cuda = current_platform.is_cuda_alike()
@@ -204,8 +227,11 @@ class VLLMEngine:
 
             llm_kwargs.setdefault("weight_transfer_config", WeightTransferConfig(backend="ipc"))
         if sleep_level is not None and not current_platform.is_sleep_mode_available():
-            logger.info("vLLM sleep mode is not supported on this platform (%s): sleep_level=%s ignored",
-                           current_platform.device_type, sleep_level)
+            logger.info(
+                "vLLM sleep mode is not supported on this platform (%s): sleep_level=%s ignored",
+                current_platform.device_type,
+                sleep_level,
+            )
             sleep_level = None
         self.sleep_level = sleep_level
         if current_platform.is_cpu():
@@ -234,11 +260,21 @@ class VLLMEngine:
         self._sleeping: set[str] = set()  # vLLM memory tags now asleep: "weights", "kv_cache"
         self._weights_lost = False  # a level-2 sleep discarded the weights: push them again on waking
         self._push_latest: Callable[[], object] = lambda: self._load_folder(self.model_dir)  # until a sync
-        self.llm = LLM(model=self.model_dir, tokenizer=self.model_dir, dtype=dtype, seed=seed,
-                       max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                       enforce_eager=enforce_eager, enable_sleep_mode=sleep_level is not None,
-                       logprobs_mode="processed_logprobs", generation_config="vllm",
-                       worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True, **llm_kwargs)
+        self.llm = LLM(
+            model=self.model_dir,
+            tokenizer=self.model_dir,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=sleep_level is not None,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+            **llm_kwargs,
+        )
         self._owns_sync_dir = sync_dir is None
         self._sync_dir = Path(sync_dir) if sync_dir is not None else Path(tempfile.mkdtemp(prefix="grpolab-vllm-"))
 
@@ -248,16 +284,30 @@ class VLLMEngine:
         from vllm import SamplingParams as VSamplingParams
 
         if params.top_k > 0 or params.top_p < 1.0:
-            raise ValueError("VLLMEngine samples with top_k=0 and top_p=1 only: vLLM reports log-probs "
-                             "renormalised over the top-k/top-p set, not the untruncated ones of the contract")
+            raise ValueError(
+                "VLLMEngine samples with top_k=0 and top_p=1 only: vLLM reports log-probs "
+                "renormalised over the top-k/top-p set, not the untruncated ones of the contract"
+            )
         if params.temperature > VLLM_MAX_TEMPERATURE:
-            raise ValueError(f"VLLMEngine: temperature {params.temperature:g} is above vLLM's limit of "
-                             f"{VLLM_MAX_TEMPERATURE:g}")
+            raise ValueError(
+                f"VLLMEngine: temperature {params.temperature:g} is above vLLM's limit of {VLLM_MAX_TEMPERATURE:g}"
+            )
         return VSamplingParams(
-            n=n, temperature=params.temperature, top_p=1.0, top_k=0, max_tokens=params.max_new_tokens,
-            seed=seed, logprobs=0, stop=list(params.stop_strings), include_stop_str_in_output=True,
-            stop_token_ids=self.eos_token_ids, ignore_eos=True,  # EOS = exactly eos_token_ids
-            skip_special_tokens=False, repetition_penalty=1.0, min_tokens=0)
+            n=n,
+            temperature=params.temperature,
+            top_p=1.0,
+            top_k=0,
+            max_tokens=params.max_new_tokens,
+            seed=seed,
+            logprobs=0,
+            stop=list(params.stop_strings),
+            include_stop_str_in_output=True,
+            stop_token_ids=self.eos_token_ids,
+            ignore_eos=True,  # EOS = exactly eos_token_ids
+            skip_special_tokens=False,
+            repetition_penalty=1.0,
+            min_tokens=0,
+        )
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
         """``n`` completions per prompt, ``[len(prompts)][n]``, prompt order kept."""
@@ -270,20 +320,30 @@ class VLLMEngine:
         if not prompts:
             return []
         if self._placeholders:
-            raise RuntimeError("this vLLM engine was started untied (untie_head) on placeholder weights: "
-                               "sync_weights before generating")
+            raise RuntimeError(
+                "this vLLM engine was started untied (untie_head) on placeholder weights: "
+                "sync_weights before generating"
+            )
         k = 1 if params.greedy else n  # vLLM refuses greedy n > 1: sample once, copy (deterministic)
-        requests = [self.sampling_params(params, k, request_seed(params.seed, params.prompt_offset + i, n))
-                    for i in range(len(prompts))]
+        requests = [
+            self.sampling_params(params, k, request_seed(params.seed, params.prompt_offset + i, n))
+            for i in range(len(prompts))
+        ]
         self._wake()
         try:
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
-                                        use_tqdm=False, **({"lora_request": self._adapter} if self._adapter else {}))
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                requests,
+                use_tqdm=False,
+                **({"lora_request": self._adapter} if self._adapter else {}),
+            )
         except Exception:  # e.g. its engine core died of the terminal's Ctrl-C
             let_an_interrupt_land()
             raise
-        result = [[self._completion(list(p), c) for c in sorted(o.outputs, key=lambda c: c.index)]
-                  for p, o in zip(prompts, outputs)]
+        result = [
+            [self._completion(list(p), c) for c in sorted(o.outputs, key=lambda c: c.index)]
+            for p, o in zip(prompts, outputs)
+        ]
         self._sleep()
         return result if k == n else [[copy.deepcopy(g[0]) for _ in range(n)] for g in result]
 
@@ -295,9 +355,13 @@ class VLLMEngine:
         if out.logprobs is None or len(out.logprobs) != len(ids):
             raise RuntimeError("vLLM returned no log-prob for some sampled tokens")
         logprobs = [float(step[t].logprob) for step, t in zip(out.logprobs, ids)]
-        return Completion(prompt_ids=prompt, completion_ids=ids, logprobs=logprobs,
-                          finish_reason=out.finish_reason,
-                          text=self.tokenizer.decode(ids, skip_special_tokens=True))
+        return Completion(
+            prompt_ids=prompt,
+            completion_ids=ids,
+            logprobs=logprobs,
+            finish_reason=out.finish_reason,
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+        )
 
     # ---- weights ----
     def sync_weights(self, weights: PolicyWeights) -> None:
@@ -325,8 +389,10 @@ class VLLMEngine:
         if self.lora_rank is None:
             raise ValueError("this vLLM engine was started without LoRA (lora_rank): it cannot take an adapter")
         folder = str(folder)
-        self._reload(lambda: self._load_adapter(folder),
-                     restore=lambda: (self._load_folder(self.model_dir), self._load_adapter(folder)))
+        self._reload(
+            lambda: self._load_adapter(folder),
+            restore=lambda: (self._load_folder(self.model_dir), self._load_adapter(folder)),
+        )
 
     def _load_adapter(self, folder: str) -> None:
         """vLLM's ``add_lora`` with ``load_inplace``: the adapter under the same id is read again from

@@ -25,7 +25,6 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-
 from grpolab.models.weights import PolicyWeights
 from grpolab.rollout.base import Completion, SamplingParams, let_an_interrupt_land
 from grpolab.rollout.vllm.engine import VLLM_CAPABILITIES, VLLMEngine, save_weights
@@ -119,20 +118,23 @@ class VLLMSubprocessEngine:
 
     capabilities = VLLM_CAPABILITIES
 
-    def __init__(self, model_dir: str | Path, tokenizer=None, *, python: str, start_timeout: float = 120.0,
-                 **engine_kwargs: Any):
+    def __init__(
+        self, model_dir: str | Path, tokenizer=None, *, python: str, start_timeout: float = 120.0, **engine_kwargs: Any
+    ):
         self._engine_kwargs = engine_kwargs
         self.tokenizer = tokenizer
         self._dir = Path(tempfile.mkdtemp(prefix="grpolab-vllm-proc-"))
         address = str(self._dir / "socket")
         authkey = secrets.token_bytes(32)
         package_root = str(Path(__file__).resolve().parents[3])
-        env = {**os.environ, _AUTHKEY_ENV: authkey.hex(),
-               "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            _AUTHKEY_ENV: authkey.hex(),
+            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+        }
         # its own process group: a terminal's Ctrl-C reaches the trainer alone (which closes the engine), and
         # killing the group ends the engine-core processes too
-        self._proc = subprocess.Popen([python, "-m", "grpolab.rollout.vllm.server", address], env=env,
-                                      process_group=0)
+        self._proc = subprocess.Popen([python, "-m", "grpolab.rollout.vllm.server", address], env=env, process_group=0)
         self._conn: Connection | None = None
         try:
             self._conn = self._connect(address, authkey, start_timeout)

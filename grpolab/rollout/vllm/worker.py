@@ -58,7 +58,8 @@ class CudaIPCWeightSender:
 
         self.llm, self.model = llm, model
         self._sender = IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=0), client=self, source=ModuleSource(model))
+            IPCTrainerInitInfo(rank=0), client=self, source=ModuleSource(model)
+        )
 
     def send(self) -> None:
         self._sender.send_weights()  # start_weight_update -> update_weights -> finish_weight_update

@@ -38,6 +38,5 @@ class LocalJob:
 def start_local(command: list[str], env: dict[str, str], log: Path, cwd: Path) -> LocalJob:
     """``command`` started in its own session, its output appended to ``log``."""
     with log.open("a") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                start_new_session=True)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
     return LocalJob(proc)

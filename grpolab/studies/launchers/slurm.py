@@ -18,8 +18,21 @@ from typing import Any
 
 from grpolab.studies.launchers import LaunchError
 
-ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "STAGE_OUT",
-          "SIGNALING", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "STOPPED"}
+ACTIVE = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "SUSPENDED",
+    "REQUEUED",
+    "RESIZING",
+    "STAGE_OUT",
+    "SIGNALING",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESV_DEL_HOLD",
+    "STOPPED",
+}
 LOOK_SECONDS = 2.0  # squeue at most this often per job (every poll of many jobs would burden slurmctld)
 ENDED_BY_SLURM = {"CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "DEADLINE", "BOOT_FAIL"}
 
@@ -58,14 +71,22 @@ def batch_script(options: list[str], command: list[str], env: dict[str, str], cw
     """The sbatch script: options, the environment the run needs, the command, and its exit code written
     atomically to ``exit_file`` (which may name ``$SLURM_JOB_ID``). A SIGTERM to the shell waits for the
     command (which got its own) instead of ending the shell first."""
-    lines = ["#!/bin/bash", *(f"#SBATCH {option}" for option in options), "# written by grpolab suite",
-             "trap 'echo \"grpolab: $(date) signal received, waiting for the run to stop\"' TERM INT",
-             f"cd {shlex.quote(str(cwd))}"]
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {option}" for option in options),
+        "# written by grpolab suite",
+        "trap 'echo \"grpolab: $(date) signal received, waiting for the run to stop\"' TERM INT",
+        f"cd {shlex.quote(str(cwd))}",
+    ]
     lines += [f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())]
-    lines += ['echo "# $(date +%Y-%m-%dT%H:%M:%S%z) job $SLURM_JOB_ID on $(hostname), devices '
-              '${CUDA_VISIBLE_DEVICES:-none}: ' + shlex.join(command).replace('"', '\\"') + '"',
-              shlex.join(command), "code=$?",
-              f'echo "$code" > "{exit_file}.tmp" && mv "{exit_file}.tmp" "{exit_file}"', 'exit "$code"']
+    lines += [
+        'echo "# $(date +%Y-%m-%dT%H:%M:%S%z) job $SLURM_JOB_ID on $(hostname), devices '
+        "${CUDA_VISIBLE_DEVICES:-none}: " + shlex.join(command).replace('"', '\\"') + '"',
+        shlex.join(command),
+        "code=$?",
+        f'echo "$code" > "{exit_file}.tmp" && mv "{exit_file}.tmp" "{exit_file}"',
+        'exit "$code"',
+    ]
     return "\n".join(lines) + "\n"
 
 

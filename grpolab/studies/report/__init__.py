@@ -10,16 +10,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from grpolab.common.progress import Reporter
-from grpolab.studies.report.analysis import analyse, comparison
 from grpolab.common.atomic import atomic_folder
+from grpolab.common.progress import Reporter
+from grpolab.objectives.stats import RESAMPLES
+from grpolab.studies.report.analysis import analyse, comparison
 from grpolab.studies.report.folder import REPORT_DIR, check_replaceable, mark
 from grpolab.studies.report.runs import ReportError, Run, find_runs
-from grpolab.objectives.stats import RESAMPLES
 
 
-def write_report(directory: Path, reporter: Reporter, baseline: str | None = None, resamples: int = RESAMPLES,
-                 seed: int = 0) -> Path:
+def write_report(
+    directory: Path, reporter: Reporter, baseline: str | None = None, resamples: int = RESAMPLES, seed: int = 0
+) -> Path:
     """Write DIR/report/ (report.md, report.json, PNGs), replacing an earlier report as a whole. Raises
     ReportError, before anything is computed or written, when DIR/report exists and is not a report's
     own folder (no marker: a run directory, a user's folder, a file)."""

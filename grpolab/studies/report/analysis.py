@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from grpolab.objectives.stats import holm, interaction, mcnemar_exact, paired_difference, pass_at_k_curve, seed_summary
 from grpolab.studies.report.common import Common, align, at_common_step, progress, steps_done  # noqa: F401 (align: re-exported)
 from grpolab.studies.report.reward_models import reward_models
 from grpolab.studies.report.runs import Outcomes, Run, outcomes, pair
-from grpolab.objectives.stats import holm, interaction, mcnemar_exact, pass_at_k_curve, paired_difference, seed_summary
 
 FAILURE_KINDS = {
     "wrong answer": lambda r: r["format_ok"] and not r["correct"],
@@ -28,22 +28,36 @@ def run_row(run: Run) -> dict[str, Any]:
     format rate, length and truncation, updates, tokens generated, wall time; ``skipped_lines`` (when
     not 0): unreadable lines of metrics.jsonl and the evaluation record files."""
     train, evals = run.train, run.evals
-    row: dict[str, Any] = {"run": run.name, "state": run.state, "reason": run.reason, "algorithm": run.algorithm,
-                           "seed": run.seed, "steps_done": steps_done(run), "steps": run.total_steps}
+    row: dict[str, Any] = {
+        "run": run.name,
+        "state": run.state,
+        "reason": run.reason,
+        "algorithm": run.algorithm,
+        "seed": run.seed,
+        "steps_done": steps_done(run),
+        "steps": run.total_steps,
+    }
     if skipped := run.skipped_lines():
         row["skipped_lines"] = skipped
     if evals:
         first, last = evals[0], evals[-1]
         best = max(evals, key=lambda r: (r["val/accuracy"], -r["step"]))
-        row |= {"start_accuracy": first["val/accuracy"] if first["step"] == 0 else None,
-                "final_accuracy": last["val/accuracy"], "final_step": last["step"],
-                "best_accuracy": best["val/accuracy"], "best_step": best["step"],
-                "format_rate": last["val/format_rate"], "completion_len": last["val/completion_len_mean"],
-                "truncation_rate": last["val/truncation_rate"]}
+        row |= {
+            "start_accuracy": first["val/accuracy"] if first["step"] == 0 else None,
+            "final_accuracy": last["val/accuracy"],
+            "final_step": last["step"],
+            "best_accuracy": best["val/accuracy"],
+            "best_step": best["step"],
+            "format_rate": last["val/format_rate"],
+            "completion_len": last["val/completion_len_mean"],
+            "truncation_rate": last["val/truncation_rate"],
+        }
     if train:
-        row |= {"attempted_updates": train[-1]["total_attempted_updates"],
-                "actual_updates": train[-1]["total_actual_updates"],
-                "tokens_generated": sum(r["response_tokens"] for r in train)}
+        row |= {
+            "attempted_updates": train[-1]["total_attempted_updates"],
+            "actual_updates": train[-1]["total_actual_updates"],
+            "tokens_generated": sum(r["response_tokens"] for r in train),
+        }
     if run.summary:
         row["wall_seconds"] = run.summary["wall_seconds"]
     elif train:
@@ -55,15 +69,25 @@ def paired(a: Outcomes, b: Outcomes, resamples: int, seed: int) -> dict[str, Any
     """Outcomes ``a`` against ``b`` on the items both evaluated: accuracies, difference a - b with its
     paired bootstrap CI, discordant counts and the exact McNemar p-value."""
     matched = pair(a, b)
-    out: dict[str, Any] = {"items": matched.shared, "unpaired_items": matched.only_one,
-                           "differing_prompts": matched.differing}
+    out: dict[str, Any] = {
+        "items": matched.shared,
+        "unpaired_items": matched.only_one,
+        "differing_prompts": matched.differing,
+    }
     if matched.shared == 0:
         return out | {"note": "no items in common: not the same evaluation set"}
     diff = paired_difference(matched.a, matched.b, resamples, seed)
     test = mcnemar_exact(matched.a, matched.b)
-    return out | {"accuracy": float(matched.a.mean()), "baseline_accuracy": float(matched.b.mean()),
-                  "difference": diff.estimate, "ci_low": diff.low, "ci_high": diff.high,
-                  "only_run_right": test.only_a, "only_baseline_right": test.only_b, "p_value": test.p_value}
+    return out | {
+        "accuracy": float(matched.a.mean()),
+        "baseline_accuracy": float(matched.b.mean()),
+        "difference": diff.estimate,
+        "ci_low": diff.low,
+        "ci_high": diff.high,
+        "only_run_right": test.only_a,
+        "only_baseline_right": test.only_b,
+        "p_value": test.p_value,
+    }
 
 
 def comparison(run: Run, base: Run, resamples: int, seed: int) -> dict[str, Any]:
@@ -90,10 +114,13 @@ def _cells(declared: list[Run]) -> tuple[dict[str, list[str]], dict[tuple[int, i
     names = list(declared[0].factors)
     levels = {f: list(dict.fromkeys(r.factors.get(f) for r in declared)) for f in names}
     if len(names) != 2 or any(list(r.factors) != names for r in declared) or any(len(v) != 2 for v in levels.values()):
-        return ("factors declared, but not exactly two factors with two levels each: "
-                + ", ".join(f"{f}: {'/'.join(map(str, v))}" for f, v in levels.items()))
+        return "factors declared, but not exactly two factors with two levels each: " + ", ".join(
+            f"{f}: {'/'.join(map(str, v))}" for f, v in levels.items()
+        )
     (fa, la), (fb, lb) = levels.items()
-    return levels, {(i, j): [r for r in declared if r.factors == {fa: la[i], fb: lb[j]}] for i in (0, 1) for j in (0, 1)}
+    return levels, {
+        (i, j): [r for r in declared if r.factors == {fa: la[i], fb: lb[j]}] for i in (0, 1) for j in (0, 1)
+    }
 
 
 def _cell_rows(common: Common, cells: dict[tuple[int, int], list[Run]]) -> dict[tuple[int, int], np.ndarray]:
@@ -101,7 +128,7 @@ def _cell_rows(common: Common, cells: dict[tuple[int, int], list[Run]]) -> dict[
     the order of ``cells``."""
     rows, start = {}, 0
     for key, members in cells.items():
-        rows[key] = common.correct[start:start + len(members)].mean(axis=0)
+        rows[key] = common.correct[start : start + len(members)].mean(axis=0)
         start += len(members)
     return rows
 
@@ -119,8 +146,10 @@ def factorial(runs: list[Run], resamples: int, seed: int) -> dict[str, Any] | No
         return {"note": found}
     levels, cells = found
     (fa, la), (fb, lb) = levels.items()
-    out: dict[str, Any] = {"factors": {fa: la, fb: lb},
-                           "cells": {f"{la[i]} x {lb[j]}": [r.name for r in members] for (i, j), members in cells.items()}}
+    out: dict[str, Any] = {
+        "factors": {fa: la, fb: lb},
+        "cells": {f"{la[i]} x {lb[j]}": [r.name for r in members] for (i, j), members in cells.items()},
+    }
     evaluated = {key: [r for r in members if r.eval_steps] for key, members in cells.items()}
     waiting = [r.name for members in cells.values() for r in members if not r.eval_steps]
     if waiting:
@@ -130,21 +159,32 @@ def factorial(runs: list[Run], resamples: int, seed: int) -> dict[str, Any] | No
     flat = [r for members in evaluated.values() for r in members]
     common = at_common_step(flat)
     made = progress(flat)
-    out |= {"step": common.step, "stopped_early": made["stopped_early"],
-            "last_eval_step": dict(zip([r.name for r in flat], made["last_eval_step"])),
-            "configured_steps": dict(zip([r.name for r in flat], made["configured_steps"]))}
+    out |= {
+        "step": common.step,
+        "stopped_early": made["stopped_early"],
+        "last_eval_step": dict(zip([r.name for r in flat], made["last_eval_step"])),
+        "configured_steps": dict(zip([r.name for r in flat], made["configured_steps"])),
+    }
     if common.note:
         return out | {"note": common.note}
     rows = _cell_rows(common, evaluated)
     y00, y01, y10, y11 = rows[0, 0], rows[0, 1], rows[1, 0], rows[1, 1]
     effect = interaction(y00, y01, y10, y11, resamples, seed)
-    simple = {f"{fa} {la[0]} -> {la[1]} at {fb} {lb[j]}": paired_difference(rows[1, j], rows[0, j], resamples, seed)
-              for j in (0, 1)}
-    simple |= {f"{fb} {lb[0]} -> {lb[1]} at {fa} {la[i]}": paired_difference(rows[i, 1], rows[i, 0], resamples, seed)
-               for i in (0, 1)}
-    return out | {"items": common.items, "items_per_run": dict(zip([r.name for r in flat], common.items_per_run)),
-                  "cell_accuracy": {f"{la[i]} x {lb[j]}": float(rows[i, j].mean()) for i in (0, 1) for j in (0, 1)},
-                  "interaction": asdict(effect), "simple_effects": {k: asdict(v) for k, v in simple.items()}}
+    simple = {
+        f"{fa} {la[0]} -> {la[1]} at {fb} {lb[j]}": paired_difference(rows[1, j], rows[0, j], resamples, seed)
+        for j in (0, 1)
+    }
+    simple |= {
+        f"{fb} {lb[0]} -> {lb[1]} at {fa} {la[i]}": paired_difference(rows[i, 1], rows[i, 0], resamples, seed)
+        for i in (0, 1)
+    }
+    return out | {
+        "items": common.items,
+        "items_per_run": dict(zip([r.name for r in flat], common.items_per_run)),
+        "cell_accuracy": {f"{la[i]} x {lb[j]}": float(rows[i, j].mean()) for i in (0, 1) for j in (0, 1)},
+        "interaction": asdict(effect),
+        "simple_effects": {k: asdict(v) for k, v in simple.items()},
+    }
 
 
 def seed_group(members: list[Run], resamples: int, seed: int) -> dict[str, Any]:
@@ -152,15 +192,27 @@ def seed_group(members: list[Run], resamples: int, seed: int) -> dict[str, Any]:
     items: accuracy per seed, mean, std, a bootstrap CI over seeds and the Student-t CI; a ``note``
     instead of numbers when the runs have no step or no items in common."""
     common = at_common_step(members)
-    out: dict[str, Any] = {"runs": [r.name for r in members], "seeds": [r.seed for r in members],
-                           "step": common.step, "items": common.items, **progress(members)}
+    out: dict[str, Any] = {
+        "runs": [r.name for r in members],
+        "seeds": [r.seed for r in members],
+        "step": common.step,
+        "items": common.items,
+        **progress(members),
+    }
     if common.note:
         return out | {"note": common.note}
     accuracy = [float(a) for a in common.correct.mean(axis=1)]
     summary = seed_summary(accuracy, resamples, seed)
-    return out | {"items_per_run": common.items_per_run, "accuracy": accuracy, "mean": summary.mean,
-                  "std": summary.std, "ci_low": summary.interval.low, "ci_high": summary.interval.high,
-                  "t_low": summary.t_low, "t_high": summary.t_high}
+    return out | {
+        "items_per_run": common.items_per_run,
+        "accuracy": accuracy,
+        "mean": summary.mean,
+        "std": summary.std,
+        "ci_low": summary.interval.low,
+        "ci_high": summary.interval.high,
+        "t_low": summary.t_low,
+        "t_high": summary.t_high,
+    }
 
 
 def seed_groups(runs: list[Run], resamples: int, seed: int) -> list[dict[str, Any]]:
@@ -202,8 +254,13 @@ def tool_use(run: Run) -> dict[str, Any] | None:
     if not evals:
         return None
     pick = lambda r: {k: r.get(f"val/tool/{k}") for k in TOOL_KEYS}  # noqa: E731
-    return {"run": run.name, "first_step": evals[0]["step"], "first": pick(evals[0]), "last_step": evals[-1]["step"],
-            "last": pick(evals[-1])}
+    return {
+        "run": run.name,
+        "first_step": evals[0]["step"],
+        "first": pick(evals[0]),
+        "last_step": evals[-1]["step"],
+        "last": pick(evals[-1]),
+    }
 
 
 def analyse(title: str, runs: list[Run], baseline: str | None, resamples: int, seed: int) -> dict[str, Any]:
@@ -217,7 +274,10 @@ def analyse(title: str, runs: list[Run], baseline: str | None, resamples: int, s
     for c, adjusted in zip(tested, holm([c["p_value"] for c in tested])):
         c["p_holm"] = adjusted
     return {
-        "title": title, "resamples": resamples, "seed": seed, "baseline": base.name,
+        "title": title,
+        "resamples": resamples,
+        "seed": seed,
+        "baseline": base.name,
         "runs": [run_row(r) for r in runs],
         "comparisons": comparisons,
         "learning": [found for r in runs if (found := learning(r, resamples, seed))],

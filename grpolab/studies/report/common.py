@@ -56,8 +56,13 @@ def stopped_early(runs: list[Run]) -> list[str]:
     """The runs whose last evaluation is earlier than their configured steps or than another run's."""
     lasts = {r.name: last_eval_step(r) for r in runs}
     latest = max((s for s in lasts.values() if s is not None), default=None)
-    return [r.name for r in runs if lasts[r.name] is None or (latest is not None and lasts[r.name] < latest)
-            or (r.total_steps is not None and lasts[r.name] < r.total_steps)]
+    return [
+        r.name
+        for r in runs
+        if lasts[r.name] is None
+        or (latest is not None and lasts[r.name] < latest)
+        or (r.total_steps is not None and lasts[r.name] < r.total_steps)
+    ]
 
 
 def _steps(steps: list[int]) -> str:
@@ -71,8 +76,14 @@ def at_common_step(runs: list[Run]) -> Common:
     """The runs' outcomes at their common step on their shared items (see ``Common``)."""
     step = common_step(runs)
     if step is None:
-        return Common(None, np.zeros((len(runs), 0)), [], "no evaluation step common to all runs (evaluated at "
-                      + "; ".join(f"{r.name}: {_steps(r.eval_steps)}" for r in runs) + "): not comparable")
+        return Common(
+            None,
+            np.zeros((len(runs), 0)),
+            [],
+            "no evaluation step common to all runs (evaluated at "
+            + "; ".join(f"{r.name}: {_steps(r.eval_steps)}" for r in runs)
+            + "): not comparable",
+        )
     found = [outcomes(r, step) for r in runs]
     matrix = align(found)
     note = None if matrix.shape[1] else f"no items every run evaluated with the same prompt at step {step}"
@@ -82,5 +93,9 @@ def at_common_step(runs: list[Run]) -> Common:
 def progress(runs: list[Run]) -> dict[str, Any]:
     """Per run (lists in the order of ``runs``): last evaluation step, training steps done, configured
     steps; and the runs that stopped early."""
-    return {"last_eval_step": [last_eval_step(r) for r in runs], "steps_done": [steps_done(r) for r in runs],
-            "configured_steps": [r.total_steps for r in runs], "stopped_early": stopped_early(runs)}
+    return {
+        "last_eval_step": [last_eval_step(r) for r in runs],
+        "steps_done": [steps_done(r) for r in runs],
+        "configured_steps": [r.total_steps for r in runs],
+        "stopped_early": stopped_early(runs),
+    }

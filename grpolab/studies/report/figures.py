@@ -13,8 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the headless backend is chosen)
 
-from grpolab.studies.report.runs import Run  # noqa: E402
 from grpolab.objectives.stats import mean_interval  # noqa: E402
+from grpolab.studies.report.runs import Run  # noqa: E402
 
 Series = Callable[[dict[str, Any]], float | None]
 
@@ -41,18 +41,34 @@ CURVES: list[tuple[str, str, str, Series]] = [
     ("completion_length", "completion length (mean tokens)", "train", _key("completion_len_mean")),
     ("truncation_rate", "truncation rate", "train", _key("truncation_rate")),
     ("grad_norm", "grad norm (before clipping)", "train", _key("grad_norm")),
-    ("router_violation", "MoE: worst expert-load violation (max load / mean load - 1)", "train",
-     _key("router/load_max_violation")),
+    (
+        "router_violation",
+        "MoE: worst expert-load violation (max load / mean load - 1)",
+        "train",
+        _key("router/load_max_violation"),
+    ),
     ("router_confidence", "MoE: routing confidence (mass of the selected experts)", "train", _key("router/confidence")),
     ("router_entropy", "MoE: router entropy (nats)", "train", _key("router/entropy")),
     ("router_aux_loss", "MoE: load-balancing loss (k when balanced)", "train", _key("router/aux_loss")),
-    ("router_mismatch", "MoE: routing mismatch, training forwards vs the record (engine or old forward)", "train",
-     _key("router/mismatch")),
-    ("val_router_violation", "MoE: worst expert-load violation (validation, greedy)", "val",
-     _key("val/router/load_max_violation")),
+    (
+        "router_mismatch",
+        "MoE: routing mismatch, training forwards vs the record (engine or old forward)",
+        "train",
+        _key("router/mismatch"),
+    ),
+    (
+        "val_router_violation",
+        "MoE: worst expert-load violation (validation, greedy)",
+        "val",
+        _key("val/router/load_max_violation"),
+    ),
     ("tool_call_rate", "tool-call rate (validation, greedy)", "val", _key("val/tool/call_rate")),
-    ("tool_accuracy", "accuracy of trajectories with a valid tool call (validation)", "val",
-     _key("val/tool/accuracy_with_calls")),
+    (
+        "tool_accuracy",
+        "accuracy of trajectories with a valid tool call (validation)",
+        "val",
+        _key("val/tool/accuracy_with_calls"),
+    ),
 ]
 PHASES = ["time/generate", "time/reward", "time/train", "time/sync"]
 
@@ -65,8 +81,9 @@ def _points(records: list[dict[str, Any]], value: Series) -> tuple[list[int], li
 def run_styles(runs: list[Run]) -> dict[str, dict[str, Any]]:
     """A colour and line style per run, the same in every figure (10 colours, then dashed, then dotted)."""
     colours = plt.get_cmap("tab10").colors
-    return {run.name: {"color": colours[i % 10], "linestyle": ("-", "--", ":")[i // 10 % 3]}
-            for i, run in enumerate(runs)}
+    return {
+        run.name: {"color": colours[i % 10], "linestyle": ("-", "--", ":")[i // 10 % 3]} for i, run in enumerate(runs)
+    }
 
 
 def _legend(ax) -> None:
@@ -104,8 +121,9 @@ def metric_curves(runs: list[Run], out_dir: Path, styles: dict[str, dict[str, An
     return made
 
 
-def accuracy_curve(runs: list[Run], out_dir: Path, resamples: int, seed: int,
-                   styles: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
+def accuracy_curve(
+    runs: list[Run], out_dir: Path, resamples: int, seed: int, styles: dict[str, dict[str, Any]]
+) -> tuple[str, str] | None:
     """Validation accuracy against step, each point with its item-bootstrap 95% band."""
     fig, ax = _new("validation accuracy (greedy) with item-bootstrap 95% band")
     drawn = False
@@ -114,10 +132,18 @@ def accuracy_curve(runs: list[Run], out_dir: Path, resamples: int, seed: int,
         if not steps:
             continue
         bands = [mean_interval([float(r["correct"]) for r in run.records(s)], resamples, seed) for s in steps]
-        ax.plot(steps, [b.estimate for b in bands], marker="o", markersize=3, linewidth=1.2, label=run.name,
-                **styles[run.name])
-        ax.fill_between(steps, [b.low for b in bands], [b.high for b in bands], color=styles[run.name]["color"],
-                        alpha=0.12)
+        ax.plot(
+            steps,
+            [b.estimate for b in bands],
+            marker="o",
+            markersize=3,
+            linewidth=1.2,
+            label=run.name,
+            **styles[run.name],
+        )
+        ax.fill_between(
+            steps, [b.low for b in bands], [b.high for b in bands], color=styles[run.name]["color"], alpha=0.12
+        )
         drawn = True
     if not drawn:
         plt.close(fig)
@@ -164,8 +190,13 @@ def differences_figure(comparisons: list[dict[str, Any]], baseline: str, out_dir
         return None
     fig, ax = plt.subplots(figsize=(7, 0.9 + 0.35 * len(shown)))
     ys = range(len(shown))
-    ax.errorbar([c["difference"] for c in shown], ys, fmt="o", capsize=3,
-                xerr=[[c["difference"] - c["ci_low"] for c in shown], [c["ci_high"] - c["difference"] for c in shown]])
+    ax.errorbar(
+        [c["difference"] for c in shown],
+        ys,
+        fmt="o",
+        capsize=3,
+        xerr=[[c["difference"] - c["ci_low"] for c in shown], [c["ci_high"] - c["difference"] for c in shown]],
+    )
     ax.axvline(0.0, color="grey", linewidth=1)
     ax.set_yticks(list(ys), [c["run"] for c in shown])
     ax.invert_yaxis()
@@ -176,8 +207,11 @@ def differences_figure(comparisons: list[dict[str, Any]], baseline: str, out_dir
 
 def all_figures(runs: list[Run], data: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
     styles = run_styles(runs)
-    made = [differences_figure(data["comparisons"], data["baseline"], out_dir),
-            accuracy_curve(runs, out_dir, data["resamples"], data["seed"], styles),
-            *metric_curves(runs, out_dir, styles), phase_seconds(runs, out_dir, styles),
-            pass_at_k_figure(data["pass_at_k"], out_dir)]
+    made = [
+        differences_figure(data["comparisons"], data["baseline"], out_dir),
+        accuracy_curve(runs, out_dir, data["resamples"], data["seed"], styles),
+        *metric_curves(runs, out_dir, styles),
+        phase_seconds(runs, out_dir, styles),
+        pass_at_k_figure(data["pass_at_k"], out_dir),
+    ]
     return [m for m in made if m is not None]

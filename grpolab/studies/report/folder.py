@@ -35,8 +35,10 @@ def is_report(path: Path) -> bool:
 def check_replaceable(target: Path) -> None:
     """Raise ReportError when ``target`` exists (a link included) and is not a report's own folder."""
     if os.path.lexists(target) and not is_report(target):
-        raise ReportError(f"{target} exists and is not a grpolab report (no {MARKER}); not replaced: move it or "
-                          "report into another folder")
+        raise ReportError(
+            f"{target} exists and is not a grpolab report (no {MARKER}); not replaced: move it or "
+            "report into another folder"
+        )
 
 
 def mark(folder: Path) -> None:

@@ -22,12 +22,13 @@ def model_names(run: Run) -> list[str]:
         for key in record:
             for prefix in (PREFIX, "val/" + PREFIX):
                 if key.startswith(prefix) and key.endswith("/mean") and len(key) > len(prefix) + len("/mean"):
-                    names.setdefault(key[len(prefix):-len("/mean")], None)
+                    names.setdefault(key[len(prefix) : -len("/mean")], None)
     return list(names)
 
 
-def length_deciles(lengths: np.ndarray, scores: np.ndarray, correct: np.ndarray,
-                   bins: int = 10) -> list[dict[str, Any]]:
+def length_deciles(
+    lengths: np.ndarray, scores: np.ndarray, correct: np.ndarray, bins: int = 10
+) -> list[dict[str, Any]]:
     """The score by completion length: items ranked by length (ties kept in item order) and cut at the rank
     quantiles into ``min(bins, items)`` groups of near-equal size (when the items do not divide evenly, the
     first groups hold one more), so equal lengths may fall in two adjacent groups.
@@ -41,9 +42,17 @@ def length_deciles(lengths: np.ndarray, scores: np.ndarray, correct: np.ndarray,
     if not len(lengths):
         return []
     order = np.argsort(lengths, kind="stable")
-    return [{"decile": k + 1, "min_length": int(lengths[g].min()), "max_length": int(lengths[g].max()),
-             "items": len(g), "mean_score": float(scores[g].mean()), "accuracy": float(correct[g].mean())}
-            for k, g in enumerate(np.array_split(order, min(bins, len(order))))]
+    return [
+        {
+            "decile": k + 1,
+            "min_length": int(lengths[g].min()),
+            "max_length": int(lengths[g].max()),
+            "items": len(g),
+            "mean_score": float(scores[g].mean()),
+            "accuracy": float(correct[g].mean()),
+        }
+        for k, g in enumerate(np.array_split(order, min(bins, len(order))))
+    ]
 
 
 def model_summary(run: Run, name: str) -> dict[str, Any]:
@@ -61,18 +70,32 @@ def model_summary(run: Run, name: str) -> dict[str, Any]:
     corr = [(r["step"], r[f"{key}/corr_correct"]) for r in train if r.get(f"{key}/corr_correct") is not None]
     if len(corr) >= 2:
         (first_step, first), (last_step, last) = corr[0], corr[-1]
-        out |= {"corr_first_step": first_step, "corr_first": first, "corr_last_step": last_step, "corr_last": last,
-                "corr_change": last - first}
+        out |= {
+            "corr_first_step": first_step,
+            "corr_first": first,
+            "corr_last_step": last_step,
+            "corr_last": last,
+            "corr_change": last - first,
+        }
     evals = [r for r in run.evals if f"val/{key}/mean" in r]
     if evals:
-        out |= {"eval_step": evals[-1]["step"], "eval_mean": evals[-1][f"val/{key}/mean"],
-                "eval_corr_correct": evals[-1].get(f"val/{key}/corr_correct")}
+        out |= {
+            "eval_step": evals[-1]["step"],
+            "eval_mean": evals[-1][f"val/{key}/mean"],
+            "eval_corr_correct": evals[-1].get(f"val/{key}/corr_correct"),
+        }
     found = outcomes(run)
     scored = [r for r in found.records if name in (r.get("rewards") or {})] if found is not None else []
     if scored:
-        out |= {"length_step": found.step, "length_items": len(scored), "deciles": length_deciles(
-            np.array([r["length"] for r in scored]), np.array([r["rewards"][name] for r in scored]),
-            np.array([bool(r["correct"]) for r in scored]))}
+        out |= {
+            "length_step": found.step,
+            "length_items": len(scored),
+            "deciles": length_deciles(
+                np.array([r["length"] for r in scored]),
+                np.array([r["rewards"][name] for r in scored]),
+                np.array([bool(r["correct"]) for r in scored]),
+            ),
+        }
     return out
 
 

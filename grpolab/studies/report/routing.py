@@ -21,8 +21,9 @@ def layer_loads(run: Run) -> tuple[list[int], dict[int, np.ndarray]]:
     if not layers:
         return [], {}
     rows = [r for r in run.train if f"router/layer{layers[0]}/load" in r]
-    return [r["step"] for r in rows], {layer: np.array([r[f"router/layer{layer}/load"] for r in rows]).T
-                                       for layer in layers}
+    return [r["step"] for r in rows], {
+        layer: np.array([r[f"router/layer{layer}/load"] for r in rows]).T for layer in layers
+    }
 
 
 def load_heatmaps(runs: list[Run], out_dir: Path) -> list[tuple[str, str]]:
@@ -37,13 +38,21 @@ def load_heatmaps(runs: list[Run], out_dir: Path) -> list[tuple[str, str]]:
         fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.6 * rows), squeeze=False)
         peak = max(float(v.max()) for v in loads.values())
         for ax, (layer, grid) in zip(axes.flat, loads.items()):
-            image = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest", cmap="viridis",
-                              vmin=0, vmax=peak, extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, grid.shape[0] - 0.5))
+            image = ax.imshow(
+                grid,
+                aspect="auto",
+                origin="lower",
+                interpolation="nearest",
+                cmap="viridis",
+                vmin=0,
+                vmax=peak,
+                extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, grid.shape[0] - 0.5),
+            )
             ax.set_title(f"layer {layer}", fontsize=8)
             ax.set_xlabel("step", fontsize=7)
             ax.set_ylabel("expert", fontsize=7)
             ax.tick_params(labelsize=6)
-        for ax in list(axes.flat)[len(loads):]:
+        for ax in list(axes.flat)[len(loads) :]:
             ax.axis("off")
         experts = next(iter(loads.values())).shape[0]
         fig.colorbar(image, ax=axes, shrink=0.8, label=f"share of routed tokens (balanced: 1/{experts})")

@@ -11,10 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from grpolab.studies.report.folder import ReportError, is_report
 from grpolab.run.rundir import JsonLines, eval_record_steps, eval_records_path, read_json_lines
 from grpolab.studies.manifest import MANIFEST, SuiteManifest, pid_alive
-
+from grpolab.studies.report.folder import ReportError, is_report
 
 NOT_TRAINING = ("seed", "output_dir", "eval", "checkpoint", "log", "log_every", "threads")
 
@@ -116,14 +115,25 @@ def _suite_runs(root: Path) -> list[Run]:
         return moved if not Path(path).exists() and moved.exists() else Path(path)
 
     manifest = SuiteManifest.load(root)
-    return [Run(r.name, here(r.run_dir, "runs", r.name), "running (process gone: suite resume)"
-                if r.state == "running" and not pid_alive(r.pid) else r.state, r.reason, dict(r.factors),
-                here(r.config_file, "configs", f"{r.name}.json")) for r in manifest.runs]
+    return [
+        Run(
+            r.name,
+            here(r.run_dir, "runs", r.name),
+            "running (process gone: suite resume)" if r.state == "running" and not pid_alive(r.pid) else r.state,
+            r.reason,
+            dict(r.factors),
+            here(r.config_file, "configs", f"{r.name}.json"),
+        )
+        for r in manifest.runs
+    ]
 
 
 def _plain_run(path: Path) -> Run:
-    state, reason = ("completed", None) if (path / "summary.json").is_file() else \
-        ("incomplete", "no summary.json: still running, stopped or failed")
+    state, reason = (
+        ("completed", None)
+        if (path / "summary.json").is_file()
+        else ("incomplete", "no summary.json: still running, stopped or failed")
+    )
     return Run(path.name, path, state, reason)
 
 
@@ -138,8 +148,10 @@ def find_runs(directory: Path) -> tuple[str, list[Run]]:
     found = sorted(directory.iterdir()) if directory.is_dir() else []
     runs = [_plain_run(p) for p in found if (p / "config.json").is_file() and not is_report(p)]
     if not runs:
-        raise ReportError(f"{directory}: not a suite directory ({MANIFEST}), a run directory (config.json) "
-                          "or a folder of run directories")
+        raise ReportError(
+            f"{directory}: not a suite directory ({MANIFEST}), a run directory (config.json) "
+            "or a folder of run directories"
+        )
     return f"runs in {directory.name}", runs
 
 
@@ -162,8 +174,13 @@ def outcomes(run: Run, step: int | None = None) -> Outcomes | None:
         return None
     step = steps[-1] if step is None else step
     records = run.records(step)
-    return Outcomes(step, [r["id"] for r in records], [r["prompt_sha256"] for r in records],
-                    np.array([bool(r["correct"]) for r in records], dtype=np.float64), records)
+    return Outcomes(
+        step,
+        [r["id"] for r in records],
+        [r["prompt_sha256"] for r in records],
+        np.array([bool(r["correct"]) for r in records], dtype=np.float64),
+        records,
+    )
 
 
 @dataclass(frozen=True)
@@ -173,8 +190,8 @@ class Paired:
     a: np.ndarray
     b: np.ndarray
     shared: int
-    only_one: int       # items evaluated in one run only
-    differing: int      # same id, different prompt: not the same item, left out
+    only_one: int  # items evaluated in one run only
+    differing: int  # same id, different prompt: not the same item, left out
 
 
 def pair(a: Outcomes, b: Outcomes) -> Paired:

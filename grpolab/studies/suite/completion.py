@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from grpolab.run.checkpoints import newest_verified, problem
 from grpolab.config import RunConfig
-from grpolab.run.state import STATE_FILE
+from grpolab.run.checkpoints import newest_verified, problem
 from grpolab.run.rundir import read_json_lines
+from grpolab.run.state import STATE_FILE
 from grpolab.studies.suite.spec import final_checkpoint
 
 
@@ -42,8 +42,11 @@ class Progress(NamedTuple):
 
     def describe(self, steps: int) -> str:
         """'step 2/3, val acc 0.250 (1 unreadable metrics line skipped)'."""
-        return (f"step {self.step}/{steps}" + (f", val acc {self.accuracy:.3f}" if self.accuracy is not None else "")
-                + self.skipped_note())
+        return (
+            f"step {self.step}/{steps}"
+            + (f", val acc {self.accuracy:.3f}" if self.accuracy is not None else "")
+            + self.skipped_note()
+        )
 
     def skipped_note(self) -> str:
         if not self.skipped:
@@ -84,6 +87,5 @@ def stop_reason(run_dir: Path, exit_code: int) -> str:
     is resumed from."""
     checkpoint = newest_verified(run_dir, (STATE_FILE,)).checkpoint
     if checkpoint is None:
-        return (f"stopped by a signal (exit code {exit_code}) before its first checkpoint; "
-                "suite resume starts it afresh")
+        return f"stopped by a signal (exit code {exit_code}) before its first checkpoint; suite resume starts it afresh"
     return f"stopped by a signal (exit code {exit_code}); resumable from its newest checkpoint {checkpoint.name}"

@@ -78,8 +78,10 @@ class LocalLauncher(SuiteLauncher):
     def place(cls, spec: SuiteSpec, devices: list[str] | None, slurm: dict[str, Any] | None) -> dict[str, Any]:
         widest = max(spec.runs, key=lambda run: run.devices_per_run or 1)
         if devices is not None and (widest.devices_per_run or 1) > len(devices):
-            raise ValueError(f"run {widest.name} needs {widest.devices_per_run} devices; only {len(devices)} are "
-                             f"listed ({','.join(devices)})")
+            raise ValueError(
+                f"run {widest.name} needs {widest.devices_per_run} devices; only {len(devices)} are "
+                f"listed ({','.join(devices)})"
+            )
         return {"launcher": cls.name, "devices": devices, "slurm": None}
 
     @property
@@ -90,8 +92,15 @@ class LocalLauncher(SuiteLauncher):
         return DevicePool(self.devices or [ONE_AT_A_TIME])
 
     def print_placement(self, console: Console) -> None:
-        console.print("placement: " + (f"devices {','.join(self.devices)}, as many runs at once as fit"
-                                       if self.devices else "one run at a time"), highlight=False)
+        console.print(
+            "placement: "
+            + (
+                f"devices {','.join(self.devices)}, as many runs at once as fit"
+                if self.devices
+                else "one run at a time"
+            ),
+            highlight=False,
+        )
 
     def start(self, root: Path, suite: str, record: RunRecord, env: dict[str, str], log: Path) -> tuple[Job, str]:
         with log.open("a") as out:
@@ -120,8 +129,9 @@ class SlurmLauncher(SuiteLauncher):
         raise ValueError(f"devices are placed by Slurm with the slurm launcher: leave out --devices{setting}")
 
     def print_placement(self, console: Console) -> None:
-        console.print(f"placement: one Slurm batch job per run, {self.placement['slurm']}", highlight=False,
-                      soft_wrap=True)
+        console.print(
+            f"placement: one Slurm batch job per run, {self.placement['slurm']}", highlight=False, soft_wrap=True
+        )
 
     def start(self, root: Path, suite: str, record: RunRecord, env: dict[str, str], log: Path) -> tuple[Job, str]:
         job = submit_run(root, suite, record, env, self.placement["slurm"])

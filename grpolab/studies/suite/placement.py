@@ -11,7 +11,6 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-
 ONE_AT_A_TIME = "(one at a time)"  # the one "device" of a pool that places runs one at a time on what each sees
 DEVICE_ID = re.compile(r"\d+|(GPU|MIG)-[0-9A-Za-z-]+")  # what CUDA_VISIBLE_DEVICES selects a device by
 
@@ -25,8 +24,10 @@ def parse_devices(text: str | Sequence[str | int]) -> list[str]:
         raise ValueError(f"devices {text!r}: give a comma-separated list of device ids, such as 0,1,2,3")
     bad = [device for device in devices if not DEVICE_ID.fullmatch(device)]
     if bad:
-        raise ValueError(f"devices {text!r}: {', '.join(bad)} is not a device id (an index 0, 1, ... or a GPU- or "
-                         "MIG- UUID, as CUDA_VISIBLE_DEVICES takes them)")
+        raise ValueError(
+            f"devices {text!r}: {', '.join(bad)} is not a device id (an index 0, 1, ... or a GPU- or "
+            "MIG- UUID, as CUDA_VISIBLE_DEVICES takes them)"
+        )
     repeated = sorted({device for device in devices if devices.count(device) > 1})
     if repeated:
         raise ValueError(f"devices {text!r}: {', '.join(repeated)} listed more than once")

@@ -13,15 +13,15 @@ from typing import Any
 
 from rich.console import Console
 
+from grpolab.common.atomic import write_file
 from grpolab.common.progress import Reporter
 from grpolab.config import RunConfig, config_sha256
 from grpolab.models.loading import absolute_model_spec, check_model_spec
 from grpolab.run.rundir import RunDirError
-from grpolab.common.atomic import write_file
 from grpolab.studies.manifest import MANIFEST, PREPARING, RunRecord, SuiteManifest
-from grpolab.studies.suite.snapshot import hash_reward_model, snapshot_code, snapshot_data, task_key
 from grpolab.studies.suite.launch import LAUNCHERS, suite_launcher
 from grpolab.studies.suite.placement import parse_devices
+from grpolab.studies.suite.snapshot import hash_reward_model, snapshot_code, snapshot_data, task_key
 from grpolab.studies.suite.spec import SuiteRun, SuiteSpec, load_suite, resolve_runs
 from grpolab.tasks.folder_hash import tree_sha256
 
@@ -43,8 +43,9 @@ def resume_command(run_dir: Path, world_size: int = 1) -> list[str]:
     return [*launch_prefix(world_size), "-m", "grpolab.commands.cli", "train", "--resume", str(run_dir)]
 
 
-def placement_of(spec: SuiteSpec, devices: str | None = None, launcher: str | None = None,
-                 slurm: dict[str, Any] | None = None) -> dict[str, Any]:
+def placement_of(
+    spec: SuiteSpec, devices: str | None = None, launcher: str | None = None, slurm: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Where the runs go: the launcher, the device list (None: one run at a time on what each run sees)
     and the Slurm settings; the command line's values win over the suite file's. One-line errors."""
     listed = devices if devices is not None else spec.suite.devices
@@ -52,8 +53,9 @@ def placement_of(spec: SuiteSpec, devices: str | None = None, launcher: str | No
     return LAUNCHERS[launcher or spec.suite.launcher].place(spec, placed, slurm)
 
 
-def prepare_suite(suite_file: str | Path, root: Path, console: Console, dry_run: bool = False,
-                  placement: dict[str, Any] | None = None) -> SuiteManifest | None:
+def prepare_suite(
+    suite_file: str | Path, root: Path, console: Console, dry_run: bool = False, placement: dict[str, Any] | None = None
+) -> SuiteManifest | None:
     """Resolve and validate every run; with ``dry_run`` print the configs, commands and checkpoint
     footprint and write nothing; otherwise snapshot code and data into the new ``root`` and write the
     manifest of queued runs. ``placement``: the command line's devices, launcher and Slurm settings."""
@@ -95,8 +97,14 @@ def unfinished(root: Path) -> bool:
     return (root / PREPARING).is_file() and not (root / MANIFEST).exists()
 
 
-def _prepare(spec: SuiteSpec, suite_file: str | Path, root: Path, configs: dict[str, RunConfig],
-             where: dict[str, Any], console: Console) -> SuiteManifest:
+def _prepare(
+    spec: SuiteSpec,
+    suite_file: str | Path,
+    root: Path,
+    configs: dict[str, RunConfig],
+    where: dict[str, Any],
+    console: Console,
+) -> SuiteManifest:
     """The snapshot, each run's config and the manifest (written last) in ``root``."""
     code = snapshot_code(root / "snapshot" / "src")
     data: dict[str, dict[str, Any]] = {}
@@ -115,10 +123,12 @@ def _prepare(spec: SuiteSpec, suite_file: str | Path, root: Path, configs: dict[
                 hashed[model["path"]] = hash_reward_model(model["path"], reporter)
             files = hashed[model["path"]]
             models.append({**model, "sha256": tree_sha256(files), "files": files})
-        records.append(write_run_config(run, frozen_config(cfg, data[key], run.init_from), root, folder, data[key],
-                                        models))
-    manifest = SuiteManifest(suite=spec.name, source_file=str(Path(suite_file).resolve()), code=code, placement=where,
-                             runs=records)
+        records.append(
+            write_run_config(run, frozen_config(cfg, data[key], run.init_from), root, folder, data[key], models)
+        )
+    manifest = SuiteManifest(
+        suite=spec.name, source_file=str(Path(suite_file).resolve()), code=code, placement=where, runs=records
+    )
     manifest.save(root)
     return manifest
 
@@ -133,29 +143,48 @@ def frozen_config(cfg: RunConfig, data: dict[str, Any], init_from: str | None) -
     return cfg.model_copy(update=updates)
 
 
-def write_run_config(run: SuiteRun, cfg: RunConfig, root: Path, folder: Path, data: dict[str, Any],
-                     reward_models: list[dict[str, Any]] | None = None) -> RunRecord:
+def write_run_config(
+    run: SuiteRun,
+    cfg: RunConfig,
+    root: Path,
+    folder: Path,
+    data: dict[str, Any],
+    reward_models: list[dict[str, Any]] | None = None,
+) -> RunRecord:
     """configs/NAME.json and the run's record: the config as it reads back, its SHA-256, its data snapshot,
     its reward models' folders and SHA-256s."""
     config = json.loads(json.dumps(cfg.model_dump(mode="json")))
     config_file = root / "configs" / f"{run.name}.json"
     config_file.parent.mkdir(exist_ok=True)
     write_file(config_file, json.dumps(config, indent=2))
-    return RunRecord(name=run.name, run_dir=str(cfg.output_dir), config_file=str(config_file), config=config,
-                     config_sha256=config_sha256(config), init_from=run.init_from, factors=run.factors,
-                     world_size=run.devices_per_run or 1,
-                     data_sha256={k: data[f"{k}_sha256"] for k in ("train", "validation", "prompt")},
-                     data_dir=str(folder), data_files_sha256=data["files_sha256"], reward_models=reward_models or [])
+    return RunRecord(
+        name=run.name,
+        run_dir=str(cfg.output_dir),
+        config_file=str(config_file),
+        config=config,
+        config_sha256=config_sha256(config),
+        init_from=run.init_from,
+        factors=run.factors,
+        world_size=run.devices_per_run or 1,
+        data_sha256={k: data[f"{k}_sha256"] for k in ("train", "validation", "prompt")},
+        data_dir=str(folder),
+        data_files_sha256=data["files_sha256"],
+        reward_models=reward_models or [],
+    )
 
 
-def print_plan(spec: SuiteSpec, configs: dict[str, RunConfig], root: Path, console: Console,
-               where: dict[str, Any]) -> None:
+def print_plan(
+    spec: SuiteSpec, configs: dict[str, RunConfig], root: Path, console: Console, where: dict[str, Any]
+) -> None:
     """Where the runs go; each run's command, resolved config and checkpoint footprint; the suite's total."""
     from grpolab.studies.suite.footprint import checkpoint_bytes
 
     total = 0
-    console.print(f"suite {spec.name}: {len(configs)} runs into {root} (dry run: nothing written)", highlight=False,
-                  soft_wrap=True)
+    console.print(
+        f"suite {spec.name}: {len(configs)} runs into {root} (dry run: nothing written)",
+        highlight=False,
+        soft_wrap=True,
+    )
     suite_launcher(where).print_placement(console)
     for run in spec.runs:
         cfg = configs[run.name]
@@ -164,6 +193,11 @@ def print_plan(spec: SuiteSpec, configs: dict[str, RunConfig], root: Path, conso
         command = train_command(root / "configs" / f"{run.name}.json", run.devices_per_run or 1)
         console.print(f"\n[bold]{run.name}[/]: {' '.join(command)}", highlight=False, soft_wrap=True)
         console.print(json.dumps(cfg.model_dump(mode="json"), sort_keys=True), highlight=False, soft_wrap=True)
-        console.print(f"checkpoints: {cfg.steps // cfg.checkpoint.every + (cfg.steps % cfg.checkpoint.every != 0)}, "
-                      f"about {size / 1e6:.1f} MB" if size is not None else "checkpoints: size unknown", highlight=False)
+        console.print(
+            f"checkpoints: {cfg.steps // cfg.checkpoint.every + (cfg.steps % cfg.checkpoint.every != 0)}, "
+            f"about {size / 1e6:.1f} MB"
+            if size is not None
+            else "checkpoints: size unknown",
+            highlight=False,
+        )
     console.print(f"\nexpected checkpoint footprint: about {total / 1e6:.1f} MB", highlight=False)

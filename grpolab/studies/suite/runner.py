@@ -23,8 +23,8 @@ from typing import Any
 
 from rich.console import Console
 
-from grpolab.config import ConfigError, load_config
 from grpolab.common.progress import Reporter, format_seconds
+from grpolab.config import ConfigError, load_config
 from grpolab.run.checkpoints import newest_verified
 from grpolab.run.rundir import RunDirError
 from grpolab.run.state import STATE_FILE
@@ -64,8 +64,9 @@ class SuiteRunner:
         self.signals += 1
         name = signal.Signals(signum).name
         if self.signals == 1:
-            self.reporter.line(f"{name}: stopping every running run after its step (with a checkpoint); "
-                               "again to kill them")
+            self.reporter.line(
+                f"{name}: stopping every running run after its step (with a checkpoint); again to kill them"
+            )
             self._stop_all(f"stopped by {name} to the suite runner")
             return
         for flight in self.flights.values():
@@ -79,8 +80,10 @@ class SuiteRunner:
         for name, flight in list(self.flights.items()):
             if flight.job is None:
                 flight.wait["interrupted"] = now()
-                flight.record.reason = (f"this runner was stopped while waiting for process {flight.wait['pid']}, "
-                                        "which goes on training the run; suite resume waits for it again")
+                flight.record.reason = (
+                    f"this runner was stopped while waiting for process {flight.wait['pid']}, "
+                    "which goes on training the run; suite resume waits for it again"
+                )
                 del self.flights[name]
             elif not flight.stop_asked:
                 flight.stop_asked = why
@@ -117,8 +120,10 @@ class SuiteRunner:
             raise RunDirError(f"suite {self.root} is being run by process {manifest.runner_pid}")
         recent = manifest.runner_seen is not None and time.time() - manifest.runner_seen < 3 * self.reporter.interval
         if not here and recent:
-            raise RunDirError(f"suite {self.root} is being run by process {manifest.runner_pid} on "
-                              f"{manifest.runner_host} (it wrote {time.time() - manifest.runner_seen:.0f} s ago)")
+            raise RunDirError(
+                f"suite {self.root} is being run by process {manifest.runner_pid} on "
+                f"{manifest.runner_host} (it wrote {time.time() - manifest.runner_seen:.0f} s ago)"
+            )
 
     def _replace_devices(self, manifest: SuiteManifest) -> None:
         suite_launcher(manifest.placement).refuse_device_list()
@@ -170,8 +175,9 @@ class SuiteRunner:
         while not self.stopping:
             completed = {r.name for r in manifest.runs if r.state == "completed"}
             waiting = [r for r in manifest.runs if r.state != "completed" and r.name not in self.flights]
-            record = next_to_start(waiting, completed,
-                                   lambda r: self.pool is None or len(self.pool.free()) >= self._need(r))
+            record = next_to_start(
+                waiting, completed, lambda r: self.pool is None or len(self.pool.free()) >= self._need(r)
+            )
             if record is None:
                 return
             try:
@@ -182,8 +188,10 @@ class SuiteRunner:
                 complete(record, cfg)
                 record.pid, record.ended = None, record.ended or now()
                 manifest.save(self.root)
-                self.reporter.line(f"run {record.name}: complete on disk "
-                                   f"({progress_of(Path(record.run_dir)).describe(cfg.steps)}): completed, nothing started")
+                self.reporter.line(
+                    f"run {record.name}: complete on disk "
+                    f"({progress_of(Path(record.run_dir)).describe(cfg.steps)}): completed, nothing started"
+                )
                 continue
             problem = start_checkpoint_problem(record, manifest) or reward_model_problem(record, self.reporter)
             if problem is not None:
@@ -203,8 +211,9 @@ class SuiteRunner:
             self.flights[record.name] = Flight(record, cfg, job, since=time.monotonic())
             if job.poll() is None:
                 state = job.where().get("job_state")
-                self.reporter.line(f"run {record.name}: following Slurm job {job.ident} ({state}), "
-                                   "submitted by an earlier runner")
+                self.reporter.line(
+                    f"run {record.name}: following Slurm job {job.ident} ({state}), submitted by an earlier runner"
+                )
             return
         pid = run_holder(record)
         if pid is None:
@@ -221,10 +230,20 @@ class SuiteRunner:
     @staticmethod
     def _archive_attempt(record: RunRecord) -> None:
         if record.command:
-            record.attempts.append({"command": record.command, "exit_code": record.exit_code, "state": record.state,
-                                    "reason": record.reason, "started": record.started, "ended": record.ended,
-                                    "devices": record.devices, "host": record.host, "job_id": record.job_id,
-                                    "job_state": record.job_state})
+            record.attempts.append(
+                {
+                    "command": record.command,
+                    "exit_code": record.exit_code,
+                    "state": record.state,
+                    "reason": record.reason,
+                    "started": record.started,
+                    "ended": record.ended,
+                    "devices": record.devices,
+                    "host": record.host,
+                    "job_id": record.job_id,
+                    "job_state": record.job_state,
+                }
+            )
 
     def _refuse(self, manifest: SuiteManifest, record: RunRecord, reason: str) -> None:
         """A run that must not start (its reward model changed, or the checkpoint it starts from): failed with
@@ -312,8 +331,9 @@ class SuiteRunner:
         record.job_state = flight.job.where().get("job_state")
         classify(flight, self.root / "logs" / f"{record.name}.log", code, flight.job.note)
         manifest.save(self.root)
-        self.reporter.line(f"run {record.name}: {record.state} at {progress}"
-                           + (f" ({record.reason})" if record.reason else ""))
+        self.reporter.line(
+            f"run {record.name}: {record.state} at {progress}" + (f" ({record.reason})" if record.reason else "")
+        )
         if record.state != "completed" and not self.stopping:
             self.first_stop = record.name
             self._stop_all(f"stopped because run {record.name} {record.state}")
@@ -323,25 +343,34 @@ class SuiteRunner:
         progress = progress_of(flight.run_dir).describe(flight.cfg.steps)
         name = flight.record.name
         if flight.job is None:
-            self.reporter.line(f"run {name}: waiting for process {flight.wait['pid'] or '(pid unreadable)'} "
-                               f"(left training by an earlier runner) to end; {progress}")
+            self.reporter.line(
+                f"run {name}: waiting for process {flight.wait['pid'] or '(pid unreadable)'} "
+                f"(left training by an earlier runner) to end; {progress}"
+            )
             return
         state = flight.job.where().get("job_state")
-        self.reporter.line(f"run {name}: {progress}, {format_seconds(time.monotonic() - flight.since)} elapsed"
-                           + (f" (Slurm job {flight.job.ident} {state})" if state else ""))
+        self.reporter.line(
+            f"run {name}: {progress}, {format_seconds(time.monotonic() - flight.since)} elapsed"
+            + (f" (Slurm job {flight.job.ident} {state})" if state else "")
+        )
 
     def _outcome(self, manifest: SuiteManifest) -> int:
         """The suite's exit code and closing line; the report once every run completed."""
         unfinished = [r for r in manifest.runs if r.state != "completed"]
         if not unfinished:
-            self.reporter.line(f"suite {manifest.suite}: all {len(manifest.runs)} runs completed; "
-                               f"grpolab suite status {self.root}")
+            self.reporter.line(
+                f"suite {manifest.suite}: all {len(manifest.runs)} runs completed; grpolab suite status {self.root}"
+            )
             self._report()
             return 0
-        first = next((r for r in unfinished if r.name == self.first_stop),
-                     next((r for r in unfinished if r.state in ("failed", "stopped")), unfinished[0]))
-        self.reporter.line(f"suite stopped at run {first.name} ({first.state}): {first.reason}; "
-                           f"continue with: grpolab suite resume {self.root}")
+        first = next(
+            (r for r in unfinished if r.name == self.first_stop),
+            next((r for r in unfinished if r.state in ("failed", "stopped")), unfinished[0]),
+        )
+        self.reporter.line(
+            f"suite stopped at run {first.name} ({first.state}): {first.reason}; "
+            f"continue with: grpolab suite resume {self.root}"
+        )
         return 1 if any(r.state == "failed" for r in manifest.runs) else 130
 
     def _report(self) -> None:

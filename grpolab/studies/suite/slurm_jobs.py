@@ -27,5 +27,7 @@ def submit_run(root: Path, suite: str, record: RunRecord, env: dict[str, str], s
     script = folder / f"{record.name}.attempt-{n}.sbatch"
     gpus = record.world_size * settings.get("gpus_per_device", 1)
     options = sbatch_options(settings, f"{suite}.{record.name}", root / "logs" / f"{record.name}.log", gpus)
-    script.write_text(batch_script(options, record.command, env, root, str(exit_file(root, record.name, "$SLURM_JOB_ID"))))
+    script.write_text(
+        batch_script(options, record.command, env, root, str(exit_file(root, record.name, "$SLURM_JOB_ID")))
+    )
     return submit(script, {**os.environ, **env}, str(exit_file(root, record.name, "{job}")))

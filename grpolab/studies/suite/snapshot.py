@@ -25,10 +25,16 @@ from grpolab.tasks.folder_hash import model_bytes, model_files, tree_files, tree
 def git_state(folder: Path) -> dict[str, Any] | None:
     """{commit, dirty} of the git checkout holding ``folder``; None when it is not one (or git is absent)."""
     try:
-        commit = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=True, timeout=30).stdout.strip()
-        status = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--", "."], capture_output=True,
-                                text=True, check=True, timeout=30).stdout
+        commit = subprocess.run(
+            ["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "-C", str(folder), "status", "--porcelain", "--", "."],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": commit, "dirty": bool(status.strip())}
@@ -40,8 +46,9 @@ def task_key(cfg: RunConfig) -> str:
 
 
 def _write_rows(path: Path, examples: list[Example]) -> str:
-    path.write_text("".join(json.dumps({"id": e.id, "question": e.question, "answer": e.answer}) + "\n"
-                            for e in examples))
+    path.write_text(
+        "".join(json.dumps({"id": e.id, "question": e.question, "answer": e.answer}) + "\n" for e in examples)
+    )
     return file_sha256(path)
 
 
@@ -62,12 +69,14 @@ def snapshot_data(cfg: RunConfig, folder: Path) -> dict[str, Any]:
             files_sha256[str(copy)] = file_sha256(copy)
     task = build_task(cfg.task)
     (folder / "prompt_template.txt").write_text(task.prompt_template())
-    return {"train_sha256": _write_rows(folder / "train.jsonl", task.train_examples()),
-            "validation_sha256": _write_rows(folder / "validation.jsonl", task.validation_examples()),
-            "prompt_sha256": file_sha256(folder / "prompt_template.txt"), "task_paths": task_paths,
-            "files_sha256": files_sha256,
-            "reward_models": [{"name": spec.name, "path": str(Path(spec.path).resolve())}
-                              for spec in task.reward_models]}
+    return {
+        "train_sha256": _write_rows(folder / "train.jsonl", task.train_examples()),
+        "validation_sha256": _write_rows(folder / "validation.jsonl", task.validation_examples()),
+        "prompt_sha256": file_sha256(folder / "prompt_template.txt"),
+        "task_paths": task_paths,
+        "files_sha256": files_sha256,
+        "reward_models": [{"name": spec.name, "path": str(Path(spec.path).resolve())} for spec in task.reward_models],
+    }
 
 
 def hash_reward_model(path: str | Path, reporter: Reporter) -> dict[str, str]:
@@ -75,8 +84,10 @@ def hash_reward_model(path: str | Path, reporter: Reporter) -> dict[str, str]:
     terminal) or progress lines (in a log) when hashing takes more than a few seconds."""
     folder = Path(path)
     total, done = model_bytes(folder), [0]
-    with reporter.phase(f"hash reward model {folder}", total=max(1, -(-total // 2**20)), unit="MiB",
-                        done_note=None) as phase:
+    with reporter.phase(
+        f"hash reward model {folder}", total=max(1, -(-total // 2**20)), unit="MiB", done_note=None
+    ) as phase:
+
         def advance(size: int) -> None:
             done[0] += size
             phase.advance(done[0] // 2**20 - phase.done)
@@ -90,5 +101,11 @@ def snapshot_code(folder: Path) -> dict[str, Any]:
     source = Path(grpolab.__file__).resolve().parent
     shutil.copytree(source, folder / "grpolab", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     files = tree_files(folder / "grpolab")
-    return {"version": grpolab.__version__, "source": str(source), "git": git_state(source),
-            "sha256": tree_sha256(files), "files": files, "path": str(folder)}
+    return {
+        "version": grpolab.__version__,
+        "source": str(source),
+        "git": git_state(source),
+        "sha256": tree_sha256(files),
+        "files": files,
+        "path": str(folder),
+    }

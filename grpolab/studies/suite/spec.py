@@ -41,15 +41,24 @@ from grpolab.config import ConfigError, RunConfig, apply_override, validate_conf
 class SuiteRun(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$", max_length=200,
-                      description="names the run's folder, config, log and job files: at most 200 characters, so "
-                      "that each fits a file name (255 bytes) with its suffix")
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$",
+        max_length=200,
+        description="names the run's folder, config, log and job files: at most 200 characters, so "
+        "that each fits a file name (255 bytes) with its suffix",
+    )
     algo: str
     seed: int = 0
-    devices_per_run: int | None = Field(None, ge=1, description="devices of this run (default: [base]'s, else 1); "
-                                        "more than one: the run is started under torchrun, one process each")
+    devices_per_run: int | None = Field(
+        None,
+        ge=1,
+        description="devices of this run (default: [base]'s, else 1); "
+        "more than one: the run is started under torchrun, one process each",
+    )
     overrides: dict[str, Any] = Field(default_factory=dict, description="dotted config fields")
-    init_from: str | None = Field(None, description="an earlier run of this suite whose final checkpoint starts this one")
+    init_from: str | None = Field(
+        None, description="an earlier run of this suite whose final checkpoint starts this one"
+    )
     factors: dict[str, str] = Field(default_factory=dict, description="factor -> level, for the report's 2x2")
 
 
@@ -57,8 +66,9 @@ class SuiteSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = "suite"
-    devices: str | list[int | str] | None = Field(None, description="devices to place runs on, such as "
-                                                  "'0,1,2,3' (the command line's --devices wins)")
+    devices: str | list[int | str] | None = Field(
+        None, description="devices to place runs on, such as '0,1,2,3' (the command line's --devices wins)"
+    )
     launcher: Literal["local", "slurm"] = "local"
 
 
@@ -92,13 +102,15 @@ class SuiteSpec(BaseModel):
         if isinstance(data, dict) and isinstance(data.get("base"), dict) and "devices_per_run" in data["base"]:
             base = dict(data["base"])
             default = base.pop("devices_per_run")
-            runs = [run if not isinstance(run, dict) or "devices_per_run" in run else {**run, "devices_per_run": default}
-                    for run in data.get("runs", [])]
+            runs = [
+                run if not isinstance(run, dict) or "devices_per_run" in run else {**run, "devices_per_run": default}
+                for run in data.get("runs", [])
+            ]
             data = {**data, "base": base, "runs": runs}
         return data
 
     @model_validator(mode="after")
-    def _names(self) -> "SuiteSpec":
+    def _names(self) -> SuiteSpec:
         seen: set[str] = set()
         for run in self.runs:
             if run.name in seen:
@@ -122,8 +134,9 @@ def load_suite(path: str | Path) -> SuiteSpec:
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML ({err})") from None
     except ValidationError as err:
-        raise ConfigError("\n".join(f"{path}: {e['msg']} ({'.'.join(map(str, e['loc']))})"
-                                    for e in err.errors())) from None
+        raise ConfigError(
+            "\n".join(f"{path}: {e['msg']} ({'.'.join(map(str, e['loc']))})" for e in err.errors())
+        ) from None
 
 
 def final_checkpoint(run_dir: Path, cfg: RunConfig) -> Path:
@@ -136,12 +149,13 @@ def output_dir_problems(spec: SuiteSpec, root: Path) -> list[str]:
     (two runs on one directory, or a user's directory moved aside) is refused, one line each."""
     problems = []
     if "output_dir" in spec.base:
-        problems.append(f"base: output_dir is set by the suite (each run goes to {root / 'runs' / 'NAME'}); "
-                        "remove it")
+        problems.append(f"base: output_dir is set by the suite (each run goes to {root / 'runs' / 'NAME'}); remove it")
     for run in spec.runs:
         if any(key.split(".")[0] == "output_dir" for key in run.overrides):
-            problems.append(f"run {run.name}: output_dir is set by the suite ({root / 'runs' / run.name}); "
-                            "remove it from its overrides")
+            problems.append(
+                f"run {run.name}: output_dir is set by the suite ({root / 'runs' / run.name}); "
+                "remove it from its overrides"
+            )
     return problems
 
 

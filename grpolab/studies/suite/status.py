@@ -42,8 +42,14 @@ def status_table(root: Path) -> Table:
         if record.started:
             end = time.mktime(time.strptime(record.ended, "%Y-%m-%dT%H:%M:%S%z")) if record.ended else time.time()
             seconds = format_seconds(end - time.mktime(time.strptime(record.started, "%Y-%m-%dT%H:%M:%S%z")))
-        cells = (record.name, state, f"{progress.step}/{cfg.steps}{progress.skipped_note()}",
-                 "" if progress.accuracy is None else f"{progress.accuracy:.3f}", seconds, where_of(record),
-                 record.reason or "")
+        cells = (
+            record.name,
+            state,
+            f"{progress.step}/{cfg.steps}{progress.skipped_note()}",
+            "" if progress.accuracy is None else f"{progress.accuracy:.3f}",
+            seconds,
+            where_of(record),
+            record.reason or "",
+        )
         table.add_row(*map(Text, cells))  # as written: a reason's [brackets] are not markup
     return table

@@ -104,8 +104,10 @@ def reward_model_problem(record: RunRecord, reporter: Reporter) -> str | None:
             if tree_sha256(found) == model["sha256"]:
                 continue
             what = first_changed_file(model["files"], found) if "files" in model else "its SHA-256 differs"
-        return (f"reward model {folder} changed since the suite was prepared: {what}; restore it and resume, "
-                "or make a new suite")
+        return (
+            f"reward model {folder} changed since the suite was prepared: {what}; restore it and resume, "
+            "or make a new suite"
+        )
     return None
 
 
@@ -121,8 +123,12 @@ def start_checkpoint_problem(record: RunRecord, manifest: SuiteManifest) -> str 
         why = None if weights_sha256(checkpoint) == source.final_checkpoint_sha256 else "its weights' SHA-256 differs"
     except (ValueError, OSError) as err:
         why = str(err)
-    return (None if why is None else f"init_from {source.name}: its final checkpoint {checkpoint} is not the one "
-            f"recorded when it completed ({why}); not run")
+    return (
+        None
+        if why is None
+        else f"init_from {source.name}: its final checkpoint {checkpoint} is not the one "
+        f"recorded when it completed ({why}); not run"
+    )
 
 
 def verify_suite(root: Path, manifest: SuiteManifest) -> None:
