@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -37,15 +40,41 @@ def limited(max_bytes: int):
 
 
 def grpolab(*args: str, max_bytes: int | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "grpolab.commands.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        preexec_fn=limited(max_bytes) if max_bytes else None,
-    )
+    """``grpolab ARGS`` as a process of its own (exit code, output): a fork of this one, whose imports are done,
+    so that it starts at once; with ``max_bytes`` no file it writes may grow past that (its output goes to a
+    pipe, which the limit does not reach)."""
+    from grpolab.commands.cli import main
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(read)
+            os.dup2(write, 1)
+            os.dup2(write, 2)
+            sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+            os.chdir(ROOT)
+            if max_bytes:
+                limited(max_bytes)()
+            code = main(list(args))
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    os.close(write)
+    chunks, deadline = [], time.monotonic() + timeout
+    with os.fdopen(read, "rb") as pipe:
+        while select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            chunk = pipe.read1(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    return subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(status), b"".join(chunks).decode(), "")
 
 
 def python(code: str, max_bytes: int | None = None) -> subprocess.CompletedProcess:

@@ -210,7 +210,7 @@ def test_a_synced_adapter_is_served_exactly_and_reloaded_in_place(engine, model_
     """After the full-weight tests: from here on the engine serves the adapter (the module's last user)."""
     from test_vllm_lora import assert_serves_the_synced_adapter_exactly
 
-    engine.sync_weights(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))  # the base again
+    engine.sync_weights(ModelWeights(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)))  # the base
     assert_serves_the_synced_adapter_exactly(engine, model_dir, tokenizer)
 
 
