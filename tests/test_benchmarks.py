@@ -62,6 +62,7 @@ def test_vs_trl_runs_both_at_the_same_settings(warm_model_dir, tmp_path, monkeyp
     assert (tmp_path / "f.json").is_file()
 
 
+@pytest.mark.slow  # ~6 s, a benchmark's own run; default tier: what it times, each engine's generation (test_rollout_*)
 def test_generation_roofline_reports_every_engine_against_both_rooflines(warm_model_dir, tmp_path, capsys):
     import generation_roofline
 
@@ -163,6 +164,8 @@ def test_suite_placement_times_both_placements_and_finds_the_same_numbers_with_f
     assert "threads = 1" in (tmp_path / "bench" / spec.name).read_text()
 
 
+@pytest.mark.slow  # ~6 s, a benchmark's own run; default tier: reward-model training and RL on its scores
+# (test_reward_model.py, test_reward_model_run.py)
 def test_reward_model_learning_trains_a_reward_model_then_rl_on_its_scores(tmp_path, capsys):
     import json
 

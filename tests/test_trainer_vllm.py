@@ -35,8 +35,10 @@ def wait_gone(pids_before: set[int], timeout: float = 15.0) -> set[int]:
 
 
 def test_rl_steps_sync_checked_every_step_and_a_skipped_sync_is_caught(warm_model_dir, tmp_path):
+    """On the engine under another interpreter (``rollout.vllm.python``: its server process, weights synced
+    through files every step); the in-process engine's syncs are test_rollout_vllm.py's."""
     before = descendants()
-    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", engine="vllm", algo="grpo"))
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", vllm_python=sys.executable, algo="grpo"))
     try:
         assert descendants() - before, "the vLLM engine-core process runs"
         for step in (1, 2, 3):
@@ -108,15 +110,18 @@ def test_multi_epoch_preset_and_vllm_under_another_interpreter_via_cli(warm_mode
     assert wait_gone(before) == set()
 
 
-# the in-process Ctrl-C case is slow (a minute): the child-interpreter case covers the same signal with more
-# processes (its engine server, sampling and synced every step, and the server's own engine processes); SIGTERM
-# (~45 s) is slow too: test_dead_ends.py and test_edges.py test its handler, the trainer's stop in-process
+# every case is slow (a minute each): the in-process Ctrl-C case and the child-interpreter one (the same signal
+# with more processes: its engine server and the server's own engine processes); SIGTERM: test_dead_ends.py and
+# test_edges.py test its handler, the trainer's stop in-process
 @pytest.mark.parametrize(
     "how",
     [
         pytest.param("ctrl-c", marks=pytest.mark.slow),
         pytest.param("sigterm", marks=pytest.mark.slow),
-        "ctrl-c, vllm in a child interpreter",
+        # ~40 s; default tier: the engine under another interpreter in the sync-checked run above, its processes
+        # gone at close (there and test_rollout_vllm.py's test_close_leaves_no_child_processes), and Ctrl-C's
+        # stop and resume on the hf engine (test_resume.py)
+        pytest.param("ctrl-c, vllm in a child interpreter", marks=pytest.mark.slow),
     ],
 )
 def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, how):
