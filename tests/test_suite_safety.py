@@ -87,32 +87,9 @@ def lock_holder_process(run_dir: Path, seconds: float) -> subprocess.Popen:
     return proc
 
 
-@pytest.mark.slow  # default tier: the same with fake runs (next test) and the real Ctrl-C resume (test_suite.py)
-def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_training(
-    finished, warm_model_dir, tmp_path, capsys
-):
-    """The runner alone dies (SIGKILL; its run, in its own session, trains on); suite resume at once waits
-    for that orphan, finds run a complete on disk, runs b, and every number equals the uninterrupted suite's."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_FINAL_CHECKPOINT)
-    root = tmp_path / "out"
-    command = ["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(hook)])}  # this checkout's package, first
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "grpolab.commands.cli", *command],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    metrics, deadline = root / "runs" / "a" / "metrics.jsonl", time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and metrics.read_text().count('"reward_mean"') >= 2:
-            break
-        time.sleep(0.05)
-    orphan = SuiteManifest.load(root).runs[0].pid
-    proc.kill()
-    proc.wait()
+def resume_never_starts_a_second_trainer(root: Path, orphan: int, finished: Path, capsys) -> None:
+    """``suite resume`` of ``root``, whose killed runner left ``orphan`` training run a: it waits for the orphan
+    (sampled all along: never a second trainer), then finishes both runs with ``finished``'s numbers."""
     samples: list[set[int]] = []
     stop = threading.Event()
 
@@ -151,6 +128,35 @@ def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_tr
     ]
 
 
+@pytest.mark.slow  # default tier: the same with fake runs (next test) and the real Ctrl-C resume (test_suite.py)
+def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_training(
+    finished, warm_model_dir, tmp_path, capsys
+):
+    """The runner alone dies (SIGKILL; its run, in its own session, trains on); suite resume at once waits
+    for that orphan, finds run a complete on disk, runs b, and every number equals the uninterrupted suite's."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_FINAL_CHECKPOINT)
+    root = tmp_path / "out"
+    command = ["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(hook)])}  # this checkout's package, first
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpolab.commands.cli", *command],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    metrics, deadline = root / "runs" / "a" / "metrics.jsonl", time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count('"reward_mean"') >= 2:
+            break
+        time.sleep(0.05)
+    orphan = SuiteManifest.load(root).runs[0].pid
+    proc.kill()
+    proc.wait()
+    resume_never_starts_a_second_trainer(root, orphan, finished, capsys)
+
+
 def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_training_with_fake_runs(
     fake_finished, fake_runs, warm_model_dir, tmp_path, capsys
 ):
@@ -163,42 +169,7 @@ def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_tr
     orphan = SuiteManifest.load(root).runs[0].pid
     runner.kill()
     runner.join()
-    samples: list[set[int]] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            samples.append(trainers_of(root, "a"))
-            time.sleep(0.02)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    try:
-        assert trainers_of(root, "a") == {orphan}  # the orphan trains on
-        sampler.start()
-        assert main(["suite", "resume", str(root)]) == 0
-    finally:
-        stop.set()
-        if sampler.is_alive():
-            sampler.join()
-        for pid in trainers_of(root, "a") & {orphan}:
-            os.kill(pid, signal.SIGKILL)
-    assert samples and samples[0] == {orphan} and all(s <= {orphan} for s in samples)  # never a second trainer
-    out = capsys.readouterr().out
-    assert f"run a: waiting for process {orphan} (left training by an earlier runner) to end" in out
-    a, b = SuiteManifest.load(root).runs
-    assert (a.state, b.state) == ("completed", "completed")
-    assert a.waits[0]["pid"] == orphan and a.waits[0]["until"] and a.command[-2:] == ["--config", a.config_file]
-    log = (root / "logs" / "a.log").read_text().splitlines()
-    assert len([line for line in log if line.startswith("# ") and "grpolab.commands.cli train" in line]) == 1
-    for name in ("a", "b"):
-        records = read_metrics(root / "runs" / name / "metrics.jsonl")
-        for key in ("reward_mean", "val/accuracy"):
-            steps = [r["step"] for r in records if key in r]
-            assert len(steps) == len(set(steps)), (name, key, steps)
-        assert untimed(records) == untimed(read_metrics(fake_finished / "runs" / name / "metrics.jsonl")), name
-    assert [r.final_checkpoint_sha256 for r in (a, b)] == [
-        r.final_checkpoint_sha256 for r in SuiteManifest.load(fake_finished).runs
-    ]
+    resume_never_starts_a_second_trainer(root, orphan, fake_finished, capsys)
 
 
 def test_resume_waits_for_the_process_holding_a_runs_lock_then_judges_the_run_from_disk(
