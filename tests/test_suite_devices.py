@@ -179,6 +179,39 @@ def test_a_failing_run_stops_the_one_beside_it_resumably_and_resume_finishes_bot
     assert resumed[2].devices == ["1", "0"]
 
 
+def resume_waits_for_the_orphans_and_never_starts_a_run_twice(root: Path, one_at_a_time: Path) -> None:
+    """``suite resume`` of ``root``, whose killed runner left runs a and b training (one process each): sampled
+    all along, never a second trainer; both waited for, c and d placed, every number ``one_at_a_time``'s."""
+    orphans = {name: trainers_of(root, name) for name in ("a", "b")}
+    assert all(len(pids) == 1 for pids in orphans.values()), orphans
+    samples: list[dict[str, set[int]]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append({name: trainers_of(root, name) for name in ("a", "b")})
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        assert main(["suite", "resume", str(root)]) == 0
+    finally:
+        stop.set()
+        sampler.join()
+        for pids in orphans.values():
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    assert samples and all(s[name] <= orphans[name] for s in samples for name in s)  # never a second trainer
+    a, b, c, d = SuiteManifest.load(root).runs
+    assert [w["pid"] for w in a.waits] == list(orphans["a"]) and [w["pid"] for w in b.waits] == list(orphans["b"])
+    assert not a.attempts and not b.attempts and [r.devices for r in (c, d)] == [["0", "1"], ["0"]]
+    assert_same_numbers(root, one_at_a_time)
+
+
 @pytest.mark.slow  # default tier: the same claim with fake runs below
 def test_a_runner_killed_outright_then_resumed_never_starts_a_run_twice_and_finishes_exactly(
     one_at_a_time, warm_model_dir, tmp_path, monkeypatch
@@ -216,34 +249,7 @@ def test_a_runner_killed_outright_then_resumed_never_starts_a_run_twice_and_fini
         time.sleep(0.05)
     proc.kill()
     proc.wait()
-    orphans = {name: trainers_of(root, name) for name in ("a", "b")}
-    assert all(len(pids) == 1 for pids in orphans.values()), orphans
-    samples: list[dict[str, set[int]]] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            samples.append({name: trainers_of(root, name) for name in ("a", "b")})
-            time.sleep(0.02)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        assert main(["suite", "resume", str(root)]) == 0
-    finally:
-        stop.set()
-        sampler.join()
-        for pids in orphans.values():
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-    assert samples and all(s[name] <= orphans[name] for s in samples for name in s)  # never a second trainer
-    a, b, c, d = SuiteManifest.load(root).runs
-    assert [w["pid"] for w in a.waits] == list(orphans["a"]) and [w["pid"] for w in b.waits] == list(orphans["b"])
-    assert not a.attempts and not b.attempts and [r.devices for r in (c, d)] == [["0", "1"], ["0"]]
-    assert_same_numbers(root, one_at_a_time)
+    resume_waits_for_the_orphans_and_never_starts_a_run_twice(root, one_at_a_time)
 
 
 # ---- the same claims with fake runs: the scheduler alone, in seconds -----------------------------------
@@ -346,31 +352,4 @@ def test_a_runner_killed_outright_then_resumed_never_starts_a_run_twice_and_fini
         time.sleep(0.02)
     runner.kill()
     runner.join()
-    orphans = {name: trainers_of(root, name) for name in ("a", "b")}
-    assert all(len(pids) == 1 for pids in orphans.values()), orphans
-    samples: list[dict[str, set[int]]] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            samples.append({name: trainers_of(root, name) for name in ("a", "b")})
-            time.sleep(0.02)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        assert main(["suite", "resume", str(root)]) == 0
-    finally:
-        stop.set()
-        sampler.join()
-        for pids in orphans.values():
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-    assert samples and all(s[name] <= orphans[name] for s in samples for name in s)  # never a second trainer
-    a, b, c, d = SuiteManifest.load(root).runs
-    assert [w["pid"] for w in a.waits] == list(orphans["a"]) and [w["pid"] for w in b.waits] == list(orphans["b"])
-    assert not a.attempts and not b.attempts and [r.devices for r in (c, d)] == [["0", "1"], ["0"]]
-    assert_same_numbers(root, fake_one_at_a_time)
+    resume_waits_for_the_orphans_and_never_starts_a_run_twice(root, fake_one_at_a_time)
