@@ -50,3 +50,32 @@ def test_a_run_without_learning_signal_warns_in_log_summary_and_report(warm_mode
     row = json.loads((run / "report" / "report.json").read_text())["runs"][0]
     # the report's wall time is summary.json's, which is the manifest's sessions (what suite status shows)
     assert row["wall_seconds"] == on_disk["wall_seconds"] == wall_seconds(run)
+
+
+def test_suite_status_and_report_give_one_wall_time(tmp_path):
+    """They disagreed (1m14s vs 1m41s): status counted from the process's launch to its exit, the report
+    summed the training seconds. Both now read the run's sessions (grpolab.run.rundir.wall_seconds)."""
+    from grpolab.studies.manifest import RunRecord, SuiteManifest
+    from grpolab.studies.report.analysis import run_row
+    from grpolab.studies.report.runs import Run
+    from grpolab.studies.suite.status import status_table
+
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    (tmp_path / "a.json").write_text(json.dumps({"steps": 3}))
+    sessions = [{"seconds": 60.0}, {"seconds": 14.0}]  # a run resumed once
+    (run / "manifest.json").write_text(json.dumps({"sessions": sessions}))
+    record = RunRecord(
+        name="a",
+        state="stopped",
+        run_dir=str(run),
+        config_file=str(tmp_path / "a.json"),
+        config_sha256="0",
+        started="2026-12-06T10:00:00+0000",
+        ended="2026-12-06T10:01:41+0000",  # 1m41s from launch to exit: loading, engine start, teardown
+    )
+    SuiteManifest(suite="s", source_file="s.toml", runs=[record]).save(tmp_path)
+    out = io.StringIO()
+    Console(file=out, width=300).print(status_table(tmp_path))
+    assert "wall time" in out.getvalue() and "1m14s" in out.getvalue() and "1m41s" not in out.getvalue()
+    assert run_row(Run("a", run, "stopped"))["wall_seconds"] == 74.0  # no summary.json: the same sessions
