@@ -153,3 +153,16 @@ def test_settings_from_a_config_json():
     config = {"algorithm": {"epochs": 1, "steps_per_epoch": 32}, "warn": {"no_signal_steps": 7}}
     assert HealthSettings.of_config(config) == HealthSettings(single_update=False, no_signal_steps=7)
     assert HealthSettings.of_config({"rollout": {"max_new_tokens": 9}}) == HealthSettings(max_new_tokens=9)
+
+
+def test_a_resume_keeps_what_an_earlier_session_said_up_to_its_checkpoint():
+    said = [w.record() for w in run_warnings([step(1, **DEAD), step(2, **DEAD)], HealthSettings(), ended=True)]
+    monitor = HealthMonitor(HealthSettings(no_signal_steps=5))
+    monitor.replay([step(1, **DEAD), step(2, **DEAD)])
+    monitor.restore([*said, {"key": "half a record"}], up_to=2)
+    assert keys(monitor.warnings) == ["no_learning_signal"]
+    assert monitor.record(step(3, **DEAD)) == [] and monitor.finish() == []  # not said again
+    # a warning of a step after the checkpoint the resume continues from is dropped (that step is redone)
+    fresh = HealthMonitor(HealthSettings(no_signal_steps=5))
+    fresh.restore(said, up_to=1)
+    assert fresh.warnings == []

@@ -11,6 +11,7 @@ from conftest import quick_config
 from rich.console import Console
 
 from grpolab.common.progress import Reporter
+from grpolab.config import load_run_config
 from grpolab.run.rundir import wall_seconds
 from grpolab.run.trainer import train
 from grpolab.studies.report import write_report
@@ -50,6 +51,12 @@ def test_a_run_without_learning_signal_warns_in_log_summary_and_report(warm_mode
     row = json.loads((run / "report" / "report.json").read_text())["runs"][0]
     # the report's wall time is summary.json's, which is the manifest's sessions (what suite status shows)
     assert row["wall_seconds"] == on_disk["wall_seconds"] == wall_seconds(run)
+
+    # a resume replays the steps before it: nothing is said twice, and its summary keeps every warning
+    out = io.StringIO()
+    resumed = train(load_run_config(run, {"steps": 3}), Console(file=out, force_terminal=False), resume=True)
+    assert "warning:" not in out.getvalue() and "3 warning(s) above" in out.getvalue()
+    assert resumed["warnings"] == on_disk["warnings"]
 
 
 def test_suite_status_and_report_give_one_wall_time(tmp_path):

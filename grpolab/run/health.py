@@ -117,6 +117,18 @@ class HealthMonitor:
         """Every record in order; the warnings that fired."""
         return [w for r in records for w in self.record(r)]
 
+    def restore(self, said: Iterable[Mapping[str, Any]], up_to: int) -> None:
+        """Warnings an earlier session already said (summary.json's list; those after step ``up_to``, the
+        last step a resume keeps, are dropped): kept, and not said again (one a run's end raised cannot be
+        replayed from its records)."""
+        for record in said:
+            try:
+                warning = RunWarning(**{k: record[k] for k in RunWarning.__dataclass_fields__})
+            except (KeyError, TypeError):  # a summary.json of another version: its warnings are replayed or lost
+                continue
+            if warning.step <= up_to and warning.key not in self.fired:
+                self.warnings.append(warning)
+
     def finish(self) -> list[RunWarning]:
         """The run ended: a run shorter than ``no_signal_steps`` in which no step had a signal warns now."""
         if self._steps and not self._signal_seen and len(self._streak) == self._steps:

@@ -35,6 +35,15 @@ def wall_seconds(run_dir: Path) -> float | None:
         return None
 
 
+def said_warnings(run_dir: Path) -> list[dict[str, Any]]:
+    """The warnings summary.json lists (``grpolab.run.health``; [] without a readable one)."""
+    try:
+        found = json.loads((Path(run_dir) / "summary.json").read_text()).get("warnings", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return found if isinstance(found, list) else []
+
+
 def start_leftovers(run_dir: Path) -> list[Path] | None:
     """What a new run stopped before it wrote its config leaves in ``run_dir``: its lock file and a temp file of
     config.json (an empty list for an empty directory); None when ``run_dir`` holds anything else. Such a

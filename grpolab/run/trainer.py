@@ -40,6 +40,7 @@ from grpolab.run.rundir import (
     RunDirError,
     resolve_run_dir,
     rewind_metrics,
+    said_warnings,
     start_leftovers,
     summary_writer,
     write_eval_records,
@@ -239,6 +240,8 @@ class Trainer:
         # warnings that save a wasted run: the records before a resume replayed (their warnings said then)
         self.health = HealthMonitor(self._health_settings())
         self.health.replay(self.records)
+        if first > 1 and self.ranks.is_main:  # and those a finished session said at its end
+            self.health.restore(said_warnings(self.run_dir), first - 1)
         evals = {r["step"]: r for r in self.records if "val/accuracy" in r} if first > 1 else {0: self.evaluate(0)}
         rewards = [r["reward_mean"] for r in self.records if "reward_mean" in r]
         log_every = cfg.log_every or (1 if self.reporter.plain else None)
