@@ -277,6 +277,17 @@ class LogConfig(_Section):
     )
 
 
+class WarnConfig(_Section):
+    """When the run warns that it cannot learn (the other warnings' thresholds: ``grpolab.run.health``)."""
+
+    no_signal_steps: int = Field(
+        5,
+        ge=1,
+        description="warn after this many steps in a row in which every group's rewards were equal (no "
+        "learning signal: advantages 0, updates skipped); a shorter run warns at its end when no step had one",
+    )
+
+
 class DistConfig(_Section):
     """Data parallelism under ``torchrun --nproc_per_node N`` (ignored in one process)."""
 
@@ -328,6 +339,7 @@ class RunConfig(_Section):
     optim: OptimConfig = OptimConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    warn: WarnConfig = WarnConfig()
     log: LogConfig = LogConfig()
     dist: DistConfig = DistConfig()
 

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 HEARTBEAT_SECONDS = 30.0
 ANNOUNCE_SECONDS = 2.0
@@ -98,6 +99,16 @@ class Reporter:
         stamp = time.strftime("%H:%M:%S ") if self.plain else ""
         with self._lock:
             self.console.print(stamp + text, markup=False, highlight=False, soft_wrap=True)
+            self.last_line = time.monotonic()
+
+    def warning(self, text: str) -> None:
+        """A 'warning: ' line, its word in yellow on a terminal (plain and time-stamped in a log)."""
+        stamp = time.strftime("%H:%M:%S ") if self.plain else ""
+        line = Text(stamp)
+        line.append("warning:", style=None if self.plain else "bold yellow")
+        line.append(" " + text)
+        with self._lock:
+            self.console.print(line, highlight=False, soft_wrap=True)
             self.last_line = time.monotonic()
 
     def refresh(self, phase: Phase) -> None:

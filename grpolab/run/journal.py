@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from grpolab.config import config_sha256, read_config_json
-from grpolab.run.rundir import CONFIG_FILE, write_json
+from grpolab.run.rundir import CONFIG_FILE, MANIFEST_FILE, write_json
 
-CONFIG, MANIFEST = CONFIG_FILE, "manifest.json"
+CONFIG, MANIFEST = CONFIG_FILE, MANIFEST_FILE
 
 
 def now() -> str:
@@ -116,7 +116,8 @@ class RunJournal:
         return len(self.data["sessions"])
 
     def total_seconds(self) -> float:
-        """Training seconds over every session (a killed session counts up to its last recorded step)."""
+        """Training seconds over every session (a killed session counts up to its last recorded step): the run's
+        wall time (``grpolab.run.rundir.wall_seconds``)."""
         return sum(s["seconds"] for s in self.data["sessions"])
 
     def save(self) -> None:

@@ -20,6 +20,28 @@ class RunDirError(FileExistsError):
 
 LOCK_FILE = ".grpolab.lock"  # the file grpolab.run.lock locks
 CONFIG_FILE = "config.json"
+MANIFEST_FILE = "manifest.json"  # grpolab.run.journal's
+
+
+def wall_seconds(run_dir: Path) -> float | None:
+    """A run's wall time, as summary.json's ``wall_seconds``, ``grpolab report`` and ``grpolab suite status``
+    all give it: over the run's sessions, the seconds from the start of each session's training loop (its
+    step-0 evaluation included; loading the model and starting the engine not) to its last completed step
+    (that step's evaluation and checkpoint included). None when the run has no readable manifest yet."""
+    try:
+        sessions = json.loads((Path(run_dir) / MANIFEST_FILE).read_text())["sessions"]
+        return float(sum(s["seconds"] for s in sessions))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def said_warnings(run_dir: Path) -> list[dict[str, Any]]:
+    """The warnings summary.json lists (``grpolab.run.health``; [] without a readable one)."""
+    try:
+        found = json.loads((Path(run_dir) / "summary.json").read_text()).get("warnings", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return found if isinstance(found, list) else []
 
 
 def start_leftovers(run_dir: Path) -> list[Path] | None:

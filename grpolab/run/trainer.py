@@ -30,6 +30,7 @@ from grpolab.parallel.ranks import end_process_group
 from grpolab.rollout.engines import capabilities, dtype_name, engine_record
 from grpolab.rollout.evaluation import evaluate
 from grpolab.run.checkpoints import prune, remove_temp_folders, save_checkpoint, set_aside
+from grpolab.run.health import HealthMonitor, HealthSettings, RunWarning
 from grpolab.run.journal import RunJournal
 from grpolab.run.lock import LOCK_FILE, RunLock
 from grpolab.run.parts import RunParts, build_parts, load_task, set_up
@@ -39,6 +40,7 @@ from grpolab.run.rundir import (
     RunDirError,
     resolve_run_dir,
     rewind_metrics,
+    said_warnings,
     start_leftovers,
     summary_writer,
     write_eval_records,
@@ -65,6 +67,7 @@ class Trainer:
         self.log: MetricsLog | None = None  # rank 0's
         self.journal: RunJournal | None = None  # rank 0's
         self.plan: ResumePlan | None = None
+        self.health: HealthMonitor | None = None  # the run's warnings, from ``run``
         try:
             self._set_up(cfg, console, resume)
         except BaseException:
@@ -209,7 +212,21 @@ class Trainer:
         if self.ranks.is_main:
             write_eval_records(self.run_dir, step, records)
             self.log.write({"step": step, **out})
+        if self.health is not None:
+            self.warn(self.health.record({"step": step, **out}))
         return out
+
+    def _health_settings(self) -> HealthSettings:
+        return HealthSettings(
+            single_update=self.spec.is_single_update,
+            no_signal_steps=self.cfg.warn.no_signal_steps,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+        )
+
+    def warn(self, warnings: list[RunWarning]) -> None:
+        """Print each new warning once (``grpolab.run.health``); summary.json lists them all."""
+        for warning in warnings:
+            self.reporter.warning(warning.line())
 
     def run(self, stop: StopRequest | None = None) -> dict[str, Any]:
         """Steps from the state's step + 1 to ``cfg.steps``; with ``stop``, a requested stop ends the run
@@ -220,6 +237,11 @@ class Trainer:
         self.reporter.line(
             f"{self.spec.name} on {self.parts.task.name}, {cfg.steps} steps{resumed} -> run dir {self.run_dir}"
         )
+        # warnings that save a wasted run: the records before a resume replayed (their warnings said then)
+        self.health = HealthMonitor(self._health_settings())
+        self.health.replay(self.records)
+        if first > 1 and self.ranks.is_main:  # and those a finished session said at its end
+            self.health.restore(said_warnings(self.run_dir), first - 1)
         evals = {r["step"]: r for r in self.records if "val/accuracy" in r} if first > 1 else {0: self.evaluate(0)}
         rewards = [r["reward_mean"] for r in self.records if "reward_mean" in r]
         log_every = cfg.log_every or (1 if self.reporter.plain else None)
@@ -236,6 +258,7 @@ class Trainer:
                 if log_every and (step % log_every == 0 or step == cfg.steps):
                     left = bar.elapsed() / (step - first + 1) * (cfg.steps - step)
                     self.reporter.line(vital_signs(record, cfg.steps, left))
+                self.warn(self.health.record(record))
                 if step % cfg.eval.every == 0 or step == cfg.steps:
                     bar.set_status("evaluate")
                     evals[step] = self.evaluate(step)
@@ -253,6 +276,7 @@ class Trainer:
                         f"grpolab train --resume {self.run_dir}"
                     )
             stop.armed = False
+        self.warn(self.health.finish())
         seconds = self.journal.total_seconds() if self.journal is not None else time.perf_counter() - started
         return self._summarize(evals, rewards, seconds)
 
@@ -289,18 +313,23 @@ class Trainer:
 
     def _summarize(self, evals: dict[int, dict[str, float]], rewards: list[float], seconds: float) -> dict[str, Any]:
         first, last = evals[0], evals[max(evals)]
-        window = max(1, len(rewards) // 10)
+        window = max(1, len(rewards) // 10)  # the mean of the first and of the last 10% of steps
         summary = {
             "algorithm": self.spec.name,
             "run_dir": str(self.run_dir),
             "steps": self.cfg.steps,
             "val_accuracy": {"start": first["val/accuracy"], "final": last["val/accuracy"]},
             "val_format_rate": {"start": first["val/format_rate"], "final": last["val/format_rate"]},
-            "train_reward": {"first": mean(rewards[:window]), "last": mean(rewards[-window:])},
+            "train_reward": {
+                "first": mean(rewards[:window]),
+                "last": mean(rewards[-window:]),
+                "steps_averaged": window,
+            },
             "updates": dict(self.parts.state.updates),
             "wall_seconds": seconds,
             "sessions": self.journal.session_number if self.journal is not None else 1,
             "final_checkpoint": str(self.run_dir / "checkpoints" / f"step_{self.cfg.steps:06d}"),
+            "warnings": [w.record() for w in self.health.warnings],
         }
         if self.ranks.is_main:
             write_json(self.run_dir / "summary.json", summary)
@@ -309,8 +338,11 @@ class Trainer:
             table.add_column(column)
         for key in ("val/accuracy", "val/format_rate", "val/completion_len_mean"):
             table.add_row(key, f"{first[key]:.3f}", f"{last[key]:.3f}")
+        steps = "step" if window == 1 else f"{window} steps"
         table.add_row(
-            "train reward", f"{summary['train_reward']['first']:.3f}", f"{summary['train_reward']['last']:.3f}"
+            f"train reward (mean of first / last {steps})",
+            f"{summary['train_reward']['first']:.3f}",
+            f"{summary['train_reward']['last']:.3f}",
         )
         table.add_row(
             "updates (actual/attempted)",
@@ -318,6 +350,12 @@ class Trainer:
             f"{self.parts.state.updates['actual']}/{self.parts.state.updates['attempted']}",
         )
         self.console.print(table)
+        if self.health.warnings:
+            self.reporter.line(
+                f"{len(self.health.warnings)} warning(s) above: "
+                + ", ".join(f"{w.key} (step {w.step})" for w in self.health.warnings)
+                + " (also in summary.json and grpolab report)"
+            )
         self.reporter.line(
             f"done in {format_seconds(seconds)}. Run directory {self.run_dir}: summary.json, "
             f"metrics.jsonl, eval/ (per-item records), manifest.json; final checkpoint "

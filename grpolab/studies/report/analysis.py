@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 
 from grpolab.objectives.stats import holm, interaction, mcnemar_exact, paired_difference, pass_at_k_curve, seed_summary
+from grpolab.run.health import HealthSettings, run_warnings
+from grpolab.run.rundir import wall_seconds
 from grpolab.studies.report.common import Common, align, at_common_step, progress, steps_done  # noqa: F401 (align: re-exported)
 from grpolab.studies.report.reward_models import reward_models
 from grpolab.studies.report.runs import Outcomes, Run, outcomes, pair
@@ -58,11 +60,20 @@ def run_row(run: Run) -> dict[str, Any]:
             "actual_updates": train[-1]["total_actual_updates"],
             "tokens_generated": sum(r["response_tokens"] for r in train),
         }
-    if run.summary:
-        row["wall_seconds"] = run.summary["wall_seconds"]
-    elif train:
-        row["wall_seconds"] = sum(r["time/step"] for r in train) + sum(r.get("time/eval", 0.0) for r in evals)
+    seconds = run.summary["wall_seconds"] if run.summary and "wall_seconds" in run.summary else wall_seconds(run.path)
+    if seconds is not None:  # the one definition ``grpolab suite status`` shows too
+        row["wall_seconds"] = seconds
+    row["warnings"] = warnings_of(run)
     return row
+
+
+def warnings_of(run: Run) -> list[dict[str, Any]]:
+    """The run's warnings (``grpolab.run.health``): summary.json's list, else its metrics replayed (a run still
+    running or stopped; ``finish`` only once it completed)."""
+    if run.summary and "warnings" in run.summary:
+        return run.summary["warnings"]
+    found = run_warnings(run.metrics, HealthSettings.of_config(run.config), ended=run.state == "completed")
+    return [w.record() for w in found]
 
 
 def paired(a: Outcomes, b: Outcomes, resamples: int, seed: int) -> dict[str, Any]:

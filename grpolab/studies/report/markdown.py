@@ -80,6 +80,27 @@ def skipped_notes(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def warnings_section(rows: list[dict[str, Any]]) -> list[str]:
+    """Each run's warnings (``grpolab.run.health``): key, the step it first fired, its numbers, the likely cause
+    and the setting to look at; nothing when no run warned."""
+    found = [(r["run"], w) for r in rows for w in r.get("warnings", [])]
+    if not found:
+        return []
+    out = [
+        "## Warnings",
+        "",
+        "Signs that a run could not learn, each at the step it first showed (docs/running.md).",
+        "",
+    ]
+    for run, w in found:
+        numbers = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in w["evidence"].items())
+        out.append(
+            f"- **{run}**, step {w['step']}, `{w['key']}`: {w['what']} ({numbers}). "
+            f"Likely cause: {w['cause']}. Look at: {w['setting']}."
+        )
+    return out + [""]
+
+
 def flagged(names: list[str], early: list[str]) -> list[str]:
     """Run names, those that stopped early marked with ``*``."""
     return [f"{n}*" if n in early else n for n in names]
@@ -444,6 +465,7 @@ def render(data: dict[str, Any], figures: list[tuple[str, str]]) -> str:
         "Accuracy is greedy validation accuracy; format, mean length and truncation are of the final evaluation.",
         "",
     ]
+    out += warnings_section(data["runs"])
     if data["learning"]:
         out += [
             "## What training changed",

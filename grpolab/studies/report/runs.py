@@ -15,7 +15,7 @@ from grpolab.run.rundir import JsonLines, eval_record_steps, eval_records_path, 
 from grpolab.studies.manifest import MANIFEST, SuiteManifest, pid_alive
 from grpolab.studies.report.folder import ReportError, is_report
 
-NOT_TRAINING = ("seed", "output_dir", "eval", "checkpoint", "log", "log_every", "threads")
+NOT_TRAINING = ("seed", "output_dir", "eval", "checkpoint", "warn", "log", "log_every", "threads")
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from rich.table import Table
@@ -10,6 +9,7 @@ from rich.text import Text
 
 from grpolab.common.progress import format_seconds
 from grpolab.config import load_config
+from grpolab.run.rundir import wall_seconds
 from grpolab.studies.manifest import SuiteManifest, pid_alive
 from grpolab.studies.suite.completion import progress_of
 
@@ -27,10 +27,11 @@ def where_of(record) -> str:
 
 
 def status_table(root: Path) -> Table:
-    """Each run's state, step (and unreadable metrics lines), last validation accuracy, time, where and reason."""
+    """Each run's state, step (and unreadable metrics lines), last validation accuracy, wall time (as
+    ``grpolab.run.rundir.wall_seconds``: up to the run's last completed step), where and reason."""
     manifest = SuiteManifest.load(root)
     table = Table(title=Text(f"suite {manifest.suite} ({root})"))
-    for column in ("run", "state", "step", "val acc", "time", "where", "reason"):
+    for column in ("run", "state", "step", "val acc", "wall time", "where", "reason"):
         table.add_column(column)
     for record in manifest.runs:
         cfg = load_config(record.config_file)
@@ -38,16 +39,13 @@ def status_table(root: Path) -> Table:
         state = record.state
         if state == "running" and record.job_id is None and not pid_alive(record.pid):
             state = "running (process gone: resume)"
-        seconds = ""
-        if record.started:
-            end = time.mktime(time.strptime(record.ended, "%Y-%m-%dT%H:%M:%S%z")) if record.ended else time.time()
-            seconds = format_seconds(end - time.mktime(time.strptime(record.started, "%Y-%m-%dT%H:%M:%S%z")))
+        seconds = wall_seconds(Path(record.run_dir))  # the report's and summary.json's definition
         cells = (
             record.name,
             state,
             f"{progress.step}/{cfg.steps}{progress.skipped_note()}",
             "" if progress.accuracy is None else f"{progress.accuracy:.3f}",
-            seconds,
+            "" if seconds is None else format_seconds(seconds),
             where_of(record),
             record.reason or "",
         )
