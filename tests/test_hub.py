@@ -221,3 +221,50 @@ def test_download_offline_prints_the_cached_commit_and_folder_and_one_line_for_a
         "run 'grpolab download tiny-org/absent' on a machine with network"
     ]
     assert f"commit {FIRST}" in absent.stdout  # the cached one still answered
+
+
+def test_online_a_cached_id_needs_no_hub_and_an_absent_one_says_the_hub_cannot_be_reached(
+    module_cache, monkeypatch, tmp_path
+):
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(module_cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: the network is down
+    assert resolve(REPO).commit == FIRST
+    check_model_spec("tiny-org/absent")  # online, a missing id is left to the download
+    with pytest.raises(
+        FileNotFoundError, match="tiny-org/absent is not in the Hugging Face cache .* cannot be reached"
+    ):
+        resolve("tiny-org/absent")
+
+
+def test_a_download_shows_hugging_face_bars_on_a_terminal_and_plain_lines_when_piped():
+    from io import StringIO
+
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+    from rich.console import Console
+
+    from grpolab.common.progress import Reporter
+    from grpolab.models.hub import _progress
+
+    disable_progress_bars()  # as the train command leaves them (transformers' switch turns the hub's off too)
+    piped, terminal = StringIO(), StringIO()
+    with _progress(Reporter(Console(file=piped, force_terminal=False)), "download model a/b"):
+        assert are_progress_bars_disabled()  # no bars in a log file
+    assert "download model a/b: done" in piped.getvalue()
+    with _progress(Reporter(Console(file=terminal, force_terminal=True)), "download model a/b"):
+        assert not are_progress_bars_disabled() or os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
+    assert terminal.getvalue().strip() == "download model a/b" and are_progress_bars_disabled()  # restored
+
+
+def test_a_suite_dry_run_counts_a_cached_hub_models_checkpoints(cache, tmp_path):
+    from grpolab.studies.suite.footprint import parameter_count
+
+    cfg = quick_config(REPO, tmp_path / "run")
+    assert (
+        parameter_count(cfg, {"run": cfg})
+        == AutoModelForCausalLM.from_pretrained(
+            cache / "models--tiny-org--tiny-model" / "snapshots" / FIRST
+        ).num_parameters()
+    )
+    absent = quick_config("tiny-org/absent", tmp_path / "run2")
+    assert parameter_count(absent, {"run": absent}) is None

@@ -166,6 +166,14 @@ def resolve(
     return Snapshot(repo_id, revision, folder.name, folder)
 
 
+def cached_folder(repo_id: str, revision: str | None = None) -> Path | None:
+    """The model's snapshot folder when the cache holds it whole, else None (nothing is downloaded)."""
+    try:
+        return _cached(repo_id, revision or DEFAULT_REVISION, "model").folder
+    except LocalEntryNotFoundError:
+        return None
+
+
 def check_available(repo_id: str, revision: str | None = None) -> None:
     """Refuse, before anything is written, a model that cannot load: offline and not (wholly) cached. Online
     a missing one is downloaded when the run loads it."""
