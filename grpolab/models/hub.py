@@ -115,9 +115,10 @@ def _hub_error(repo_id: str, revision: str, repo_type: str, err: Exception) -> E
     if isinstance(err, RevisionNotFoundError):
         return ValueError(f"{what}: the hub has no such revision (a branch, a tag or a 40-character commit)")
     if isinstance(err, RepositoryNotFoundError):  # gated too
+        local = ", nor a local folder" if repo_type == "model" else ""
         return FileNotFoundError(
-            f"{what}: no such repository on the Hugging Face hub, nor a local folder (a private or gated one "
-            "needs 'hf auth login' and its terms accepted on its page)"
+            f"{what}: no such repository on the Hugging Face hub{local} (a private or gated one needs "
+            "'hf auth login' and its terms accepted on its page)"
         )
     return FileNotFoundError(
         f"{what} is not in the Hugging Face cache {constants.HF_HUB_CACHE} and the hub cannot be reached "
