@@ -1,7 +1,9 @@
 """Hub ids (``--model org/name``) against a real Hugging Face cache laid out on disk by the test, offline
 (``HF_HUB_OFFLINE=1``, ``HF_HUB_CACHE`` / ``HF_HOME`` at the test's folder): the snapshot a run trains from, the
 commit it records, a revision pin, a moved ``refs/main`` refused at resume, the one line for an absent id,
-``grpolab download`` offline."""
+``grpolab download`` offline; and online against a hub on localhost (``tests/local_hub.py``: the real
+``huggingface_hub`` client over HTTP): a run downloading its model with plain progress lines when piped,
+``grpolab download`` bringing ``main`` up to date, the hub's answers as one line."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import quick_config
+from conftest import TASK, quick_config
 from huggingface_hub import constants
 from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
+from local_hub import LocalHub
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.commands.cli import main
@@ -268,3 +271,59 @@ def test_a_suite_dry_run_counts_a_cached_hub_models_checkpoints(cache, tmp_path)
     )
     absent = quick_config("tiny-org/absent", tmp_path / "run2")
     assert parameter_count(absent, {"run": absent}) is None
+
+
+@pytest.fixture
+def local_hub(saved_model):
+    hub = LocalHub()
+    hub.add(REPO, FIRST, saved_model)
+    yield hub
+    hub.close()
+
+
+def online(monkeypatch: pytest.MonkeyPatch, cache: Path, hub: LocalHub) -> None:
+    """Downloads allowed, from ``hub``, into ``cache`` (huggingface_hub read these settings at import)."""
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+
+
+def test_online_a_run_downloads_a_missing_id_with_plain_lines_when_piped(local_hub, tmp_path, monkeypatch, capfd):
+    cache = tmp_path / "hub"
+    online(monkeypatch, cache, local_hub)
+    run = tmp_path / "run"
+    args = ["train", "--model", REPO, "--output_dir", str(run), "--steps", "1", "--eval.every", "1"]
+    assert main([*args, "--checkpoint.every", "1", *[f"--task.{k}={v}" for k, v in TASK.items()]]) == 0
+    out = capfd.readouterr()
+    assert f"download model {REPO}: done" in out.out  # the reporter's phase: a log gets lines
+    assert "it/s]" not in out.out + out.err and "B/s]" not in out.out + out.err  # and no tqdm bars
+    assert (cache / "models--tiny-org--tiny-model" / "refs" / "main").read_text() == FIRST
+    assert json.loads((run / "manifest.json").read_text())["model"]["revision"] == FIRST
+    requests = len(local_hub.requests)
+    assert resolve(REPO).commit == FIRST and len(local_hub.requests) == requests  # then the cache alone answers
+
+
+def test_download_brings_main_up_to_date_and_the_hubs_answers_are_one_line(local_hub, saved_model, tmp_path):
+    env = {**os.environ, "HF_ENDPOINT": local_hub.url, "HF_HUB_CACHE": str(tmp_path / "hub"), "PYTHONPATH": str(ROOT)}
+    env.pop("HF_HUB_OFFLINE", None)
+
+    def download(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "grpolab", "download", *args]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+    folder = tmp_path / "hub" / "models--tiny-org--tiny-model" / "snapshots"
+    first = download(REPO)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert f"download: model {REPO} (main) commit {FIRST} -> {folder / FIRST}" in " ".join(first.stdout.split())
+    local_hub.add(REPO, SECOND, saved_model)  # main moves on the hub
+    again = download(REPO)
+    assert f"commit {SECOND} -> {folder / SECOND}" in " ".join(again.stdout.split())
+    assert (tmp_path / "hub" / "models--tiny-org--tiny-model" / "refs" / "main").read_text() == SECOND
+    bad = download("tiny-org/absent", REPO, "--revision", "v9")
+    assert bad.returncode == 2
+    assert error_lines(" ".join(bad.stdout.split()).replace(" error:", "\nerror:")) == [
+        "error: model tiny-org/absent at revision v9: no such repository on the Hugging Face hub (a private or "
+        "gated one needs 'hf auth login' and its terms accepted on its page)",
+        f"error: model {REPO} at revision v9: the hub has no such revision (a branch, a tag or a 40-character commit)",
+    ]

@@ -109,13 +109,13 @@ def _not_cached(
     )
 
 
-def _hub_error(repo_id: str, revision: str, repo_type: str, err: Exception) -> Exception:
-    """What the hub answered, as one line."""
+def _hub_error(repo_id: str, revision: str, repo_type: str, err: Exception, or_local: bool = True) -> Exception:
+    """What the hub answered, as one line (``or_local``: a model may be a local folder instead)."""
     what = _what(repo_id, revision, repo_type)
     if isinstance(err, RevisionNotFoundError):
         return ValueError(f"{what}: the hub has no such revision (a branch, a tag or a 40-character commit)")
     if isinstance(err, RepositoryNotFoundError):  # gated too
-        local = ", nor a local folder" if repo_type == "model" else ""
+        local = ", nor a local folder" if repo_type == "model" and or_local else ""
         return FileNotFoundError(
             f"{what}: no such repository on the Hugging Face hub{local} (a private or gated one needs "
             "'hf auth login' and its terms accepted on its page)"
@@ -163,7 +163,7 @@ def resolve(
         try:
             folder = Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision))
         except (RepositoryNotFoundError, RevisionNotFoundError, LocalEntryNotFoundError) as err:
-            raise _hub_error(repo_id, revision, repo_type, err) from None
+            raise _hub_error(repo_id, revision, repo_type, err, or_local=not refresh) from None
     return Snapshot(repo_id, revision, folder.name, folder)
 
 
