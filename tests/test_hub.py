@@ -327,3 +327,17 @@ def test_download_brings_main_up_to_date_and_the_hubs_answers_are_one_line(local
         "gated one needs 'hf auth login' and its terms accepted on its page)",
         f"error: model {REPO} at revision v9: the hub has no such revision (a branch, a tag or a 40-character commit)",
     ]
+
+
+def test_a_suite_run_started_from_another_runs_checkpoint_drops_the_hub_revision(tmp_path):
+    from grpolab.studies.suite.spec import SuiteSpec, resolve_runs
+
+    spec = SuiteSpec.model_validate(
+        {
+            "base": {"model": {"path": REPO, "revision": "v1"}, "task": TASK, "steps": 2},
+            "runs": [{"name": "a", "algo": "grpo"}, {"name": "b", "algo": "grpo", "init_from": "a"}],
+        }
+    )
+    configs = resolve_runs(spec, tmp_path)
+    assert (configs["a"].model.path, configs["a"].model.revision) == (REPO, "v1")
+    assert configs["b"].model.path.startswith(str(tmp_path / "runs" / "a")) and configs["b"].model.revision is None
