@@ -544,11 +544,8 @@ def validate_config(data: dict[str, Any]) -> RunConfig:
         raise ConfigError("\n".join(describe_validation_error(err, tags=TASK_KINDS))) from None
 
 
-RESUME_OVERRIDES = {
-    "steps",
-    "log_every",
-    "model.revision",
-}  # model.revision: only to pin the commit the run started from
+# model.revision: only to pin the commit a run started from (grpolab.run.resume checks it)
+RESUME_OVERRIDES = {"steps", "log_every", "model.revision"}
 
 
 def load_run_config(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
