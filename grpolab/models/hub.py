@@ -20,7 +20,6 @@ from pathlib import Path
 from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import (
     HFValidationError,
-    IncompleteSnapshotError,
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
@@ -29,6 +28,14 @@ from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_b
 from huggingface_hub.utils import validate_repo_id as _validate_repo_id
 
 from grpolab.common.progress import Reporter
+
+try:  # a snapshot an interrupted download left: named by the tested huggingface_hub (2.4), whole to older ones
+    from huggingface_hub.errors import IncompleteSnapshotError
+except ImportError:
+
+    class IncompleteSnapshotError(LocalEntryNotFoundError):  # type: ignore[no-redef]
+        """Never raised by this huggingface_hub."""
+
 
 DEFAULT_REVISION = "main"
 COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -153,11 +160,11 @@ def resolve(
     a branch re-read from the hub first) downloaded with progress on ``reporter``. Offline, only the cache's.
     One-line errors (FileNotFoundError, ValueError) saying what to run."""
     revision = revision or DEFAULT_REVISION
-    if not refresh or constants.is_offline_mode():
+    if not refresh or constants.HF_HUB_OFFLINE:
         try:
             return _cached(repo_id, revision, repo_type)
         except LocalEntryNotFoundError as err:
-            if constants.is_offline_mode():
+            if constants.HF_HUB_OFFLINE:
                 raise _not_cached(repo_id, revision, repo_type, err, or_local=not refresh) from None
     with _progress(reporter, f"download {_what(repo_id, revision, repo_type)}"):
         try:
@@ -179,7 +186,7 @@ def check_available(repo_id: str, revision: str | None = None) -> None:
     """Refuse, before anything is written, a model that cannot load: offline and not (wholly) cached. Online
     a missing one is downloaded when the run loads it."""
     revision = revision or DEFAULT_REVISION
-    if constants.is_offline_mode():
+    if constants.HF_HUB_OFFLINE:
         try:
             _cached(repo_id, revision, "model")
         except LocalEntryNotFoundError as err:
@@ -196,7 +203,7 @@ def current_commit(repo_id: str, revision: str | None = None) -> str:
     try:
         return _cached(repo_id, revision, "model").commit
     except LocalEntryNotFoundError as err:
-        if constants.is_offline_mode():
+        if constants.HF_HUB_OFFLINE:
             raise _not_cached(repo_id, revision, "model", err) from None
     try:
         return HfApi().repo_info(repo_id, revision=revision).sha
