@@ -49,7 +49,23 @@ class LoraSettings(_Section):
 
 
 class ModelConfig(_Section):
-    path: str | None = Field(None, description="local Hugging Face model dir; None = the demo's tiny model")
+    path: str | None = Field(
+        None,
+        description="a local Hugging Face model folder (an existing path wins), a hub id org/name (the Hugging "
+        "Face cache first, else downloaded; HF_HUB_OFFLINE=1: the cache only), like:NAME, gguf:FILE; "
+        "None = the demo's tiny model",
+    )
+    revision: str | None = Field(
+        None,
+        description="with a hub id: its branch, tag or commit (default main); the run records the commit",
+    )
+
+    @field_validator("revision", mode="before")
+    @classmethod
+    def _revision_as_text(cls, value: Any) -> Any:
+        """``--model.revision 20240101`` (a tag, or a commit of digits only) reads as a TOML integer."""
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto = bfloat16 on cuda, float32 on cpu")
     gradient_checkpointing: bool = Field(False, description="recompute decoder layers in the backward pass")
@@ -367,6 +383,7 @@ class RunConfig(_Section):
             self._group_baseline_has_a_group,
             self._warm_start_is_for_the_demo,
             self._like_model_settings,
+            self._revision_has_a_hub_id,
             self._task_has_a_model,
             self._pass_k_within_pass_n,
             self._lora_dropout_keeps_the_sync_check,
@@ -435,10 +452,18 @@ class RunConfig(_Section):
                 "a like:NAME model's tokenizer has no chat template; use task.prompt.format 'r1_zero' or 'template'"
             )
 
+    def _revision_has_a_hub_id(self) -> None:
+        """(A local folder's revision is refused when the model is checked: which a path is depends on the disk.)"""
+        path = self.model.path
+        if self.model.revision is not None and (path is None or path.startswith(("like:", "gguf:"))):
+            raise ValueError(
+                f"model.revision applies to a Hugging Face hub id (--model org/name), not to {path or 'the demo model'}"
+            )
+
     def _task_has_a_model(self) -> None:
         if self.model.path is None and self.task.name not in TINY_MODEL_TASKS:
             raise ValueError(
-                f"model.path (--model DIR) is required for task {self.task.name!r} (the demo's tiny "
+                f"model.path (--model DIR or a hub id org/name) is required for task {self.task.name!r} (the demo's tiny "
                 f"model is warm-started for {' and '.join(TINY_MODEL_TASKS)} only)"
             )
 
@@ -531,12 +556,14 @@ def validate_config(data: dict[str, Any]) -> RunConfig:
         raise ConfigError("\n".join(describe_validation_error(err, tags=TASK_KINDS))) from None
 
 
-RESUME_OVERRIDES = {"steps", "log_every"}
+# model.revision: only to pin the commit a run started from (grpolab.run.resume checks it)
+RESUME_OVERRIDES = {"steps", "log_every", "model.revision"}
 
 
 def load_run_config(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     """The config of the run in ``run_dir`` (its config.json), for a resume: only ``steps`` (to extend a
-    run) and ``log_every`` may change, so that the resumed run computes exactly what it started to."""
+    run), ``log_every`` and ``model.revision`` (to the commit it started from: ``grpolab.run.resume``) may
+    change, so that the resumed run computes exactly what it started to."""
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"nothing to resume: {path} not found")

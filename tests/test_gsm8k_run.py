@@ -67,7 +67,7 @@ def test_prompt_longer_than_the_limit_is_an_error_listing_ids(long_context_model
 def test_gsm8k_needs_an_existing_model_dir(tmp_path, capsys):
     args = ["train", *[f"--{k}={v}" for k, v in DATA.items()], "--output-dir", str(tmp_path / "o")]
     assert main(args) == 2
-    assert "model.path (--model DIR) is required" in capsys.readouterr().out
+    assert "model.path (--model DIR or a hub id org/name) is required" in capsys.readouterr().out
     assert main([*args, "--model", str(tmp_path / "missing")]) == 2
     assert "model directory not found" in capsys.readouterr().out
     assert not (tmp_path / "o").exists()

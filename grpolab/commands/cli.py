@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N of a LoRA run")
     export.add_argument("out", help="a new or empty folder")
+    from grpolab.commands.download import add_parser as add_download  # no torch: download loads no model
+
+    add_download(sub)
     report.add_argument("--baseline", help="the run every other run is compared with (default: the first)")
     for p in (report, compare):
         p.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (at least 10,000)")
@@ -225,6 +228,12 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         if extra:
             raise ValueError(f"unexpected arguments {' '.join(extra)}")
         return suite_command(args, console) if args.command == "suite" else report_command(args, console)
+    if args.command == "download":
+        from grpolab.commands.download import run_download
+
+        if extra:
+            raise ValueError(f"unexpected arguments {' '.join(extra)}")
+        return run_download(args, console)
     if args.command == "export":
         if extra:
             raise ValueError(f"unexpected arguments {' '.join(extra)}")

@@ -63,7 +63,7 @@ def print_demo_plan(cfg: RunConfig, reporter: Reporter) -> None:
     """Say what the demo will do, with time estimates for this machine (hf engine)."""
     resolve_run_dir(cfg.output_dir, cfg.algorithm.name)  # bad input: one error line, before the plan
     task = build_task(cfg.task)
-    check_model_spec(cfg.model.path)
+    check_model_spec(cfg.model.path, cfg.model.revision)
     torch.set_num_threads(choose_threads(cfg.threads).threads)  # the run measures again and agrees
     settings = warm_start_settings(task, cfg.model.warm_start)
     step, parameters = calibration_step_seconds(settings)

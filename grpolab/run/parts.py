@@ -166,7 +166,7 @@ def prepare_policy(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Pa
     start = _checkpoint_path(cfg.model.path)
     if start is not None:  # another run's checkpoint (a suite's init_from): every file it lists checks out first
         ranks.run_on_main(lambda: verify(start))
-    check_model_spec(cfg.model.path)
+    check_model_spec(cfg.model.path, cfg.model.revision)
     reporter.line(setting.threads.note)
     if ranks.parallel:
         reporter.line(
@@ -175,7 +175,12 @@ def prepare_policy(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Pa
         )
     # rank 0 first: a warm start of the demo's model is cached, and the other ranks then find it
     resolve = partial(
-        resolve_model_dir, cfg.model.path, task, cfg.model.like_overrides, warm_start=cfg.model.warm_start
+        resolve_model_dir,
+        cfg.model.path,
+        task,
+        cfg.model.like_overrides,
+        warm_start=cfg.model.warm_start,
+        revision=cfg.model.revision,
     )
     model_dir = ranks.run_on_main(lambda: resolve(reporter=reporter))
     if not ranks.is_main:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from grpolab.config import ConfigError, RunConfig, config_sha256, first_difference, read_config_json, validate_config
+from grpolab.models.hub import current_commit, is_hub_id
 from grpolab.run.checkpoints import MANIFEST as CHECKPOINT_MANIFEST
 from grpolab.run.checkpoints import newest_verified, step_folders
 from grpolab.run.journal import CONFIG, MANIFEST, RunJournal
@@ -98,7 +99,7 @@ def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: Non
             raise ConfigError(
                 f"--steps {cfg.steps}: the run is set to {found['steps']} steps, and --steps may only grow"
             )
-        changes = {k: v for k, v in (("steps", cfg.steps), ("log_every", cfg.log_every)) if found.get(k) != v}
+        changes = _changes(cfg, found)
         return ResumePlan(None, None, 0, [], changes, {**found, **changes}, temps)
     journal = RunJournal.load(run_dir)
     found = journal.config_on_disk()
@@ -110,7 +111,8 @@ def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: Non
         )
     if cfg.steps < found["steps"]:
         raise ConfigError(f"--steps {cfg.steps}: the run is set to {found['steps']} steps, and --steps may only grow")
-    changes = {k: v for k, v in (("steps", cfg.steps), ("log_every", cfg.log_every)) if found.get(k) != v}
+    changes = _changes(cfg, found)
+    check_model_commit(cfg, journal)
     if not step_folders(run_dir):  # stopped before its first checkpoint: from step 0, in place
         return ResumePlan(journal, None, 0, [], changes)
     verified = newest_verified(run_dir, (STATE_FILE,), on_check)
@@ -132,6 +134,39 @@ def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: Non
             f"(extend it with --steps N, N > {step})"
         )
     return ResumePlan(journal, verified.checkpoint, step, verified.damaged, changes)
+
+
+def _changes(cfg: RunConfig, found: dict[str, Any]) -> dict[str, Any]:
+    """The top-level config fields a resume changes: ``steps``, ``log_every``, the ``model`` section with a
+    pinned ``revision``."""
+    changes = {k: v for k, v in (("steps", cfg.steps), ("log_every", cfg.log_every)) if found.get(k) != v}
+    if cfg.model.revision != found.get("model", {}).get("revision"):
+        changes["model"] = {**found["model"], "revision": cfg.model.revision}
+    return changes
+
+
+def check_model_commit(cfg: RunConfig, journal: RunJournal) -> None:
+    """A run started from a hub id resumes from the commit it recorded: refused in one line, naming both
+    commits and the pin, when its revision now resolves to another (``refs/main`` moved since), or when a
+    ``--model.revision`` names another."""
+    recorded = journal.data.get("model") or {}
+    started, path = recorded.get("revision"), cfg.model.path
+    if not recorded.get("hub_id") or not started or not path or not is_hub_id(path):
+        return
+    pin = f"grpolab train --resume {journal.run_dir} --model.revision {started}"
+    if cfg.model.revision is not None and cfg.model.revision != journal.recorded_config()["model"].get("revision"):
+        if cfg.model.revision != started:
+            raise ConfigError(
+                f"--model.revision {cfg.model.revision}: run {journal.run_dir} started from commit {started} of "
+                f"{path} ({MANIFEST}); a resumed run keeps its model: {pin}"
+            )
+        return
+    now = current_commit(path, cfg.model.revision)
+    if now != started:
+        raise ConfigError(
+            f"model {path} (revision {cfg.model.revision or 'main'}) is now commit {now}, but run {journal.run_dir} "
+            f"started from commit {started} ({MANIFEST}); a resumed run keeps its model: {pin}"
+        )
 
 
 def check_data(journal: RunJournal, fingerprint: dict[str, Any] | None) -> None:

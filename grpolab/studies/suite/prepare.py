@@ -16,6 +16,7 @@ from rich.console import Console
 from grpolab.common.atomic import write_file
 from grpolab.common.progress import Reporter
 from grpolab.config import RunConfig, config_sha256
+from grpolab.models.hub import current_commit, is_hub_id
 from grpolab.models.loading import absolute_model_spec, check_model_spec
 from grpolab.run.rundir import RunDirError
 from grpolab.studies.manifest import MANIFEST, PREPARING, RunRecord, SuiteManifest
@@ -70,7 +71,7 @@ def prepare_suite(
         return None
     for run in spec.runs:  # a start model that cannot load is refused now, not hours into the queue
         if run.init_from is None:
-            check_model_spec(configs[run.name].model.path)
+            check_model_spec(configs[run.name].model.path, configs[run.name].model.revision)
     if root.exists():  # empty, or what an unfinished preparation left
         _empty(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -134,12 +135,16 @@ def _prepare(
 
 
 def frozen_config(cfg: RunConfig, data: dict[str, Any], init_from: str | None) -> RunConfig:
-    """The run's config reading the data snapshot's file copies, with an absolute start model and absolute
-    reward model folders."""
+    """The run's config reading the data snapshot's file copies, with an absolute start model (a hub id pinned
+    to the commit its revision names now: every run of the suite loads the same one, however long the queue)
+    and absolute reward model folders."""
     paths = {k.removeprefix("task."): v for k, v in data["task_paths"].items()}
     updates = {"task": cfg.task.model_copy(update={**paths, **cfg.task.absolute_reward_models()})}
     if cfg.model.path and init_from is None:
-        updates["model"] = cfg.model.model_copy(update={"path": absolute_model_spec(cfg.model.path)})
+        model = {"path": absolute_model_spec(cfg.model.path)}
+        if is_hub_id(cfg.model.path):
+            model["revision"] = current_commit(cfg.model.path, cfg.model.revision)
+        updates["model"] = cfg.model.model_copy(update=model)
     return cfg.model_copy(update=updates)
 
 

@@ -188,6 +188,7 @@ def resolve_runs(spec: SuiteSpec, root: Path) -> dict[str, RunConfig]:
         if run.init_from is not None and run.init_from in configs:
             source = configs[run.init_from]
             data.setdefault("model", {})["path"] = str(final_checkpoint(Path(source.output_dir), source))
+            data["model"].pop("revision", None)  # a hub id's revision: the checkpoint is a local folder
         try:
             for dotted, value in run.overrides.items():
                 apply_override(data, dotted, value)
