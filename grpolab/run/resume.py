@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpolab.config import ConfigError, RunConfig, config_sha256, first_difference, read_config_json, validate_config
+from grpolab.config import (
+    RESUME_OVERRIDES,
+    ConfigError,
+    RunConfig,
+    config_sha256,
+    first_difference,
+    read_config_json,
+    validate_config,
+)
 from grpolab.run.checkpoints import MANIFEST as CHECKPOINT_MANIFEST
 from grpolab.run.checkpoints import newest_verified, step_folders
 from grpolab.run.journal import CONFIG, MANIFEST, RunJournal
@@ -98,7 +106,7 @@ def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: Non
             raise ConfigError(
                 f"--steps {cfg.steps}: the run is set to {found['steps']} steps, and --steps may only grow"
             )
-        changes = {k: v for k, v in (("steps", cfg.steps), ("log_every", cfg.log_every)) if found.get(k) != v}
+        changes = {k: getattr(cfg, k) for k in RESUME_OVERRIDES if found.get(k) != getattr(cfg, k)}
         return ResumePlan(None, None, 0, [], changes, {**found, **changes}, temps)
     journal = RunJournal.load(run_dir)
     found = journal.config_on_disk()
@@ -106,11 +114,11 @@ def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: Non
         diff = first_difference(journal.recorded_config(), found) or "its SHA-256 differs"
         raise ConfigError(
             f"{run_dir / CONFIG} differs from the config the run started with ({MANIFEST}): {diff}; "
-            "a resumed run keeps its config (only --steps and --log_every may change)"
+            f"a resumed run keeps its config (only {', '.join('--' + k for k in RESUME_OVERRIDES)} may change)"
         )
     if cfg.steps < found["steps"]:
         raise ConfigError(f"--steps {cfg.steps}: the run is set to {found['steps']} steps, and --steps may only grow")
-    changes = {k: v for k, v in (("steps", cfg.steps), ("log_every", cfg.log_every)) if found.get(k) != v}
+    changes = {k: getattr(cfg, k) for k in RESUME_OVERRIDES if found.get(k) != getattr(cfg, k)}
     if not step_folders(run_dir):  # stopped before its first checkpoint: from step 0, in place
         return ResumePlan(journal, None, 0, [], changes)
     verified = newest_verified(run_dir, (STATE_FILE,), on_check)
