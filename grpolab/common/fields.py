@@ -119,7 +119,7 @@ def walk(
 
 
 def type_text(annotation: Any) -> str:
-    """A field's type in words a TOML writer reads: ``int``, ``float | none``, ``"hf" | "vllm"``,
+    """A field's type in words a TOML writer reads: ``int``, ``float | none``, ``"sum" | "mean"``,
     ``list[str]``, ``[float, float]``, ``table``."""
     annotation = _strip(annotation)
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
