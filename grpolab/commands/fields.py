@@ -41,6 +41,11 @@ def _default(doc: FieldDoc) -> str:
     return "required" if doc.required else value_text(doc.default)
 
 
+def _kind(tag: str) -> str:
+    """A task kind's ``task.name``: its tag, or for the kinds of your own the import path's form."""
+    return "package.module:Class" if tag == "imported" else tag
+
+
 def groups() -> Iterator[tuple[str, str, list[FieldDoc]]]:
     """(title, what the section is, its fields) for the top level and each section and task kind, in the
     models' order; a task kind's ``name`` is in its title, a section's own row is its title."""
@@ -54,7 +59,7 @@ def groups() -> Iterator[tuple[str, str, list[FieldDoc]]]:
         if doc.is_section:
             order.setdefault((doc.name, doc.variant), [])
             if doc.name == "task":  # one row for the kind; each kind's fields follow in a group of their own
-                tags = tuple(v if v != "imported" else "package.module:Class" for v in kinds)
+                tags = tuple(_kind(v) for v in kinds)
                 order[("task", None)].append(
                     FieldDoc(
                         "task.name",
@@ -73,9 +78,7 @@ def groups() -> Iterator[tuple[str, str, list[FieldDoc]]]:
             continue
         own = sections.get((section, variant)) or sections.get((section, None))
         if section == "task" and variant is not None:
-            name = kinds[variant]
-            tag = f'"{variant}"' if variant != "imported" else '"package.module:Class"'
-            yield f"[task] name = {tag}", name.description, fields
+            yield f'[task] name = "{_kind(variant)}"', kinds[variant].description, fields
             continue
         kind = f' (task.name = "{variant}")' if variant and section != "task" else ""
         brackets = f"[[{section.removesuffix('[]')}]]" if own and own.is_list else f"[{section}]"

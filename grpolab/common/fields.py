@@ -38,10 +38,6 @@ class FieldDoc:
     is_list: bool = False
 
     @property
-    def leaf(self) -> str:
-        return self.name.rsplit(".", 1)[-1]
-
-    @property
     def required(self) -> bool:
         return self.default is REQUIRED
 
@@ -142,18 +138,23 @@ def type_text(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
+def _split(name: str) -> tuple[str, str]:
+    section, _, leaf = name.rpartition(".")
+    return section, leaf
+
+
 def suggest(name: str, names: Iterable[str]) -> str | None:
-    """The known name closest to ``name`` (difflib), compared in full and by its last part; None when none is
-    close."""
+    """The known name closest to ``name`` (difflib), or None when none is close: a near match of the whole dotted
+    name first, then the closest field of the same section by its own name (a long shared prefix makes any two
+    names of one section look alike in full), then a looser match of the whole name."""
     names = list(dict.fromkeys(names))
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
     if close:
         return close[0]
-    leaf = name.rsplit(".", 1)[-1]
-    section = name.rsplit(".", 1)[0] if "." in name else ""
-    same_section = [n for n in names if (n.rsplit(".", 1)[0] if "." in n else "") == section]
-    close = difflib.get_close_matches(leaf, [n.rsplit(".", 1)[-1] for n in same_section], n=1, cutoff=0.6)
+    section, leaf = _split(name)
+    same_section = {_split(n)[1]: n for n in names if _split(n)[0] == section}
+    close = difflib.get_close_matches(leaf, list(same_section), n=1, cutoff=0.6)
     if close:
-        return next(n for n in same_section if n.rsplit(".", 1)[-1] == close[0])
+        return same_section[close[0]]
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     return close[0] if close else None

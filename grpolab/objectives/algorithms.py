@@ -81,7 +81,9 @@ class AlgorithmSpec(BaseModel):
     # schedule over one rollout batch
     epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     steps_per_epoch: int = Field(1, ge=1, description="optimizer steps per pass (the batch split into minibatches)")
-    shuffle_minibatches: bool = Field(True, description="shuffle the batch before each pass's minibatches")
+    shuffle_minibatches: bool = Field(
+        True, description="shuffle the batch before each pass's minibatches (with more than one step per pass)"
+    )
     # Rollout Routing Replay (MoE policies): every training forward routes each token to the experts chosen where
     # the behaviour log-probs were computed (the hf engine's generation, else the old-log-prob forward; the
     # weights stay live)
@@ -103,7 +105,9 @@ class AlgorithmSpec(BaseModel):
     )
     max_resample_rounds: int = Field(3, ge=0, description="dynamic sampling's extra generation rounds per step")
     prune_zero_advantage: bool = Field(
-        True, description="leave sequences whose advantages are all 0 out of the update's backward"
+        True,
+        description="sequences whose advantage is 0 (no gradient) stay out of the training forward and backward; "
+        "never with a KL term",
     )
 
     @model_validator(mode="after")
