@@ -91,6 +91,7 @@ def help_text(width: int = 100) -> str:
     with its type, default and description."""
     lines = ["config fields:", *textwrap.wrap(HEADER, width), "", "short names:"]
     lines += [f"  --{alias.replace('_', '-'):<14} = --{target}" for alias, target in ALIASES.items()]
+    lines.append("  (the top-level fields below are short already: --steps, --threads, --output-dir, --seed)")
     body = textwrap.TextWrapper(width=width, initial_indent=" " * 8, subsequent_indent=" " * 8)
     for title, what, docs in groups():
         lines += ["", f"{title}{': ' + what if what else ''}" if title != "top level" else "top level:"]
