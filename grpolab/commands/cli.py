@@ -88,11 +88,11 @@ def _takes_fields(sub, name: str, what: str = "", **kwargs: Any) -> argparse.Arg
 
 
 def names_own_run(overrides: dict[str, Any]) -> bool:
-    """Whether command-line overrides name a model or a task (``--model DIR``, ``--task.name NAME``, the
-    whole ``--task`` table): a run of its own, not the demo's tiny model on its addition task."""
+    """Whether command-line overrides name a model or a task (``--model DIR`` or ``--model.path``, ``--task
+    NAME`` or ``--task.name``): a run of its own, not the demo's tiny model on its addition task."""
     from grpolab.config import ALIASES
 
-    return any(ALIASES.get(name, name) in ("model.path", "task.name", "task") for name in overrides)
+    return any(ALIASES.get(name, name) in ("model.path", "task.name") for name in overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
