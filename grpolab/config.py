@@ -7,6 +7,7 @@ Validation reports one line per bad field.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import tomllib
@@ -15,6 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from grpolab.common.fields import FieldDoc, suggest, walk
 from grpolab.common.validation import describe_validation_error
 from grpolab.models.precision import PrecisionName
 from grpolab.models.tinymodel import WarmStartSettings
@@ -74,7 +76,9 @@ class ModelConfig(_Section):
         default_factory=dict,
         description="size fields of a like:NAME model, e.g. {num_hidden_layers = 2}; width and vocabulary stay real",
     )
-    lora: LoraSettings | None = Field(None, description="LoRA adapters instead of full weights ([model.lora])")
+    lora: LoraSettings | None = Field(
+        None, description="LoRA adapters instead of full weights; setting any of its fields turns them on"
+    )
     warm_start: dict[str, Any] = Field(
         default_factory=dict,
         description="with no model.path: changes to the "
@@ -130,25 +134,29 @@ class RolloutConfig(_Section):
         "what each can do and the settings each refuses: grpolab.rollout."
         "engines)",
     )
-    prompts_per_step: int = Field(32, ge=1)
-    group_size: int = Field(8, ge=1)
-    max_new_tokens: int = Field(48, ge=1)
+    prompts_per_step: int = Field(32, ge=1, description="prompts sampled per RL step")
+    group_size: int = Field(8, ge=1, description="G: completions per prompt, the group its advantages compare")
+    max_new_tokens: int = Field(48, ge=1, description="longest completion; one that reaches it is truncated")
     max_prompt_tokens: int | None = Field(None, ge=1, description="longer prompts are an error, never truncated")
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts (and of pass@k)")
     top_p: float = Field(
         1.0, gt=0, le=1, description="training samples the untruncated policy: 1 only (eval.top_p for pass@k)"
     )
     top_k: int = Field(
         0, ge=0, description="training samples the untruncated policy: 0 (disabled) only (eval.top_k for pass@k)"
     )
-    stop_strings: list[str] = Field(default_factory=list)
+    stop_strings: list[str] = Field(
+        default_factory=list, description="a completion ends after the first of these (besides the end-of-text token)"
+    )
     max_batch_size: int = Field(256, ge=1, description="sequences generated at once (hf engine)")
     pack_weights: bool = Field(
         True,
         description="hf engine on a CPU, float32: multiply by weights laid out "
         "once per generation call (oneDNN), not re-packed at every decoding step",
     )
-    vllm: VLLMConfig = VLLMConfig()
+    vllm: VLLMConfig = Field(
+        default_factory=VLLMConfig, description="the vLLM engine's settings (with rollout.engine vllm)"
+    )
     sync_check: bool = Field(
         True,
         description="compare engine and trainer log-probs of the sampled tokens "
@@ -228,10 +236,10 @@ class RewardShapingConfig(_Section):
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    lr: float = Field(1e-4, gt=0, description="AdamW's learning rate (constant)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's (beta1, beta2)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradients are clipped to this global norm per optimizer step")
     micro_batch_size: int = Field(32, ge=1, description="sequences per micro-batch (unless micro_batch_tokens)")
     micro_batch_tokens: int | None = Field(
         None,
@@ -261,7 +269,7 @@ class OptimConfig(_Section):
 
 
 class EvalConfig(_Section):
-    every: int = Field(20, ge=1)
+    every: int = Field(20, ge=1, description="evaluate every N steps (and at step 0 and the last step)")
     n_examples: int | None = Field(None, ge=1, description="None = the whole validation split")
     pass_k: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, description="e.g. [1, 8]: sampled pass@k")
     pass_n: int = Field(8, ge=1, description="samples per problem for pass@k")
@@ -276,7 +284,7 @@ class EvalConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every: int = Field(50, ge=1)
+    every: int = Field(50, ge=1, description="a verified checkpoint every N steps (and at the last step)")
     keep_last: int | None = Field(
         None,
         ge=1,
@@ -330,8 +338,10 @@ class RunConfig(_Section):
         "with the step, and a seed must fit the libraries' 64-bit and NumPy's 32-bit seeds): "
         "0 <= seed < 2**32",
     )
-    steps: int = Field(100, ge=1)
-    output_dir: str | None = None
+    steps: int = Field(100, ge=1, description="RL steps of the run (a resume may raise it)")
+    output_dir: str | None = Field(
+        None, description="the run directory, new or empty; None = runs/<YYYYmmdd-HHMMSS>-<algorithm>"
+    )
     reference: Literal["none", "frozen"] = Field("none", description="frozen copy of the start policy for KL")
     threads: int | None = Field(
         None,
@@ -347,17 +357,29 @@ class RunConfig(_Section):
         "advantage std, KL, clip fraction, ratio, length, truncation, grad norm, s/step); "
         "None = every step when the output is not a terminal, none on a terminal",
     )
-    model: ModelConfig = ModelConfig()
-    task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
-    reward: RewardShapingConfig = RewardShapingConfig()
-    algorithm: AlgorithmSpec = Field(default_factory=lambda: PRESETS["grpo"])
-    rollout: RolloutConfig = RolloutConfig()
-    optim: OptimConfig = OptimConfig()
-    eval: EvalConfig = EvalConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    warn: WarnConfig = WarnConfig()
-    log: LogConfig = LogConfig()
-    dist: DistConfig = DistConfig()
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy: which model, where, in what dtype")
+    task: TaskConfig = Field(
+        default_factory=ArithmeticTaskConfig,
+        description="what the model learns: task.name picks the kind, the other keys are that kind's settings",
+    )
+    reward: RewardShapingConfig = Field(
+        default_factory=RewardShapingConfig, description="length shaping added to every task's RL reward"
+    )
+    algorithm: AlgorithmSpec = Field(
+        default_factory=lambda: PRESETS["grpo"],
+        description="algorithm.name picks a preset (grpolab algorithms lists them); any other key overrides it",
+    )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="sampling: the engine, batch shape, and its sync check"
+    )
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="the optimizer and the update's batching")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="greedy evaluation on the validation split")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints for exact resume")
+    warn: WarnConfig = Field(
+        default_factory=WarnConfig, description="warnings that save a wasted run (grpolab.run.health)"
+    )
+    log: LogConfig = Field(default_factory=LogConfig, description="where metrics go besides RUN_DIR/metrics.jsonl")
+    dist: DistConfig = Field(default_factory=DistConfig, description="data parallelism under torchrun")
 
     @field_validator("task", mode="before")
     @classmethod
@@ -437,10 +459,14 @@ class RunConfig(_Section):
             try:  # unknown keys and bad values, named now
                 WarmStartSettings(**self.model.warm_start)
             except ValidationError as err:
+                names = [f"model.warm_start.{f.name}" for f in walk(WarmStartSettings)]
+                lines = describe_validation_error(
+                    err, "", unknown=lambda loc, value: unknown_field_line(("model", "warm_start", *loc), value, names)
+                )
                 raise ValueError(
-                    "; ".join(f"model.warm_start.{line}" for line in describe_validation_error(err, "")).replace(
-                        "model.warm_start.: ", "model.warm_start: "
-                    )
+                    "; ".join(
+                        line if line.startswith("model.warm_start.") else f"model.warm_start.{line}" for line in lines
+                    ).replace("model.warm_start.: ", "model.warm_start: ")
                 ) from None
 
     def _like_model_settings(self) -> None:
@@ -502,6 +528,41 @@ ALIASES = {
     "engine": "rollout.engine",
     "vllm_python": "rollout.vllm.python",
 }
+"""Short names on the command line (``--algo dapo``) for deeper fields; the top-level fields (``--steps``,
+``--threads``, ``--output-dir``) are short already."""
+
+
+@functools.cache
+def config_fields() -> tuple[FieldDoc, ...]:
+    """Every field of a run config by its dotted name (sections, task kinds' fields, ``task.rewards[].weight``),
+    with a default config's values as defaults: what ``--help``, ``grpolab config`` and docs/config.md list."""
+    return tuple(walk(RunConfig, RunConfig()))
+
+
+def _dotted(loc: tuple[str | int, ...]) -> str:
+    """('task', 'rewards', 0, 'weight') -> 'task.rewards[].weight'."""
+    return "".join("[]" if isinstance(p, int) else f".{p}" if i else str(p) for i, p in enumerate(loc))
+
+
+def _leaves(value: Any, name: str) -> list[str]:
+    if isinstance(value, dict) and value:
+        return [leaf for key, v in value.items() for leaf in _leaves(v, f"{name}.{key}")]
+    return [name]
+
+
+def unknown_field_line(loc: tuple[str | int, ...], value: Any, names: list[str] | None = None) -> str:
+    """One line for a key the config does not have, with the closest dotted name (or short name) it may have
+    meant: 'optim.lrr: unknown field; did you mean optim.lr?'. A mistyped section holding one field is named
+    with that field ('optimm.lr', not 'optimm')."""
+    name = _dotted(loc)
+    known = names if names is not None else [f.name for f in config_fields()]
+    leaves = _leaves(value, name)
+    if len(leaves) == 1 and suggest(leaves[0], known):
+        name = leaves[0]
+    match = suggest(name, [*known, *(ALIASES if names is None and "." not in name else ())])
+    if match is None:
+        return f"{name}: unknown field (grpolab train --help lists every field)"
+    return f"{name}: unknown field; did you mean {match}{f' (short for {ALIASES[match]})' if match in ALIASES else ''}?"
 
 
 def parse_value(text: str) -> Any:
@@ -553,24 +614,26 @@ def validate_config(data: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError("\n".join(describe_validation_error(err, tags=TASK_KINDS))) from None
+        lines = describe_validation_error(err, tags=TASK_KINDS, unknown=unknown_field_line)
+        raise ConfigError("\n".join(lines)) from None
 
 
-# model.revision: only to pin the commit a run started from (grpolab.run.resume checks it)
-RESUME_OVERRIDES = {"steps", "log_every", "model.revision"}
+RESUME_OVERRIDES = ("steps", "log_every", "threads", "model.revision")
+"""What a resume may change: ``steps`` (to extend a run, never to shorten it), the fields that change no
+result (how often it logs, its CPU threads) and ``model.revision``, only to pin the commit the run started
+from (``grpolab.run.resume`` checks it); config.json and the manifest's resume entry record the change."""
 
 
 def load_run_config(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """The config of the run in ``run_dir`` (its config.json), for a resume: only ``steps`` (to extend a
-    run), ``log_every`` and ``model.revision`` (to the commit it started from: ``grpolab.run.resume``) may
-    change, so that the resumed run computes exactly what it started to."""
+    """The config of the run in ``run_dir`` (its config.json), for a resume: only the ``RESUME_OVERRIDES``
+    may change, so that the resumed run computes exactly what it started to."""
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"nothing to resume: {path} not found")
-    changed = sorted(set(overrides or {}) - RESUME_OVERRIDES)
+    changed = sorted(set(overrides or {}) - set(RESUME_OVERRIDES))
     if changed:
         raise ConfigError(
-            f"a resumed run keeps its config; only {', '.join(sorted(RESUME_OVERRIDES))} may change "
+            f"a resumed run keeps its config; only {', '.join(RESUME_OVERRIDES)} may change "
             f"(got {', '.join('--' + c for c in changed)})"
         )
     data = read_config_json(path)

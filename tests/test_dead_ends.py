@@ -226,7 +226,7 @@ def test_a_used_folder_says_how_to_continue_its_run_and_a_checkpoint_is_not_a_ru
         f"error: --resume {checkpoint} is a checkpoint; give its run directory: grpolab "
         f"train --resume {uninterrupted} (a run continues from its newest complete checkpoint)"
     ]
-    assert main(["train", "--output_dir", str(uninterrupted)]) == 2
+    assert main(["train", "--task", "arithmetic", "--output_dir", str(uninterrupted)]) == 2
     assert error_lines(capsys) == [
         f"error: output directory {uninterrupted} holds a run (its config.json): continue "
         f"it with grpolab train --resume {uninterrupted}, or choose another --output-dir"
@@ -259,7 +259,7 @@ def test_a_sigterm_well_after_the_stop_request_ends_a_step_that_cannot_end(monke
 def test_a_seed_out_of_range_is_one_line(tmp_path, capsys):
     """A huge seed ended in 'Overflow when unpacking long long' from torch."""
     for seed in ("99999999999999999999", "-1", str(2**32)):
-        assert main(["train", "--seed", seed, "--output_dir", str(tmp_path / "run")]) == 2
+        assert main(["train", "--task", "arithmetic", "--seed", seed, "--output_dir", str(tmp_path / "run")]) == 2
         (line,) = error_lines(capsys)
         assert line.startswith("error: seed: Input should be"), line
     assert not (tmp_path / "run").exists()

@@ -154,9 +154,24 @@ def test_an_edited_config_is_refused_naming_the_field(copy_of, capsys):
     assert error_lines(capsys) == [
         f"error: {run / 'config.json'} differs from the config the run started with "
         "(manifest.json): optim.lr is 0.05, was 0.001; a resumed run keeps its config "
-        "(only --steps and --log_every may change)"
+        "(only --steps, --log_every, --threads, --model.revision may change)"
     ]
     assert tree(run) == before
+
+
+def test_threads_may_change_on_resume_and_the_run_stays_the_same(copy_of, uninterrupted, capsys):
+    """A resume refused --threads although the CPU threads change no result; the change is recorded as a grown
+    --steps is, and the run still ends exactly where the uninterrupted one did."""
+    run = copy_of()
+    assert main(["train", "--resume", str(run), "--threads", "1"]) == 0
+    config, manifest = (json.loads((run / name).read_text()) for name in ("config.json", "manifest.json"))
+    assert config["threads"] == manifest["config"]["threads"] == 1
+    assert manifest["resumes"][-1]["changed"] == {"threads": {"from": None, "to": 1}}
+    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
+    assert main(["train", "--resume", str(run), "--optim.lr", "0.5"]) == 2  # a result-changing field: still refused
+    assert error_lines(capsys) == [
+        "error: a resumed run keeps its config; only steps, log_every, threads, model.revision may change (got --optim.lr)"
+    ]
 
 
 @pytest.mark.parametrize("damage", ["config is a list", "manifest missing", "manifest torn"])

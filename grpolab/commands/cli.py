@@ -2,6 +2,7 @@
 
 ``grpolab train --config run.toml --optim.lr 3e-4 --algo dapo`` sets any config field by its dotted
 name; ``grpolab demo`` is ``train`` with the built-in defaults (tiny model, arithmetic task).
+``grpolab train --help`` lists every field; ``grpolab config`` prints the resolved config as TOML.
 """
 
 from __future__ import annotations
@@ -63,31 +64,96 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return overrides
 
 
+class _Parser(argparse.ArgumentParser):
+    """A sub-command's parser; one that takes config fields (``lists_fields``) ends its help with every field,
+    built only when the help is asked for (reading the config's models imports the model code)."""
+
+    lists_fields = False
+
+    def format_help(self) -> str:
+        if not self.lists_fields:
+            return super().format_help()
+        from grpolab.commands.fields import help_text
+
+        return f"{super().format_help()}\n{help_text(max(60, min(120, shutil.get_terminal_size().columns)))}\n"
+
+
+def _takes_fields(sub, name: str, what: str = "", **kwargs: Any) -> argparse.ArgumentParser:
+    """A sub-command that reads a config: its help lists every field (``--dotted.name VALUE`` after its own
+    options; ``what`` its positional arguments)."""
+    usage = f"grpolab {name} {what + ' ' if what else ''}[options] [--dotted.name VALUE ...]"
+    parser = sub.add_parser(name, usage=usage, **kwargs)
+    parser.lists_fields = True
+    return parser
+
+
+def names_own_run(overrides: dict[str, Any]) -> bool:
+    """Whether command-line overrides name a model or a task (``--model DIR`` or ``--model.path``, ``--task
+    NAME`` or ``--task.name``): a run of its own, not the demo's tiny model on its addition task."""
+    from grpolab.config import ALIASES
+
+    return any(ALIASES.get(name, name) in ("model.path", "task.name") for name in overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpolab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("algorithms", help="list every algorithm preset with its settings and formula")
-    train = sub.add_parser("train", help="train with a TOML config; --dotted.name value overrides any field")
-    train.add_argument("--config", help="TOML file (fields by section, e.g. [optim] lr = 1e-4)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub.add_parser(
+        "algorithms",
+        help="list every algorithm preset with its settings and formula",
+        description="Prints every algorithm preset (--algo NAME): its advantage (baseline / normalizer), "
+        "per-token weight and clip range, aggregation and update schedule on one line, its loss formula on the "
+        "next. Any of those settings can be overridden per run (--algorithm.eps_high 0.28; train --help lists "
+        "them); docs/algorithms.md has the details.",
+    )
+    train = _takes_fields(
+        sub,
+        "train",
+        help="train with a TOML config; --dotted.name value overrides any field",
+        description="Train from --config FILE.toml, with any field overridden on the command line, or continue a "
+        "run with --resume RUN_DIR. Without --config it needs a model or task of its own (--model DIR or --task "
+        "NAME: every other field at its default); `grpolab demo` runs the built-in demo.",
+    )
+    train.add_argument("--config", metavar="FILE", help="TOML file (fields by section, e.g. [optim] lr = 1e-4)")
     train.add_argument(
         "--resume",
         metavar="RUN_DIR",
         help="continue RUN_DIR from its newest complete checkpoint "
-        "(exactly: weights, optimizer, RNGs, data position); --steps N may extend it",
+        "(exactly: weights, optimizer, RNGs, data position); --steps N may extend it, "
+        "--threads and --log_every change no result and may change too",
     )
-    sub.add_parser("demo", help="train the built-in tiny model on the built-in task (CPU, minutes)")
-    probe = sub.add_parser("probe", help="capacity check: two real updates at the config's worst-case shapes")
-    probe.add_argument("--config", help="TOML file, as for train")
+    _takes_fields(
+        sub,
+        "demo",
+        help="train the built-in tiny model on the built-in task (CPU, minutes)",
+        description="Warm-starts the built-in tiny model on the built-in addition task (once, cached), then "
+        "trains it with GRPO; says first what it will do and how long each part should take. Any field below "
+        "changes it (--algo dr_grpo --steps 40).",
+    )
+    config = _takes_fields(
+        sub,
+        "config",
+        help="print the resolved config as TOML (what differs from the defaults; --all: every field)",
+        description="Prints the config that --config FILE and the overrides resolve to, as TOML that "
+        "`grpolab train --config` loads back: only what differs from the defaults, or every field with --all. "
+        "Nothing is loaded or written.",
+    )
+    config.add_argument("--config", metavar="FILE", help="TOML file (or a run's config.json), as for train")
+    config.add_argument("--all", action="store_true", help="every field, not only those that differ from defaults")
+    probe = _takes_fields(sub, "probe", help="capacity check: two real updates at the config's worst-case shapes")
+    probe.add_argument("--config", metavar="FILE", help="TOML file, as for train")
     probe.add_argument("--report", default="probe_report.json", help="where to write the JSON report (must not exist)")
-    bench = sub.add_parser(
+    bench = _takes_fields(
+        sub,
         "bench",
+        "{rollout,step}",
         help="time every available rollout engine side by side: generation "
         "(rollout) or whole RL steps with the phase split (step)",
     )
     bench.add_argument("kind", choices=["rollout", "step"])
-    bench.add_argument("--config", help="TOML file, as for train (default: the demo's settings)")
+    bench.add_argument("--config", metavar="FILE", help="TOML file, as for train (default: the demo's settings)")
     bench.add_argument("--engines", help="comma-separated, e.g. hf,vllm (default: every available engine)")
     bench.add_argument("--repeats", type=int, default=3, help="timed generations / steps after one warm-up")
     bench.add_argument("--json", help="also write the figures to this JSON file (must not exist)")
@@ -262,18 +328,25 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
     resume = getattr(args, "resume", None)
     if resume and args.config:
         raise ConfigError("--resume takes the run's own config; drop --config")
+    overrides = parse_overrides(extra)
+    if args.command == "train" and not resume and not args.config and not names_own_run(overrides):
+        raise ConfigError(
+            "train needs --config FILE.toml (or --resume RUN_DIR, or a model or task of its own: --model DIR, "
+            "--task NAME); `grpolab demo` runs the built-in demo"
+        )
     if resume:  # a checkpoint folder, a run stopped before its config: one line saying what to give instead
         from grpolab.run.resume import check_target
 
         check_target(Path(resume))
-    cfg = (
-        load_run_config(resume, parse_overrides(extra))
-        if resume
-        else load_config(getattr(args, "config", None), parse_overrides(extra))
-    )
+    cfg = load_run_config(resume, overrides) if resume else load_config(getattr(args, "config", None), overrides)
     from grpolab.rollout.engines import check_settings
 
     check_settings(cfg)  # what the chosen engine cannot run: one line, before anything is written
+    if args.command == "config":
+        from grpolab.commands.fields import config_toml
+
+        sys.stdout.write(config_toml(cfg, args.all))  # not through rich: [model] is not markup
+        return 0
     if args.command == "probe":
         from grpolab.commands.probe import run_probe
 

@@ -41,42 +41,74 @@ class AlgorithmSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str
-    reference: str = ""
+    name: str = Field(description="the preset this spec starts from (grpolab algorithms lists them)")
+    reference: str = Field("", description="where the algorithm is published (informational)")
     # advantages
-    baseline: Baseline = "mean"
-    normalizer: Normalizer = "std"
-    adv_eps: float = Field(1e-6, ge=0)
+    baseline: Baseline = Field("mean", description="subtracted from each reward: the group mean, or none")
+    normalizer: Normalizer = Field(
+        "std", description="the advantage is divided by the group's std, its mean (MaxRL), or nothing"
+    )
+    adv_eps: float = Field(1e-6, ge=0, description="added to the normalizer's denominator")
     # per-token weighting
-    weight: Weight = "clip"
-    eps_low: float = Field(0.2, ge=0, lt=1)
-    eps_high: float = Field(0.2, gt=0)
+    weight: Weight = Field(
+        "clip",
+        description="each token's weight: none (REINFORCE), noclip (importance ratio), clip (PPO), gspo "
+        "(sequence ratio, clipped), cispo (clipped, stop-gradient ratio)",
+    )
+    eps_low: float = Field(0.2, ge=0, lt=1, description="clip range below 1: the ratio's floor is 1 - eps_low")
+    eps_high: float = Field(0.2, gt=0, description="clip range above 1: the ratio's ceiling is 1 + eps_high")
     # reduction over the response mask
-    aggregation: Aggregation = "sequence"
+    aggregation: Aggregation = Field(
+        "sequence",
+        description="per-token losses reduced as a mean per sequence then over sequences (sequence), "
+        "a mean over all tokens (token), or a sum over a constant Z (constant)",
+    )
     loss_denominator: float | None = Field(
         None, gt=0, description="Z for aggregation=constant; default = sequences per step x max new tokens"
     )
     # truncated importance sampling for the rollout engine / trainer mismatch: each token's loss times
     # sg(min(pi_old / pi_engine, cap)), per token or with one product ratio per sequence; off by default
-    engine_correction: Literal["none", "token", "sequence"] = "none"
-    engine_correction_cap: float = Field(2.0, gt=0)
+    engine_correction: Literal["none", "token", "sequence"] = Field(
+        "none",
+        description="truncated importance sampling for the engine / trainer mismatch: each token's loss "
+        "times sg(min(pi_old / pi_engine, cap)), per token or one ratio per sequence",
+    )
+    engine_correction_cap: float = Field(2.0, gt=0, description="the cap of engine_correction's ratio")
     # KL penalty to a reference policy (k3), reduced as a per-token mean over each optimizer step
-    beta: float = Field(0.0, ge=0)
+    beta: float = Field(
+        0.0, ge=0, description="KL penalty (k3) to the frozen reference, a per-token mean; > 0 loads the reference"
+    )
     # schedule over one rollout batch
-    epochs: int = Field(1, ge=1)
-    steps_per_epoch: int = Field(1, ge=1)
-    shuffle_minibatches: bool = True
+    epochs: int = Field(1, ge=1, description="passes over each rollout batch")
+    steps_per_epoch: int = Field(1, ge=1, description="optimizer steps per pass (the batch split into minibatches)")
+    shuffle_minibatches: bool = Field(
+        True, description="shuffle the batch before each pass's minibatches (with more than one step per pass)"
+    )
     # Rollout Routing Replay (MoE policies): every training forward routes each token to the experts chosen where
     # the behaviour log-probs were computed (the hf engine's generation, else the old-log-prob forward; the
     # weights stay live)
-    routing_replay: bool = False
+    routing_replay: bool = Field(
+        False,
+        description="MoE policies: every training forward routes each token to the experts chosen where its "
+        "behaviour log-probs were computed (Rollout Routing Replay)",
+    )
     # rollout-side behaviour: DAPO's dynamic sampling keeps the groups whose correctness (the task's answer
     # reward) is not all equal, 0 < #correct < G as in the paper, or with "reward" whose RL rewards (length
     # shaping and reward models included) are not all equal
-    dynamic_sampling: bool = False
-    dynamic_sampling_filter: Literal["correct", "reward"] = "correct"
-    max_resample_rounds: int = Field(3, ge=0)
-    prune_zero_advantage: bool = True
+    dynamic_sampling: bool = Field(
+        False, description="DAPO's dynamic sampling: resample until the batch holds only groups that differ"
+    )
+    dynamic_sampling_filter: Literal["correct", "reward"] = Field(
+        "correct",
+        description="which groups dynamic sampling keeps: those whose correctness is not all equal "
+        "(0 < #correct < G), or those whose RL rewards are not all equal",
+    )
+    max_resample_rounds: int = Field(3, ge=0, description="dynamic sampling's extra generation rounds per step")
+    prune_zero_advantage: bool = Field(
+        True,
+        description="sequences whose advantage is 0 (no gradient) stay out of the training forward and backward; "
+        "never with a KL term",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmSpec:

@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpolab.config import ConfigError, RunConfig, config_sha256, first_difference, read_config_json, validate_config
+from grpolab.config import (
+    RESUME_OVERRIDES,
+    ConfigError,
+    RunConfig,
+    config_sha256,
+    first_difference,
+    read_config_json,
+    validate_config,
+)
 from grpolab.models.hub import current_commit, is_hub_id
 from grpolab.run.checkpoints import MANIFEST as CHECKPOINT_MANIFEST
 from grpolab.run.checkpoints import newest_verified, step_folders
@@ -107,7 +115,7 @@ def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: Non
         diff = first_difference(journal.recorded_config(), found) or "its SHA-256 differs"
         raise ConfigError(
             f"{run_dir / CONFIG} differs from the config the run started with ({MANIFEST}): {diff}; "
-            "a resumed run keeps its config (only --steps and --log_every may change)"
+            f"a resumed run keeps its config (only {', '.join('--' + k for k in RESUME_OVERRIDES)} may change)"
         )
     if cfg.steps < found["steps"]:
         raise ConfigError(f"--steps {cfg.steps}: the run is set to {found['steps']} steps, and --steps may only grow")
@@ -137,9 +145,10 @@ def plan_resume(cfg: RunConfig, on_check: Callable[[Path], None] = lambda _: Non
 
 
 def _changes(cfg: RunConfig, found: dict[str, Any]) -> dict[str, Any]:
-    """The top-level config fields a resume changes: ``steps``, ``log_every``, the ``model`` section with a
-    pinned ``revision``."""
-    changes = {k: v for k, v in (("steps", cfg.steps), ("log_every", cfg.log_every)) if found.get(k) != v}
+    """The config fields a resume changes (``RESUME_OVERRIDES``): the top-level ones, and the ``model`` section
+    with a pinned ``revision``."""
+    top = [k for k in RESUME_OVERRIDES if "." not in k]
+    changes = {k: getattr(cfg, k) for k in top if found.get(k) != getattr(cfg, k)}
     if cfg.model.revision != found.get("model", {}).get("revision"):
         changes["model"] = {**found["model"], "revision": cfg.model.revision}
     return changes

@@ -109,9 +109,9 @@ class ArithmeticTask(Task):
 class ArithmeticTaskConfig(TaskSettings):
     """The built-in task: multi-digit addition with a worked chain of thought."""
 
-    name: Literal["arithmetic"] = "arithmetic"
-    n_train: int = Field(4000, ge=1)
-    n_val: int = Field(500, ge=1)
+    name: Literal["arithmetic"] = Field("arithmetic", description="the built-in addition task")
+    n_train: int = Field(4000, ge=1, description="training problems")
+    n_val: int = Field(500, ge=1, description="held-out validation problems")
     seed: int = Field(0, description="data seed, separate from the run seed so runs share their data")
     digits: int = Field(2, ge=1, description="digits per operand")
     operands: int = Field(2, ge=2, description="numbers per problem")

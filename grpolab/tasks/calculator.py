@@ -114,18 +114,21 @@ class CalculatorTask(Task):
 class CalculatorTaskConfig(TaskSettings):
     """The built-in tool task: a*b+c with two-digit numbers, the calculator at hand."""
 
-    name: Literal["calculator"] = "calculator"
-    n_train: int = Field(4000, ge=1)
-    n_val: int = Field(500, ge=1)
-    seed: int = 0
-    digits: int = Field(2, ge=1, le=4)
+    name: Literal["calculator"] = Field("calculator", description="the built-in tool task")
+    n_train: int = Field(4000, ge=1, description="training problems")
+    n_val: int = Field(500, ge=1, description="held-out validation problems")
+    seed: int = Field(0, description="data seed, separate from the run seed so runs share their data")
+    digits: int = Field(2, ge=1, le=4, description="digits per number")
     tool_demos: float = Field(
         0.8,
         ge=0,
         le=1,
         description="share of the warm start's demonstrations that call the calculator (the others answer directly)",
     )
-    tools: ToolsConfig = Field(default_factory=lambda: ToolsConfig(enabled=["calculator"], max_turns=3))
+    tools: ToolsConfig = Field(
+        default_factory=lambda: ToolsConfig(enabled=["calculator"], max_turns=3),
+        description="the tools the model may call (the calculator among them)",
+    )
 
     FILES: ClassVar[tuple[str, ...]] = ()
 

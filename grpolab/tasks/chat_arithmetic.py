@@ -129,11 +129,13 @@ class ChatArithmeticTask(Task):
 class ChatArithmeticTaskConfig(TaskSettings):
     """The built-in task for real instruct models: small arithmetic in the model's chat template."""
 
-    name: Literal["chat_arithmetic"] = "chat_arithmetic"
+    name: Literal["chat_arithmetic"] = Field(
+        "chat_arithmetic", description="small arithmetic in the model's chat template"
+    )
     operations: str = Field("*", description="any of + - * (a - b only with a >= b)")
     low: int = Field(2, ge=0, description="smallest operand")
     high: int = Field(9, ge=0, description="largest operand")
-    n_val: int = Field(32, ge=1)
+    n_val: int = Field(32, ge=1, description="problems held out for validation")
     n_train: int | None = Field(None, ge=1, description="None = every problem not in validation")
     seed: int = Field(0, description="data seed: which problems validate")
     system: str | None = Field(None, description="a system message (None: the template's default, if any)")

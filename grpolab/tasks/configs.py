@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Union
 
-from pydantic import ConfigDict, Discriminator, Tag, field_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator
 
 from grpolab.common.validation import describe_validation_error
 from grpolab.tasks.arithmetic import ArithmeticTaskConfig
@@ -38,7 +38,7 @@ class ImportedTaskConfig(TaskSettings):
     A class that does not inherit ``Task`` is built as a ``PlainTask`` (the defaults for what it lacks)."""
 
     model_config = ConfigDict(extra="allow")
-    name: str
+    name: str = Field(description="a task class of your own; the table's other keys are its keyword arguments")
 
     FILES: ClassVar[tuple[str, ...]] = ()
 

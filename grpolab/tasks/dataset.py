@@ -271,7 +271,7 @@ class RewardConfig(TaskSettings):
         "'model:DIR', a reward model (grpolab.tasks.reward_model_spec; its options there)"
     )
     name: str | None = Field(None, description="label in the metrics (reward/<name>); default: the function's name")
-    weight: float = 1.0
+    weight: float = Field(1.0, description="its weight in the RL reward (0 = logged only)")
     timeout_s: float | None = Field(
         None, gt=0, description="time bound per call (math: 2 s, regex: 1 s, user functions: 10 s)"
     )
@@ -299,7 +299,7 @@ class RewardConfig(TaskSettings):
 class DatasetTaskConfig(TaskSettings):
     """Your own data (JSONL, Parquet or the hub), prompt format and reward functions."""
 
-    name: Literal["dataset"] = "dataset"
+    name: Literal["dataset"] = Field("dataset", description="your own data, prompt format and rewards")
     train: str = Field(description="a .jsonl or .parquet file, or hub:NAME[:CONFIG]:SPLIT")
     validation: str | None = Field(None, description="as train; None = a seeded split of train (validation_size)")
     validation_size: float | None = Field(
@@ -307,11 +307,11 @@ class DatasetTaskConfig(TaskSettings):
         gt=0,
         description="without validation: a count (>= 1) or a fraction (< 1) of the train rows, drawn with split_seed",
     )
-    split_seed: int = 0
+    split_seed: int = Field(0, description="the seed of validation_size's split")
     n_train: int | None = Field(None, ge=1, description="the first N train rows (after the split; None = all)")
     n_val: int | None = Field(None, ge=1, description="the first M validation rows (None = all)")
-    question_field: str = "question"
-    answer_field: str = "answer"
+    question_field: str = Field("question", description="the rows' question field")
+    answer_field: str = Field("answer", description="the rows' gold answer field (see gold)")
     id_field: str | None = Field(None, description="a field of unique ids; None = '<split>-<row>'")
     gold: Literal["text", "boxed", "gsm8k"] = Field(
         "text",
@@ -319,7 +319,9 @@ class DatasetTaskConfig(TaskSettings):
         "answer: as text, in its last \\boxed{} (MATH solutions), or "
         "after '####' (GSM8K)",
     )
-    prompt: PromptConfig = PromptConfig()
+    prompt: PromptConfig = Field(
+        default_factory=PromptConfig, description="how prompts are made and where the answer is stated"
+    )
     rewards: list[RewardConfig] = Field(
         default_factory=lambda: [RewardConfig(function="math")],
         min_length=1,

@@ -126,13 +126,13 @@ class GSM8KTask(Task):
 class GSM8KTaskConfig(TaskSettings):
     """GSM8K from local copies of the official files (the first n rows, as the reference runs)."""
 
-    name: Literal["gsm8k"] = "gsm8k"
-    train_path: str
-    test_path: str
+    name: Literal["gsm8k"] = Field("gsm8k", description="GSM8K from local JSONL files")
+    train_path: str = Field(description="the train split's JSONL file (data/gsm8k/ holds the official ones)")
+    test_path: str = Field(description="the test split's JSONL file; its first n_val rows validate")
     n_train: int | None = Field(6400, ge=1, description="first N train rows (None = all)")
     n_val: int | None = Field(1024, ge=1, description="first M test rows as validation (None = all)")
-    question_field: str = "question"
-    answer_field: str = "answer"
+    question_field: str = Field("question", description="the rows' question field")
+    answer_field: str = Field("answer", description="the rows' solution field (the gold answer after '####')")
     tools: ToolsConfig = Field(
         default_factory=ToolsConfig,
         description='e.g. {enabled = ["calculator"]}: the prompt says how to call them, rollouts run them',
