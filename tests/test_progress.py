@@ -208,3 +208,19 @@ def test_demo_output_piped_to_a_file_tells_the_story(tmp_path):
         check=True,
     ).stdout
     assert "Estimated on this machine" in out and "step 2/2" in out and "final checkpoint" in out
+
+
+def test_a_terminal_bar_shows_time_left_beside_elapsed():
+    """The docs promise time left on a terminal as in piped logs: the bar's row says "~N s left" beside the
+    elapsed time once a unit is done (Phase.left), and nothing about time left before."""
+    out = io.StringIO()
+    reporter = Reporter(Console(file=out, force_terminal=True, width=160), interval=30)
+    with reporter.phase("train", total=4, unit="steps", done_note=False) as bar:
+        reporter._live.refresh()
+        before = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+        bar.started -= 10.0  # as if the first step took 10 s: 3 steps left at that rate
+        bar.advance()
+        reporter._live.refresh()
+        after = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+    assert "0/4 steps 0:00:00" in before and "left" not in before
+    assert re.search(r"1/4 steps \d:\d\d:\d\d ~3\d s left", after), after[-300:]
