@@ -4,6 +4,7 @@ thread choice, and a Python version that the metadata, the README and the code a
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import quick_config
+from conftest import TASK, quick_config
 from rich.console import Console
 
+from grpolab.commands.cli import main
 from grpolab.commands.demo import print_demo_plan
+from grpolab.commands.probe import run_probe
 from grpolab.common.progress import Reporter, format_seconds
 from grpolab.common.threads import busy_cores, choose_threads
 from grpolab.config import load_config
@@ -224,3 +227,53 @@ def test_a_terminal_bar_shows_time_left_beside_elapsed():
         after = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
     assert "0/4 steps 0:00:00" in before and "left" not in before
     assert re.search(r"1/4 steps \d:\d\d:\d\d ~3\d s left", after), after[-300:]
+
+
+def test_a_piped_probe_names_its_phases_beats_and_a_killed_one_leaves_a_partial_report(warm_model_dir, tmp_path):
+    """``grpolab probe | tee log``: each phase by name, an estimate once the first micro-batch is timed, heartbeats
+    (the interval shortened by GRPOLAB_HEARTBEAT_SECONDS), and the report written after each phase: killed
+    mid-update it parses, says ``complete: false`` and which phases finished; a second probe refuses it."""
+    report = tmp_path / "probe.json"
+    args = ["probe", "--report", str(report), "--model", str(warm_model_dir), "--threads", "1"]
+    args += [f"--task.{k}={v}" for k, v in TASK.items()]
+    args += ["--optim.micro_batch_size=1", "--rollout.prompts_per_step=8", "--rollout.max_new_tokens=48"]
+    env = {**os.environ, "GRPOLAB_HEARTBEAT_SECONDS": "0.05", "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "grpolab", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines = []
+    try:
+        for line in child.stdout:
+            lines.append(line.rstrip("\n"))
+            if re.match(STAMP + r"probe: update 1: \d+/64 micro-batches, still running", line):
+                break
+    finally:
+        child.kill()
+        child.wait()
+    text = "\n".join(lines)
+    assert re.search(STAMP + r"probe: load: done in \d+ s \(\d[\d,]* parameters\)", text, re.M), text
+    assert re.search(
+        STAMP
+        + r"probe: the first micro-batch took \d+\.\d\d s; 64 per update x 2 updates: about (\d+ s|\d+m\d\ds|\d+h\d\dm) for the updates",
+        text,
+        re.M,
+    ), text
+    assert re.search(r"probe: update 1: \d+/64 micro-batches, still running, \d+ s elapsed, ~\d+ s left", text), text
+    partial = json.loads(report.read_text())
+    assert partial["complete"] is False and partial["phases_done"] == ["load"]
+    assert partial["batch"]["sequences"] == 64 and partial["config"]["optim"]["micro_batch_size"] == 1
+    assert "updates" not in partial
+    assert main(args) == 2  # not overwritten: one line that says whose report it may be
+    assert json.loads(report.read_text()) == partial
+
+
+def test_a_finished_probe_report_is_complete_with_every_phase(warm_model_dir, tmp_path):
+    console, out = plain_console()
+    cfg = quick_config(warm_model_dir, tmp_path / "unused", **{"rollout.max_new_tokens": 8})
+    report = run_probe(cfg, tmp_path / "probe.json", Reporter(console, interval=30))
+    assert json.loads((tmp_path / "probe.json").read_text()) == json.loads(json.dumps(report))
+    assert report["complete"] and report["phases_done"] == ["load", "update_1", "generation", "update_2"]
+    assert set(report["phase_seconds"]) == set(report["phases_done"]) and len(report["updates"]) == 2
+    text = out.getvalue()
+    for phase in ("probe: load", "probe: update 1", "probe: generation of 32 completions", "probe: update 2"):
+        assert re.search(STAMP + re.escape(phase) + r".*: done in", text, re.M), (phase, text)

@@ -267,8 +267,9 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
     check_settings(cfg)  # what the chosen engine cannot run: one line, before anything is written
     if args.command == "probe":
         from grpolab.commands.probe import run_probe
+        from grpolab.common.progress import Reporter
 
-        report = run_probe(cfg, Path(args.report))
+        report = run_probe(cfg, Path(args.report), Reporter(console))
         console.print(
             f"probe: peak memory {report['peak_memory_mb']:.0f} MB ({report['peak_memory_kind']}), "
             f"{report['batch']['sequences']} x {report['batch']['sequence_length']} tokens; "
