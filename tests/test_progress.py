@@ -29,6 +29,7 @@ from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
 from grpolab.rollout.base import SamplingParams
 from grpolab.rollout.evaluation import evaluate
 from grpolab.rollout.hf.engine import HFEngine
+from grpolab.run.stop import RunStopped, StopRequest
 from grpolab.run.trainer import train
 from grpolab.tasks import ArithmeticTask
 
@@ -277,3 +278,46 @@ def test_a_finished_probe_report_is_complete_with_every_phase(warm_model_dir, tm
     text = out.getvalue()
     for phase in ("probe: load", "probe: update 1", "probe: generation of 32 completions", "probe: update 2"):
         assert re.search(STAMP + re.escape(phase) + r".*: done in", text, re.M), (phase, text)
+
+
+def test_the_start_line_says_what_the_checkpoints_take_close_to_what_is_written(warm_model_dir, tmp_path):
+    """checkpoint.every 1 over 3 steps, keep_last 1: 3 checkpoints, at most 2 on disk at once (the newest and the
+    one it replaces, until the newest verifies); one checkpoint's size as stated is within 20% of the folder the run
+    wrote (weights in float32 and AdamW's two moments: about three times the weights)."""
+    console, out = plain_console()
+    cfg = quick_config(warm_model_dir, tmp_path / "run", steps=3, **{"checkpoint.every": 1, "checkpoint.keep_last": 1})
+    train(cfg, console)
+    text = out.getvalue()
+    found = re.search(
+        STAMP + r"checkpoints: 3 x ~([\d.]+) (kB|MB) \(weights ([\d.]+) (kB|MB), optimizer and trainer state "
+        r"[\d.]+ (kB|MB)\), at most 2 on disk at once \(keep_last 1\): [\d.]+ (kB|MB); [\d.]+ [kMGT]B free on the "
+        r"run directory's disk$",
+        text,
+        re.M,
+    )
+    assert found, text
+    scale = {"kB": 1e3, "MB": 1e6}
+    stated = float(found[1]) * scale[found[2]]
+    (folder,) = (tmp_path / "run" / "checkpoints").glob("step_*")
+    written = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    assert 0.8 < stated / written < 1.2, (stated, written)
+    assert 2.5 < stated / (float(found[3]) * scale[found[4]]) < 3.5  # weights + 2 moments (+ a little state)
+    assert "warning: the checkpoints need" not in text
+
+
+def test_a_run_whose_checkpoints_cannot_fit_the_disk_is_warned_at_its_start(warm_model_dir, tmp_path):
+    """A billion steps with a checkpoint each and none removed need petabytes: the real free space of the run
+    directory's disk (measured by the trainer) cannot hold them. Stopped after its first step."""
+    console, out = plain_console()
+    cfg = quick_config(warm_model_dir, tmp_path / "run", steps=10**9, **{"checkpoint.every": 1})
+    with pytest.raises(RunStopped):
+        train(cfg, console, stop=StopRequest(requested=True))
+    lines = out.getvalue().splitlines()
+    start = next(i for i, line in enumerate(lines) if "checkpoints: 1000000000 x" in line)
+    assert "all kept: " in lines[start] and " PB" not in lines[start]  # terabytes is the largest unit
+    assert re.match(
+        STAMP + rf"warning: the checkpoints need ~[\d.]+ TB but {re.escape(str(tmp_path / 'run'))}'s disk has "
+        r"[\d.]+ [kMGT]?B free: set checkpoint.keep_last, raise checkpoint.every, or free space",
+        lines[start + 1],
+    ), lines[start + 1]
+    assert not any(line.startswith(STAMP) and "eval step 0" in line for line in lines[: start + 1])  # said first

@@ -37,6 +37,14 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def format_bytes(n: float) -> str:
+    """950 B, 12 kB, 540 MB, 1.6 GB (powers of 1000, as disks are sold and ``df -H`` counts)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.{1 if abs(n) < 10 * size else 0}f} {unit}"
+    return f"{n:.0f} B"
+
+
 class Phase:
     """One long phase: ``advance`` as units finish, ``status`` for what it is doing now."""
 
