@@ -199,9 +199,9 @@ def bench_command(args: argparse.Namespace, cfg, console: Console) -> None:
     from pathlib import Path
 
     from grpolab.commands.bench import run_bench
-    from grpolab.rollout.engines import ENGINES, available_engines
+    from grpolab.rollout.engines import ENGINES, engine_choices
 
-    engines = args.engines.split(",") if args.engines else available_engines(cfg.rollout)
+    engines, skipped = (args.engines.split(","), None) if args.engines else engine_choices(cfg)
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown or args.repeats < 1:
         raise ValueError(
@@ -211,11 +211,15 @@ def bench_command(args: argparse.Namespace, cfg, console: Console) -> None:
         )
     if args.json and Path(args.json).exists():
         raise FileExistsError(f"--json {args.json} already exists; not overwritten")
-    results = run_bench(args.kind, cfg, engines, args.repeats, console)
+    results = run_bench(args.kind, cfg, engines, args.repeats, console, skipped)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"kind": args.kind, "config": cfg.model_dump(mode="json"), "results": results}, indent=2)
-        )
+        figures = {
+            "kind": args.kind,
+            "config": cfg.model_dump(mode="json"),
+            "results": results,
+            "skipped": skipped or {},
+        }
+        Path(args.json).write_text(json.dumps(figures, indent=2))
 
 
 def run_command(args: argparse.Namespace, extra: list[str], console: Console) -> int:
