@@ -277,7 +277,9 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         console.print(
             f"probe: peak memory {report['peak_memory_mb']:.0f} MB ({report['peak_memory_kind']}), "
             f"{report['batch']['sequences']} x {report['batch']['sequence_length']} tokens; "
-            f"report in {args.report}"
+            f"report in {args.report}",
+            highlight=False,
+            soft_wrap=True,
         )
         return 0
     if args.command == "bench":
