@@ -23,7 +23,19 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-HEARTBEAT_SECONDS = float(os.environ.get("GRPOLAB_HEARTBEAT_SECONDS") or 30.0)
+
+def _heartbeat_seconds(value: str | None) -> float:
+    """GRPOLAB_HEARTBEAT_SECONDS as seconds (unset: 30); anything but a positive number is refused in one line."""
+    try:
+        seconds = float(value or 30.0)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ValueError(f"GRPOLAB_HEARTBEAT_SECONDS={value}: give a positive number of seconds, such as 30")
+    return seconds
+
+
+HEARTBEAT_SECONDS = _heartbeat_seconds(os.environ.get("GRPOLAB_HEARTBEAT_SECONDS"))
 ANNOUNCE_SECONDS = 2.0
 
 
