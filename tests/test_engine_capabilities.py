@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from grpolab.rollout.engines import (
     available_engines,
     capabilities,
     check_settings,
+    engine_choices,
     engine_record,
     weight_kind,
 )
@@ -177,3 +179,19 @@ def test_the_engines_capabilities_select_the_kind_of_weights(engine, offered, lo
     if lora_sync == "adapter":
         overrides["model.lora.rank"] = 4
     assert weight_kind(load_config(None, overrides), offered) == kind
+
+
+def test_engines_a_bench_cannot_run_are_named_with_why(monkeypatch):
+    """``grpolab bench`` tries every engine that can run the config and names the others with the reason: a
+    setting the engine refuses (check_settings' own words), or the engine missing from this interpreter (vLLM
+    not importable, as an interpreter without the package sees it)."""
+    assert engine_choices(load_config(None, {"vllm_python": "/opt/py/bin/python"})) == (["hf", "vllm"], {})
+    usable, skipped = engine_choices(load_config(None, {"model": "like:qwen3-0.6b"}))
+    assert usable == ["hf"] and skipped == {
+        "vllm": "a like:NAME model has random weights and no weight files for vLLM to load; use rollout.engine 'hf'"
+    }
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now fails: not installed
+    usable, skipped = engine_choices(load_config(None, {}))
+    assert usable == ["hf"] and skipped["vllm"].startswith(
+        "vLLM is not installed in this interpreter and rollout.vllm.python names no other (GPU: pip install"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -102,6 +103,21 @@ def test_bench_prints_and_writes_figures(kind, warm_model_dir, tmp_path, capsys)
     assert main(args) == 2  # the report exists: refused, not overwritten
     assert json.loads(report.read_text())["results"] == results
     assert main([*args[:2], "--engines", "tgi"]) == 2
+
+
+def test_bench_without_engines_says_which_were_skipped_and_why(warm_model_dir, tmp_path, capsys, monkeypatch):
+    """Every engine that can run, and a line for each that cannot (here vLLM, as an interpreter without it
+    sees it); the JSON records them too."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm fails, as where it is not installed
+    report = tmp_path / "bench.json"
+    args = ["bench", "rollout", "--repeats", "1", "--json", str(report), "--model", str(warm_model_dir)]
+    args += [*(x for k, v in TASK.items() for x in (f"--task.{k}", str(v))), "--rollout.prompts_per_step", "2"]
+    assert main([*args, "--rollout.max_new_tokens", "8", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "bench rollout: vllm skipped: vLLM is not installed in this interpreter" in out
+    assert "skipped: vllm" in out  # the table's caption
+    figures = json.loads(report.read_text())
+    assert list(figures["results"]) == ["hf"] and figures["skipped"]["vllm"].startswith("vLLM is not installed")
 
 
 def test_every_engine_the_config_accepts_is_registered_and_no_other():

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import io
 
-from grpolab.models.gguf import gguf_file
+import pytest
+from rich.console import Console
+
+from grpolab.common.progress import Reporter
+from grpolab.models.gguf import gguf_file, tensors_counted_into
 from grpolab.models.loading import absolute_model_spec, check_model_spec
 
 
@@ -26,3 +30,25 @@ def test_a_suite_keeps_naming_the_same_model_from_another_directory(tmp_path, mo
     assert absolute_model_spec("gguf:models/a.gguf") == f"gguf:{tmp_path / 'models' / 'a.gguf'}"
     assert absolute_model_spec("like:olmo2-1b") == "like:olmo2-1b"
     assert absolute_model_spec("ckpt") == str(tmp_path / "ckpt")
+
+
+def test_the_gguf_loaders_own_bar_counts_into_the_phase_and_prints_nothing(capfd):
+    """transformers' GGUF loader walks the tensors under its own tqdm (tqdm.auto, out of reach of
+    ``disable_progress_bar``): its bar leaked into piped logs. While converting, that loop counts into the
+    conversion's phase and prints nothing; afterwards the loader is as it was (the slow
+    test_a_piped_gguf_conversion_prints_no_bar converts a real file in a subprocess)."""
+    import transformers.modeling_gguf_pytorch_utils as loader
+    from transformers.utils import logging as hf_logging
+
+    bar, bars_on = loader.tqdm, hf_logging.is_progress_bar_enabled()
+    out = io.StringIO()
+    reporter = Reporter(Console(file=out, force_terminal=False, width=100), interval=30)
+    with reporter.phase("convert tiny.gguf") as phase, tensors_counted_into(phase):
+        assert list(loader.tqdm(range(5), desc="Converting and de-quantizing GGUF tensors...")) == list(range(5))
+        assert not hf_logging.is_progress_bar_enabled()
+    assert (phase.done, phase.total, phase.unit) == (5, 5, "tensors")
+    assert capfd.readouterr().err == ""
+    assert loader.tqdm is bar and hf_logging.is_progress_bar_enabled() == bars_on
+    assert "convert tiny.gguf: done in" in out.getvalue()
+    list(loader.tqdm(range(2), desc="Converting and de-quantizing GGUF tensors..."))  # outside: the leak it closes
+    assert "Converting and de-quantizing" in capfd.readouterr().err

@@ -71,7 +71,15 @@ def test_a_hub_id_trains_offline_from_the_local_cache(clone, warm_model_dir, tmp
     offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "hf")}
     args = ("--task", "arithmetic", "--steps", "2", "--eval.n_examples", "16", "--threads", "1")
     code, text = grpolab(
-        clone, tmp_path / "hub.log", "train", "--model", "newcomer-org/tiny-adder", *args, "--output-dir", "runs/hub", env=offline
+        clone,
+        tmp_path / "hub.log",
+        "train",
+        "--model",
+        "newcomer-org/tiny-adder",
+        *args,
+        "--output-dir",
+        "runs/hub",
+        env=offline,
     )
     assert code == 0, text
     manifest = json.loads((clone / "runs" / "hub" / "manifest.json").read_text())

@@ -4,6 +4,7 @@ thread choice, and a Python version that the metadata, the README and the code a
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import quick_config
+from conftest import TASK, quick_config
 from rich.console import Console
 
+from grpolab.commands.cli import main
 from grpolab.commands.demo import print_demo_plan
+from grpolab.commands.probe import run_probe
 from grpolab.common.progress import Reporter, format_seconds
 from grpolab.common.threads import busy_cores, choose_threads
 from grpolab.config import load_config
@@ -26,6 +29,7 @@ from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
 from grpolab.rollout.base import SamplingParams
 from grpolab.rollout.evaluation import evaluate
 from grpolab.rollout.hf.engine import HFEngine
+from grpolab.run.stop import RunStopped, StopRequest
 from grpolab.run.trainer import train
 from grpolab.tasks import ArithmeticTask
 
@@ -208,3 +212,112 @@ def test_demo_output_piped_to_a_file_tells_the_story(tmp_path):
         check=True,
     ).stdout
     assert "Estimated on this machine" in out and "step 2/2" in out and "final checkpoint" in out
+
+
+def test_a_terminal_bar_shows_time_left_beside_elapsed():
+    """The docs promise time left on a terminal as in piped logs: the bar's row says "~N s left" beside the
+    elapsed time once a unit is done (Phase.left), and nothing about time left before."""
+    out = io.StringIO()
+    reporter = Reporter(Console(file=out, force_terminal=True, width=160), interval=30)
+    with reporter.phase("train", total=4, unit="steps", done_note=False) as bar:
+        reporter._live.refresh()
+        before = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+        bar.started -= 10.0  # as if the first step took 10 s: 3 steps left at that rate
+        bar.advance()
+        reporter._live.refresh()
+        after = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+    assert "0/4 steps 0:00:00" in before and "left" not in before
+    assert re.search(r"1/4 steps \d:\d\d:\d\d ~3\d s left", after), after[-300:]
+
+
+def test_a_piped_probe_names_its_phases_beats_and_a_killed_one_leaves_a_partial_report(warm_model_dir, tmp_path):
+    """``grpolab probe | tee log``: each phase by name, an estimate once the first micro-batch is timed, heartbeats
+    (the interval shortened by GRPOLAB_HEARTBEAT_SECONDS), and the report written after each phase: killed
+    mid-update it parses, says ``complete: false`` and which phases finished; a second probe refuses it."""
+    report = tmp_path / "probe.json"
+    args = ["probe", "--report", str(report), "--model", str(warm_model_dir), "--threads", "1"]
+    args += [f"--task.{k}={v}" for k, v in TASK.items()]
+    args += ["--optim.micro_batch_size=1", "--rollout.prompts_per_step=8", "--rollout.max_new_tokens=48"]
+    env = {**os.environ, "GRPOLAB_HEARTBEAT_SECONDS": "0.05", "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "grpolab", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines = []
+    try:
+        for line in child.stdout:
+            lines.append(line.rstrip("\n"))
+            if re.match(STAMP + r"probe: update 1: \d+/64 micro-batches, still running", line):
+                break
+    finally:
+        child.kill()
+        child.wait()
+    text = "\n".join(lines)
+    assert re.search(STAMP + r"probe: load: done in \d+ s \(\d[\d,]* parameters\)", text, re.M), text
+    assert re.search(
+        STAMP
+        + r"probe: the first micro-batch took \d+\.\d\d s; 64 per update x 2 updates: about (\d+ s|\d+m\d\ds|\d+h\d\dm) for the updates",
+        text,
+        re.M,
+    ), text
+    assert re.search(r"probe: update 1: \d+/64 micro-batches, still running, \d+ s elapsed, ~\d+ s left", text), text
+    partial = json.loads(report.read_text())
+    assert partial["complete"] is False and partial["phases_done"] == ["load"]
+    assert partial["batch"]["sequences"] == 64 and partial["config"]["optim"]["micro_batch_size"] == 1
+    assert "updates" not in partial
+    assert main(args) == 2  # not overwritten: one line that says whose report it may be
+    assert json.loads(report.read_text()) == partial
+
+
+def test_a_finished_probe_report_is_complete_with_every_phase(warm_model_dir, tmp_path):
+    console, out = plain_console()
+    cfg = quick_config(warm_model_dir, tmp_path / "unused", **{"rollout.max_new_tokens": 8})
+    report = run_probe(cfg, tmp_path / "probe.json", Reporter(console, interval=30))
+    assert json.loads((tmp_path / "probe.json").read_text()) == json.loads(json.dumps(report))
+    assert report["complete"] and report["phases_done"] == ["load", "update_1", "generation", "update_2"]
+    assert set(report["phase_seconds"]) == set(report["phases_done"]) and len(report["updates"]) == 2
+    text = out.getvalue()
+    for phase in ("probe: load", "probe: update 1", "probe: generation of 32 completions", "probe: update 2"):
+        assert re.search(STAMP + re.escape(phase) + r".*: done in", text, re.M), (phase, text)
+
+
+def test_the_start_line_says_what_the_checkpoints_take_close_to_what_is_written(warm_model_dir, tmp_path):
+    """checkpoint.every 1 over 3 steps, keep_last 1: 3 checkpoints, at most 2 on disk at once (the newest and the
+    one it replaces, until the newest verifies); one checkpoint's size as stated is within 20% of the folder the run
+    wrote (weights in float32 and AdamW's two moments: about three times the weights)."""
+    console, out = plain_console()
+    cfg = quick_config(warm_model_dir, tmp_path / "run", steps=3, **{"checkpoint.every": 1, "checkpoint.keep_last": 1})
+    train(cfg, console)
+    text = out.getvalue()
+    found = re.search(
+        STAMP + r"checkpoints: 3 x ~([\d.]+) (kB|MB) \(weights ([\d.]+) (kB|MB), optimizer and trainer state "
+        r"[\d.]+ (kB|MB)\), at most 2 on disk at once \(keep_last 1\): [\d.]+ (kB|MB); [\d.]+ [kMGT]B free on the "
+        r"run directory's disk$",
+        text,
+        re.M,
+    )
+    assert found, text
+    scale = {"kB": 1e3, "MB": 1e6}
+    stated = float(found[1]) * scale[found[2]]
+    (folder,) = (tmp_path / "run" / "checkpoints").glob("step_*")
+    written = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    assert 0.8 < stated / written < 1.2, (stated, written)
+    assert 2.5 < stated / (float(found[3]) * scale[found[4]]) < 3.5  # weights + 2 moments (+ a little state)
+    assert "warning: the checkpoints need" not in text
+
+
+def test_a_run_whose_checkpoints_cannot_fit_the_disk_is_warned_at_its_start(warm_model_dir, tmp_path):
+    """A billion steps with a checkpoint each and none removed need petabytes: the real free space of the run
+    directory's disk (measured by the trainer) cannot hold them. Stopped after its first step."""
+    console, out = plain_console()
+    cfg = quick_config(warm_model_dir, tmp_path / "run", steps=10**9, **{"checkpoint.every": 1})
+    with pytest.raises(RunStopped):
+        train(cfg, console, stop=StopRequest(requested=True))
+    lines = out.getvalue().splitlines()
+    start = next(i for i, line in enumerate(lines) if "checkpoints: 1000000000 x" in line)
+    assert "all kept: " in lines[start] and " PB" not in lines[start]  # terabytes is the largest unit
+    assert re.match(
+        STAMP + rf"warning: the checkpoints need ~[\d.]+ TB but {re.escape(str(tmp_path / 'run'))}'s disk has "
+        r"[\d.]+ [kMGT]?B free: set checkpoint.keep_last, raise checkpoint.every, or free space",
+        lines[start + 1],
+    ), lines[start + 1]
+    assert not any(line.startswith(STAMP) and "eval step 0" in line for line in lines[: start + 1])  # said first

@@ -11,7 +11,10 @@ Skipped when the package is missing (the README's test set-up installs it).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,3 +189,55 @@ def test_the_real_model_learns_the_task(tmp_path):
     assert main(["report", str(run)]) == 0
     (learning,) = json.loads((run / "report" / "report.json").read_text())["learning"]
     assert learning["ci_low"] > 0 and learning["items"] == 48
+
+
+def one_layer_gguf(target: Path) -> Path:
+    """The packaged GGUF file cut to its first block (its tokenizer and metadata whole): a real GGUF file that
+    converts in seconds, not a minute."""
+    import gguf
+
+    reader = gguf.GGUFReader(GGUF_FILE)
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(target, arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by the writer itself
+        kind = field.types[0]
+        value = 1 if field.name == f"{arch}.block_count" else field.contents()
+        writer.add_key_value(
+            field.name, value, kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        )
+    kept = [t for t in reader.tensors if not t.name.startswith("blk.") or t.name.startswith("blk.0.")]
+    for t in kept:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in kept:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+    return target
+
+
+@pytest.mark.slow  # ~30 s (a 1-layer cut of the file converted); default tier: test_gguf.py's
+# test_the_gguf_loaders_own_bar_counts_into_the_phase_and_prints_nothing, the same loader's loop
+def test_a_piped_gguf_conversion_prints_no_bar(tmp_path):
+    """`grpolab ... | tee log` with a gguf: model: the conversion's phase lines, and no tqdm bar (transformers'
+    GGUF loader has its own, which leaked into logs), on stdout or stderr."""
+    path = one_layer_gguf(tmp_path / "one_layer.gguf")
+    script = (
+        "import sys; from pathlib import Path; from rich.console import Console; "
+        "from grpolab.common.progress import Reporter; from grpolab.models.gguf import gguf_model_dir; "
+        "print(gguf_model_dir(sys.argv[1], Reporter(Console(), interval=0.5), cache_dir=sys.argv[2]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert "convert one_layer.gguf: done in" in done.stdout
+    for stream in (done.stdout, done.stderr):
+        assert "%|" not in stream and "it/s" not in stream and "Converting and de-quantizing" not in stream, stream
+    assert (Path(done.stdout.splitlines()[-1]) / SOURCE_FILE).is_file()

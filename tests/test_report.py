@@ -163,8 +163,15 @@ def test_figures_are_real_pngs_with_content(runs):
         "pass_at_k.png",
         "entropy.png",
         "grad_norm.png",
-        "clip_fraction.png",
     } <= names
+    # one update per batch: every ratio is 1 and nothing is clipped, which a flat figure would only hide
+    assert not {"clip_fraction.png", "ratio_mean.png"} & names
+    assert "- clip fraction (low + high): 0 at every step of all 5 runs (no figure)" in text
+    assert "- importance ratio (mean): 1 at every step of all 5 runs (no figure)" in text
+    assert json.loads((runs / "report" / "report.json").read_text())["figure_notes"] == [
+        line.removeprefix("- ")
+        for line in text.split("Not drawn, as a figure would show nothing more:")[1].split("\n\n")[1].splitlines()
+    ]
     for png in pngs:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png.name})" in text
         pixels = image.imread(png)

@@ -8,6 +8,9 @@ step: whole RL steps (generation, reward, update, sync, and the vLLM sync check)
     warm-up step, with the phase split and the sync's share of a step.
 
 Each engine gets its own run parts (``grpolab.run.parts``: model, optimizer, engine, ...), no run directory.
+Without ``--engines`` every registered engine is tried; those this environment or config cannot run are
+skipped with a line saying why (not installed, a setting it refuses, a model it cannot load here), and the
+table's caption lists them.
 """
 
 from __future__ import annotations
@@ -74,18 +77,40 @@ def time_steps(parts, repeats: int) -> dict[str, Any]:
     return out
 
 
-def run_bench(kind: str, cfg: RunConfig, engines: list[str], repeats: int, console: Console) -> dict[str, Any]:
-    """Time ``engines`` ("rollout" or "step"), print a table with ratios to the first engine, return the figures."""
+def run_bench(
+    kind: str, cfg: RunConfig, engines: list[str], repeats: int, console: Console, skipped: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Time ``engines`` ("rollout" or "step"), print a table with ratios to the first engine, return the figures.
+    ``skipped``: the engines left out, with why (None: ``engines`` were named by the user, and one that
+    cannot start is an error); one that refuses this config's model as it starts joins them."""
     measure = time_rollout if kind == "rollout" else time_steps
     results: dict[str, Any] = {}
+    chosen = skipped is None
+    skipped = skipped if skipped is not None else {}
+    for engine, why in skipped.items():
+        console.print(f"bench {kind}: {engine} skipped: {why}", highlight=False, soft_wrap=True)
     for engine in engines:
         console.print(f"bench {kind}: {engine} ...")
-        parts = _parts(cfg, engine)
+        try:
+            parts = _parts(cfg, engine)
+        except ValueError as err:  # e.g. an engine that cannot serve this model on this device
+            if chosen:
+                raise
+            skipped[engine] = str(err)
+            console.print(f"bench {kind}: {engine} skipped: {err}", highlight=False, soft_wrap=True)
+            continue
         try:
             results[engine] = measure(parts, repeats)
         finally:
             parts.close()
-    console.print(_table(kind, cfg, results))
+    if not results:
+        raise ValueError(
+            f"bench {kind}: no engine can run this config ({'; '.join(f'{e}: {w}' for e, w in skipped.items())})"
+        )
+    table = _table(kind, cfg, results)
+    if skipped:
+        table.caption = (table.caption + "; " if table.caption else "") + f"skipped: {', '.join(skipped)}"
+    console.print(table)
     return results
 
 

@@ -268,9 +268,9 @@ def bench_command(args: argparse.Namespace, cfg, console: Console) -> None:
     from pathlib import Path
 
     from grpolab.commands.bench import run_bench
-    from grpolab.rollout.engines import ENGINES, available_engines
+    from grpolab.rollout.engines import ENGINES, engine_choices
 
-    engines = args.engines.split(",") if args.engines else available_engines(cfg.rollout)
+    engines, skipped = (args.engines.split(","), None) if args.engines else engine_choices(cfg)
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown or args.repeats < 1:
         raise ValueError(
@@ -280,11 +280,15 @@ def bench_command(args: argparse.Namespace, cfg, console: Console) -> None:
         )
     if args.json and Path(args.json).exists():
         raise FileExistsError(f"--json {args.json} already exists; not overwritten")
-    results = run_bench(args.kind, cfg, engines, args.repeats, console)
+    results = run_bench(args.kind, cfg, engines, args.repeats, console, skipped)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"kind": args.kind, "config": cfg.model_dump(mode="json"), "results": results}, indent=2)
-        )
+        figures = {
+            "kind": args.kind,
+            "config": cfg.model_dump(mode="json"),
+            "results": results,
+            "skipped": skipped or {},
+        }
+        Path(args.json).write_text(json.dumps(figures, indent=2))
 
 
 def run_command(args: argparse.Namespace, extra: list[str], console: Console) -> int:
@@ -349,12 +353,15 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         return 0
     if args.command == "probe":
         from grpolab.commands.probe import run_probe
+        from grpolab.common.progress import Reporter
 
-        report = run_probe(cfg, Path(args.report))
+        report = run_probe(cfg, Path(args.report), Reporter(console))
         console.print(
             f"probe: peak memory {report['peak_memory_mb']:.0f} MB ({report['peak_memory_kind']}), "
             f"{report['batch']['sequences']} x {report['batch']['sequence_length']} tokens; "
-            f"report in {args.report}"
+            f"report in {args.report}",
+            highlight=False,
+            soft_wrap=True,
         )
         return 0
     if args.command == "bench":

@@ -8,20 +8,29 @@ JSON report of peak memory, the bytes each part holds (the reward models' among 
 tensor shapes, parameter tensors that received gradient, optimizer state, the rollout's key/value cache
 at its largest (counted from the model's shapes: sampled completions may stop before ``max_new_tokens``,
 so the measured peak can fall short of it) and seconds per phase.
+
+Each phase (load, update 1, generation, update 2) is a named ``Reporter`` phase: piped output gets its
+lines and a heartbeat every 30 s, the updates count their micro-batches with the time left, and once the
+first micro-batch is measured a line estimates the whole probe. The report is written as the probe goes
+(atomically, after each phase, ``"complete": false`` until the end), so a killed probe leaves a partial
+report that says which phases finished.
 """
 
 from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
 
+from grpolab.common.progress import Phase, Reporter, format_seconds
 from grpolab.config import RunConfig
 from grpolab.learning.batching import TrainBatch, collate
-from grpolab.learning.learner import PolicyLearner
+from grpolab.learning.learner import BatchForward, PolicyLearner
 from grpolab.learning.update import UpdateData
 from grpolab.models.loading import model_record
 from grpolab.models.precision import memory_table
@@ -96,8 +105,24 @@ def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * rows * kv_heads * length * head_dim * element
 
 
-def probe_update(learner: PolicyLearner, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, Any]:
-    """One optimizer step over the whole batch by the learner's own update; counts the gradients it produced."""
+def counted(forward: BatchForward, each: Callable[[], None]) -> BatchForward:
+    """``forward`` calling ``each()`` after every training micro-batch's forward (the update's progress)."""
+    logprobs = forward.logprobs
+
+    def counting(*args, **kwargs):
+        out = logprobs(*args, **kwargs)
+        each()
+        return out
+
+    forward.logprobs = counting
+    return forward
+
+
+def probe_update(
+    learner: PolicyLearner, batch: TrainBatch, advantages: torch.Tensor, each: Callable[[], None] = lambda: None
+) -> dict[str, Any]:
+    """One optimizer step over the whole batch by the learner's own update; counts the gradients it produced.
+    ``each()`` is called after every micro-batch's forward."""
     started = time.perf_counter()
     data = UpdateData(advantages=advantages, response_mask=batch.response_mask, old_logprobs=None)
     with_grad: list[int] = []
@@ -107,7 +132,9 @@ def probe_update(learner: PolicyLearner, batch: TrainBatch, advantages: torch.Te
         )
     )
     try:
-        result = learner.update(data, learner.forward(batch), spec=learner.spec.override(epochs=1, steps_per_epoch=1))
+        result = learner.update(
+            data, counted(learner.forward(batch), each), spec=learner.spec.override(epochs=1, steps_per_epoch=1)
+        )
     finally:
         counting.remove()
     if learner.device.type == "cuda":
@@ -121,21 +148,65 @@ def probe_update(learner: PolicyLearner, batch: TrainBatch, advantages: torch.Te
     }
 
 
-def run_probe(cfg: RunConfig, report_path: Path) -> dict[str, Any]:
-    """Run the probe for ``cfg`` and write its JSON report to ``report_path`` (which must not exist)."""
+def run_probe(cfg: RunConfig, report_path: Path, reporter: Reporter | None = None) -> dict[str, Any]:
+    """Run the probe for ``cfg`` and write its JSON report to ``report_path`` (which must not exist): after each
+    phase with ``"complete": false`` and the phases done so far, at the end whole with ``"complete": true``.
+    ``reporter`` shows the phases (None: nothing is printed)."""
     if report_path.exists():
-        raise FileExistsError(f"probe report already exists: {report_path}")
-    parts = assemble(cfg)
+        raise FileExistsError(
+            f"probe report already exists: {report_path} (an earlier probe's, perhaps a partial one); "
+            "choose another --report or move it away"
+        )
+    reporter = reporter or Reporter(Console(quiet=True))
+    with reporter.phase("probe: load") as phase:
+        parts = assemble(cfg, lambda ranks: reporter)
+        phase.info = f"{sum(p.numel() for p in parts.model.parameters()):,} parameters"
     try:
-        report = _probe(parts)
+        out = _probe(parts, reporter, ProbeReport(report_path), phase.elapsed())
     finally:
         parts.close()
-    report_path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(report_path, report)
-    return report
+    return out
 
 
-def _probe(parts: RunParts) -> dict[str, Any]:
+class ProbeReport:
+    """The JSON report as the probe goes: each phase's results merged in and written whole (atomically)."""
+
+    def __init__(self, path: Path):
+        self.path, self.data = path, {"complete": False, "phases_done": [], "phase_seconds": {}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, results: dict[str, Any], phase: str, seconds: float, complete: bool = False) -> None:
+        self.data.update(results)
+        self.data["phases_done"].append(phase)
+        self.data["phase_seconds"][phase] = seconds
+        self.data["complete"] = complete
+        write_json(self.path, self.data)
+
+
+def _update_phase(
+    reporter: Reporter,
+    title: str,
+    parts: RunParts,
+    batch: TrainBatch,
+    advantages: torch.Tensor,
+    micros: int,
+    on_first: Callable[[float], None] = lambda _: None,
+) -> dict[str, Any]:
+    """One probe update shown as a phase of ``micros`` micro-batches (time left from those done);
+    ``on_first(seconds)`` hears the first micro-batch's time."""
+    with reporter.phase(title, total=micros, unit="micro-batches") as phase:
+
+        def each(phase: Phase = phase) -> None:
+            phase.advance()
+            if phase.done == 1:
+                on_first(phase.elapsed())
+
+        result = probe_update(parts.learner, batch, advantages, each)
+        phase.info = f"grad norm {result['grad_norm']:.3g}"
+    return result
+
+
+def _probe(parts: RunParts, reporter: Reporter, report: ProbeReport, load_seconds: float) -> dict[str, Any]:
     cfg, device = parts.cfg, parts.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -143,62 +214,67 @@ def _probe(parts: RunParts) -> dict[str, Any]:
     batch, longest_id = worst_case_batch(parts, generator)
     signs = torch.randint(0, 2, (len(batch),), generator=generator).float() * 2 - 1
     advantages = signs.to(device)
-
-    phase_peaks = {"setup": peak_memory_mb(device, reset=True)}
-    first = probe_update(parts.learner, batch, advantages)
-    phase_peaks["update_1"] = peak_memory_mb(device, reset=True)
-    started = time.perf_counter()
     prompt = parts.prompt_ids[longest_id]
     r = cfg.rollout
-    groups = parts.engine.generate([prompt] * r.prompts_per_step, r.group_size, parts.collector.sampling_params(0, 0))
-    parts.engine.sync_weights(parts.sync_source())
     rows = r.prompts_per_step * r.group_size
+    micros = len(parts.learner.forward(batch).planner.plan(torch.arange(len(batch))))
+
+    def estimate(first: float) -> None:
+        """Once the first micro-batch is timed: the two updates at that rate, and what is not estimated."""
+        reporter.line(
+            f"probe: the first micro-batch took {first:.2f} s; {micros} per update x 2 updates: "
+            f"about {format_seconds(first * micros * 2)} for the updates (a first micro-batch is often the "
+            f"slowest), plus a generation of {rows} completions of up to {r.max_new_tokens} tokens"
+        )
+
+    phase_peaks = {"setup": peak_memory_mb(device, reset=True)}
+    report.write(
+        {
+            "config": cfg.model_dump(mode="json"),
+            "model": model_record(parts.model, parts.model_dir),
+            "device": str(device),
+            "dtype": str(next(parts.model.parameters()).dtype),
+            "algorithm": parts.spec.name,
+            "batch": _batch_record(parts, batch, longest_id, micros),
+            "shapes": _shapes(parts, batch),
+        },
+        "load",
+        load_seconds,
+    )
+    first = _update_phase(reporter, "probe: update 1", parts, batch, advantages, micros, estimate)
+    phase_peaks["update_1"] = peak_memory_mb(device, reset=True)
+    report.write({"updates": [first], "phase_peak_memory_mb": dict(phase_peaks)}, "update_1", first["seconds"])
+
+    started = time.perf_counter()
+    with reporter.phase(f"probe: generation of {rows} completions (<= {r.max_new_tokens} tokens)") as phase:
+        groups = parts.engine.generate(
+            [prompt] * r.prompts_per_step, r.group_size, parts.collector.sampling_params(0, 0)
+        )
+        phase.set_status("weight sync")
+        parts.engine.sync_weights(parts.sync_source())
+        phase.set_status("")
+        tokens = sum(len(c.completion_ids) for g in groups for c in g)
+        phase.info = f"{tokens} tokens"
     cache_rows = min(rows, r.max_batch_size) if capabilities(r.engine).bounded_batch else rows
     generation = {
         "seconds": time.perf_counter() - started,
         "completions": rows,
-        "tokens": sum(len(c.completion_ids) for g in groups for c in g),
+        "tokens": tokens,
         "kv_cache_rows": cache_rows,
         "kv_cache_bytes": kv_cache_bytes(
             parts.model.config, cache_rows, len(prompt) + r.max_new_tokens, parts.precision.compute
         ),
     }
     phase_peaks["generation"] = peak_memory_mb(device, reset=True)
-    second = probe_update(parts.learner, batch, advantages)
+    report.write(
+        {"generation": generation, "phase_peak_memory_mb": dict(phase_peaks)}, "generation", generation["seconds"]
+    )
+    second = _update_phase(reporter, "probe: update 2", parts, batch, advantages, micros)
     phase_peaks["update_2"] = peak_memory_mb(device)
     n_params = sum(p.numel() for p in parts.model.parameters())
-
     state = parts.optimizer.state
-    hidden = parts.model.config.hidden_size
-    vocab = parts.model.get_output_embeddings().weight.shape[0]
-    mb, length, chunk = cfg.optim.micro_batch_size, batch.input_ids.shape[1], cfg.model.logprob_chunk_size
-    return {
-        "model": model_record(parts.model, parts.model_dir),
-        "device": str(device),
-        "dtype": str(next(parts.model.parameters()).dtype),
-        "algorithm": parts.spec.name,
-        "batch": {
-            "sequences": len(batch),
-            "longest_prompt_id": longest_id,
-            "prompt_tokens": len(prompt),
-            "max_new_tokens": cfg.rollout.max_new_tokens,
-            "sequence_length": length,
-            "micro_batch_size": mb,
-            "micro_batch_tokens": cfg.optim.micro_batch_tokens,
-            "micro_batches": len(parts.learner.forward(batch).planner.plan(torch.arange(len(batch)))),
-            "shared_prompts": parts.learner.share_prompts,
-            "logprob_chunk_size": chunk,
-            "gradient_checkpointing": cfg.model.gradient_checkpointing,
-        },
-        "shapes": {
-            "input_ids": [len(batch), length],
-            "micro_batch": [mb, length],
-            "hidden_states": [mb, length, hidden],
-            "logits_chunk": [mb, min(chunk, length - 1), vocab],
-            "full_logits_avoided": [mb, length, vocab],
-        },
+    final = {
         "updates": [first, second],
-        "generation": generation,
         "parameters": {
             "total": n_params,
             "trained": sum(p.numel() for p in parts.policy.trainable()),
@@ -224,9 +300,37 @@ def _probe(parts: RunParts) -> dict[str, Any]:
         "peak_memory_mb": max(phase_peaks.values()),
         "phase_peak_memory_mb": phase_peaks,
         "peak_memory_kind": "cuda max allocated" if device.type == "cuda" else "process max resident",
-        "phase_seconds": {
-            "update_1": first["seconds"],
-            "generation": generation["seconds"],
-            "update_2": second["seconds"],
-        },
+    }
+    report.write(final, "update_2", second["seconds"], complete=True)
+    return report.data
+
+
+def _batch_record(parts: RunParts, batch: TrainBatch, longest_id: str, micros: int) -> dict[str, Any]:
+    cfg = parts.cfg
+    return {
+        "sequences": len(batch),
+        "longest_prompt_id": longest_id,
+        "prompt_tokens": len(parts.prompt_ids[longest_id]),
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "sequence_length": batch.input_ids.shape[1],
+        "micro_batch_size": cfg.optim.micro_batch_size,
+        "micro_batch_tokens": cfg.optim.micro_batch_tokens,
+        "micro_batches": micros,
+        "shared_prompts": parts.learner.share_prompts,
+        "logprob_chunk_size": cfg.model.logprob_chunk_size,
+        "gradient_checkpointing": cfg.model.gradient_checkpointing,
+    }
+
+
+def _shapes(parts: RunParts, batch: TrainBatch) -> dict[str, list[int]]:
+    cfg = parts.cfg
+    hidden = parts.model.config.hidden_size
+    vocab = parts.model.get_output_embeddings().weight.shape[0]
+    mb, length, chunk = cfg.optim.micro_batch_size, batch.input_ids.shape[1], cfg.model.logprob_chunk_size
+    return {
+        "input_ids": [len(batch), length],
+        "micro_batch": [mb, length],
+        "hidden_states": [mb, length, hidden],
+        "logits_chunk": [mb, min(chunk, length - 1), vocab],
+        "full_logits_avoided": [mb, length, vocab],
     }

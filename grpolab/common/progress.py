@@ -5,21 +5,37 @@ shows under the training bar). When the output is not a terminal (a log file, ``
 phase prints a 'running' line once it has taken a few seconds, a line every ``every`` units, a
 heartbeat whenever nothing was printed for ``interval`` seconds (a thread covers calls that report
 nothing, such as an engine starting or a long generation) and one when it ends, so that a log file
-tells the story at a steady rhythm.
+tells the story at a steady rhythm. A bar shows the time elapsed and, once a unit is done, the time
+left (``Phase.left``, the same estimate as the plain lines').
+
+``GRPOLAB_HEARTBEAT_SECONDS`` sets the heartbeat interval (default 30 s; tests set a fraction of a second).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-HEARTBEAT_SECONDS = 30.0
+
+def _heartbeat_seconds(value: str | None) -> float:
+    """GRPOLAB_HEARTBEAT_SECONDS as seconds (unset: 30); anything but a positive number is refused in one line."""
+    try:
+        seconds = float(value or 30.0)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ValueError(f"GRPOLAB_HEARTBEAT_SECONDS={value}: give a positive number of seconds, such as 30")
+    return seconds
+
+
+HEARTBEAT_SECONDS = _heartbeat_seconds(os.environ.get("GRPOLAB_HEARTBEAT_SECONDS"))
 ANNOUNCE_SECONDS = 2.0
 
 
@@ -31,6 +47,14 @@ def format_seconds(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def format_bytes(n: float) -> str:
+    """950 B, 12 kB, 540 MB, 1.6 GB (powers of 1000, as disks are sold and ``df -H`` counts)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.{1 if abs(n) < 10 * size else 0}f} {unit}"
+    return f"{n:.0f} B"
 
 
 class Phase:
@@ -69,6 +93,12 @@ class Phase:
         else:
             self.reporter.refresh(self)
 
+    def set_total(self, total: int | None) -> None:
+        """The number of units, once known (a loop that counts its own work)."""
+        self.total = total
+        if self.reporter._live is not None and self.task_id is not None:
+            self.reporter._live.update(self.task_id, total=total)
+
     def set_status(self, status: str) -> None:
         """What the phase is doing now (shown on the bar and in heartbeat lines)."""
         self.status = status
@@ -81,6 +111,15 @@ class Phase:
         timing = f"{format_seconds(self.elapsed())} elapsed" + (f", ~{format_seconds(left)} left" if left else "")
         self.reporter.line(f"{self.title}: {', '.join(p for p in (self.text(), note, timing) if p)}")
         self.lines += 1
+
+
+class TimeLeftColumn(ProgressColumn):
+    """A bar's time left: its phase's ``left()`` ("~1m05s left"), blank before the first unit or without a total."""
+
+    def render(self, task: Task) -> Text:
+        phase = task.fields.get("phase")
+        left = phase.left() if phase is not None else None
+        return Text(f"~{format_seconds(left)} left" if left is not None else "", style="progress.remaining")
 
 
 class Reporter:
@@ -144,11 +183,12 @@ class Reporter:
                     BarColumn(),
                     TextColumn("{task.fields[text]}"),
                     TimeElapsedColumn(),
+                    TimeLeftColumn(),
                     console=self.console,
                     transient=True,
                 )
                 self._live.start()
-            phase.task_id = self._live.add_task(title, total=total, completed=done, text=phase.text())
+            phase.task_id = self._live.add_task(title, total=total, completed=done, text=phase.text(), phase=phase)
         try:
             yield phase
             finished = True

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from grpolab.common.progress import Reporter
+from grpolab.common.progress import Phase, Reporter
 from grpolab.models.cached_folder import cached_folder
 from grpolab.models.tinymodel import default_cache_root
 from grpolab.tasks.datasets import file_sha256
@@ -77,12 +79,49 @@ def gguf_source(model_dir: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _convert(path: Path, target: Path) -> None:
-    """Dequantize ``path`` and save it as a plain Hugging Face model and tokenizer in ``target``."""
+@contextmanager
+def tensors_counted_into(phase: Phase | None) -> Iterator[None]:
+    """While converting: transformers' GGUF loader walks the file's tensors under a tqdm bar of its own
+    (``tqdm.auto``, which ``transformers.utils.logging.disable_progress_bar`` does not reach, so its bar leaked
+    into piped logs); here that loop counts into ``phase`` (None: silently) instead, and transformers' other
+    bars (loading, saving the weights) are off. Both are as they were afterwards."""
+    import transformers.modeling_gguf_pytorch_utils as loader
+    from transformers.utils import logging as hf_logging
+
+    def counted(iterable, *args, **kwargs):
+        items = list(iterable)
+        if phase is not None:
+            phase.set_total(len(items))
+            phase.unit = "tensors"
+        for item in items:
+            yield item
+            if phase is not None:
+                phase.advance()
+
+    bars_were_on, bar = hf_logging.is_progress_bar_enabled(), loader.tqdm
+    loader.tqdm = counted
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        loader.tqdm = bar
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
+def _convert(path: Path, target: Path, phase: Phase | None = None) -> None:
+    """Dequantize ``path`` and save it as a plain Hugging Face model and tokenizer in ``target``; ``phase``
+    counts the tensors dequantized."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with tensors_counted_into(phase):
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        _save_plain(loaded, tokenizer, target)
+
+
+def _save_plain(loaded, tokenizer, target: Path) -> None:
+    """``loaded`` (a GGUF-loaded model) saved with ``tokenizer`` as a plain Hugging Face folder in ``target``."""
     # save_pretrained refuses a GGUF-quantized model: rebuild the plain class from a config without
     # the quantization record and give it the dequantized weights
     config = loaded.config
@@ -110,8 +149,8 @@ def gguf_model_dir(spec: str, reporter: Reporter | None = None, cache_dir: str |
             _convert(path, folder)
         else:
             reporter.line(f"{path.name}: dequantizing to float32 once, cached in {target}")
-            with reporter.phase(f"convert {path.name}"):
-                _convert(path, folder)
+            with reporter.phase(f"convert {path.name}") as phase:
+                _convert(path, folder, phase)
         record = {
             "file": str(path.resolve()),
             "name": path.name,

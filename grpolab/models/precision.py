@@ -55,6 +55,11 @@ class TrainingPrecision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.compute)
 
+    def optimizer_state_bytes(self, trained: int) -> int:
+        """Bytes of the optimizer's state for ``trained`` parameters (AdamW's two moments, plus Kahan's
+        compensation for bf16_compensated), as ``BYTES_PER_PARAMETER`` counts them."""
+        return BYTES_PER_PARAMETER.get(self.name, BYTES_PER_PARAMETER["fp32_master"])["optimizer_state"] * trained
+
     def optimizer(
         self,
         params: Iterable[torch.nn.Parameter],

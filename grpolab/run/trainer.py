@@ -31,6 +31,7 @@ from grpolab.rollout.engines import capabilities, dtype_name, engine_record
 from grpolab.rollout.evaluation import evaluate
 from grpolab.run.checkpoints import prune, remove_temp_folders, save_checkpoint, set_aside
 from grpolab.run.health import HealthMonitor, HealthSettings, RunWarning
+from grpolab.run.disk import CheckpointPlan, checkpoint_plan
 from grpolab.run.journal import RunJournal
 from grpolab.run.lock import LOCK_FILE, RunLock
 from grpolab.run.parts import RunParts, build_parts, load_task, set_up
@@ -242,6 +243,11 @@ class Trainer:
         self.health.replay(self.records)
         if first > 1 and self.ranks.is_main:  # and those a finished session said at its end
             self.health.restore(said_warnings(self.run_dir), first - 1)
+        if self.ranks.is_main:  # what the checkpoints will take, before the first is written
+            plan = self.checkpoint_plan(first)
+            self.reporter.line(plan.line())
+            if (warning := plan.warning()) is not None:
+                self.reporter.warning(warning)
         evals = {r["step"]: r for r in self.records if "val/accuracy" in r} if first > 1 else {0: self.evaluate(0)}
         rewards = [r["reward_mean"] for r in self.records if "reward_mean" in r]
         log_every = cfg.log_every or (1 if self.reporter.plain else None)
@@ -279,6 +285,21 @@ class Trainer:
         self.warn(self.health.finish())
         seconds = self.journal.total_seconds() if self.journal is not None else time.perf_counter() - started
         return self._summarize(evals, rewards, seconds)
+
+    def checkpoint_plan(self, first: int) -> CheckpointPlan:
+        """The checkpoints of this session from step ``first``: each one's weights as saved (the model's
+        parameters, tied ones once; a LoRA run's adapter: its trained parameters) and optimizer state."""
+        policy, trained = self.parts.policy, self.parts.policy.trainable()
+        saved = {id(p): p for p in (self.parts.model.parameters() if policy.saved is self.parts.model else trained)}
+        return checkpoint_plan(
+            sum(p.numel() * p.element_size() for p in saved.values()),
+            self.parts.precision.optimizer_state_bytes(sum(p.numel() for p in trained)),
+            first,
+            self.cfg.steps,
+            self.cfg.checkpoint.every,
+            self.cfg.checkpoint.keep_last,
+            self.run_dir,
+        )
 
     def save_checkpoint(self, step: int) -> str:
         """Rank 0 writes the checkpoint of ``step`` (whole weights, every rank's RNGs in its state) and, with

@@ -37,8 +37,10 @@ def write_report(
     with atomic_folder(target, replace=check_replaceable) as tmp:  # checked again: something may have appeared
         mark(tmp)
         with reporter.phase("report: figures") as phase:
-            figures = all_figures(runs, data, tmp) + load_heatmaps(runs, tmp)
-            phase.info = f"{len(figures)} figures"
+            figures, notes = all_figures(runs, data, tmp)
+            figures += load_heatmaps(runs, tmp)
+            phase.info = f"{len(figures)} figures" + (f", {len(notes)} flat series noted instead" if notes else "")
+        data["figure_notes"] = notes
         (tmp / "report.md").write_text(render(data, figures))
         (tmp / "report.json").write_text(json.dumps(data, indent=2, default=str))
     return target / "report.md"

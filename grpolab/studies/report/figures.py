@@ -1,6 +1,14 @@
 """The report's PNG figures (matplotlib, headless): one figure per metric against step with the runs
 overlaid, validation accuracy with its item-bootstrap band, seconds per phase, pass@k and the paired
-differences against the baseline."""
+differences against the baseline.
+
+Figures carry information or are not drawn: a metric with one value in every run at every step (the clip
+fraction 0 and the ratio 1 of on-policy runs) becomes a line of report.md that gives the value; a phase
+that never took a millisecond (a weight sync that hands over nothing) is a note in its panel and in
+report.md; the other panels choose seconds or milliseconds by their largest value. Runs that coincide stay
+visible: each run has its own colour, dash pattern and marker, and each run is drawn thinner than the one
+before and on top of it, so a run equal to an earlier one shows as a thin line inside the earlier's
+wider one."""
 
 from __future__ import annotations
 
@@ -71,6 +79,9 @@ CURVES: list[tuple[str, str, str, Series]] = [
     ),
 ]
 PHASES = ["time/generate", "time/reward", "time/train", "time/sync"]
+BELOW_NOTE_SECONDS = 1e-3  # a phase that never took this long is noted, not plotted
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "<", ">", "*")
+DASHES = ("-", "--", "-.", ":")
 
 
 def _points(records: list[dict[str, Any]], value: Series) -> tuple[list[int], list[float]]:
@@ -79,11 +90,34 @@ def _points(records: list[dict[str, Any]], value: Series) -> tuple[list[int], li
 
 
 def run_styles(runs: list[Run]) -> dict[str, dict[str, Any]]:
-    """A colour and line style per run, the same in every figure (10 colours, then dashed, then dotted)."""
+    """A colour, dash pattern and marker per run, the same in every figure (the k-th run: the k-th of 10 colours,
+    of 4 dash patterns, of 10 markers, so no two of the first 20 runs share all three), and a width and drawing
+    order: each run thinner than the one before and drawn above it, so that coinciding lines all show."""
     colours = plt.get_cmap("tab10").colors
+    n = max(len(runs), 1)
     return {
-        run.name: {"color": colours[i % 10], "linestyle": ("-", "--", ":")[i // 10 % 3]} for i, run in enumerate(runs)
+        run.name: {
+            "color": colours[i % 10],
+            "linestyle": DASHES[i % 4],
+            "marker": MARKERS[i % 10],
+            "linewidth": 1.0 + 2.0 * (n - 1 - i) / max(n - 1, 1),
+            "zorder": 2 + i,
+        }
+        for i, run in enumerate(runs)
     }
+
+
+def _plot(ax, steps: list[int], values: list[float], label: str, style: dict[str, Any]) -> None:
+    """One run's line: its style, markers at about 12 points whatever the number of steps."""
+    ax.plot(steps, values, label=label, markersize=3.5, markevery=max(1, len(steps) // 12), **style)
+
+
+def constant(values: list[float]) -> float | None:
+    """The one value of ``values`` when they are all equal (to float rounding), else None."""
+    if not values:
+        return None
+    low, high = min(values), max(values)
+    return low if high - low <= 1e-9 * max(1.0, abs(high)) else None
 
 
 def _legend(ax) -> None:
@@ -105,17 +139,26 @@ def _new(title: str, xlabel: str = "step"):
     return fig, ax
 
 
-def metric_curves(runs: list[Run], out_dir: Path, styles: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
-    """One figure per metric that some run logged; [(title, file name)]."""
+def metric_curves(
+    runs: list[Run], out_dir: Path, styles: dict[str, dict[str, Any]], notes: list[str] | None = None
+) -> list[tuple[str, str]]:
+    """One figure per metric that some run logged; [(title, file name)]. A metric with a single value in every
+    run at every step gets no figure: a line in ``notes`` gives the value."""
     made = []
     for stem, title, kind, value in CURVES:
         series = [(run.name, *_points(run.train if kind == "train" else run.evals, value)) for run in runs]
         if not any(steps for _, steps, _ in series):
             continue
+        same = constant([v for _, _, values in series for v in values])
+        if same is not None:
+            if notes is not None:
+                which = "the run" if len(runs) == 1 else f"all {sum(1 for _, s, _ in series if s)} runs"
+                notes.append(f"{title}: {same:.6g} at every step of {which} (no figure)")
+            continue
         fig, ax = _new(title)
         for name, steps, values in series:
             if steps:
-                ax.plot(steps, values, label=name, linewidth=1.2, **styles[name])
+                _plot(ax, steps, values, name, styles[name])
         _legend(ax)
         made.append((title, save_figure(fig, out_dir, stem)))
     return made
@@ -132,15 +175,7 @@ def accuracy_curve(
         if not steps:
             continue
         bands = [mean_interval([float(r["correct"]) for r in run.records(s)], resamples, seed) for s in steps]
-        ax.plot(
-            steps,
-            [b.estimate for b in bands],
-            marker="o",
-            markersize=3,
-            linewidth=1.2,
-            label=run.name,
-            **styles[run.name],
-        )
+        ax.plot(steps, [b.estimate for b in bands], markersize=3.5, label=run.name, **styles[run.name])
         ax.fill_between(
             steps, [b.low for b in bands], [b.high for b in bands], color=styles[run.name]["color"], alpha=0.12
         )
@@ -153,22 +188,52 @@ def accuracy_curve(
     return "validation accuracy", save_figure(fig, out_dir, "val_accuracy")
 
 
-def phase_seconds(runs: list[Run], out_dir: Path, styles: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
-    """Seconds per phase (generate, reward, train, sync) against step, one panel per phase."""
+def phase_seconds(
+    runs: list[Run], out_dir: Path, styles: dict[str, dict[str, Any]], notes: list[str] | None = None
+) -> tuple[str, str] | None:
+    """Time per phase (generate, reward, train, sync) against step, one panel per phase, in seconds or, when the
+    phase never took a second, milliseconds; a phase that never took ``BELOW_NOTE_SECONDS`` is a note in its
+    panel and in ``notes`` instead of a line at the floor."""
     if not any(run.train for run in runs):
         return None
     fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
     for ax, key in zip(axes.flat, PHASES):
-        ax.set_title(f"seconds: {key.removeprefix('time/')}")
+        phase = key.removeprefix("time/")
         ax.grid(alpha=0.3)
-        for run in runs:
-            steps, values = _points(run.train, _key(key))
+        series = [(run.name, *_points(run.train, _key(key))) for run in runs]
+        longest = max((v for _, _, values in series for v in values), default=0.0)
+        if longest < BELOW_NOTE_SECONDS:
+            ax.set_title(f"{phase}: under {BELOW_NOTE_SECONDS * 1e3:g} ms")
+            ax.text(0.5, 0.5, f"never over {longest * 1e3:.3f} ms: not drawn", ha="center", va="center")
+            if notes is not None:
+                notes.append(
+                    f"seconds per phase: {phase} never took {BELOW_NOTE_SECONDS * 1e3:g} ms "
+                    f"(at most {longest * 1e3:.3f} ms); its panel is a note"
+                )
+            continue
+        scale, unit = time_unit(longest)
+        ax.set_title(f"{phase} ({unit})")
+        for name, steps, values in series:
             if steps:
-                ax.plot(steps, values, label=run.name, linewidth=1, **styles[run.name])
-    axes.flat[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+                _plot(ax, steps, [v * scale for v in values], name, styles[name])
+    fig.legend(*_handles(axes), fontsize=7, loc="upper left", bbox_to_anchor=(0.91, 0.9))
     for ax in axes[1]:
         ax.set_xlabel("step")
-    return "seconds per phase", save_figure(fig, out_dir, "phase_seconds")
+    return "time per phase", save_figure(fig, out_dir, "phase_seconds")
+
+
+def time_unit(longest: float) -> tuple[float, str]:
+    """(factor, unit) for a panel whose largest time is ``longest`` seconds: seconds from one second up, else ms."""
+    return (1.0, "s") if longest >= 1.0 else (1e3, "ms")
+
+
+def _handles(axes) -> tuple[list, list[str]]:
+    """The legend entries of the panels, each run once (a panel that is a note has none)."""
+    seen: dict[str, Any] = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    return list(seen.values()), list(seen)
 
 
 def pass_at_k_figure(curves: dict[str, dict[int, dict[int, float]]], out_dir: Path) -> tuple[str, str] | None:
@@ -205,13 +270,14 @@ def differences_figure(comparisons: list[dict[str, Any]], baseline: str, out_dir
     return f"difference against {baseline}", save_figure(fig, out_dir, "differences")
 
 
-def all_figures(runs: list[Run], data: dict[str, Any], out_dir: Path) -> list[tuple[str, str]]:
-    styles = run_styles(runs)
+def all_figures(runs: list[Run], data: dict[str, Any], out_dir: Path) -> tuple[list[tuple[str, str]], list[str]]:
+    """Every figure as (title, file name), and the notes that stand for figures not drawn."""
+    styles, notes = run_styles(runs), []
     made = [
         differences_figure(data["comparisons"], data["baseline"], out_dir),
         accuracy_curve(runs, out_dir, data["resamples"], data["seed"], styles),
-        *metric_curves(runs, out_dir, styles),
-        phase_seconds(runs, out_dir, styles),
+        *metric_curves(runs, out_dir, styles, notes),
+        phase_seconds(runs, out_dir, styles, notes),
         pass_at_k_figure(data["pass_at_k"], out_dir),
     ]
-    return [m for m in made if m is not None]
+    return [m for m in made if m is not None], notes

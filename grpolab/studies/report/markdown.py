@@ -493,6 +493,9 @@ def render(data: dict[str, Any], figures: list[tuple[str, str]]) -> str:
     if data["pass_at_k"]:
         out += ["## pass@k (sampled, unbiased estimator)", "", *pass_section(data["pass_at_k"])]
     out += ["## Figures", ""] + [line for title, name in figures for line in (f"![{title}]({name})", "")]
+    if data.get("figure_notes"):
+        out += ["Not drawn, as a figure would show nothing more:", ""]
+        out += [f"- {note}" for note in data["figure_notes"]] + [""]
     if data.get("tool_use"):
         out += [
             "## Tool use",
