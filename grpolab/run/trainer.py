@@ -30,8 +30,8 @@ from grpolab.parallel.ranks import end_process_group
 from grpolab.rollout.engines import capabilities, dtype_name, engine_record
 from grpolab.rollout.evaluation import evaluate
 from grpolab.run.checkpoints import prune, remove_temp_folders, save_checkpoint, set_aside
-from grpolab.run.health import HealthMonitor, HealthSettings, RunWarning
 from grpolab.run.disk import CheckpointPlan, checkpoint_plan
+from grpolab.run.health import HealthMonitor, HealthSettings, RunWarning
 from grpolab.run.journal import RunJournal
 from grpolab.run.lock import LOCK_FILE, RunLock
 from grpolab.run.parts import RunParts, build_parts, load_task, set_up
