@@ -20,7 +20,7 @@ from rich.console import Console
 
 from grpolab.config import load_config, load_run_config
 from grpolab.run.rundir import read_metrics
-from grpolab.run.trainer import train
+from grpolab.run.trainer import Trainer, train
 
 # Trackio reads its folder once, when imported: this module's runs go to a database of its own (set while the
 # test modules are collected, before any test runs; no other test module imports trackio)
@@ -234,3 +234,50 @@ def test_a_missing_tracker_package_is_one_line_before_anything_moves(
         out.split()
     )
     assert not run.exists()
+
+
+def wandb_only(model_dir: Path, run: Path, tmp: Path, patch: pytest.MonkeyPatch):
+    """A 2-step run logging to W&B alone, offline (its files under ``tmp``)."""
+    patch.setenv("WANDB_MODE", "offline")
+    patch.setenv("WANDB_DIR", str(tmp))
+    overrides = {**train_overrides(model_dir, run), "steps": 2, "log.trackers": ["wandb"]}
+    return load_config(None, overrides)
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_with_one_warning(warm_model_dir, tmp_path, monkeypatch):
+    run, out = tmp_path / "run", io.StringIO()
+    cfg = wandb_only(warm_model_dir, run, tmp_path, monkeypatch)
+    original = Trainer.train_step
+
+    def wandb_run_ends_at_step_2(self, step, *args):
+        if step == 2:  # the W&B run ends under the trainer (as when its service process dies)
+            self.log.trackers.open[0].run.finish()
+        return original(self, step, *args)
+
+    monkeypatch.setattr(Trainer, "train_step", wandb_run_ends_at_step_2)
+    summary = train(cfg, Console(file=out, width=400))
+    warnings = [line for line in out.getvalue().splitlines() if "warning: log.trackers wandb failed" in line]
+    assert len(warnings) == 1 and "is finished" in warnings[0] and "metrics.jsonl stays complete" in warnings[0]
+    assert summary["steps"] == 2
+    assert sorted({r["step"] for r in read_metrics(run / "metrics.jsonl")}) == [0, 1, 2]  # nothing lost
+    (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    assert sorted(wandb_history(wandb_file)) == [0, 1]  # what it got before it failed
+
+
+def test_an_interrupted_run_leaves_its_wandb_run_resumable(warm_model_dir, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    cfg = wandb_only(warm_model_dir, run, tmp_path, monkeypatch)
+    original = Trainer.train_step
+
+    def ctrl_c_at_step_2(self, step, *args):
+        if step == 2:
+            raise KeyboardInterrupt
+        return original(self, step, *args)
+
+    monkeypatch.setattr(Trainer, "train_step", ctrl_c_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, Console(file=io.StringIO()))
+    (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    kinds = [r.WhichOneof("record_type") for r in wandb_records(wandb_file)]
+    assert "preempting" in kinds and wandb_exit_code(wandb_file) == 1  # marked preempted, not finished
+    assert sorted(wandb_history(wandb_file)) == [0, 1]

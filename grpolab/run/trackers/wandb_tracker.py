@@ -32,11 +32,12 @@ def logged_in(env: dict[str, str]) -> bool:
 
 
 def choose_mode(env: dict[str, str] | None = None) -> tuple[str | None, str]:
-    """(the mode to ask for, why): None leaves W&B's own choice (``WANDB_MODE``, or online with a key);
-    "offline" when nothing sets W&B up, so that a run never stops at a login prompt."""
+    """(the mode to ask for, why): ``WANDB_MODE`` when set; None (W&B's own choice: online) with a key or a
+    login; "offline" when nothing sets W&B up, so that a run never stops at a login prompt. (Read at each
+    start: W&B reads its environment once per process.)"""
     env = dict(os.environ if env is None else env)
     if env.get("WANDB_MODE"):
-        return None, "WANDB_MODE"
+        return env["WANDB_MODE"], "WANDB_MODE"
     if env.get("WANDB_API_KEY"):
         return None, "WANDB_API_KEY"
     if logged_in(env):
@@ -61,7 +62,7 @@ class WandbTracker:
             resume="allow",
             config=config,
             mode=mode,
-            dir=None if os.environ.get("WANDB_DIR") else str(folder),
+            dir=os.environ.get("WANDB_DIR") or str(folder),
             # the run's own terminal output stays as it is (progress bars, plain log lines)
             settings=wandb.Settings(silent=True, console="off"),
         )
