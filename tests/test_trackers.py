@@ -281,3 +281,21 @@ def test_an_interrupted_run_leaves_its_wandb_run_resumable(warm_model_dir, tmp_p
     kinds = [r.WhichOneof("record_type") for r in wandb_records(wandb_file)]
     assert "preempting" in kinds and wandb_exit_code(wandb_file) == 1  # marked preempted, not finished
     assert sorted(wandb_history(wandb_file)) == [0, 1]
+
+
+def test_log_tensorboard_true_is_still_read_as_the_tensorboard_tracker(tmp_path):
+    from grpolab.config import ConfigError
+
+    assert load_config(None, {"log.tensorboard": True}).log.trackers == ["tensorboard"]
+    assert load_config(None, {"log.tensorboard": False}).log.trackers == []
+    both = load_config(None, {"log.trackers": "wandb, trackio", "log.tensorboard": True}).log.trackers
+    assert both == ["wandb", "trackio", "tensorboard"]
+    assert "tensorboard" not in load_config(None, {"log.tensorboard": True}).model_dump()["log"]  # new spelling
+    # a run directory of an earlier version: its config.json holds the old spelling, and its resume reads it
+    data = load_config(None, {"output_dir": str(tmp_path)}).model_dump(mode="json")
+    data["log"] = {"tensorboard": True}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert load_run_config(tmp_path).log.trackers == ["tensorboard"]
+    for bad, message in (({"log.tensorboard": "yes"}, "must be true or false"), ({"log.trackers": "mlflow"}, "wandb")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, bad)

@@ -38,4 +38,7 @@ class TrackioTracker:
 
     def close(self, finished: bool) -> None:
         with contextlib.redirect_stdout(io.StringIO()):
-            self.run.finish()
+            try:
+                self.trackio.finish()  # the process's current run (this one), cleared: its exit hook has nothing left
+            except RuntimeError:  # no current run any more: this one alone
+                self.run.finish()
