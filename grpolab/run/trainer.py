@@ -102,15 +102,16 @@ class Trainer:
             return None
         runs = identities(settings, self.run_dir, self.journal.data.get("trackers"))
         self.journal.record_trackers(runs)  # before they start: a run killed meanwhile resumes the same runs
-        trackers, modes = open_trackers(
-            settings,
-            self.run_dir,
-            runs,
-            self.journal.recorded_config(),
-            first_step=self.plan.kept_step + 1 if resume else None,
-            sent_through=self.sent_through,
-            say=self.reporter.line,
-        )
+        with self.reporter.phase(f"start trackers ({', '.join(settings.trackers)})", done_note=False):
+            trackers, modes = open_trackers(
+                settings,
+                self.run_dir,
+                runs,
+                self.journal.recorded_config(),
+                first_step=self.plan.kept_step + 1 if resume else None,
+                sent_through=self.sent_through,
+                say=self.reporter.line,
+            )
         self.journal.record_tracker_modes(modes)
         return trackers
 

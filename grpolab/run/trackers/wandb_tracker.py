@@ -72,7 +72,7 @@ class WandbTracker:
     def describe(self) -> str:
         where = f"wandb {self.mode} ({self.why}): run {self.run.id} in project {self.run.project}"
         if self.mode == "offline":
-            return f"{where}, files {self.files} (upload: wandb sync {self.files})"
+            return f"{where}; upload with: wandb sync {self.files}"
         return f"{where} {self.run.url or ''}".rstrip()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
