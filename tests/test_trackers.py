@@ -299,3 +299,16 @@ def test_log_tensorboard_true_is_still_read_as_the_tensorboard_tracker(tmp_path)
     for bad, message in (({"log.tensorboard": "yes"}, "must be true or false"), ({"log.trackers": "mlflow"}, "wandb")):
         with pytest.raises(ConfigError, match=message):
             load_config(None, bad)
+
+
+def test_wandb_goes_online_only_when_set_up(tmp_path):
+    from grpolab.run.trackers.wandb_tracker import choose_mode
+
+    netrc = tmp_path / "netrc"
+    none = {"NETRC": str(netrc)}
+    assert choose_mode(none) == ("offline", "no WANDB_API_KEY, WANDB_MODE or wandb login")
+    assert choose_mode({**none, "WANDB_MODE": "disabled"}) == ("disabled", "WANDB_MODE")
+    assert choose_mode({**none, "WANDB_API_KEY": "x" * 40}) == (None, "WANDB_API_KEY")  # W&B's own choice: online
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "x" * 40 + "\n")  # what wandb login writes
+    assert choose_mode(none) == (None, "wandb login")
+    assert choose_mode({**none, "WANDB_BASE_URL": "https://wandb.example.org"})[0] == "offline"  # another host
