@@ -165,7 +165,7 @@ def test_wandb_offline_by_default_holds_the_metrics_of_each_session_once(tracked
     assert {k: v for k, v in second[4].items() if not isinstance(v, dict)} == pytest.approx(final[4], rel=1e-6)
     redone = untimed(final[3])  # exact resume: the redone step's numbers are those W&B holds
     assert redone == pytest.approx({k: expected[3][k] for k in redone}, rel=1e-6)
-    # completion tables every 2 steps and at a session's last, evaluation tables at every evaluation
+    # completion tables every 2 steps and at the last (`steps`: 3, then 4), evaluation tables at every evaluation
     assert [s for s in first if "completions" in first[s]] == [2, 3]
     assert [s for s in first if "val/completions" in first[s]] == [0, 2, 3]
     assert first[2]["completions"]["_type"] == "table-file" and first[2]["completions"]["nrows"] == 8
@@ -193,7 +193,7 @@ def test_trackio_continues_its_run_without_a_step_twice(tracked):
     for row, record in zip(metric_rows, sent):
         assert {k: row[k] for k in numeric(record)} == pytest.approx(numeric(record), rel=1e-6)
     tables = {(r["step"], k): v for r in logs for k, v in r.items() if isinstance(v, dict)}
-    # every 2 steps and the last of each session (step 3 once: its redo is not sent), every evaluation
+    # every 2 steps and the last (3, then 4; step 3 once: its redo is not sent), every evaluation
     assert sorted(tables) == sorted(
         [(s, "completions") for s in (2, 3, 4)] + [(s, "val/completions") for s in (0, 2, 3, 4)]
     )
