@@ -364,7 +364,9 @@ class Trainer:
         """Close the metrics log (its trackers' runs marked finished when the run reached its end, else left
         resumable) and the engine, then release the run directory's lock (safe to call twice)."""
         if self.log is not None:
-            self.log.close(self.finished)
+            if self.log.trackers is not None:  # W&B online uploads what it still holds: it may take a while
+                with self.reporter.phase("close trackers", done_note=None):
+                    self.log.close(self.finished)
             self.log = None
         if self.parts is not None:
             self.parts.close()
