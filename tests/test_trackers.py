@@ -265,8 +265,17 @@ def test_a_tracker_that_fails_mid_run_is_dropped_with_one_warning(warm_model_dir
 
 
 def test_an_interrupted_run_leaves_its_wandb_run_resumable(warm_model_dir, tmp_path, monkeypatch):
+    import trackio
+    from trackio.sqlite_storage import SQLiteStorage
+
     run = tmp_path / "run"
-    cfg = wandb_only(warm_model_dir, run, tmp_path, monkeypatch)
+    wandb_only(warm_model_dir, run, tmp_path, monkeypatch)
+    # another run of the same name in the same Trackio project: a new grpolab run does not add to its curves
+    other = trackio.init(project="again", name="run", embed=False)
+    other.log({"reward_mean": 0.5}, step=0)
+    trackio.finish()
+    overrides = {**train_overrides(warm_model_dir, run), "steps": 2, "log.project": "again"}
+    cfg = load_config(None, {**overrides, "log.trackers": ["wandb", "trackio"]})
     original = Trainer.train_step
 
     def ctrl_c_at_step_2(self, step, *args):
@@ -281,6 +290,9 @@ def test_an_interrupted_run_leaves_its_wandb_run_resumable(warm_model_dir, tmp_p
     kinds = [r.WhichOneof("record_type") for r in wandb_records(wandb_file)]
     assert "preempting" in kinds and wandb_exit_code(wandb_file) == 1  # marked preempted, not finished
     assert sorted(wandb_history(wandb_file)) == [0, 1]
+    runs = SQLiteStorage.get_run_records("again")
+    assert [r["name"] for r in runs] == ["run", "run"] and runs[0]["id"] != runs[1]["id"]
+    assert [r["step"] for r in SQLiteStorage.get_logs("again", run_id=runs[0]["id"])] == [0]  # untouched
 
 
 def test_log_tensorboard_true_is_still_read_as_the_tensorboard_tracker(tmp_path):

@@ -100,13 +100,15 @@ class Trainer:
         settings = self.cfg.log
         if not settings.trackers:
             return None
-        runs = identities(settings, self.run_dir, self.journal.data.get("trackers"))
+        previous = self.journal.data.get("trackers") or {}
+        runs = identities(settings, self.run_dir, previous)
         self.journal.record_trackers(runs)  # before they start: a run killed meanwhile resumes the same runs
         with self.reporter.phase(f"start trackers ({', '.join(settings.trackers)})", done_note=False):
             trackers, modes = open_trackers(
                 settings,
                 self.run_dir,
                 runs,
+                previous,
                 self.journal.recorded_config(),
                 first_step=self.plan.kept_step + 1 if resume else None,
                 sent_through=self.sent_through,

@@ -3,7 +3,7 @@ each behind ``base.Tracker``; rank 0 opens them once its run directory is ready 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +41,14 @@ def open_trackers(
     settings: LogConfig,
     run_dir: Path,
     runs: dict[str, Any],
+    continued: Collection[str],
     config: dict[str, Any],
     first_step: int | None,
     sent_through: int,
     say: Callable[[str], None],
 ) -> tuple[Trackers, dict[str, str]]:
-    """Open the trackers of ``settings.trackers`` on the runs ``identities`` chose, each announced in one
+    """Open the trackers of ``settings.trackers`` on the runs ``identities`` chose (``continued``: the trackers
+    whose runs an earlier session started, which this one continues), each announced in one
     ``say`` line; one that cannot start (W&B unreachable) is a warning line and the run goes on without it.
     ``first_step``: a resume's first step (TensorBoard purges from it); ``sent_through``: the last step a
     previous session may have sent. Returns the trackers and each one's mode (for the manifest)."""
@@ -60,7 +62,7 @@ def open_trackers(
             elif name == "wandb":
                 tracker = WandbTracker(run["project"], run["name"], run["id"], Path(run_dir), config)
             else:
-                tracker = TrackioTracker(run["project"], run["name"], config)
+                tracker = TrackioTracker(run["project"], run["name"], config, continued=name in continued)
         except Exception as err:
             why = (str(err).strip().splitlines() or [type(err).__name__])[0]
             say(

@@ -11,14 +11,17 @@ from grpolab.run.trackers.base import require
 
 
 class TrackioTracker:
-    """The Trackio run ``name`` in ``project``, created or continued (resume "allow")."""
+    """The Trackio run ``name`` in ``project``: with ``continued``, the newest Trackio run of that name (created
+    if there is none); otherwise a new one, even where a run of that name exists (Trackio tells them apart by
+    an id of its own), so that a new grpolab run never adds to another one's curves."""
 
     name, resends = "trackio", False
 
-    def __init__(self, project: str, name: str, config: dict[str, Any]):
+    def __init__(self, project: str, name: str, config: dict[str, Any], continued: bool):
         self.trackio = require("trackio")
+        resume = "allow" if continued else "never"
         with contextlib.redirect_stdout(io.StringIO()):  # its banner; the start line says where the run is
-            self.run = self.trackio.init(project=project, name=name, resume="allow", config=config, embed=False)
+            self.run = self.trackio.init(project=project, name=name, resume=resume, config=config, embed=False)
         self.project = project
         self.mode = "space" if self.run.url else "local"
 
