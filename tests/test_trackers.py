@@ -25,7 +25,8 @@ from grpolab.run.trainer import Trainer, train
 # Trackio reads its folder once, when imported: this module's runs go to a database of its own (set while the
 # test modules are collected, before any test runs; no other test module imports trackio)
 assert "trackio" not in sys.modules, "trackio was imported before its folder was set"
-TRACKIO_DIR = os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="grpolab-test-trackio-")
+# (created by Trackio when a test here logs, removed after them: a collection alone leaves nothing behind)
+TRACKIO_DIR = os.environ["TRACKIO_DIR"] = str(Path(tempfile.gettempdir()) / f"grpolab-test-trackio-{os.getpid()}")
 
 ROOT = Path(__file__).resolve().parents[1]
 WANDB_HEADER = 7  # ":W&B", a 2-byte magic, a version byte
