@@ -293,12 +293,63 @@ class CheckpointConfig(_Section):
     )
 
 
+TrackerName = Literal["tensorboard", "wandb", "trackio"]
+
+
 class LogConfig(_Section):
-    tensorboard: bool = Field(
-        False,
-        description="also write the per-step metrics as TensorBoard scalars into "
-        "RUN_DIR/tensorboard (needs the tensorboard package: pip install 'grpolab[tensorboard]')",
+    """``[log]``: the trackers a run also logs to, beside its metrics.jsonl (docs/running.md: Trackers)."""
+
+    trackers: list[TrackerName] = Field(
+        default_factory=list,
+        description='also log every metrics.jsonl record there: "tensorboard" (RUN_DIR/tensorboard), "wandb" '
+        '(offline into RUN_DIR/wandb unless WANDB_MODE, WANDB_API_KEY or a wandb login say otherwise), "trackio" '
+        "(its local database, or TRACKIO_SPACE_ID); a list, or names separated by commas; needs "
+        "pip install 'grpolab[trackers]'",
     )
+    project: str = Field("grpolab", min_length=1, description="the W&B and Trackio project")
+    run_name: str | None = Field(
+        None, min_length=1, description="the run's name in W&B and Trackio; None = the run directory's name"
+    )
+    completions_every: int | None = Field(
+        10,
+        ge=1,
+        description="every N steps (and the last) the trackers get a table of the step's sampled completions "
+        "(prompt, completion, reward and its terms, advantage); None = never",
+    )
+    completions_max: int = Field(
+        64, ge=1, description="rows of a completions table at most: the step's first prompt groups, whole"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spelling(cls, data: Any) -> Any:
+        """``tensorboard = true``, the old spelling of ``trackers = ["tensorboard"]`` (run directories of
+        earlier versions hold it in their config.json, and a resume reads that)."""
+        if not isinstance(data, dict) or "tensorboard" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("tensorboard")
+        if not isinstance(old, bool):
+            raise ValueError('tensorboard (the old spelling of trackers = ["tensorboard"]) must be true or false')
+        trackers = data.get("trackers", [])
+        if isinstance(trackers, str):
+            trackers = _names(trackers)
+        if old and isinstance(trackers, list) and "tensorboard" not in trackers:
+            data["trackers"] = [*trackers, "tensorboard"]
+        return data
+
+    @field_validator("trackers", mode="before")
+    @classmethod
+    def _tracker_list(cls, value: Any) -> Any:
+        if isinstance(value, str):  # --log.trackers wandb,trackio
+            value = _names(value)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            value = list(dict.fromkeys(value))  # each once, in order
+        return value
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 class WarnConfig(_Section):

@@ -111,6 +111,17 @@ class RunJournal:
         self.data["sessions"][-1].update(to_step=step, seconds=seconds)
         self.save()
 
+    def record_trackers(self, runs: dict[str, Any]) -> None:
+        """The tracker runs this run logs to (``log.trackers``: a W&B run id, a Trackio run name), which every
+        resume continues."""
+        self.data["trackers"] = runs
+        self.save()
+
+    def record_tracker_modes(self, modes: dict[str, str]) -> None:
+        """How this session's trackers log (W&B online or offline, ...)."""
+        self.data["sessions"][-1]["trackers"] = modes
+        self.save()
+
     @property
     def session_number(self) -> int:
         return len(self.data["sessions"])

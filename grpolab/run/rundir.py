@@ -9,9 +9,12 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpolab.common.atomic import atomic_file, named, write_file
+
+if TYPE_CHECKING:
+    from grpolab.run.trackers import Trackers
 
 
 class RunDirError(FileExistsError):
@@ -82,27 +85,12 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
         json.dump({k: _clean(v) for k, v in data.items()}, f, indent=2, default=str)
 
 
-def summary_writer():
-    """TensorBoard's ``SummaryWriter`` class; a ValueError naming the install when it is missing."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as err:
-        raise ValueError(
-            f"log.tensorboard needs the tensorboard package ({err}); pip install 'grpolab[tensorboard]'"
-        ) from None
-    return SummaryWriter
-
-
 class MetricsLog:
-    """Appends one JSON object per line to ``metrics.jsonl``; with ``tensorboard_dir`` also writes each
-    record's numbers as TensorBoard scalars at its step (a resumed run's ``first_step``: events from it on are
-    purged first, so a resumed run does not show the redone steps twice; 0 for a run redone from the start)."""
+    """Appends one JSON object per line to ``metrics.jsonl``; with ``trackers`` (``grpolab.run.trackers``) each
+    record then goes to them too (a tracker's failure never loses a line of the file: it is written first)."""
 
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None, first_step: int | None = None):
-        self.path = path
-        self.tensorboard = None
-        if tensorboard_dir is not None:
-            self.tensorboard = summary_writer()(str(tensorboard_dir), purge_step=first_step)
+    def __init__(self, path: Path, trackers: Trackers | None = None):
+        self.path, self.trackers = path, trackers
 
     def write(self, record: dict[str, Any]) -> None:
         try:
@@ -110,15 +98,30 @@ class MetricsLog:
                 f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
         except OSError as err:
             raise named(err, self.path) from None
-        if self.tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.tensorboard.add_scalar(key, value, record["step"])
-            self.tensorboard.flush()
+        if self.trackers is not None:
+            self.trackers.log(record)
 
-    def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+    def table(self, step: int, key: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """A table for the trackers only (metrics.jsonl holds numbers; the eval records hold completions)."""
+        if self.trackers is not None:
+            self.trackers.table(step, key, columns, rows)
+
+    def close(self, finished: bool = False) -> None:
+        """Close the trackers: ``finished`` marks their runs finished, else they stay resumable."""
+        if self.trackers is not None:
+            self.trackers.close(finished)
+
+
+def last_step(run_dir: Path) -> int:
+    """The highest step of any record in the run's metrics.jsonl and metrics.discarded.jsonl (-1: none): the
+    last step a tracker of an earlier session may have received."""
+    steps = [
+        r["step"]
+        for name in ("metrics.jsonl", "metrics.discarded.jsonl")
+        for r in read_json_lines(Path(run_dir) / name).records
+        if isinstance(r.get("step"), int)
+    ]
+    return max(steps, default=-1)
 
 
 @dataclass(frozen=True)

@@ -8,15 +8,22 @@ from statistics import mean
 from typing import Any
 
 from grpolab.common.progress import format_seconds
+from grpolab.rollout.collect import RolloutBatch
 from grpolab.rollout.multiturn import tool_metrics
 from grpolab.run.parts import RunParts
 from grpolab.tasks.base import Grade
 from grpolab.tasks.shaping import SHAPING_TERMS
 
 
-def rl_step(parts: RunParts, step: int, status: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def rl_step(
+    parts: RunParts,
+    step: int,
+    status: Callable[[str], None] = lambda _: None,
+    on_rollout: Callable[[RolloutBatch], None] | None = None,
+) -> dict[str, Any]:
     """One rollout batch through the loop; returns its metrics record (``metrics.jsonl``'s step line).
-    ``status`` hears the phase it enters (generate, update, sync)."""
+    ``status`` hears the phase it enters (generate, update, sync); ``on_rollout`` gets the step's rollout
+    batch once the update is done (``completion_rows``)."""
     t0 = time.perf_counter()
     status("generate")
     rollout = parts.collector.collect(step)  # 1. rollout + 2. reward
@@ -24,6 +31,8 @@ def rl_step(parts: RunParts, step: int, status: Callable[[str], None] = lambda _
     status("update")
     metrics = parts.learner.learn(rollout)  # 3. group advantages + 4. policy update
     t2 = time.perf_counter()
+    if on_rollout is not None:
+        on_rollout(rollout)
     status("sync")
     parts.engine.sync_weights(parts.sync_source())  # 5. sync the new weights to the engine
     t3 = time.perf_counter()
@@ -54,6 +63,33 @@ def rl_step(parts: RunParts, step: int, status: Callable[[str], None] = lambda _
     if parts.toolset is not None:
         record.update(tool_metrics(flat, [g.answer_reward > 0 for g in grades]))
     return record
+
+
+def completion_rows(parts: RunParts, rollout: RolloutBatch, limit: int) -> tuple[list[str], list[list[Any]]]:
+    """(columns, rows): a table of the step's sampled completions for the trackers, one row per completion of
+    its first prompt groups (whole groups, at most ``limit`` rows but at least one group): the group, prompt,
+    completion, RL reward and advantage, answer and format rewards, each reward term, length, truncation."""
+    _, advantages = parts.learner.advantages(rollout)  # [B, G]: what the update used (recomputed, exact)
+    group_size = max(len(group) for group in rollout.completions)
+    groups = max(1, limit // group_size)
+    terms = list(
+        dict.fromkeys(name for group in rollout.grades[:groups] for grade in group for name, _ in grade.components)
+    )
+    columns = ["group", "prompt", "completion", "reward", "advantage", "answer_reward", "format_reward"]
+    columns += [f"reward/{name}" for name in terms] + ["length", "truncated"]
+    rows = []
+    for i, (example, completions, grades) in enumerate(
+        zip(rollout.examples[:groups], rollout.completions[:groups], rollout.grades[:groups])
+    ):
+        prompt = parts.task.prompt(example)
+        for j, (completion, grade) in enumerate(zip(completions, grades)):
+            values = dict(grade.components)
+            rows.append(
+                [i, prompt, completion.text, grade.reward, float(advantages[i, j]), grade.answer_reward]
+                + [grade.format_reward, *(values.get(name) for name in terms)]
+                + [len(completion.completion_ids), completion.truncated]
+            )
+    return columns, rows
 
 
 def reward_components(grades: list[Grade]) -> dict[str, float]:

@@ -39,17 +39,18 @@ from grpolab.run.resume import ResumePlan, check_data, check_target, plan_resume
 from grpolab.run.rundir import (
     MetricsLog,
     RunDirError,
+    last_step,
     resolve_run_dir,
     rewind_metrics,
     said_warnings,
     start_leftovers,
-    summary_writer,
     write_eval_records,
     write_json,
 )
 from grpolab.run.state import STATE_FILE, RunState
-from grpolab.run.step import rl_step, vital_signs
+from grpolab.run.step import completion_rows, rl_step, vital_signs
 from grpolab.run.stop import RunStopped, StopRequest
+from grpolab.run.trackers import Trackers, check_trackers, identities, open_trackers
 
 
 class Trainer:
@@ -69,6 +70,8 @@ class Trainer:
         self.journal: RunJournal | None = None  # rank 0's
         self.plan: ResumePlan | None = None
         self.health: HealthMonitor | None = None  # the run's warnings, from ``run``
+        self.finished = False  # the run reached its last step: its trackers' runs are marked finished
+        self.sent_through = -1  # the last step an earlier session may have sent to the trackers
         try:
             self._set_up(cfg, console, resume)
         except BaseException:
@@ -81,8 +84,7 @@ class Trainer:
         self.ranks, self.reporter, self.console = setting.ranks, setting.reporter, setting.reporter.console
         # bad input is refused before anything is printed: one error line (every rank raises rank 0's error)
         self.run_dir, self.resumed_from = self.ranks.run_on_main(lambda: self._run_dir(resume))
-        if cfg.log.tensorboard:
-            summary_writer()
+        self.ranks.run_on_main(lambda: check_trackers(cfg.log))  # a missing package: one line, nothing moved
         task, val_examples = load_task(cfg, self.reporter)
         if resume:
             self.ranks.run_on_main(
@@ -94,11 +96,30 @@ class Trainer:
         # the metrics of the steps before a resume
         self.records: list[dict[str, Any]] = self.ranks.run_on_main(lambda: self._prepare_run_dir(resume))
         if self.ranks.is_main:
-            self.log = MetricsLog(
-                self.run_dir / "metrics.jsonl",
-                self.run_dir / "tensorboard" if cfg.log.tensorboard else None,
+            self.log = MetricsLog(self.run_dir / "metrics.jsonl", self._open_trackers(resume))
+
+    def _open_trackers(self, resume: bool) -> Trackers | None:
+        """Rank 0's trackers (``log.trackers``), on the tracker runs its manifest records (a resume continues
+        them); each one's mode recorded in this session's entry. None without trackers."""
+        settings = self.cfg.log
+        if not settings.trackers:
+            return None
+        previous = self.journal.data.get("trackers") or {}
+        runs = identities(settings, self.run_dir, previous)
+        self.journal.record_trackers(runs)  # before they start: a run killed meanwhile resumes the same runs
+        with self.reporter.phase(f"start trackers ({', '.join(settings.trackers)})", done_note=False):
+            trackers, modes = open_trackers(
+                settings,
+                self.run_dir,
+                runs,
+                previous,
+                self.journal.recorded_config(),
                 first_step=self.plan.kept_step + 1 if resume else None,
+                sent_through=self.sent_through,
+                say=self.reporter.line,
             )
+        self.journal.record_tracker_modes(modes)
+        return trackers
 
     def _run_dir(self, resume: bool) -> tuple[Path, Path | None]:
         """(run directory, checkpoint resumed from). A new run refuses a used directory; a resume takes the
@@ -143,6 +164,7 @@ class Trainer:
             self.journal = RunJournal.create(self.run_dir, plan.config, self._manifest_record())
             return []
         self.journal = plan.journal
+        self.sent_through = last_step(self.run_dir)  # before the rewind sets the redone steps' records aside
         removed = remove_temp_folders(self.run_dir)
         for folder, _ in plan.damaged:
             set_aside(folder)
@@ -213,6 +235,10 @@ class Trainer:
         if self.ranks.is_main:
             write_eval_records(self.run_dir, step, records)
             self.log.write({"step": step, **out})
+            if self.cfg.log.completions_every:
+                columns = ["id", "completion", "extracted", "gold", "correct", "format_ok", "length", "truncated"]
+                rows = [[r.get(c) for c in columns] for r in records[: self.cfg.log.completions_max]]
+                self.log.table(step, "val/completions", columns, rows)
         if self.health is not None:
             self.warn(self.health.record({"step": step, **out}))
         return out
@@ -282,6 +308,7 @@ class Trainer:
                         f"grpolab train --resume {self.run_dir}"
                     )
             stop.armed = False
+        self.finished = True
         self.warn(self.health.finish())
         seconds = self.journal.total_seconds() if self.journal is not None else time.perf_counter() - started
         return self._summarize(evals, rewards, seconds)
@@ -326,10 +353,20 @@ class Trainer:
         return self.ranks.run_on_main(write)
 
     def train_step(self, step: int, status: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-        """One RL step over the parts (``grpolab.run.step``), its record logged and returned."""
-        record = rl_step(self.parts, step, status)
+        """One RL step over the parts (``grpolab.run.step``), its record logged and returned; every
+        ``log.completions_every`` steps (and the last) a table of its completions goes to the trackers."""
+        every, tables = self.cfg.log.completions_every, []
+
+        def keep(rollout) -> None:
+            tables.append(completion_rows(self.parts, rollout, self.cfg.log.completions_max))
+
+        wanted = self.log is not None and self.log.trackers is not None and every is not None
+        due = wanted and (step % every == 0 or step == self.cfg.steps)
+        record = rl_step(self.parts, step, status, on_rollout=keep if due else None)
         if self.log is not None:
             self.log.write(record)
+            for columns, rows in tables:
+                self.log.table(step, "completions", columns, rows)
         return record
 
     def _summarize(self, evals: dict[int, dict[str, float]], rewards: list[float], seconds: float) -> dict[str, Any]:
@@ -385,9 +422,12 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        """Close the metrics log and the engine, then release the run directory's lock (safe to call twice)."""
+        """Close the metrics log (its trackers' runs marked finished when the run reached its end, else left
+        resumable) and the engine, then release the run directory's lock (safe to call twice)."""
         if self.log is not None:
-            self.log.close()
+            if self.log.trackers is not None:  # W&B online uploads what it still holds: it may take a while
+                with self.reporter.phase("close trackers", done_note=None):
+                    self.log.close(self.finished)
             self.log = None
         if self.parts is not None:
             self.parts.close()

@@ -1,0 +1,47 @@
+"""Trackio: a local SQLite database (``TRACKIO_DIR``, by default in the Hugging Face cache) or a Space
+(``TRACKIO_SPACE_ID``); one Trackio run per grpolab run, named after it and continued by every resume."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any
+
+from grpolab.run.trackers.base import require
+
+
+class TrackioTracker:
+    """The Trackio run ``name`` in ``project``: with ``continued``, the newest Trackio run of that name (created
+    if there is none); otherwise a new one, even where a run of that name exists (Trackio tells them apart by
+    an id of its own), so that a new grpolab run never adds to another one's curves."""
+
+    name, resends = "trackio", False
+
+    def __init__(self, project: str, name: str, config: dict[str, Any], continued: bool):
+        self.trackio = require("trackio")
+        resume = "allow" if continued else "never"
+        with contextlib.redirect_stdout(io.StringIO()):  # its banner; the start line says where the run is
+            self.run = self.trackio.init(project=project, name=name, resume=resume, config=config, embed=False)
+        self.project = project
+        self.mode = "space" if self.run.url else "local"
+
+    def describe(self) -> str:
+        from trackio.utils import TRACKIO_DIR
+
+        where = self.run.url or TRACKIO_DIR
+        return (
+            f"trackio run {self.run.name} in project {self.project} at {where} (trackio show --project {self.project})"
+        )
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def table(self, step: int, key: str, columns: list[str], rows: list[list[Any]]) -> None:
+        self.run.log({key: self.trackio.Table(columns=columns, data=rows)}, step=step)
+
+    def close(self, finished: bool) -> None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            try:
+                self.trackio.finish()  # the process's current run (this one), cleared: its exit hook has nothing left
+            except RuntimeError:  # no current run any more: this one alone
+                self.run.finish()
