@@ -122,7 +122,7 @@ def test_a_run_that_cannot_learn_says_so_and_logs_to_wandb_and_trackio(clone, tm
         "--threads",
         "1",
         "--log.trackers",
-        '["wandb", "trackio"]',
+        "wandb,trackio",
         "--output-dir",
         "runs/nosignal",
         env=env,
