@@ -333,16 +333,17 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
     if resume and args.config:
         raise ConfigError("--resume takes the run's own config; drop --config")
     overrides = parse_overrides(extra)
-    if args.command == "train" and not resume and not args.config and not names_own_run(overrides):
-        raise ConfigError(
-            "train needs --config FILE.toml (or --resume RUN_DIR, or a model or task of its own: --model DIR, "
-            "--task NAME); `grpolab demo` runs the built-in demo"
-        )
     if resume:  # a checkpoint folder, a run stopped before its config: one line saying what to give instead
         from grpolab.run.resume import check_target
 
         check_target(Path(resume))
     cfg = load_run_config(resume, overrides) if resume else load_config(getattr(args, "config", None), overrides)
+    # bad values first (one line each), then a train that names no run of its own is refused
+    if args.command == "train" and not resume and not args.config and not names_own_run(overrides):
+        raise ConfigError(
+            "train needs --config FILE.toml (or --resume RUN_DIR, or a model or task of its own: --model DIR, "
+            "--task NAME); `grpolab demo` runs the built-in demo"
+        )
     from grpolab.rollout.engines import check_settings
 
     check_settings(cfg)  # what the chosen engine cannot run: one line, before anything is written
