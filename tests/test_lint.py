@@ -42,3 +42,14 @@ def test_a_planted_violation_is_named(planted, command, tmp_path):
     (copy / "common" / "planted.py").write_text('"""A planted violation."""\n\n' + planted)
     out = ruff(command, *(["--check"] if command == "format" else []), "grpolab", cwd=tmp_path)
     assert out.returncode == 1 and "planted.py" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_the_docs_hold_no_figure_waiting_to_be_measured():
+    """A stale figure is marked MEASURE(...) until it is re-measured; none may land in the docs."""
+    root = Path(__file__).resolve().parents[1]
+    marked = [
+        str(p.relative_to(root))
+        for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+        if "MEASURE" in p.read_text()
+    ]
+    assert marked == []
