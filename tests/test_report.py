@@ -15,6 +15,7 @@ from conftest import TASK, quick_config
 from matplotlib import image
 
 from grpolab.commands.cli import main
+from grpolab.common.provenance import code_commit, cpu_description, describe_cpu
 from grpolab.run.rundir import read_metrics
 from grpolab.run.trainer import train
 from grpolab.studies.manifest import RunRecord, SuiteManifest
@@ -127,6 +128,20 @@ def test_report_numbers_equal_the_metrics_and_records(runs):
     holm_p = {n: min(1.0, max((4 - j) * p_values[ranked[j]] for j in range(ranked.index(n) + 1))) for n in ranked}
     assert {n: comparisons[n][10] for n in "bcde"} == {n: f"{holm_p[n]:.3g}" for n in "bcde"}
     assert "do not cover training-seed variance" in text
+
+
+def test_the_report_says_when_where_and_on_what_code_each_run_ran(runs):
+    assert main(["report", str(runs), "--baseline", "a"]) == 0
+    text = (runs / "report" / "report.md").read_text()
+    where = md_table(text[text.index("Where and when") :], "run")
+    assert set(where) == set(RUNS)
+    for name in RUNS:
+        manifest = json.loads((runs / name / "manifest.json").read_text())
+        _, started, commit, cpu, device, versions = where[name]
+        assert started == manifest["started"] and device == "cpu"
+        assert commit == (code_commit() or "-")
+        assert cpu == describe_cpu(cpu_description()) != "-"
+        assert versions == f"{manifest['torch']} / {manifest['transformers']}"
 
 
 def test_seed_groups_pass_at_k_and_failures_come_from_the_records(runs):

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from grpolab.common.provenance import code_commit, cpu_description
 from grpolab.config import config_sha256, read_config_json
 from grpolab.run.rundir import CONFIG_FILE, MANIFEST_FILE, write_json
 
@@ -22,9 +23,12 @@ def now() -> str:
 
 
 def where_this_runs() -> dict[str, Any]:
-    """Host, visible devices, Slurm job and world size of this process (torchrun and Slurm set them)."""
+    """Host, its CPU, grpolab's commit, visible devices, Slurm job and world size of this process (torchrun and
+    Slurm set them)."""
     return {
         "host": socket.gethostname(),
+        "cpu": cpu_description(),
+        "grpolab_commit": code_commit(),
         "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),

@@ -5,15 +5,17 @@ and the 2x2 pool runs only at a common step on shared items (``common``), and sa
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
+from grpolab.common.provenance import describe_cpu
 from grpolab.objectives.stats import holm, interaction, mcnemar_exact, paired_difference, pass_at_k_curve, seed_summary
 from grpolab.run.health import HealthSettings, run_warnings
-from grpolab.run.rundir import wall_seconds
+from grpolab.run.rundir import MANIFEST_FILE, wall_seconds
 from grpolab.studies.report.common import Common, align, at_common_step, progress, steps_done  # noqa: F401 (align: re-exported)
 from grpolab.studies.report.reward_models import reward_models
 from grpolab.studies.report.runs import Outcomes, Run, outcomes, pair
@@ -64,7 +66,30 @@ def run_row(run: Run) -> dict[str, Any]:
     if seconds is not None:  # the one definition ``grpolab suite status`` shows too
         row["wall_seconds"] = seconds
     row["warnings"] = warnings_of(run)
+    row["provenance"] = provenance_of(run)
     return row
+
+
+def provenance_of(run: Run) -> dict[str, Any]:
+    """When, where and on what code the run ran, from its manifest: the start date, and each distinct (grpolab
+    commit, CPU, device, torch, transformers) of its sessions (a resume may run elsewhere); {} without one."""
+    path = run.path / MANIFEST_FILE
+    if not path.is_file():
+        return {}
+    manifest = json.loads(path.read_text())
+    places = []
+    for session in manifest.get("sessions") or [{}]:
+        where = session.get("where") or {}
+        place = {"commit": where.get("grpolab_commit"), "cpu": describe_cpu(where.get("cpu"))}
+        if place not in places:
+            places.append(place)
+    return {
+        "started": manifest.get("started"),
+        "places": places,
+        "device": manifest.get("device"),
+        "torch": manifest.get("torch"),
+        "transformers": manifest.get("transformers"),
+    }
 
 
 def warnings_of(run: Run) -> list[dict[str, Any]]:

@@ -70,6 +70,25 @@ def run_table(rows: list[dict[str, Any]]) -> list[str]:
     return table(header, lines)
 
 
+def provenance_table(rows: list[dict[str, Any]]) -> list[str]:
+    """When, on what code and where each run ran (a figure is only comparable with its date, commit and CPU)."""
+    lines = []
+    for r in rows:
+        p = r.get("provenance") or {}
+        places = p.get("places") or [{}]
+        lines.append(
+            [
+                r["run"],
+                str(p.get("started") or "-"),
+                "; ".join(place.get("commit") or "-" for place in places),
+                "; ".join(place.get("cpu") or "-" for place in places),
+                str(p.get("device") or "-"),
+                f"{p.get('torch') or '-'} / {p.get('transformers') or '-'}",
+            ]
+        )
+    return table(["run", "started", "grpolab commit", "CPU", "device", "torch / transformers"], lines)
+
+
 def skipped_notes(rows: list[dict[str, Any]]) -> list[str]:
     """One line per run whose files had unreadable lines (the run table's ``skipped_lines``)."""
     return [
@@ -463,6 +482,10 @@ def render(data: dict[str, Any], figures: list[tuple[str, str]]) -> str:
         *skipped,
         *([""] if skipped else []),
         "Accuracy is greedy validation accuracy; format, mean length and truncation are of the final evaluation.",
+        "",
+        "Where and when (from each run's manifest; a resumed run lists each place it ran):",
+        "",
+        *provenance_table(data["runs"]),
         "",
     ]
     out += warnings_section(data["runs"])

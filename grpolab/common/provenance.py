@@ -1,0 +1,58 @@
+"""Where a run ran and on what code, for its manifest and its report: the git commit of grpolab's checkout and
+the CPU's model and vector extensions (a figure without them cannot be compared with another)."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from pathlib import Path
+
+import grpolab
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what changes this project's CPU speed and rounding
+
+
+def code_commit(source: Path | None = None) -> str | None:
+    """The commit (12 hex digits) of the git checkout holding ``source`` (default: grpolab's own folder),
+    with ``+dirty`` when tracked files differ from it; None outside a git checkout (an installed wheel, a
+    suite's snapshot of the code) or without git."""
+    folder = str(source or Path(grpolab.__file__).resolve().parent)
+
+    def git(*args: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run(["git", "-C", folder, *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    head = git("rev-parse", "--short=12", "HEAD")
+    if head is None or head.returncode != 0:
+        return None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    dirty = status is not None and status.returncode == 0 and status.stdout.strip() != ""
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, object]:
+    """{"model": the CPU's model name, "isa": the ``ISA_FLAGS`` it has}; from /proc/cpuinfo on Linux, else
+    what ``platform`` knows (no flags)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return {"model": platform.processor() or platform.machine() or None, "isa": []}
+    fields = dict(
+        (key.strip(), value.strip())
+        for key, _, value in (line.partition(":") for line in text.split("\n\n", 1)[0].splitlines())
+    )
+    flags = set(fields.get("flags", "").split())
+    return {
+        "model": fields.get("model name") or platform.machine() or None,
+        "isa": [f for f in ISA_FLAGS if f in flags],
+    }
+
+
+def describe_cpu(cpu: dict[str, object] | None) -> str:
+    """'AMD EPYC (avx2, avx512f, avx512_bf16)', or '-' when unknown."""
+    if not cpu or not cpu.get("model"):
+        return "-"
+    isa = cpu.get("isa") or []
+    return f"{cpu['model']} ({', '.join(isa)})" if isa else str(cpu["model"])
