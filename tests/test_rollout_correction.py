@@ -3,13 +3,14 @@ the old ``engine_correction`` spelling, micro-batch invariance, metrics and refu
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 from reference import reference_corrected_loss, reference_off_policy_mask, reference_rollout_correction
 
-from grpolab.config import ConfigError, RunConfig, load_config, validate_config
+from grpolab.config import ConfigError, RunConfig, load_config, load_run_config, validate_config
 from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec
 from grpolab.objectives.losses import PolicyLossInput, TokenMetrics, policy_loss, step_denominators
 from grpolab.objectives.rollout_correction import (
@@ -195,7 +196,7 @@ def test_an_overflowing_sequence_ratio_is_dropped_without_nan():
 @pytest.mark.parametrize(
     ("old_level", "new_mode"), [("none", "none"), ("token", "token_truncate"), ("sequence", "sequence_truncate")]
 )
-def test_the_old_spelling_reads_as_the_new(old_level, new_mode):
+def test_the_old_spelling_reads_as_the_new(old_level, new_mode, tmp_path):
     new = PRESETS["cispo"].override(rollout_correction=new_mode, rollout_correction_upper=1.5)
     assert PRESETS["cispo"].override(engine_correction=old_level, engine_correction_cap=1.5) == new
     dumped = new.model_dump()
@@ -207,6 +208,8 @@ def test_the_old_spelling_reads_as_the_new(old_level, new_mode):
     run = RunConfig().model_dump(mode="json")
     run["algorithm"] = older
     assert validate_config(run).algorithm == new
+    (tmp_path / "config.json").write_text(json.dumps(run))
+    assert load_run_config(tmp_path).algorithm == new  # what --resume reads
     # and the command line's old spelling
     cfg = load_config(None, {"algorithm.name": "cispo", "algorithm.engine_correction": old_level})
     assert cfg.algorithm.rollout_correction == new_mode
