@@ -139,6 +139,16 @@ def test_mask_modes_are_inert_without_engine_logprobs(mode):
     assert "rollout_masked_frac" not in metrics.means()
 
 
+def test_a_default_spec_adds_no_metric_and_changes_no_number():
+    """A run without a correction logs what it logged before (benchmarks/refactor_identity.py hashes metrics)."""
+    logp, old, engine, adv, mask = make_batch(10)
+    loss, grad, metrics = run_loss(PRESETS["grpo"], logp, old, adv, mask, engine)
+    base, base_grad, base_metrics = run_loss(PRESETS["grpo"], logp, old, adv, mask, None)
+    assert torch.equal(loss, base) and torch.equal(grad, base_grad)
+    assert set(metrics.means()) - set(base_metrics.means()) == {"engine_logprob_absdiff"}
+    assert not metrics.maxima
+
+
 @pytest.mark.parametrize("mode", [*MODES, "none"])
 def test_micro_batches_give_the_whole_batch_gradient(mode):
     logp, old, engine, adv, mask = make_batch(6)

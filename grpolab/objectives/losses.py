@@ -228,6 +228,11 @@ def apply_rollout_correction(
     """
     mask = inp.response_mask.to(inp.logprobs.dtype)
     keep = None
+    if inp.engine_logprobs is not None and (
+        spec.rollout_correction != "none" or spec.off_policy_mask_delta is not None
+    ):
+        # only with a correction on: a default run's metrics stay those of the commits before (refactor_identity)
+        metrics.add("rollout_kl_k3", engine_kl_k3(inp.old_logprobs - inp.engine_logprobs, mask), mask)
     if spec.rollout_correction != "none" and inp.engine_logprobs is not None:
         corr = rollout_correction(
             inp.old_logprobs - inp.engine_logprobs,
@@ -281,7 +286,6 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
     metrics.add("approx_kl_old_new", (token_w - 1) - torch.log(token_w), mask)
     if inp.engine_logprobs is not None:  # trainer vs rollout-engine log-prob mismatch
         metrics.add("engine_logprob_absdiff", (_masked(inp.logprobs.detach() - inp.engine_logprobs, mask)).abs(), mask)
-        metrics.add("rollout_kl_k3", engine_kl_k3(inp.old_logprobs - inp.engine_logprobs, mask), mask)
     masked_ratio = ratio.detach().double()
     metrics.ratio_min = masked_ratio.masked_fill(~on_mask, float("inf")).amin()
     metrics.ratio_max = masked_ratio.masked_fill(~on_mask, float("-inf")).amax()
