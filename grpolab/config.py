@@ -20,7 +20,7 @@ from grpolab.common.fields import FieldDoc, suggest, walk
 from grpolab.common.validation import describe_validation_error
 from grpolab.models.precision import PrecisionName
 from grpolab.models.tinymodel import WarmStartSettings
-from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec, get_algorithm
+from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec, get_algorithm, translate_old_spelling
 from grpolab.tasks.configs import TASK_KINDS, TINY_MODEL_TASKS, ArithmeticTaskConfig, TaskConfig
 
 
@@ -443,7 +443,7 @@ class RunConfig(_Section):
         """``{name: dapo, eps_high: 0.3}`` -> the dapo preset with eps_high overridden."""
         if not isinstance(value, dict):
             return value
-        fields = dict(value)
+        fields = translate_old_spelling(dict(value))  # a config.json of an older commit: engine_correction
         name = fields.pop("name", "grpo")
         return {**get_algorithm(name).model_dump(), **fields, "name": name}
 

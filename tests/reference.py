@@ -98,3 +98,97 @@ def reference_loss(
     if ref is not None and beta > 0:
         total = total + beta * kl_sum / total_tokens
     return total
+
+
+def reference_rollout_correction(old, engine, mask, mode, upper, lower=None):
+    """Per-token (weight, kept) lists of lists for each sequence's response tokens (float64, loops).
+
+    r_t = exp(old_t - engine_t); the sequence's product ratio R = exp(sum_t log r_t), its geometric mean
+    G = exp(mean_t log r_t). truncate: clip into [lower, upper] (no floor when lower is None);
+    mask: keep the weight when it lies inside [lower, upper] (no floor when lower is None), else weight 0.
+    """
+    lo = -math.inf if lower is None else lower
+    n, t_len = mask.shape
+    weights, kept = [], []
+    for i in range(n):
+        tokens = [t for t in range(t_len) if mask[i, t] > 0]
+        logs = [float(old[i, t]) - float(engine[i, t]) for t in tokens]
+        if mode in ("token_truncate", "token_mask", "icepop"):
+            raw = [math.exp(v) for v in logs]
+        elif mode in ("sequence_truncate", "sequence_mask"):
+            raw = [math.exp(sum(logs))] * len(tokens)
+        elif mode in ("geometric_truncate", "geometric_mask"):
+            raw = [math.exp(sum(logs) / max(len(tokens), 1))] * len(tokens)
+        else:
+            raw = [1.0] * len(tokens)
+        if mode == "none":
+            w, k = raw, [True] * len(tokens)
+        elif mode.endswith("_truncate"):
+            w, k = [min(max(r, lo), upper) for r in raw], [True] * len(tokens)
+        else:
+            k = [lo <= r <= upper for r in raw]
+            w = [r if keep else 0.0 for r, keep in zip(raw, k)]
+        weights.append(w)
+        kept.append(k)
+    return weights, kept
+
+
+def reference_off_policy_mask(sampling, logp, adv, mask, delta):
+    """DeepSeek-V3.2's sequence mask, one bool per sequence: drop it when A < 0 and
+    (1/|o|) sum_t (log pi_sampling - log pi_theta) > delta."""
+    n, t_len = mask.shape
+    out = []
+    for i in range(n):
+        tokens = [t for t in range(t_len) if mask[i, t] > 0]
+        kl = sum(float(sampling[i, t]) - float(logp[i, t]) for t in tokens) / max(len(tokens), 1)
+        out.append(not (float(adv[i]) < 0 and kl > delta))
+    return out
+
+
+def reference_corrected_loss(
+    logp,
+    old,
+    adv,
+    mask,
+    *,
+    weight,
+    aggregation,
+    max_new_tokens,
+    engine,
+    mode,
+    upper,
+    lower=None,
+    delta=None,
+    eps_low=0.2,
+    eps_high=0.2,
+):
+    """Scalar float64 loss with a rollout correction: each kept token's surrogate times its weight; dropped
+    tokens add 0 to the numerator and still count in every denominator."""
+    weights, kept = reference_rollout_correction(old, engine, mask, mode, upper, lower)
+    seq_keep = (
+        reference_off_policy_mask(engine, logp.detach(), adv, mask, delta) if delta is not None else [True] * len(kept)
+    )
+    n, t_len = mask.shape
+    zero = logp.sum() * 0
+    per_seq, total_tokens = [], 0
+    for i in range(n):
+        tokens = [t for t in range(t_len) if mask[i, t] > 0]
+        total_tokens += len(tokens)
+        a = float(adv[i])
+        losses = []
+        for j, t in enumerate(tokens):
+            w = torch.exp(logp[i, t] - old[i, t])
+            if weight == "clip":
+                surrogate = -torch.minimum(w * a, torch.clamp(w, 1 - eps_low, 1 + eps_high) * a)
+            elif weight == "none":
+                surrogate = -a * logp[i, t]
+            else:
+                raise ValueError(weight)
+            keep = kept[i][j] and seq_keep[i]
+            losses.append(surrogate * weights[i][j] if keep else zero)
+        per_seq.append(losses)
+    if aggregation == "sequence":
+        return sum((sum(ls, zero) / max(len(ls), 1) for ls in per_seq), zero) / n
+    if aggregation == "token":
+        return sum((sum(ls, zero) for ls in per_seq), zero) / total_tokens
+    return sum((sum(ls, zero) for ls in per_seq), zero) / (n * max_new_tokens)

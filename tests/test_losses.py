@@ -228,7 +228,7 @@ def test_engine_mismatch_correction_matches_reference(level, name):
     torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-10, atol=1e-12)
     m = metrics.means()
-    assert 0 < m["engine_is_capped_frac"] < 1 if level == "token" else m["engine_is_capped_frac"] >= 0
+    assert 0 < m["rollout_truncated_frac"] < 1 if level == "token" else m["rollout_truncated_frac"] >= 0
     assert m["engine_logprob_absdiff"] > 0
 
 

@@ -94,7 +94,8 @@ def _gradients(model, batch, spec, perturb: bool):
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_observation_log_probs_never_reach_the_gradient(make_tiny_model, tokenizer, name):
-    spec = PRESETS[name].model_copy(update={"beta": 0.04, "engine_correction": "token"} if name == "grpo" else {})
+    masks = {"rollout_correction": "token_mask", "rollout_correction_lower": 0.5, "off_policy_mask_delta": 0.0}
+    spec = PRESETS[name].override(**({"beta": 0.04, **masks} if name == "grpo" else {}))
     model = make_tiny_model("llama")
     batch = collate(_trajectories(len(tokenizer)), tokenizer.pad_token_id)
     clean, clean_metrics = _gradients(model, batch, spec, perturb=False)

@@ -81,7 +81,7 @@ def test_multi_epoch_preset_and_vllm_under_another_interpreter_via_cli(warm_mode
         sys.executable,
         "--algo",
         "offpolicy_clip",
-        "--algorithm.engine_correction",
+        "--algorithm.engine_correction",  # the old spelling of --algorithm.rollout_correction token_truncate
         "token",
         "--steps",
         "2",
@@ -103,7 +103,7 @@ def test_multi_epoch_preset_and_vllm_under_another_interpreter_via_cli(warm_mode
     assert main(args) == 0
     steps = [m for m in read_metrics(out / "metrics.jsonl") if "reward_mean" in m]
     assert len(steps) == 2 and all(m["sync/logprob_diff_max"] < TOL for m in steps)
-    weights = [v for m in steps for k, v in m.items() if k.endswith("engine_is_weight_mean")]
+    weights = [v for m in steps for k, v in m.items() if k.endswith("rollout_is_weight_mean")]
     assert weights and all(v == pytest.approx(1.0, abs=1e-3) for v in weights)  # TIS ~ 1 when in sync
     manifest = (out / "manifest.json").read_text()
     assert '"engine": "vllm"' in manifest and sys.executable in manifest

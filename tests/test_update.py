@@ -74,6 +74,40 @@ def test_micro_batch_split_gives_the_whole_batch_gradient(name):
         assert m_split.means()["ratio_mean"] == pytest.approx(m_whole.means()["ratio_mean"], rel=1e-12)
 
 
+@pytest.mark.parametrize(
+    "mode, upper, lower",
+    [
+        ("token_truncate", 1.1, None),
+        ("sequence_mask", 1.5, 0.7),
+        ("geometric_mask", 1.03, 0.98),
+        ("icepop", 1.1, 0.9),
+    ],
+)
+def test_rollout_corrections_keep_the_micro_batch_split_exact(mode, upper, lower):
+    """Dropped tokens still count in the step's denominators: any split and pruning give the whole gradient."""
+    spec = PRESETS["grpo"].override(
+        rollout_correction=mode,
+        rollout_correction_upper=upper,
+        rollout_correction_lower=lower,
+        off_policy_mask_delta=0.01,
+        beta=0.03,
+    )
+    policy = ToyPolicy(12, 9, seed=5)
+    data = make_data(policy, 5, groups=3, group_size=4, spec=spec)
+    g = torch.Generator().manual_seed(6)
+    data.engine_logprobs = (
+        data.old_logprobs + torch.randn(data.old_logprobs.shape, generator=g, dtype=torch.float64) * 0.1
+    )
+    whole, m_whole = step_grad(spec.override(prune_zero_advantage=False), data, policy, micro=12)
+    means = m_whole.means()
+    assert 0 < means["rollout_masked_frac"] + means["rollout_truncated_frac"] < 1, "the band cuts some tokens"
+    for micro in (1, 5):
+        split, m_split = step_grad(spec, data, policy, micro)
+        torch.testing.assert_close(split, whole, rtol=1e-10, atol=1e-13)
+        for name in ("rollout_is_weight_mean", "rollout_is_weight_max", "rollout_masked_frac", "rollout_kl_k3"):
+            assert m_split.means()[name] == pytest.approx(means[name], rel=1e-12), name
+
+
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_pruning_zero_advantage_sequences_keeps_the_gradient(name):
     spec = PRESETS[name]

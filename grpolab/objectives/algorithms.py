@@ -16,6 +16,24 @@ Baseline = Literal["mean", "none"]
 Normalizer = Literal["std", "mean", "none"]
 Weight = Literal["none", "noclip", "clip", "gspo", "cispo"]
 Aggregation = Literal["sequence", "token", "constant"]
+RolloutCorrection = Literal[
+    "none",
+    "token_truncate",
+    "sequence_truncate",
+    "geometric_truncate",
+    "token_mask",
+    "sequence_mask",
+    "geometric_mask",
+    "icepop",
+]
+# the old spelling of the rollout correction (config.json of runs from older commits): field -> (new field, values)
+OLD_SPELLING: dict[str, tuple[str, dict[str, str]]] = {
+    "engine_correction": (
+        "rollout_correction",
+        {"none": "none", "token": "token_truncate", "sequence": "sequence_truncate"},
+    ),
+    "engine_correction_cap": ("rollout_correction_upper", {}),
+}
 
 # One-line formula of each per-token weighting (w = exp(logp - logp_old), s = sequence ratio).
 WEIGHT_FORMULAS: dict[str, str] = {
@@ -34,6 +52,24 @@ AGGREGATION_FORMULAS: dict[str, str] = {
 
 class UnknownAlgorithmError(ValueError):
     """The requested preset name does not exist."""
+
+
+def translate_old_spelling(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with ``engine_correction`` (none / token / sequence) and ``engine_correction_cap`` renamed to
+    ``rollout_correction`` (none / token_truncate / sequence_truncate) and ``rollout_correction_upper``; a
+    ValueError when both spellings are given with different values."""
+    if not any(old in fields for old in OLD_SPELLING):
+        return fields
+    out = dict(fields)
+    for old, (new, values) in OLD_SPELLING.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        value = values.get(value, value) if isinstance(value, str) else value
+        if new in out and out[new] != value:
+            raise ValueError(f"{old} is the old spelling of {new}; give only {new}")
+        out[new] = value
+    return out
 
 
 class AlgorithmSpec(BaseModel):
@@ -66,14 +102,30 @@ class AlgorithmSpec(BaseModel):
     loss_denominator: float | None = Field(
         None, gt=0, description="Z for aggregation=constant; default = sequences per step x max new tokens"
     )
-    # truncated importance sampling for the rollout engine / trainer mismatch: each token's loss times
-    # sg(min(pi_old / pi_engine, cap)), per token or with one product ratio per sequence; off by default
-    engine_correction: Literal["none", "token", "sequence"] = Field(
+    # the rollout engine / trainer mismatch (grpolab.objectives.rollout_correction): each token's surrogate times
+    # a detached weight from r = pi_old / pi_engine, and tokens or sequences dropped outside a band; off by default
+    # (docs/algorithms.md "Rollout corrections" says why)
+    rollout_correction: RolloutCorrection = Field(
         "none",
-        description="truncated importance sampling for the engine / trainer mismatch: each token's loss "
-        "times sg(min(pi_old / pi_engine, cap)), per token or one ratio per sequence",
+        description="the engine / trainer mismatch correction from r = pi_old / pi_engine: token_truncate, "
+        "sequence_truncate, geometric_truncate (weight clipped into [lower, upper]; r, its product or geometric "
+        "mean over the sequence), token_mask, sequence_mask, geometric_mask (dropped outside [lower, upper]), "
+        "icepop (token_mask with a required lower bound), or none",
     )
-    engine_correction_cap: float = Field(2.0, gt=0, description="the cap of engine_correction's ratio")
+    rollout_correction_upper: float = Field(
+        2.0, gt=0, description="rollout_correction's cap (truncation) or upper bound (masking)"
+    )
+    rollout_correction_lower: float | None = Field(
+        None,
+        ge=0,
+        description="rollout_correction's floor (truncation) or lower bound (masking); none = no lower bound",
+    )
+    off_policy_mask_delta: float | None = Field(
+        None,
+        ge=0,
+        description="DeepSeek-V3.2's off-policy sequence mask: a sequence with negative advantage is dropped when its "
+        "mean per-token log(pi_sampling / pi_current) exceeds this; none = off",
+    )
     # KL penalty to a reference policy (k3), reduced as a per-token mean over each optimizer step
     beta: float = Field(
         0.0, ge=0, description="KL penalty (k3) to the frozen reference, a per-token mean; > 0 loads the reference"
@@ -110,10 +162,23 @@ class AlgorithmSpec(BaseModel):
         "never with a KL term",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spelling(cls, data: Any) -> Any:
+        return translate_old_spelling(data) if isinstance(data, dict) else data
+
     @model_validator(mode="after")
     def _check(self) -> AlgorithmSpec:
         if self.normalizer == "mean" and self.baseline != "mean":
             raise ValueError("normalizer 'mean' (MaxRL) needs baseline 'mean'")
+        lower, upper = self.rollout_correction_lower, self.rollout_correction_upper
+        if lower is not None and lower >= upper:
+            raise ValueError(
+                f"rollout_correction_lower {lower} must be below rollout_correction_upper {upper}; "
+                "lower the one or raise the other"
+            )
+        if self.rollout_correction == "icepop" and lower is None:
+            raise ValueError("rollout_correction icepop needs rollout_correction_lower (a two-sided band, e.g. 0.5)")
         return self
 
     @property
@@ -126,7 +191,7 @@ class AlgorithmSpec(BaseModel):
 
     def override(self, **changes: Any) -> AlgorithmSpec:
         """A validated copy with some fields changed (unknown fields and bad values raise)."""
-        return AlgorithmSpec.model_validate({**self.model_dump(), **changes})
+        return AlgorithmSpec.model_validate({**self.model_dump(), **translate_old_spelling(changes)})
 
 
 _OFFPOLICY = dict(epochs=1, steps_per_epoch=32)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from grpolab.objectives.algorithms import AlgorithmSpec
+from grpolab.objectives.rollout_correction import engine_kl_k3, off_policy_sequence_mask, rollout_correction
 
 
 class NonFiniteError(FloatingPointError):
@@ -93,6 +94,7 @@ class TokenMetrics:
     ratio_max: Number = float("-inf")
     loss: Number = 0.0
     nonfinite: Number = 0.0
+    maxima: dict[str, Number] = field(default_factory=dict)  # named maxima over tokens (rollout_is_weight_max)
 
     def add(self, name: str, per_token: Tensor, mask: Tensor) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + (per_token.detach().double() * mask).sum()
@@ -101,6 +103,9 @@ class TokenMetrics:
         sums = dict(self.sums)
         for k, v in other.sums.items():
             sums[k] = sums.get(k, 0.0) + v
+        maxima = dict(self.maxima)
+        for k, v in other.maxima.items():
+            maxima[k] = _extreme(max, maxima[k], v) if k in maxima else v
         return TokenMetrics(
             self.tokens + other.tokens,
             sums,
@@ -108,17 +113,22 @@ class TokenMetrics:
             _extreme(max, self.ratio_max, other.ratio_max),
             self.loss + other.loss,
             self.nonfinite + other.nonfinite,
+            maxima,
         )
 
     def on_host(self) -> TokenMetrics:
         """The same metrics as Python floats, read from the device in one transfer."""
         values = [self.tokens, self.ratio_min, self.ratio_max, self.loss, self.nonfinite, *self.sums.values()]
+        values += list(self.maxima.values())
         on_device = [v for v in values if isinstance(v, Tensor)]
         if on_device:
             device = on_device[0].device
             values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values]).tolist()
-        tokens, ratio_min, ratio_max, loss, nonfinite, *sums = values
-        return TokenMetrics(tokens, dict(zip(self.sums, sums)), ratio_min, ratio_max, loss, nonfinite)
+        tokens, ratio_min, ratio_max, loss, nonfinite, *rest = values
+        sums, maxima = rest[: len(self.sums)], rest[len(self.sums) :]
+        return TokenMetrics(
+            tokens, dict(zip(self.sums, sums)), ratio_min, ratio_max, loss, nonfinite, dict(zip(self.maxima, maxima))
+        )
 
     def means(self) -> dict[str, float]:
         """Per-token means of the sums (read from the device first, if they are still there)."""
@@ -128,6 +138,7 @@ class TokenMetrics:
             out["clip_frac"] = out["clip_low_frac"] + out["clip_high_frac"]
         if self.tokens:
             out["ratio_min"], out["ratio_max"] = self.ratio_min, self.ratio_max
+            out.update(self.maxima)
         out["metric_tokens"] = self.tokens  # response tokens the metrics cover
         return out
 
@@ -188,20 +199,6 @@ def per_token_surrogate(inp: PolicyLossInput, spec: AlgorithmSpec) -> tuple[Tens
     raise ValueError(f"unknown weight {spec.weight!r}")
 
 
-def engine_correction_weight(
-    old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, level: str, cap: float
-) -> Tensor:
-    """Truncated importance weight [N, T] of the trainer's sampling policy over the engine's (detached).
-
-    token:    min(exp(logp_old - logp_engine), cap) per token
-    sequence: min(exp(sum_t (logp_old - logp_engine)), cap), the same for every token of a sequence
-    """
-    log_ratio = _masked(old_logprobs - engine_logprobs, mask).detach()
-    if level == "sequence":
-        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(log_ratio)
-    return torch.exp(log_ratio).clamp(max=cap)
-
-
 def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, denominator: float) -> Tensor:
     """Reduce [N, T] to a scalar: this micro-batch's share of the optimizer step's objective.
 
@@ -220,6 +217,45 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
     return torch.exp(delta) - delta - 1
 
 
+def apply_rollout_correction(
+    surrogate: Tensor, inp: PolicyLossInput, spec: AlgorithmSpec, metrics: TokenMetrics
+) -> Tensor:
+    """The per-token surrogate [N, T] times the rollout correction's weight, 0 on the tokens it or the
+    off-policy sequence mask drops (they still count in the denominators); their metrics go to ``metrics``.
+
+    Without engine log-probs the rollout correction is inert (nothing to correct); the off-policy mask then
+    measures the sampling policy by ``old_logprobs``.
+    """
+    mask = inp.response_mask.to(inp.logprobs.dtype)
+    keep = None
+    if inp.engine_logprobs is not None and (
+        spec.rollout_correction != "none" or spec.off_policy_mask_delta is not None
+    ):
+        # only with a correction on: a default run's metrics stay those of the commits before (refactor_identity)
+        metrics.add("rollout_kl_k3", engine_kl_k3(inp.old_logprobs - inp.engine_logprobs, mask), mask)
+    if spec.rollout_correction != "none" and inp.engine_logprobs is not None:
+        corr = rollout_correction(
+            inp.old_logprobs - inp.engine_logprobs,
+            mask,
+            spec.rollout_correction,
+            spec.rollout_correction_upper,
+            spec.rollout_correction_lower,
+        )
+        surrogate, keep = surrogate * corr.weight.to(surrogate.dtype), corr.kept
+        metrics.add("rollout_is_weight_mean", corr.weight, mask)
+        metrics.maxima["rollout_is_weight_max"] = corr.weight.double().masked_fill(~mask.bool(), float("-inf")).amax()
+        metrics.add("rollout_truncated_frac", corr.truncated, mask)
+        metrics.add("rollout_masked_frac", ~corr.kept, mask)
+    if spec.off_policy_mask_delta is not None:
+        sampling = inp.engine_logprobs if inp.engine_logprobs is not None else inp.old_logprobs
+        kept = off_policy_sequence_mask(sampling, inp.logprobs, inp.advantages, mask, spec.off_policy_mask_delta)
+        metrics.add("off_policy_masked_frac", ~kept, mask)
+        keep = kept if keep is None else keep & kept
+    if keep is None:
+        return surrogate
+    return torch.where(keep, surrogate, torch.zeros_like(surrogate))  # 0, not 0 * inf, on dropped tokens
+
+
 def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denominators) -> tuple[Tensor, TokenMetrics]:
     """Scalar loss of one micro-batch (its share of the step) and its token metrics.
 
@@ -230,13 +266,7 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
     mask = inp.response_mask.to(inp.logprobs.dtype)
     surrogate, ratio, clip_low, clip_high = per_token_surrogate(inp, spec)
     metrics = TokenMetrics(tokens=mask.sum().double())
-    if spec.engine_correction != "none" and inp.engine_logprobs is not None:
-        weight = engine_correction_weight(
-            inp.old_logprobs, inp.engine_logprobs, mask, spec.engine_correction, spec.engine_correction_cap
-        )
-        surrogate = surrogate * weight
-        metrics.add("engine_is_weight_mean", weight, mask)
-        metrics.add("engine_is_capped_frac", (weight >= spec.engine_correction_cap).to(mask.dtype), mask)
+    surrogate = apply_rollout_correction(surrogate, inp, spec, metrics)
     loss = aggregate(surrogate, mask, spec.aggregation, denominators.policy)
 
     if inp.ref_logprobs is not None:
