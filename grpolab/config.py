@@ -8,7 +8,6 @@ Validation reports one line per bad field.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import tomllib
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from grpolab.common.fields import FieldDoc, suggest, walk
+from grpolab.common.fields import FieldDoc, unknown_field, walk
 from grpolab.common.validation import describe_validation_error
 from grpolab.models.precision import PrecisionName
 from grpolab.models.tinymodel import WarmStartSettings
@@ -590,30 +589,12 @@ def config_fields() -> tuple[FieldDoc, ...]:
     return tuple(walk(RunConfig, RunConfig()))
 
 
-def _dotted(loc: tuple[str | int, ...]) -> str:
-    """('task', 'rewards', 0, 'weight') -> 'task.rewards[].weight'."""
-    return "".join("[]" if isinstance(p, int) else f".{p}" if i else str(p) for i, p in enumerate(loc))
-
-
-def _leaves(value: Any, name: str) -> list[str]:
-    if isinstance(value, dict) and value:
-        return [leaf for key, v in value.items() for leaf in _leaves(v, f"{name}.{key}")]
-    return [name]
-
-
 def unknown_field_line(loc: tuple[str | int, ...], value: Any, names: list[str] | None = None) -> str:
     """One line for a key the config does not have, with the closest dotted name (or short name) it may have
-    meant: 'optim.lrr: unknown field; did you mean optim.lr?'. A mistyped section holding one field is named
-    with that field ('optimm.lr', not 'optimm')."""
-    name = _dotted(loc)
-    known = names if names is not None else [f.name for f in config_fields()]
-    leaves = _leaves(value, name)
-    if len(leaves) == 1 and suggest(leaves[0], known):
-        name = leaves[0]
-    match = suggest(name, [*known, *(ALIASES if names is None and "." not in name else ())])
-    if match is None:
-        return f"{name}: unknown field (grpolab train --help lists every field)"
-    return f"{name}: unknown field; did you mean {match}{f' (short for {ALIASES[match]})' if match in ALIASES else ''}?"
+    meant: 'optim.lrr: unknown field; did you mean optim.lr?' (``grpolab.common.fields.unknown_field``)."""
+    if names is not None:
+        return unknown_field(loc, value, names)
+    return unknown_field(loc, value, [f.name for f in config_fields()], ALIASES)
 
 
 def parse_value(text: str) -> Any:
@@ -704,26 +685,3 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: not a config (a JSON object), but a {type(data).__name__}")
     return data
-
-
-def config_sha256(data: dict[str, Any]) -> str:
-    """SHA-256 of a config's JSON form with sorted keys: what a run or suite records and later verifies."""
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
-def first_difference(recorded: Any, found: Any, prefix: str = "") -> str | None:
-    """The first dotted field (in sorted order) where ``found`` differs from ``recorded``, as
-    'optim.lr is 0.05, was 0.0001'; None when they are equal."""
-    if isinstance(recorded, dict) and isinstance(found, dict):
-        for key in sorted(set(recorded) | set(found)):
-            name = f"{prefix}{key}"
-            if key not in found:
-                return f"{name} was removed (was {json.dumps(recorded[key])})"
-            if key not in recorded:
-                return f"{name} was added ({json.dumps(found[key])})"
-            if (diff := first_difference(recorded[key], found[key], f"{name}.")) is not None:
-                return diff
-        return None
-    if recorded == found and type(recorded) is type(found):
-        return None
-    return f"{prefix.removesuffix('.') or 'the whole config'} is {json.dumps(found)}, was {json.dumps(recorded)}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import types
 import typing
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
@@ -158,3 +158,32 @@ def suggest(name: str, names: Iterable[str]) -> str | None:
         return same_section[close[0]]
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     return close[0] if close else None
+
+
+def _dotted(loc: tuple[str | int, ...]) -> str:
+    """('task', 'rewards', 0, 'weight') -> 'task.rewards[].weight'."""
+    return "".join("[]" if isinstance(p, int) else f".{p}" if i else str(p) for i, p in enumerate(loc))
+
+
+def _leaves(value: Any, name: str) -> list[str]:
+    if isinstance(value, dict) and value:
+        return [leaf for key, v in value.items() for leaf in _leaves(v, f"{name}.{key}")]
+    return [name]
+
+
+def unknown_field(
+    loc: tuple[str | int, ...], value: Any, known: list[str], aliases: Mapping[str, str] | None = None
+) -> str:
+    """One line for a key at ``loc`` that a settings model does not have, with the closest of the ``known``
+    dotted names (or, for a top-level key, of the short ``aliases``) it may have meant: 'optim.lrr: unknown
+    field; did you mean optim.lr?'. A mistyped section holding one field is named with that field ('optimm.lr',
+    not 'optimm')."""
+    aliases = aliases or {}
+    name = _dotted(loc)
+    leaves = _leaves(value, name)
+    if len(leaves) == 1 and suggest(leaves[0], known):
+        name = leaves[0]
+    match = suggest(name, [*known, *(aliases if "." not in name else ())])
+    if match is None:
+        return f"{name}: unknown field (grpolab train --help lists every field)"
+    return f"{name}: unknown field; did you mean {match}{f' (short for {aliases[match]})' if match in aliases else ''}?"

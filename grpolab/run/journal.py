@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from grpolab.common.provenance import code_commit, cpu_description
-from grpolab.config import config_sha256, read_config_json
+from grpolab.common.records import config_sha256
+from grpolab.config import read_config_json
 from grpolab.run.rundir import CONFIG_FILE, MANIFEST_FILE, write_json
 
 CONFIG, MANIFEST = CONFIG_FILE, MANIFEST_FILE

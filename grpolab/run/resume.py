@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpolab.common.records import config_sha256, first_difference
 from grpolab.config import (
     RESUME_OVERRIDES,
     ConfigError,
     RunConfig,
-    config_sha256,
-    first_difference,
     read_config_json,
     validate_config,
 )

@@ -15,7 +15,8 @@ from rich.console import Console
 
 from grpolab.common.atomic import write_file
 from grpolab.common.progress import Reporter
-from grpolab.config import RunConfig, config_sha256
+from grpolab.common.records import config_sha256
+from grpolab.config import RunConfig
 from grpolab.models.hub import current_commit, is_hub_id
 from grpolab.models.loading import absolute_model_spec, check_model_spec
 from grpolab.run.rundir import RunDirError

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from grpolab.common.progress import Reporter
-from grpolab.config import ConfigError, config_sha256, first_difference, read_config_json
+from grpolab.common.records import config_sha256, first_difference
+from grpolab.config import ConfigError, read_config_json
 from grpolab.run.checkpoints import weights_sha256
 from grpolab.studies.manifest import RunRecord, SuiteManifest
 from grpolab.studies.suite.snapshot import hash_reward_model
