@@ -277,6 +277,10 @@ def test_with_bf16_compute_the_base_stays_in_bf16_and_the_adapter_trains_in_floa
     finally:
         trainer.close()
     assert dtypes == {torch.float32} and record["sync/logprob_diff_mean"] < 0.1
+    # bf16 rollouts: algorithm.rollout_correction auto is token_truncate (TIS), and its metrics are logged
+    assert trainer.parts.cfg.algorithm.rollout_correction == "token_truncate"
+    assert 0 <= record["rollout_truncated_frac"] < 1 and record["rollout_masked_frac"] == 0
+    assert record["rollout_is_weight_max"] <= 2.0 and record["rollout_kl_k3"] > 0
 
 
 def test_a_run_starts_from_another_lora_runs_checkpoint(lora_run, tmp_path, capsys):

@@ -85,6 +85,23 @@ def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(
     assert manifest["resumes"][0]["step"] == 2 and manifest["resumes"][0]["from_checkpoint"].endswith("step_000002")
 
 
+def test_a_run_records_what_auto_resolved_to_and_logs_the_engine_mismatch_every_step(uninterrupted):
+    """float32 on a CPU: algorithm.rollout_correction auto is none, and config.json and the manifest say so
+    (a resume reads it back: the resume test above gives identical numbers); every step logs the engine /
+    trainer k3 and the ratio pi_old / pi_engine, near 0 and 1, and nothing a correction would log."""
+    config = json.loads((uninterrupted / "config.json").read_text())
+    manifest = json.loads((uninterrupted / "manifest.json").read_text())
+    assert config["algorithm"]["rollout_correction"] == "none" == manifest["algorithm"]["rollout_correction"]
+    assert manifest["resolved"] == {
+        "algorithm.rollout_correction": "none (auto: the engine samples in float32 from the current weights)"
+    }
+    steps = [r for r in read_metrics(uninterrupted / "metrics.jsonl") if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        assert 0 <= r["rollout_kl_k3"] < 1e-6 and abs(r["rollout_is_ratio_mean"] - 1) < 1e-3
+        assert r["rollout_is_ratio_max"] >= r["rollout_is_ratio_mean"] and "rollout_truncated_frac" not in r
+
+
 @pytest.mark.slow  # a `grpolab train` process: default tier, the in-process interruption above and the Ctrl-C test
 def test_sigkill_mid_run_then_train_resume_matches_the_uninterrupted_run(warm_model_dir, uninterrupted, tmp_path):
     run = tmp_path / "run"

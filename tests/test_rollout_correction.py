@@ -17,11 +17,13 @@ from grpolab.objectives.rollout_correction import (
     ROLLOUT_CORRECTIONS,
     engine_kl_k3,
     off_policy_sequence_mask,
+    resolve_rollout_correction,
     rollout_correction,
 )
 
 MAX_NEW = 12
 MODES = [m for m in ROLLOUT_CORRECTIONS if m != "none"]
+NONE = PRESETS["grpo"].override(rollout_correction="none")  # what auto resolves to in float32, in sync
 
 
 def make_batch(seed: int, n: int = 8, t: int = 14):
@@ -139,14 +141,38 @@ def test_mask_modes_are_inert_without_engine_logprobs(mode):
     assert "rollout_masked_frac" not in metrics.means()
 
 
-def test_a_default_spec_adds_no_metric_and_changes_no_number():
-    """A run without a correction logs what it logged before (benchmarks/refactor_identity.py hashes metrics)."""
+def test_without_a_correction_the_mismatch_is_measured_and_no_number_changes():
+    """Engine log-probs (every training step has them) add the mismatch metrics, k3 and the ratio
+    pi_old / pi_engine's mean and max, and change neither the loss nor the gradient."""
     logp, old, engine, adv, mask = make_batch(10)
-    loss, grad, metrics = run_loss(PRESETS["grpo"], logp, old, adv, mask, engine)
-    base, base_grad, base_metrics = run_loss(PRESETS["grpo"], logp, old, adv, mask, None)
+    loss, grad, metrics = run_loss(NONE, logp, old, adv, mask, engine)
+    base, base_grad, base_metrics = run_loss(NONE, logp, old, adv, mask, None)
     assert torch.equal(loss, base) and torch.equal(grad, base_grad)
-    assert set(metrics.means()) - set(base_metrics.means()) == {"engine_logprob_absdiff"}
-    assert not metrics.maxima
+    m = metrics.means()
+    assert set(m) - set(base_metrics.means()) == {
+        "engine_logprob_absdiff",
+        "rollout_kl_k3",
+        "rollout_is_ratio_mean",
+        "rollout_is_ratio_max",
+    }
+    r = torch.exp(old - engine)[mask.bool()]
+    assert m["rollout_is_ratio_mean"] == pytest.approx(float(r.mean()), rel=1e-12)
+    assert m["rollout_is_ratio_max"] == pytest.approx(float(r.max()), rel=1e-12)
+    assert m["rollout_kl_k3"] == pytest.approx(float((r - 1 - torch.log(r)).mean()), rel=1e-10)
+    assert not base_metrics.maxima and not any(k.startswith("rollout_") for k in base_metrics.means())
+
+
+def test_the_mismatch_metrics_survive_a_float32_overflow():
+    """A token the engine found far less likely than the trainer: exp(log r) overflows float32, not float64."""
+    logp, old, engine, adv, mask = (x.float() for x in make_batch(11))
+    row, col = 0, int(mask[0].nonzero()[0])
+    engine[row, col] = old[row, col] - 100.0
+    _, _, metrics = run_loss(NONE, logp, old, adv, mask, engine)
+    m = metrics.means()
+    assert math.isfinite(m["rollout_is_ratio_max"]) and m["rollout_is_ratio_max"] == pytest.approx(
+        math.exp(100), rel=1e-5
+    )
+    assert math.isfinite(m["rollout_kl_k3"]) and math.isfinite(m["rollout_is_ratio_mean"])
 
 
 @pytest.mark.parametrize("mode", [*MODES, "none"])
@@ -182,6 +208,8 @@ def test_metrics_are_the_weight_mean_max_fractions_and_k3():
     assert m["rollout_truncated_frac"] == pytest.approx(float((r > 1.2).double().mean()), rel=1e-12)
     assert m["rollout_masked_frac"] == 0.0
     assert m["rollout_kl_k3"] == pytest.approx(float((r - 1 - torch.log(r)).mean()), rel=1e-10)
+    assert m["rollout_is_ratio_max"] == pytest.approx(float(r.max()), rel=1e-12)  # before the truncation
+    assert m["rollout_is_ratio_max"] > 1.2
     assert torch.equal(engine_kl_k3(old - engine, mask)[~on], torch.zeros(int((~on).sum()), dtype=torch.float64))
     spec = spec.override(rollout_correction="token_mask")
     m = run_loss(spec, logp, old, adv, mask, engine)[2].means()
@@ -261,3 +289,54 @@ def test_bad_combinations_are_refused_in_one_line(fields, needle):
         validate_config({"algorithm": {"name": "grpo", **fields}})
     message = str(err.value)
     assert "\n" not in message and needle in message and "algorithm" in message
+
+
+@pytest.mark.parametrize(
+    ("setting", "engine_differs", "stale", "want"),
+    [
+        ("auto", False, False, "none"),  # float32 engine in sync: weights 1 +- 1e-5
+        ("auto", True, False, "token_truncate"),  # bf16 rollouts
+        ("auto", False, True, "token_truncate"),  # stale weights (asynchronous rollouts)
+        ("auto", True, True, "token_truncate"),
+        ("none", True, True, "none"),  # an explicit setting is kept
+        ("sequence_mask", False, False, "sequence_mask"),
+    ],
+)
+def test_auto_resolves_by_precision_and_staleness(setting, engine_differs, stale, want):
+    assert resolve_rollout_correction(setting, engine_differs, stale) == want
+
+
+def test_auto_is_the_default_and_an_explicit_none_stays_none(tmp_path):
+    assert RunConfig().algorithm.rollout_correction == "auto" == PRESETS["dapo"].rollout_correction
+    assert RunConfig().algorithm.rollout_correction_upper == 2.0
+    explicit = validate_config({"algorithm": {"name": "grpo", "rollout_correction": "none"}})
+    assert explicit.algorithm.rollout_correction == "none"
+    run = RunConfig().model_dump(mode="json")  # a config.json of a run before auto existed: "none" written out
+    run["algorithm"]["rollout_correction"] = "none"
+    (tmp_path / "config.json").write_text(json.dumps(run))
+    assert load_run_config(tmp_path).algorithm.rollout_correction == "none"
+    assert load_config(None, {"algorithm.engine_correction": "none"}).algorithm.rollout_correction == "none"
+
+
+def test_a_run_resolves_auto_from_its_precision_and_records_why():
+    from grpolab.models.precision import resolve_precision
+    from grpolab.run.parts import resolve_auto
+
+    fp32, bf16 = resolve_precision("fp32_master", torch.float32), resolve_precision("fp32_master", torch.bfloat16)
+    cfg, why = resolve_auto(RunConfig(), fp32)
+    assert cfg.algorithm.rollout_correction == "none" and why["algorithm.rollout_correction"].startswith("none (auto:")
+    cfg, why = resolve_auto(RunConfig(), bf16)
+    assert cfg.algorithm.rollout_correction == "token_truncate" and cfg.algorithm.rollout_correction_upper == 2.0
+    assert "precision" in why["algorithm.rollout_correction"]
+    assert resolve_auto(RunConfig(), fp32, stale=True)[0].algorithm.rollout_correction == "token_truncate"
+    cfg = validate_config({"algorithm": {"name": "cispo", "rollout_correction": "none"}})
+    assert resolve_auto(cfg, bf16) == (cfg, {})  # explicit: kept, nothing to say
+    # the rest of the config is untouched, the algorithm's other fields too
+    resolved = resolve_auto(validate_config({"algorithm": {"name": "cispo"}, "steps": 7}), bf16)[0]
+    assert resolved.steps == 7 and resolved.algorithm == PRESETS["cispo"].override(rollout_correction="token_truncate")
+
+
+def test_an_unresolved_auto_never_reaches_the_loss_silently():
+    logp, old, engine, adv, mask = make_batch(12)
+    with pytest.raises(ValueError, match="auto is resolved when the run starts"):
+        run_loss(PRESETS["grpo"], logp, old, adv, mask, engine)

@@ -104,7 +104,14 @@ def test_rollout_corrections_keep_the_micro_batch_split_exact(mode, upper, lower
     for micro in (1, 5):
         split, m_split = step_grad(spec, data, policy, micro)
         torch.testing.assert_close(split, whole, rtol=1e-10, atol=1e-13)
-        for name in ("rollout_is_weight_mean", "rollout_is_weight_max", "rollout_masked_frac", "rollout_kl_k3"):
+        for name in (
+            "rollout_is_weight_mean",
+            "rollout_is_weight_max",
+            "rollout_masked_frac",
+            "rollout_kl_k3",
+            "rollout_is_ratio_mean",
+            "rollout_is_ratio_max",
+        ):
             assert m_split.means()[name] == pytest.approx(means[name], rel=1e-12), name
 
 
@@ -259,7 +266,7 @@ def test_property_split_and_prune_equivalence(seed, groups, group_size, micro, n
 def test_the_update_waits_for_the_device_per_optimizer_step_not_per_micro_batch(name, overrides):
     """The micro-batch loop keeps its metrics, loss and finiteness checks on the device: an optimizer step
     in micro-batches of one row reads as many values as the same step in one micro-batch."""
-    spec = PRESETS[name].override(beta=0.03, **overrides)
+    spec = PRESETS[name].override(beta=0.03, rollout_correction="none", **overrides)  # the run resolves auto
     reads, rows_per_step = {}, 12 // spec.steps_per_epoch
     for micro in (rows_per_step, 1):
         policy = ToyPolicy(12, 9, seed=4)

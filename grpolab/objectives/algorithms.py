@@ -26,6 +26,8 @@ RolloutCorrection = Literal[
     "geometric_mask",
     "icepop",
 ]
+# the setting: a mode, or "auto" (the run picks one when it starts: rollout_correction.resolve_rollout_correction)
+RolloutCorrectionSetting = Literal["auto", RolloutCorrection]
 # the old spelling of the rollout correction (config.json of runs from older commits): field -> (new field, values)
 OLD_SPELLING: dict[str, tuple[str, dict[str, str]]] = {
     "engine_correction": (
@@ -103,14 +105,16 @@ class AlgorithmSpec(BaseModel):
         None, gt=0, description="Z for aggregation=constant; default = sequences per step x max new tokens"
     )
     # the rollout engine / trainer mismatch (grpolab.objectives.rollout_correction): each token's surrogate times
-    # a detached weight from r = pi_old / pi_engine, and tokens or sequences dropped outside a band; off by default
-    # (docs/algorithms.md "Rollout corrections" says why)
-    rollout_correction: RolloutCorrection = Field(
-        "none",
+    # a detached weight from r = pi_old / pi_engine, and tokens or sequences dropped outside a band; "auto" by
+    # default: none where engine and trainer agree, token_truncate where they cannot (docs/algorithms.md says why)
+    rollout_correction: RolloutCorrectionSetting = Field(
+        "auto",
         description="the engine / trainer mismatch correction from r = pi_old / pi_engine: token_truncate, "
         "sequence_truncate, geometric_truncate (weight clipped into [lower, upper]; r, its product or geometric "
         "mean over the sequence), token_mask, sequence_mask, geometric_mask (dropped outside [lower, upper]), "
-        "icepop (token_mask with a required lower bound), or none",
+        "icepop (token_mask with a required lower bound), none; auto = none when the engine samples in float32 "
+        "from the current weights, token_truncate (TIS) when it samples in bfloat16 or from stale weights "
+        "(the run's config.json records the choice)",
     )
     rollout_correction_upper: float = Field(
         2.0, gt=0, description="rollout_correction's cap (truncation) or upper bound (masking)"

@@ -18,7 +18,12 @@ import torch
 from torch import Tensor
 
 from grpolab.objectives.algorithms import AlgorithmSpec
-from grpolab.objectives.rollout_correction import engine_kl_k3, off_policy_sequence_mask, rollout_correction
+from grpolab.objectives.rollout_correction import (
+    engine_kl_k3,
+    off_policy_sequence_mask,
+    raw_ratio,
+    rollout_correction,
+)
 
 
 class NonFiniteError(FloatingPointError):
@@ -94,7 +99,7 @@ class TokenMetrics:
     ratio_max: Number = float("-inf")
     loss: Number = 0.0
     nonfinite: Number = 0.0
-    maxima: dict[str, Number] = field(default_factory=dict)  # named maxima over tokens (rollout_is_weight_max)
+    maxima: dict[str, Number] = field(default_factory=dict)  # named maxima over tokens (rollout_is_ratio_max)
 
     def add(self, name: str, per_token: Tensor, mask: Tensor) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + (per_token.detach().double() * mask).sum()
@@ -221,18 +226,21 @@ def apply_rollout_correction(
     surrogate: Tensor, inp: PolicyLossInput, spec: AlgorithmSpec, metrics: TokenMetrics
 ) -> Tensor:
     """The per-token surrogate [N, T] times the rollout correction's weight, 0 on the tokens it or the
-    off-policy sequence mask drops (they still count in the denominators); their metrics go to ``metrics``.
+    off-policy sequence mask drops (they still count in the denominators); their metrics go to ``metrics``:
+    with engine log-probs always the engine / trainer k3 and the ratio pi_old / pi_engine (mean, max), with a
+    correction on its applied weight (mean, max) and the fractions truncated and masked.
 
     Without engine log-probs the rollout correction is inert (nothing to correct); the off-policy mask then
     measures the sampling policy by ``old_logprobs``.
     """
     mask = inp.response_mask.to(inp.logprobs.dtype)
     keep = None
-    if inp.engine_logprobs is not None and (
-        spec.rollout_correction != "none" or spec.off_policy_mask_delta is not None
-    ):
-        # only with a correction on: a default run's metrics stay those of the commits before (refactor_identity)
-        metrics.add("rollout_kl_k3", engine_kl_k3(inp.old_logprobs - inp.engine_logprobs, mask), mask)
+    if inp.engine_logprobs is not None:  # every step of a run: how far the engine is from the trainer
+        log_ratio = inp.old_logprobs.detach().double() - inp.engine_logprobs.double()  # float64: no overflow
+        metrics.add("rollout_kl_k3", engine_kl_k3(log_ratio, mask), mask)
+        ratio = raw_ratio(log_ratio, mask, "token")  # pi_old / pi_engine, before any correction
+        metrics.add("rollout_is_ratio_mean", ratio, mask)
+        metrics.maxima["rollout_is_ratio_max"] = ratio.masked_fill(~mask.bool(), float("-inf")).amax()
     if spec.rollout_correction != "none" and inp.engine_logprobs is not None:
         corr = rollout_correction(
             inp.old_logprobs - inp.engine_logprobs,

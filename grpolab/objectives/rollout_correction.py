@@ -29,6 +29,29 @@ from torch import Tensor
 from grpolab.objectives.algorithms import RolloutCorrection
 
 ROLLOUT_CORRECTIONS: tuple[str, ...] = get_args(RolloutCorrection)
+AUTO = "auto"
+AUTO_CORRECTION = "token_truncate"  # TIS / decoupled PPO's behaviour weight, clipped at rollout_correction_upper
+
+
+def auto_rollout_correction(engine_differs: bool, stale: bool) -> tuple[str, str]:
+    """What ``auto`` picks, and why (a phrase for the run's log and manifest).
+
+    engine_differs: the engine samples in another precision than float32 trainer math (bf16 rollouts), so its
+    log-probs differ from the trainer's by ~1e-2; stale: it samples from weights older than ``logp_old``'s
+    (asynchronous rollouts). Neither: a float32 engine in sync agrees with the trainer to ~1e-5, a weight of
+    1 +- 1e-5 changes nothing, so none.
+    """
+    if stale:
+        return AUTO_CORRECTION, "the engine samples from stale weights"
+    if engine_differs:
+        return AUTO_CORRECTION, "the engine samples in another precision than float32"
+    return "none", "the engine samples in float32 from the current weights"
+
+
+def resolve_rollout_correction(setting: str, engine_differs: bool, stale: bool) -> str:
+    """The mode a run uses for ``algorithm.rollout_correction`` = ``setting``: itself, or for ``auto``
+    what :func:`auto_rollout_correction` picks."""
+    return auto_rollout_correction(engine_differs, stale)[0] if setting == AUTO else setting
 
 
 class Correction(NamedTuple):
@@ -74,6 +97,9 @@ def rollout_correction(
     A mask mode with ``lower`` None drops only ratios above ``upper``; icepop needs ``lower``.
     """
     on = mask.bool()
+    if mode not in ROLLOUT_CORRECTIONS:
+        hint = "; auto is resolved when the run starts (resolve_rollout_correction)" if mode == AUTO else ""
+        raise ValueError(f"unknown rollout correction {mode!r}; choose one of: {', '.join(ROLLOUT_CORRECTIONS)}{hint}")
     if mode == "none":
         ones = torch.ones_like(log_ratio.detach())
         return Correction(_masked(ones, mask), on, torch.zeros_like(on))
@@ -85,8 +111,6 @@ def rollout_correction(
     if kind == "truncate":
         truncated = on & ((ratio > upper) | (ratio < floor))
         return Correction(_masked(ratio.clamp(min=lower, max=upper), mask), on, truncated)
-    if kind != "mask":
-        raise ValueError(f"unknown rollout correction {mode!r}; choose one of: {', '.join(ROLLOUT_CORRECTIONS)}")
     kept = on & (ratio <= upper) & (ratio >= floor)
     return Correction(_masked(ratio, kept), kept, torch.zeros_like(on))
 

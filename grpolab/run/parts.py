@@ -9,7 +9,7 @@ build the same parts with ``assemble`` and no run directory.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -28,10 +28,11 @@ from grpolab.models.like import LIKE_PREFIX, is_like_dir
 from grpolab.models.loading import check_model_spec, resolve_device, resolve_dtype, resolve_model_dir
 from grpolab.models.logprobs import enable_gradient_checkpointing
 from grpolab.models.policy import Policy, load_run_policy, policy_start
-from grpolab.models.precision import resolve_precision
+from grpolab.models.precision import TrainingPrecision, resolve_precision
 from grpolab.models.prompt_tokens import tokenize_prompts
 from grpolab.models.routing import routers
 from grpolab.models.weights import PolicyWeights
+from grpolab.objectives.rollout_correction import AUTO, auto_rollout_correction
 from grpolab.parallel.ranks import Ranks, init_from_env
 from grpolab.rollout.base import RolloutEngine
 from grpolab.rollout.collect import RolloutCollector
@@ -80,6 +81,7 @@ class RunParts:
     state: RunState
     collector: RolloutCollector
     learner: PolicyLearner
+    resolved: dict[str, str] = field(default_factory=dict)  # each "auto" setting -> what it became, and why
     closed: bool = False
 
     # the parts most code reads, by name
@@ -274,13 +276,31 @@ def rollout_engine(cfg: RunConfig, setting: Setting, task: Task, policy: Policy,
     return engine
 
 
+def resolve_auto(cfg: RunConfig, precision: TrainingPrecision, stale: bool = False) -> tuple[RunConfig, dict[str, str]]:
+    """``cfg`` with its ``auto`` settings resolved for this run (what its config.json records), and what each
+    became and why (for the log and the manifest).
+
+    algorithm.rollout_correction: every engine samples in the trainer's compute dtype, so the engine's
+    log-probs are float32 trainer math exactly when the compute dtype is float32. ``stale``: the engine
+    samples from weights older than the trainer's (asynchronous rollouts; no such mode yet, so False).
+    """
+    if cfg.algorithm.rollout_correction != AUTO:
+        return cfg, {}
+    mode, why = auto_rollout_correction(engine_differs=precision.compute != torch.float32, stale=stale)
+    algorithm = cfg.algorithm.override(rollout_correction=mode)
+    return cfg.model_copy(update={"algorithm": algorithm}), {"algorithm.rollout_correction": f"{mode} (auto: {why})"}
+
+
 def build_parts(
     cfg: RunConfig, setting: Setting, task: Task, val_examples: list[Example], weights_dir: Path | None = None
 ) -> RunParts:
     """Every part of a run after its task: policy, optimizer, prompts, sync check, state, engine,
-    collector, learner. ``weights_dir``: the checkpoint a resumed run continues from (its state is
-    loaded by the caller, ``RunState.load``)."""
+    collector, learner; ``parts.cfg`` is ``cfg`` with its ``auto`` settings resolved. ``weights_dir``: the
+    checkpoint a resumed run continues from (its state is loaded by the caller, ``RunState.load``)."""
     policy = prepare_policy(cfg, setting, task, weights_dir)
+    cfg, resolved = resolve_auto(cfg, policy.precision)
+    for name, choice in resolved.items():
+        setting.reporter.line(f"{name}: {choice}")
     reward_models = RewardModels.load(task, setting.device, setting.reporter)
     optimizer = policy.precision.optimizer(
         policy.trainable(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
@@ -337,6 +357,7 @@ def build_parts(
             state,
             collector,
             learner,
+            resolved,
         )
         if not (capabilities(cfg.rollout.engine).shares_training_model or policy.files_are_policy):
             engine.sync_weights(parts.sync_source())  # it started from files that are not the policy (a base)

@@ -91,6 +91,7 @@ class Trainer:
                 lambda: self.plan.journal is None or check_data(self.plan.journal, task.data_fingerprint())
             )
         self.parts = build_parts(cfg, setting, task, val_examples, self.resumed_from)
+        self.cfg, self.spec = self.parts.cfg, self.parts.spec  # "auto" settings resolved: config.json records them
         if self.resumed_from is not None:
             self.parts.state.load(self.resumed_from)
         # the metrics of the steps before a resume
@@ -201,6 +202,7 @@ class Trainer:
             "train_examples": len(parts.task.train_examples()),
             "val_examples": len(parts.val_examples),
             "algorithm": self.spec.model_dump(),
+            "resolved": parts.resolved,  # each "auto" setting: what it became and why
             "precision": {
                 "setting": parts.precision.name,
                 "weights": dtype_name(parts.precision.storage),

@@ -45,6 +45,7 @@ CURVES: list[tuple[str, str, str, Series]] = [
     ("clip_fraction", "clip fraction (low + high)", "train", _clip),
     ("ratio_mean", "importance ratio (mean)", "train", _key("ratio_mean")),
     ("kl_ref", "KL to the reference", "train", _key("kl_ref")),
+    ("engine_kl", "KL(engine || trainer), k3 on the engine's samples", "train", _key("rollout_kl_k3")),
     ("entropy", "entropy (mean per token)", "train", _key("entropy")),
     ("completion_length", "completion length (mean tokens)", "train", _key("completion_len_mean")),
     ("truncation_rate", "truncation rate", "train", _key("truncation_rate")),
