@@ -51,6 +51,7 @@ from rich.console import Console
 from rich.table import Table
 
 from grpolab.config import ConfigError, RunConfig, load_config, parse_value
+from grpolab.objectives.rollout_correction import resolve_rollout_correction
 
 LOSS_TYPES = {"sequence": "grpo", "token": "dapo", "constant": "dr_grpo"}  # grpolab aggregation -> TRL loss_type
 
@@ -66,7 +67,10 @@ def unsupported(cfg: RunConfig) -> list[str]:
         ),
         (not spec.is_single_update, "more than one optimizer step per rollout batch"),
         (spec.dynamic_sampling, "dynamic sampling (TRL has none)"),
-        (spec.engine_correction != "none", "algorithm.engine_correction"),
+        (
+            resolve_rollout_correction(spec.rollout_correction, cfg.model.dtype == "bfloat16", stale=False) != "none",
+            "algorithm.rollout_correction (TRL corrects only the samples of its vLLM engine)",
+        ),
         (spec.loss_denominator is not None, "algorithm.loss_denominator (TRL's dr_grpo uses max_completion_length)"),
         (r.engine != "hf" or cfg.model.device != "cpu", "rollout.engine hf on the cpu only (TRL runs with use_cpu)"),
         (bool(r.stop_strings), "rollout.stop_strings"),
