@@ -336,7 +336,16 @@ def test_a_run_resolves_auto_from_its_precision_and_records_why():
     assert resolved.steps == 7 and resolved.algorithm == PRESETS["cispo"].override(rollout_correction="token_truncate")
 
 
-def test_an_unresolved_auto_never_reaches_the_loss_silently():
+def test_a_spec_used_on_its_own_reads_auto_as_none_and_a_run_never_leaves_it_unresolved():
+    """A preset used directly (no run to know the engine's precision) computes what it computed before auto;
+    the learner refuses an unresolved auto, and the pure function refuses it with the hint."""
     logp, old, engine, adv, mask = make_batch(12)
+    auto, base = run_loss(PRESETS["grpo"], logp, old, adv, mask, engine), run_loss(NONE, logp, old, adv, mask, engine)
+    assert torch.equal(auto[0], base[0]) and torch.equal(auto[1], base[1])
+    assert auto[2].means() == base[2].means()
     with pytest.raises(ValueError, match="auto is resolved when the run starts"):
-        run_loss(PRESETS["grpo"], logp, old, adv, mask, engine)
+        rollout_correction(old - engine, mask, "auto", 2.0)
+    from grpolab.learning.learner import PolicyLearner
+
+    with pytest.raises(ValueError, match="unresolved"):
+        PolicyLearner(RunConfig(), None, None, None, None, None, 0, None, None, {})

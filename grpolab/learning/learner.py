@@ -31,6 +31,7 @@ from grpolab.models.fidelity import forward_fidelity
 from grpolab.models.precision import TrainingPrecision
 from grpolab.objectives.advantages import advantage_metrics, group_advantages
 from grpolab.objectives.algorithms import AlgorithmSpec
+from grpolab.objectives.rollout_correction import AUTO
 from grpolab.parallel.fsdp import drop_stale_weights, is_sharded
 from grpolab.parallel.ranks import Ranks, wrap_ddp
 from grpolab.rollout.base import Completion
@@ -192,6 +193,10 @@ class PolicyLearner:
         ranks: Ranks = Ranks(),
         reference_context: Callable[[], AbstractContextManager] = nullcontext,
     ):
+        if cfg.algorithm.rollout_correction == AUTO:  # the loss would read it as none, also with bf16 rollouts
+            raise ValueError(
+                "algorithm.rollout_correction auto reached the learner unresolved (run.parts.resolve_auto)"
+            )
         self.cfg, self.spec, self.ranks = cfg, cfg.algorithm, ranks
         self.model, self.reference, self.optimizer = model, reference, optimizer
         self.reference_context = reference_context  # within it, ``reference`` computes the reference policy

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.rollout_correction import (
+    AUTO,
     engine_kl_k3,
     off_policy_sequence_mask,
     raw_ratio,
@@ -241,11 +242,14 @@ def apply_rollout_correction(
         ratio = raw_ratio(log_ratio, mask, "token")  # pi_old / pi_engine, before any correction
         metrics.add("rollout_is_ratio_mean", ratio, mask)
         metrics.maxima["rollout_is_ratio_max"] = ratio.masked_fill(~mask.bool(), float("-inf")).amax()
-    if spec.rollout_correction != "none" and inp.engine_logprobs is not None:
+    # "auto" is a run's to resolve (grpolab.run.parts, from the engine's precision); a spec used on its own
+    # keeps what "auto" replaced as the default, none
+    mode = "none" if spec.rollout_correction == AUTO else spec.rollout_correction
+    if mode != "none" and inp.engine_logprobs is not None:
         corr = rollout_correction(
             inp.old_logprobs - inp.engine_logprobs,
             mask,
-            spec.rollout_correction,
+            mode,
             spec.rollout_correction_upper,
             spec.rollout_correction_lower,
         )
