@@ -294,3 +294,15 @@ def test_trl_ratio_metrics_against_ours(trl_code, mode):
         assert m["rollout_is_weight_mean"] == pytest.approx(per_token, rel=RTOL)
         assert theirs["sampling/importance_sampling_ratio/mean"] == pytest.approx(float(ratio.mean()), rel=RTOL)
         assert m["rollout_is_weight_mean"] != pytest.approx(theirs["sampling/importance_sampling_ratio/mean"], rel=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
+def test_a_ratio_exactly_at_a_bound_is_kept_by_both(trl_code, mode):
+    _, old, engine, _, mask = batch(7)
+    me = trl_code.settings(mode, math.inf, None)
+    ratios = trl_code.ratio(me, old, engine, mask).expand(N, T)[mask.bool()]  # TRL's own ratios, unbounded
+    upper, lower = float(ratios.max()), float(ratios.min())  # float32 values, exact in float64 too
+    theirs = trl_code.ratio(trl_code.settings(mode, upper, lower), old, engine, mask).expand(N, T)[mask.bool()]
+    got = rollout_correction(old - engine, mask, mode, upper, lower)
+    assert (theirs > 0).all() and got.kept[mask.bool()].all()
+    assert not rollout_correction(old - engine, mask, mode, upper * (1 - 1e-6), lower).kept[mask.bool()].all()
