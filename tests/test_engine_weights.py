@@ -16,12 +16,13 @@ from grpolab.rollout.hf.packed_linear import bf16_packing_supported
 MASTER = resolve_precision("fp32_master", torch.bfloat16)  # float32 storage, bf16 compute
 
 
-def _engine(model, tokenizer, precision=MASTER) -> HFEngine:
+def _engine(model, tokenizer, precision=MASTER, mode="matmul") -> HFEngine:
     return HFEngine(
         model,
         tokenizer,
         compute_context=lambda: precision.autocast(torch.device("cpu")),
         compute_dtype=precision.compute,
+        copy_mode=mode,
     )
 
 
@@ -30,61 +31,90 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 def _matches_master(engine: HFEngine, model) -> bool:
-    mine = dict(engine.copy.model.named_parameters())
-    return all(torch.equal(mine[name], p.detach().bfloat16()) for name, p in model.named_parameters())
+    """Every copy weight equals its master cast to the copy's dtype."""
+    return all(torch.equal(mine, theirs.detach().to(mine.dtype)) for mine, theirs in engine.copy.pairs())
 
 
-def test_fp32_master_engine_generates_on_a_bf16_copy_that_each_sync_refreshes(make_tiny_model, tokenizer):
+def _change(model) -> None:
+    with torch.no_grad():  # an optimizer step
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
+def test_the_matmul_copy_casts_what_autocast_casts_and_each_sync_refreshes_it(make_tiny_model, tokenizer):
     model = make_tiny_model("llama")
     model.model.embed_tokens.weight = model.lm_head.weight  # tied, as SmolLM2's
     engine = _engine(model, tokenizer)
     copy = engine.copy.model
-    assert engine.generation_model is copy and copy is not model
-    assert {p.dtype for p in copy.parameters()} == {torch.bfloat16}
+    assert engine.generation_model is copy and copy is not model and engine.copy.autocast
+    linears = [m for m in copy.modules() if isinstance(m, torch.nn.Linear)]
+    assert {m.weight.dtype for m in linears} == {torch.bfloat16}  # every matmul's weight, the output layer's too
+    # the embedding and the norms as the trainer holds them: autocast leaves them float32
+    assert copy.model.embed_tokens.weight.dtype == torch.float32 and copy.model.norm.weight.dtype == torch.float32
+    assert copy.model.embed_tokens.weight is not copy.lm_head.weight  # a tied output layer gets its bf16 copy
     assert not any(p.requires_grad for p in copy.parameters())
-    assert copy.model.embed_tokens.weight is copy.lm_head.weight  # tied weights stay tied
-    # buffers as transformers' own bf16 load keeps them (rotary frequencies float32), equal to the trainer's
     for (name, mine), (_, theirs) in zip(copy.named_buffers(), model.named_buffers()):
-        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), name
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), name  # rotary frequencies float32
     assert _matches_master(engine, model)
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the master is untouched
 
-    with torch.no_grad():  # an optimizer step
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    _change(model)
     assert not _matches_master(engine, model)  # not refreshed per step: only by the sync
     before = [p.clone() for p in copy.parameters()]
     engine.sync_weights(ModelWeights(model, version=1))
-    assert engine.copy.model is copy and _matches_master(engine, model)
+    assert engine.copy.model is copy and _matches_master(engine, model) and engine.copy.refreshes == 1
     assert all(not torch.equal(a, b) for a, b in zip(before, copy.parameters()))
-
-    out = engine.generate(_prompts(tokenizer), 2, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
-    assert all(c.logprobs and all(lp <= 0 for lp in c.logprobs) for group in out for c in group)
+    assert copy.model.embed_tokens.weight is not copy.lm_head.weight
 
 
-def test_generation_runs_on_the_copy_without_autocast_and_samples_from_float32_logits(
-    make_tiny_model, tokenizer, monkeypatch
-):
+def test_the_all_copy_is_a_bf16_model(make_tiny_model, tokenizer):
+    model = make_tiny_model("llama")
+    model.model.embed_tokens.weight = model.lm_head.weight
+    engine = _engine(model, tokenizer, mode="all")
+    copy = engine.copy.model
+    assert not engine.copy.autocast and {p.dtype for p in copy.parameters()} == {torch.bfloat16}
+    assert copy.model.embed_tokens.weight is copy.lm_head.weight  # tied weights stay tied
+    assert {b.dtype for b in copy.buffers()} == {torch.float32}  # as transformers' own bf16 load keeps them
+    _change(model)
+    engine.sync_weights(ModelWeights(model, version=1))
+    assert _matches_master(engine, model)
+
+
+@pytest.mark.parametrize("mode", ["matmul", "all"])
+def test_generation_runs_on_the_copy_and_samples_from_float32_logits(make_tiny_model, tokenizer, monkeypatch, mode):
     model = make_tiny_model("qwen3")
-    engine = _engine(model, tokenizer)
+    engine = _engine(model, tokenizer, mode=mode)
     seen = []
     sample_step = decode_module.sample_step
 
     def recording(logits, uniform, temperature, top_k=0, top_p=1.0):
-        seen.append((logits.dtype, torch.is_autocast_enabled("cpu")))
         tokens, logprobs = sample_step(logits, uniform, temperature, top_k, top_p)
-        seen.append((logprobs.dtype, None))
+        seen.append((logits.dtype, logprobs.dtype, torch.is_autocast_enabled("cpu")))
         return tokens, logprobs
 
     monkeypatch.setattr(decode_module, "sample_step", recording)
-    weights_seen = []
-    handle = engine.copy.model.lm_head.register_forward_hook(lambda m, a, out: weights_seen.append(out.dtype))
-    engine.generate(_prompts(tokenizer), 2, SamplingParams(max_new_tokens=5, temperature=1.0, seed=0))
+    heads = []
+    handle = engine.copy.model.lm_head.register_forward_hook(lambda m, a, out: heads.append(out.dtype))
+    out = engine.generate(_prompts(tokenizer), 2, SamplingParams(max_new_tokens=5, temperature=1.0, seed=0))
     handle.remove()
-    assert weights_seen and set(weights_seen) == {torch.bfloat16}  # the copy's bf16 head computed the logits
-    assert seen and {dtype for dtype, _ in seen} == {torch.float32}  # log-prob math in float32
-    assert {autocast for _, autocast in seen if autocast is not None} == {False}
+    assert heads and set(heads) == {torch.bfloat16}  # the copy's bf16 output layer computed the logits
+    assert seen and {(a, b) for a, b, _ in seen} == {(torch.float32, torch.float32)}  # log-prob math in float32
+    assert {autocast for _, _, autocast in seen} == {mode == "matmul"}
+    assert all(c.logprobs and all(lp <= 0 for lp in c.logprobs) for group in out for c in group)
     assert model.training is False and engine.copy.model.training is False
+
+
+def test_the_matmul_copy_samples_what_the_training_model_under_autocast_samples(make_tiny_model, tokenizer):
+    """Its weights are the values autocast gives the trainer's matmuls: the same tokens, the same log-probs."""
+    model = make_tiny_model("olmo2")
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=4)
+    on_the_copy = _engine(model, tokenizer).generate(_prompts(tokenizer), 3, params)
+    on_the_model = HFEngine(model, tokenizer, compute_context=lambda: MASTER.autocast(torch.device("cpu"))).generate(
+        _prompts(tokenizer), 3, params
+    )
+    for a, b in zip((c for g in on_the_copy for c in g), (c for g in on_the_model for c in g)):
+        assert a.completion_ids == b.completion_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
@@ -142,10 +172,11 @@ def test_moe_routing_is_recorded_from_the_copys_routers(tokenizer):
 
 
 @pytest.mark.skipif(not bf16_packing_supported(), reason="needs a CPU with native bf16 (AVX512-BF16, AMX)")
-def test_the_bf16_copy_generates_on_packed_weights(make_tiny_model, tokenizer, monkeypatch):
+@pytest.mark.parametrize("mode", ["matmul", "all"])
+def test_the_bf16_copy_generates_on_packed_weights(make_tiny_model, tokenizer, monkeypatch, mode):
     monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS_BF16", 0)  # the tiny layers are below the size that pays
     model = make_tiny_model("llama")
-    engine = _engine(model, tokenizer)
+    engine = _engine(model, tokenizer, mode=mode)
     head = engine.copy.model.lm_head
     seen = []
     handle = head.register_forward_pre_hook(lambda layer, _: seen.append("forward" in layer.__dict__))

@@ -108,6 +108,25 @@ def test_bf16_packed_layers_give_bf16_f_linears_logits(make_tiny_model, arch, pa
 
 
 @needs_bf16
+def test_bf16_weights_under_bf16_autocast_are_packed_as_autocasts_linear(make_tiny_model, pack_every_layer):
+    """The hf engine's copy of float32 masters: bf16 linear weights, float32 norms and embedding, generating
+    under the trainer's autocast. A packed layer casts its float32 input to bf16 as autocast's linear does."""
+    model = make_tiny_model("llama")
+    for layer in _linears(model):
+        layer.to(torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (4, 6))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        before = model(input_ids=ids).logits
+        with packed_linears(model, rows=4) as packed:
+            assert packed
+            inside = model(input_ids=ids).logits
+    assert inside.dtype == before.dtype
+    torch.testing.assert_close(inside.float(), before.float(), rtol=2**-7, atol=2**-7 * before.abs().max().item())
+    with torch.autocast("cpu", dtype=torch.float16):  # another autocast dtype decides the matmul itself
+        assert not packing_applies(model)
+
+
+@needs_bf16
 def test_bf16_layers_are_packed_from_their_own_size_up(make_tiny_model, monkeypatch):
     model = make_tiny_model("llama").to(torch.bfloat16)  # hidden 32, vocabulary 107
     assert not packing_applies(model)  # every layer below MIN_PACKED_ELEMENTS_BF16

@@ -14,9 +14,9 @@ On a CPU, grouped key/value heads attend as they are, even with the padding's ma
 (``grpolab.rollout.hf.grouped_attention``), and large weights are laid out once per call
 (``grpolab.rollout.hf.packed_linear``).
 
-With float32 master weights and a bf16 compute dtype the engine generates on its own bf16 copy of the model,
-refreshed by each ``sync_weights``, with no autocast (``grpolab.rollout.hf.engine_weights``); where the weights
-are already in the compute dtype it generates on the training model itself.
+With float32 master weights and a bf16 compute dtype the engine generates on its own copy of the model whose
+linear weights are bf16, refreshed by each ``sync_weights`` (``grpolab.rollout.hf.engine_weights``); where the
+weights are already in the compute dtype it generates on the training model itself.
 
 Seeding: every batch seeds torch's RNG from ``params.seed`` and the global index of its first row
 (``params.prompt_offset * n`` plus its position in the call; a call's first batch at offset 0 takes the
@@ -38,7 +38,7 @@ from grpolab.models.routing import routers
 from grpolab.models.weights import PolicyWeights
 from grpolab.rollout.base import Completion, EngineCapabilities, SamplingParams, collect_eos_ids
 from grpolab.rollout.hf.decode import decode
-from grpolab.rollout.hf.engine_weights import ComputeCopy, engine_weights
+from grpolab.rollout.hf.engine_weights import ComputeCopy, CopyMode, engine_weights
 from grpolab.rollout.hf.grouped_attention import grouped_kv_attention
 from grpolab.rollout.hf.packed_linear import packed_linears
 from grpolab.rollout.hf.prefill import prompt_layout, shared_prefill
@@ -64,8 +64,10 @@ class HFEngine:
     compute_context: a factory of the context generation runs in on the training model (the trainer's
         bf16 autocast when its weights are float32 masters), so that sampling and training forwards agree.
     compute_dtype: the trainer's compute dtype; where the model's weights are of another dtype (float32
-        masters), generation runs on a copy in this dtype without ``compute_context``
-        (``grpolab.rollout.hf.engine_weights``; None: never a copy).
+        masters), generation runs on a copy with weights in this dtype (``grpolab.rollout.hf.engine_weights``;
+        None: never a copy).
+    copy_mode: which weights the copy casts: ``matmul`` (the linear layers', generating under
+        ``compute_context`` as the trainer does) or ``all`` (every weight, without ``compute_context``).
     shared_prefill: prefill each distinct prompt of a batch, and the prefix they share, once
         (``grpolab.rollout.hf.prefill``).
     synced: the model's forwards are collectives over data-parallel ranks (FSDP): decoding goes on, with
@@ -98,6 +100,7 @@ class HFEngine:
         synced: bool = False,
         pack_weights: bool = True,
         compute_dtype: torch.dtype | None = None,
+        copy_mode: CopyMode = "matmul",
     ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
@@ -106,8 +109,8 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.compute_context = compute_context
         self.shared_prefill, self.synced, self.pack_weights = shared_prefill, synced, pack_weights
-        self.compute_dtype = compute_dtype
-        self.copy: ComputeCopy | None = engine_weights(model, compute_dtype)
+        self.compute_dtype, self.copy_mode = compute_dtype, copy_mode
+        self.copy: ComputeCopy | None = engine_weights(model, compute_dtype, copy_mode)
         self.eos_token_ids = (
             list(eos_token_ids)
             if eos_token_ids is not None
@@ -124,7 +127,7 @@ class HFEngine:
         with that one (or a copy of it) from now on."""
         if weights.model is not self.model:
             self.model = weights.model
-            self.copy = engine_weights(self.model, self.compute_dtype)
+            self.copy = engine_weights(self.model, self.compute_dtype, self.copy_mode)
         elif self.copy is not None:
             self.copy.refresh()
 
@@ -151,7 +154,7 @@ class HFEngine:
             model.eval()
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.no_grad())
-                if self.copy is None:  # the copy is in the compute dtype already
+                if self.copy is None or self.copy.autocast:
                     stack.enter_context(self.compute_context())
                 stack.enter_context(grouped_kv_attention(model))
                 if self.pack_weights:

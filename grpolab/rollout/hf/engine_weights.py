@@ -1,44 +1,49 @@
 """The weights the hf engine generates with: the training model itself, or its own copy in the compute dtype.
 
 With float32 master weights and bf16 compute (``optim.precision fp32_master``) the trainer runs every forward
-under bf16 autocast. Generating on the training model under that autocast puts a cast in front of every matmul
-of every decoding step and keeps the weights float32, so ``grpolab.rollout.hf.packed_linear`` cannot lay them
-out beforehand. ``engine_weights`` instead gives the engine a copy of the model whose parameters are in the
-compute dtype, made once and refreshed by each weight sync (``ComputeCopy.refresh``: one ``copy_`` with the cast
-per parameter, under ``torch.no_grad``); generation runs on that copy with no autocast, as a model loaded in
-bf16 runs. Its matmuls take the same bf16 weights as the trainer's autocast gives its matmuls, but its residual
-stream and norms are bf16 where autocast keeps them float32, so engine and trainer log-probs differ by more than
-they do when both run under autocast (``grpolab.rollout.sync_check``'s bf16 limits are measured on this pair).
+under bf16 autocast. Generating on the training model under that autocast casts each float32 weight to bf16
+inside the call, and keeps the weights float32, so ``grpolab.rollout.hf.packed_linear`` cannot lay them out
+beforehand. ``engine_weights`` instead gives the engine a copy of the model with its weights cast once, refreshed
+by each weight sync (``ComputeCopy.refresh``: one ``copy_`` with the cast per tensor, under ``torch.no_grad``;
+never per decoding step). Two kinds of copy (``CopyMode``):
 
-Buffers are copied as they are: a transformers model loaded in bf16 keeps its rotary frequencies float32 (they
-are computed, not loaded), and so does the copy, as the trainer does.
+``matmul`` (the default) casts exactly the weights the trainer's autocast casts, those of the ``nn.Linear``
+    layers (the projections and the output layer; a tied output layer gets its own bf16 copy, the embedding
+    stays float32), keeps the rest (embeddings, norms, buffers) as the trainer holds it, and generates under
+    the trainer's autocast. Every operation then sees the values the trainer's forward sees: engine and
+    trainer log-probs agree as closely as when the engine generated on the training model itself (KV-cached
+    decoding against one forward), and the sync check's limits stand. The bf16 linear weights are packed.
+``all`` casts every floating-point parameter (a model loaded in bf16; buffers stay as they are, as
+    transformers keeps its rotary frequencies float32) and generates without autocast: the residual stream and
+    norms run in bf16 where the trainer's autocast keeps them float32. On SmolLM2-135M that moved the mean
+    |engine - trainer| log-prob from ~1e-4 to 0.045 (measured on 4 x 8 samples of 40 tokens, 2026-12-06), half
+    the sync check's bf16 limit; kept for speed comparisons (``benchmarks/precision_step.py``).
 
 Where the weights are already in the compute dtype (float32 runs, bf16 storage, a model loaded in the compute
 dtype) the engine generates on the training model itself: no copy. It also does where a copy cannot stand in
 for the training model, and generation keeps the trainer's autocast there (``copy_refusal``): FSDP's DTensor
 shards (the forward is a collective over the shards), a LoRA policy (its base is already in the compute dtype;
-only the float32 adapter would be cast, and peft's layers are the training model's own), weights of mixed
-dtypes.
+peft's layers are the training model's own), weights of mixed dtypes.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ComputeCopy", "copy_refusal", "engine_weights"]
+__all__ = ["COPY_MODES", "ComputeCopy", "CopyMode", "copy_refusal", "engine_weights"]
 
-
-def _floating_parameters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    return ((name, p) for name, p in model.named_parameters() if p.is_floating_point())
+CopyMode = Literal["matmul", "all"]
+COPY_MODES: tuple[CopyMode, ...] = ("matmul", "all")
 
 
 def copy_refusal(model: nn.Module, compute: torch.dtype) -> str | None:
     """Why the engine does not generate on a ``compute``-dtype copy of ``model`` (None: it does)."""
-    dtypes = {p.dtype for _, p in _floating_parameters(model)}
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if not dtypes or dtypes == {compute}:
         return "its weights are already in the compute dtype"
     if len(dtypes) > 1:
@@ -51,42 +56,66 @@ def copy_refusal(model: nn.Module, compute: torch.dtype) -> str | None:
 
 
 class ComputeCopy:
-    """An eval-mode copy of ``source`` whose floating-point parameters are in ``dtype`` (tied weights stay tied;
-    buffers copied as they are), built without a float32 duplicate. ``model``: the copy; ``refresh``: take the
-    source's current weights."""
+    """An eval-mode copy of ``source`` with its weights cast to ``dtype`` as ``mode`` says (module docstring),
+    made without a float32 duplicate of what it casts. ``model``: the copy; ``refresh``: take the source's current
+    weights; ``autocast``: whether generation on it runs under the trainer's autocast (``matmul``)."""
 
-    def __init__(self, source: nn.Module, dtype: torch.dtype):
-        self.source, self.dtype = source, dtype
+    def __init__(self, source: nn.Module, dtype: torch.dtype, mode: CopyMode = "matmul"):
+        if mode not in COPY_MODES:
+            raise ValueError(f"unknown copy mode {mode!r}; one of {', '.join(COPY_MODES)}")
+        self.source, self.dtype, self.mode = source, dtype, mode
+        self.autocast = mode == "matmul"
+        # deepcopy finds every parameter in the memo (as None) and copies the rest (buffers, config, modules);
+        # each module's parameters are then set below, so a cast weight is never first copied in float32
+        memo: dict[int, object] = {id(p): None for p in source.parameters()}
         with torch.no_grad():
-            memo = {
-                id(p): nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False)
-                for _, p in _floating_parameters(source)
-            }  # deepcopy meets each parameter in the memo first: only the cast copy is ever made
             self.model = copy.deepcopy(source, memo)
+            made: dict[tuple[int, torch.dtype], nn.Parameter] = {}  # shared weights stay shared per dtype
+            self._slots: list[tuple[nn.Module, str, nn.Module, str]] = []
+            for (_, theirs), (_, mine) in zip(
+                source.named_modules(remove_duplicate=False), self.model.named_modules(remove_duplicate=False)
+            ):
+                for name, p in theirs._parameters.items():
+                    if p is None:
+                        continue
+                    target = self._dtype_of(theirs, p)
+                    key = (id(p), target)
+                    if key not in made:
+                        made[key] = nn.Parameter(p.detach().to(target, copy=True), requires_grad=False)
+                    mine._parameters[name] = made[key]
+                    self._slots.append((mine, name, theirs, name))
         self.model.eval()
         self.refreshes = 0
 
+    def _dtype_of(self, module: nn.Module, p: Tensor) -> torch.dtype:
+        if not p.is_floating_point():
+            return p.dtype
+        return self.dtype if self.mode == "all" or isinstance(module, nn.Linear) else p.dtype
+
     def pairs(self) -> Iterator[tuple[Tensor, Tensor]]:
-        """(copy's tensor, source's tensor) for every parameter and buffer, tied ones once."""
-        theirs = dict(self.source.named_parameters())
-        for name, mine in self.model.named_parameters():
-            yield mine, theirs[name]
+        """(copy's tensor, source's tensor) for every parameter and buffer, each copy tensor once."""
+        seen: set[int] = set()
+        for mine, name, theirs, their_name in self._slots:
+            dst = mine._parameters[name]
+            if id(dst) not in seen:
+                seen.add(id(dst))
+                yield dst, theirs._parameters[their_name]
         theirs = dict(self.source.named_buffers())
-        for name, mine in self.model.named_buffers():
+        for name, dst in self.model.named_buffers():
             if name in theirs:
-                yield mine, theirs[name]
+                yield dst, theirs[name]
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Copy the source's weights into the copy, cast to its dtype (once per weight sync)."""
+        """Copy the source's weights into the copy, cast to its dtypes (once per weight sync)."""
         for mine, theirs in self.pairs():
             mine.copy_(theirs.detach())
         self.refreshes += 1
 
 
-def engine_weights(model: nn.Module, compute: torch.dtype | None) -> ComputeCopy | None:
+def engine_weights(model: nn.Module, compute: torch.dtype | None, mode: CopyMode = "matmul") -> ComputeCopy | None:
     """A ``ComputeCopy`` of ``model`` for the engine to generate on, or None where it generates on ``model``
     itself (``compute`` None, or ``copy_refusal``)."""
     if compute is None or copy_refusal(model, compute) is not None:
         return None
-    return ComputeCopy(model, compute)
+    return ComputeCopy(model, compute, mode)

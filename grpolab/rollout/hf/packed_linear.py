@@ -20,7 +20,7 @@ against ``F.linear`` at 4-256 rows: 0.2-0.8x for 64 x 64 to 300 x 64, 0.6-1.0x a
 
 bf16 weights (the hf engine's own bf16 copy, ``grpolab.rollout.hf.engine_weights``, or a model stored in
 bf16) are packed for oneDNN's bf16 path where the CPU runs it natively
-(``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX512-BF16 or AMX), from ``MIN_PACKED_ELEMENTS_BF16``
+(``bf16_packing_supported``: AVX512-BF16 or AMX-BF16, and oneDNN's bf16 path), from ``MIN_PACKED_ELEMENTS_BF16``
 weights up: bf16 ``F.linear`` runs without a per-call layout, so packing wins less, but it still wins at
 every SmolLM2-135M shape. Measured on one thread, packed against bf16 ``F.linear`` at 8 / 16 / 32 / 64 rows
 (AMD EPYC with avx512_bf16, measured under load from other processes, best of 3; 2026-12-06):
@@ -36,8 +36,10 @@ every SmolLM2-135M shape. Measured on one thread, packed against bf16 ``F.linear
     49152 x 576   1.99x    1.70x    1.37x    1.21x   (output layer)
 
 Used only where it applies: CPU weights, all float32 or all bf16 (with native bf16), that are plain tensors
-(not FSDP's DTensors), no autocast (the trainer's bf16 compute context decides the matmul's precision there),
-and oneDNN available.
+(not FSDP's DTensors), and oneDNN available. Under autocast only bf16 weights under bf16 autocast (the hf
+engine's copy of float32 masters, whose linear weights are bf16): the packed layer casts its input (and bias)
+to bf16 and returns bf16, as autocast's ``linear`` does; float32 weights under autocast are not packed (the
+trainer's bf16 compute context decides the matmul's precision there).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+
+from grpolab.common.provenance import native_bf16
 
 __all__ = [
     "MIN_PACKED_ELEMENTS",
@@ -61,8 +65,9 @@ MIN_PACKED_ELEMENTS_BF16 = 2**16  # the smallest bf16 weight packed (128 x 128 b
 
 
 def bf16_packing_supported() -> bool:
-    """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX512-BF16 or AMX)."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX512-BF16 or AMX; ``native_bf16``: torch's own
+    check alone also passes on AVX-512 without bf16, where oneDNN emulates it)."""
+    return native_bf16()
 
 
 def _min_elements(dtype: torch.dtype) -> int:
@@ -75,14 +80,13 @@ def _large_linears(model: nn.Module) -> list[nn.Linear]:
 
 def packing_applies(model: nn.Module) -> bool:
     """Whether ``packed_linears`` would pack some of ``model``'s linear layers (see the module docstring)."""
-    if (
-        not torch.backends.mkldnn.is_available()
-        or torch.is_autocast_enabled("cpu")
-        or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    ):
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
     weights = [m.weight for m in model.modules() if type(m) is nn.Linear]
     dtypes = {w.dtype for w in weights}
+    if torch.is_autocast_enabled("cpu"):
+        if dtypes != {torch.bfloat16} or torch.get_autocast_dtype("cpu") != torch.bfloat16:
+            return False  # autocast decides the matmul's precision
     if dtypes != {torch.float32} and not (dtypes == {torch.bfloat16} and bf16_packing_supported()):
         return False
     return bool(_large_linears(model)) and all(
@@ -90,9 +94,12 @@ def packing_applies(model: nn.Module) -> bool:
     )
 
 
-def _packed_forward(packed: Tensor, bias: Tensor | None):
+def _packed_forward(packed: Tensor, bias: Tensor | None, dtype: torch.dtype):
+    """``dtype``: the weight's; the input (float32 under autocast) and bias are cast to it, as autocast does."""
+    bias = None if bias is None else bias.to(dtype)
+
     def forward(x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.to(dtype).contiguous(), packed, bias, "none", [], "")
 
     return forward
 
@@ -115,7 +122,7 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[bool]:
                 w = layer.weight
                 if id(w) not in packed_by_weight:
                     packed_by_weight[id(w)] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
-                layer.forward = _packed_forward(packed_by_weight[id(w)], layer.bias)
+                layer.forward = _packed_forward(packed_by_weight[id(w)], layer.bias, w.dtype)
         yield True
     finally:
         for layer in layers:
