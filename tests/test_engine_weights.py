@@ -138,6 +138,7 @@ def test_paths_a_copy_cannot_stand_in_for_keep_the_autocast(make_tiny_model, tok
     mixed = make_tiny_model("llama")
     mixed.lm_head.to(torch.bfloat16)
     assert "mixed dtypes" in copy_refusal(mixed, torch.bfloat16)
+    assert "not on the CPU" in copy_refusal(make_tiny_model("llama").to("meta"), torch.bfloat16)
     lora = inject_adapter_in_model(LoraConfig(r=2, target_modules=["q_proj"]), make_tiny_model("llama"))
     assert "LoRA" in copy_refusal(lora, torch.bfloat16)
     engine = _engine(lora, tokenizer)

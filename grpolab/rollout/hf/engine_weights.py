@@ -2,8 +2,8 @@
 
 With float32 master weights and bf16 compute (``optim.precision fp32_master``) the trainer runs every forward
 under bf16 autocast. Generating on the training model under that autocast casts each float32 weight to bf16
-inside the call, and keeps the weights float32, so ``grpolab.rollout.hf.packed_linear`` cannot lay them out
-beforehand. ``engine_weights`` instead gives the engine a copy of the model with its weights cast once, refreshed
+once per generation call (autocast caches the cast of a leaf weight that requires grad until its context ends),
+and keeps the weights float32, so ``grpolab.rollout.hf.packed_linear`` cannot lay them out beforehand. ``engine_weights`` instead gives the engine a copy of the model with its weights cast once, refreshed
 by each weight sync (``ComputeCopy.refresh``: one ``copy_`` with the cast per tensor, under ``torch.no_grad``;
 never per decoding step). Two kinds of copy (``CopyMode``):
 
@@ -21,8 +21,9 @@ never per decoding step). Two kinds of copy (``CopyMode``):
 
 Where the weights are already in the compute dtype (float32 runs, bf16 storage, a model loaded in the compute
 dtype) the engine generates on the training model itself: no copy. It also does where a copy cannot stand in
-for the training model, and generation keeps the trainer's autocast there (``copy_refusal``): FSDP's DTensor
-shards (the forward is a collective over the shards), a LoRA policy (its base is already in the compute dtype;
+for the training model or would not pay, and generation keeps the trainer's autocast there (``copy_refusal``):
+weights on a GPU (no packing there, and autocast's cache already casts each weight once per call: a copy would
+only cost memory), FSDP's DTensor shards (the forward is a collective over the shards), a LoRA policy (its base is already in the compute dtype;
 peft's layers are the training model's own), weights of mixed dtypes.
 """
 
@@ -48,6 +49,8 @@ def copy_refusal(model: nn.Module, compute: torch.dtype) -> str | None:
         return "its weights are already in the compute dtype"
     if len(dtypes) > 1:
         return f"its weights have mixed dtypes ({', '.join(sorted(str(d) for d in dtypes))})"
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return "its weights are not on the CPU (nothing there packs bf16 weights, and a copy only costs memory)"
     if any(type(p) not in (Tensor, nn.Parameter) for p in model.parameters()):
         return "its weights are sharded (FSDP)"
     if any(type(m).__module__.startswith("peft.") for m in model.modules()):
