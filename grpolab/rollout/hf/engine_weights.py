@@ -15,9 +15,10 @@ never per decoding step). Two kinds of copy (``CopyMode``):
     decoding against one forward), and the sync check's limits stand. The bf16 linear weights are packed.
 ``all`` casts every floating-point parameter (a model loaded in bf16; buffers stay as they are, as
     transformers keeps its rotary frequencies float32) and generates without autocast: the residual stream and
-    norms run in bf16 where the trainer's autocast keeps them float32. On SmolLM2-135M that moved the mean
-    |engine - trainer| log-prob from ~1e-4 to 0.045 (measured on 4 x 8 samples of 40 tokens, 2026-12-06), half
-    the sync check's bf16 limit; kept for speed comparisons (``benchmarks/precision_step.py``).
+    norms run in bf16 where the trainer's autocast keeps them float32. The mean |engine - trainer| log-prob
+    went from 8.2e-4 (``matmul``) to 8.0e-3 on the tests' tiny model and from 3.1e-2 to 4.1e-2 on
+    SmolLM2-135M (16 samples of <= 24-30 tokens; 2026-12-06 at fbc0a64, AMD EPYC with avx512_bf16, under load);
+    kept for speed comparisons (``benchmarks/precision_step.py``).
 
 Where the weights are already in the compute dtype (float32 runs, bf16 storage, a model loaded in the compute
 dtype) the engine generates on the training model itself: no copy. It also does where a copy cannot stand in

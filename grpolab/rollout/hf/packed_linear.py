@@ -21,9 +21,9 @@ against ``F.linear`` at 4-256 rows: 0.2-0.8x for 64 x 64 to 300 x 64, 0.6-1.0x a
 bf16 weights (the hf engine's own bf16 copy, ``grpolab.rollout.hf.engine_weights``, or a model stored in
 bf16) are packed for oneDNN's bf16 path where the CPU runs it natively
 (``bf16_packing_supported``: AVX512-BF16 or AMX-BF16, and oneDNN's bf16 path), from ``MIN_PACKED_ELEMENTS_BF16``
-weights up: bf16 ``F.linear`` runs without a per-call layout, so packing wins less, but it still wins at
-every SmolLM2-135M shape. Measured on one thread, packed against bf16 ``F.linear`` at 8 / 16 / 32 / 64 rows
-(AMD EPYC with avx512_bf16, measured under load from other processes, best of 3; 2026-12-06):
+weights up (lower than float32's: packed bf16 wins down to 256 x 256), and at every SmolLM2-135M shape. Measured on one thread, packed against bf16 ``F.linear`` at 8 / 16 / 32 / 64 rows
+(AMD EPYC with avx512_bf16, torch 2.13, measured under load from other processes, best of 3; 2026-12-06 at
+9c9a4f4):
 
     out x in      8 rows   16 rows  32 rows  64 rows
     64 x 64       1.27x    1.12x    1.04x    1.14x
