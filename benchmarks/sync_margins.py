@@ -3,8 +3,10 @@
     python benchmarks/sync_margins.py                                  # the tests' tiny model, bf16, 14 steps
     python benchmarks/sync_margins.py --windows 3 --model.dtype float32 --model.path DIR
 
-The engine holds its own copy of the weights in the trainer's dtype (as vLLM does), into which every
-weight sync copies the trainer's; from step ``--stale-from`` on the copy is no longer made (a broken sync).
+The engine holds its own copy of the weights, into which every weight sync copies the trainer's: with
+float32 masters of a bf16 compute dtype (``optim.precision fp32_master``, the default) the hf engine's own bf16
+copy (``grpolab.rollout.hf.engine_weights``), else a copy in the trainer's dtype (as vLLM does). From step
+``--stale-from`` on the copy is no longer refreshed (a broken sync).
 For each calibration window (``rollout.sync_calibration_steps``) one run in sync and one with the broken
 sync, from the same start: per step the mean |engine - trainer| log-prob and its margin (``sync/margin``,
 1 = the run stops), the noise floor, and where the run stopped.
@@ -51,6 +53,23 @@ TESTS_MODEL = {
 }
 
 
+class StaleEngine:
+    """The run's own engine (the hf engine on its compute-dtype copy); ``sync_weights`` passes on unless ``stale``."""
+
+    def __init__(self, engine):
+        self.inner, self.stale = engine, False
+
+    def generate(self, prompts, n, params):
+        return self.inner.generate(prompts, n, params)
+
+    def sync_weights(self, weights):
+        if not self.stale:
+            self.inner.sync_weights(weights)
+
+    def close(self):
+        self.inner.close()
+
+
 class CopyEngine:
     """The hf engine on a copy of the policy; ``sync_weights`` copies the trainer's weights in unless ``stale``."""
 
@@ -75,7 +94,11 @@ class CopyEngine:
 def run(overrides: dict, root: str, steps: int, stale_from: int | None) -> tuple[list[dict], int | None, float]:
     """The step records until ``steps`` or the stop, the step that stopped (None), and the noise floor."""
     trainer = Trainer(load_config(None, {**overrides, "output_dir": root}), Console(quiet=True))
-    engine = CopyEngine(trainer.parts.model, trainer.parts.tokenizer, trainer.cfg.rollout.max_batch_size)
+    own = trainer.parts.collector.engine
+    if getattr(own, "copy", None) is not None:
+        engine = StaleEngine(own)
+    else:
+        engine = CopyEngine(trainer.parts.model, trainer.parts.tokenizer, trainer.cfg.rollout.max_batch_size)
     trainer.parts.collector.engine = engine
     records, stopped = [], None
     try:

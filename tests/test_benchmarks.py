@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -232,3 +233,19 @@ def test_sync_margins_benchmark_runs_in_sync_and_stale(warm_model_dir, capsys):
     )
     out = capsys.readouterr().out
     assert "window 1        in sync" in out and "window 1   stale from 2" in out
+
+
+def test_precision_step_benchmark_times_float32_and_bf16_side_by_side(warm_model_dir, capsys, tmp_path):
+    import precision_step
+
+    out_json = tmp_path / "precision.json"
+    argv = ["--config", "demo", "--steps", "1", "--model.path", str(warm_model_dir), "--json", str(out_json)]
+    argv += ["--rollout.prompts_per_step", "2", "--rollout.group_size", "2", "--rollout.max_new_tokens", "6"]
+    assert precision_step.main(argv + ["--variants", "float32", "bf16 all"]) == 0  # "bf16 all": a swapped copy
+    out = capsys.readouterr().out
+    assert "RL step, float32 vs bf16: 2 prompts x 2, <= 6 new tokens, temperature 1" in out
+    results = json.loads(out_json.read_text())["results"]
+    assert list(results) == ["float32", "bf16 all"]
+    assert all(results[v][phase] > 0 for v in results for phase in precision_step.PHASES)
+    with pytest.raises(SystemExit):  # an existing report is never overwritten
+        precision_step.main(argv)

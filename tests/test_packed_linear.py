@@ -10,7 +10,7 @@ from grpolab.learning.batching import collate
 from grpolab.models.logprobs import token_logprobs
 from grpolab.rollout import HFEngine, SamplingParams
 from grpolab.rollout.hf import packed_linear
-from grpolab.rollout.hf.packed_linear import packed_linears, packing_applies
+from grpolab.rollout.hf.packed_linear import bf16_packing_supported, packed_linears, packing_applies
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 def pack_every_layer(monkeypatch):
     """The tiny models' layers are all under the size that pays: pack them all the same."""
     monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", 0)
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS_BF16", 0)
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
@@ -80,7 +81,59 @@ def test_packing_stays_off_where_it_does_not_apply(make_tiny_model, pack_every_l
         assert not packing_applies(model)
         with packed_linears(model, rows=2) as packed:
             assert not packed and not any(map(_is_packed, _linears(model)))
-    assert not packing_applies(model.to(torch.bfloat16))
+    mixed = make_tiny_model("llama")
+    mixed.lm_head.to(torch.bfloat16)
+    assert not packing_applies(mixed)  # one dtype throughout, or nothing
+    # bf16 weights: packed where oneDNN runs bf16 natively (AVX512-BF16, AMX), else not
+    assert packing_applies(model.to(torch.bfloat16)) == bf16_packing_supported()
+
+
+needs_bf16 = pytest.mark.skipif(not bf16_packing_supported(), reason="needs a CPU with native bf16 (AVX512-BF16, AMX)")
+
+
+@needs_bf16
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_packed_layers_give_bf16_f_linears_logits(make_tiny_model, arch, pack_every_layer):
+    model = make_tiny_model(arch).to(torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (5, 9))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        with packed_linears(model, rows=5) as packed:
+            assert packed and all(map(_is_packed, _linears(model)))
+            inside = model(input_ids=ids).logits
+    assert not any(map(_is_packed, _linears(model)))
+    assert inside.dtype == before.dtype == torch.bfloat16
+    # the same bf16 products in another summation order at most: within bf16 rounding of the logits
+    torch.testing.assert_close(inside.float(), before.float(), rtol=2**-7, atol=2**-7 * before.abs().max().item())
+
+
+@needs_bf16
+def test_bf16_weights_under_bf16_autocast_are_packed_as_autocasts_linear(make_tiny_model, pack_every_layer):
+    """The hf engine's copy of float32 masters: bf16 linear weights, float32 norms and embedding, generating
+    under the trainer's autocast. A packed layer casts its float32 input to bf16 as autocast's linear does."""
+    model = make_tiny_model("llama")
+    for layer in _linears(model):
+        layer.to(torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (4, 6))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        before = model(input_ids=ids).logits
+        with packed_linears(model, rows=4) as packed:
+            assert packed
+            inside = model(input_ids=ids).logits
+    assert inside.dtype == before.dtype
+    torch.testing.assert_close(inside.float(), before.float(), rtol=2**-7, atol=2**-7 * before.abs().max().item())
+    with torch.autocast("cpu", dtype=torch.float16):  # another autocast dtype decides the matmul itself
+        assert not packing_applies(model)
+
+
+@needs_bf16
+def test_bf16_layers_are_packed_from_their_own_size_up(make_tiny_model, monkeypatch):
+    model = make_tiny_model("llama").to(torch.bfloat16)  # hidden 32, vocabulary 107
+    assert not packing_applies(model)  # every layer below MIN_PACKED_ELEMENTS_BF16
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS_BF16", model.lm_head.weight.numel())
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", 0)  # the float32 threshold does not apply
+    with torch.no_grad(), packed_linears(model, rows=2) as packed:
+        assert packed and [m for m in _linears(model) if _is_packed(m)] == [model.lm_head]
 
 
 @pytest.mark.parametrize("pack", [True, False])

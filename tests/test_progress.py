@@ -22,6 +22,7 @@ from grpolab.commands.cli import main
 from grpolab.commands.demo import print_demo_plan
 from grpolab.commands.probe import run_probe
 from grpolab.common.progress import Reporter, format_seconds
+from grpolab.common.provenance import native_bf16
 from grpolab.common.threads import busy_cores, choose_threads
 from grpolab.config import load_config
 from grpolab.models.loading import load_policy
@@ -275,6 +276,7 @@ def test_a_finished_probe_report_is_complete_with_every_phase(warm_model_dir, tm
     assert json.loads((tmp_path / "probe.json").read_text()) == json.loads(json.dumps(report))
     assert report["complete"] and report["phases_done"] == ["load", "update_1", "generation", "update_2"]
     assert set(report["phase_seconds"]) == set(report["phases_done"]) and len(report["updates"]) == 2
+    assert report["cpu"]["native_bf16"] is native_bf16()  # whether bf16 compute pays here
     text = out.getvalue()
     for phase in ("probe: load", "probe: update 1", "probe: generation of 32 completions", "probe: update 2"):
         assert re.search(STAMP + re.escape(phase) + r".*: done in", text, re.M), (phase, text)

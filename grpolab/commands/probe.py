@@ -28,6 +28,7 @@ import torch
 from rich.console import Console
 
 from grpolab.common.progress import Phase, Reporter, format_seconds
+from grpolab.common.provenance import cpu_description
 from grpolab.config import RunConfig
 from grpolab.learning.batching import TrainBatch, collate
 from grpolab.learning.learner import BatchForward, PolicyLearner
@@ -290,6 +291,7 @@ def _probe(parts: RunParts, reporter: Reporter, report: ProbeReport, load_second
         },
         "optimizer_state_initialised": len(state) > 0 and all(len(s) > 0 for s in state.values()),
         "optimizer_state_tensors": len(state),
+        "cpu": cpu_description(),  # its model, vector extensions and whether it has native bf16
         "precision": {
             "setting": parts.precision.name,
             "weights": str(parts.precision.storage),

@@ -3,6 +3,7 @@ the CPU's model and vector extensions (a figure without them cannot be compared 
 
 from __future__ import annotations
 
+import functools
 import platform
 import subprocess
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import grpolab
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what changes this project's CPU speed and rounding
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # either one: the CPU multiplies bf16 natively
 
 
 def code_commit(source: Path | None = None) -> str | None:
@@ -33,21 +35,46 @@ def code_commit(source: Path | None = None) -> str | None:
 
 
 def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, object]:
-    """{"model": the CPU's model name, "isa": the ``ISA_FLAGS`` it has}; from /proc/cpuinfo on Linux, else
-    what ``platform`` knows (no flags)."""
+    """{"model": the CPU's model name, "isa": the ``ISA_FLAGS`` it has, "native_bf16": ``native_bf16``}; from
+    /proc/cpuinfo on Linux, else what ``platform`` knows (no flags)."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return {"model": platform.processor() or platform.machine() or None, "isa": []}
+        isa: list[str] = []
+        return {
+            "model": platform.processor() or platform.machine() or None,
+            "isa": isa,
+            "native_bf16": native_bf16(isa),
+        }
     fields = dict(
         (key.strip(), value.strip())
         for key, _, value in (line.partition(":") for line in text.split("\n\n", 1)[0].splitlines())
     )
     flags = set(fields.get("flags", "").split())
+    isa = [f for f in ISA_FLAGS if f in flags]
     return {
         "model": fields.get("model name") or platform.machine() or None,
-        "isa": [f for f in ISA_FLAGS if f in flags],
+        "isa": isa,
+        "native_bf16": native_bf16(isa),
     }
+
+
+@functools.cache
+def _this_cpu_isa() -> list[str]:
+    return list(cpu_description()["isa"])  # type: ignore[arg-type]
+
+
+def native_bf16(isa: list[str] | None = None) -> bool:
+    """Whether this CPU computes in bf16 natively: it has AVX512-BF16 or AMX-BF16 (``isa``: its ``ISA_FLAGS``,
+    default read from /proc/cpuinfo) and torch's oneDNN runs bf16 on it. Without them bf16 matmuls are
+    emulated, slower than float32."""
+    if isa is None:
+        isa = _this_cpu_isa()
+    if not any(flag in isa for flag in BF16_FLAGS):
+        return False
+    import torch
+
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def describe_cpu(cpu: dict[str, object] | None) -> str:

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpolab.common.progress import Reporter
+from grpolab.common.provenance import native_bf16
 from grpolab.models.dropout import disable_dropout
 from grpolab.models.fidelity import attention_implementation
 from grpolab.models.gguf import GGUF_PREFIX, absolute_spec, gguf_file, gguf_model_dir, gguf_source
@@ -32,10 +33,18 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+CPU_BF16_BY_DEFAULT = False
+"""Whether ``model.dtype = "auto"`` computes in bf16 on a CPU with native bf16 (``native_bf16``). Off until
+learning with bf16 compute on a CPU is measured to match float32's (``docs/precision.md``)."""
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto: BF16 weights on GPU, FP32 on CPU (log-prob math is FP32 either way)."""
+    """auto: BF16 compute on GPU; on CPU FP32, or BF16 on a CPU with native bf16 when ``CPU_BF16_BY_DEFAULT``
+    (log-prob math is FP32 either way)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if CPU_BF16_BY_DEFAULT and native_bf16() else torch.float32
     return DTYPES[dtype]
 
 

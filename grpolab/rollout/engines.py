@@ -221,8 +221,10 @@ def _vllm_record(cfg: RolloutConfig) -> dict[str, Any]:
 
 @register_engine("hf", HFEngine.capabilities)
 def hf_engine(r: EngineRequest) -> RolloutEngine:
-    """Generates with the training model under the trainer's compute context (autocast); on a model FSDP
-    shards (``sharded``) in synced decoding, without the shared prefill (it calls the backbone apart)."""
+    """Generates with the training model under the trainer's compute context (autocast), or, where the weights
+    are float32 masters of a bf16 compute dtype, with its own bf16 copy that each sync refreshes
+    (``grpolab.rollout.hf.engine_weights``); on a model FSDP shards (``sharded``) in synced decoding, without the
+    shared prefill (it calls the backbone apart), under autocast."""
     device = next(r.model.parameters()).device
     return HFEngine(
         r.model,
@@ -232,6 +234,7 @@ def hf_engine(r: EngineRequest) -> RolloutEngine:
         shared_prefill=not r.sharded,
         synced=r.sharded,
         pack_weights=r.cfg.pack_weights,
+        compute_dtype=None if r.sharded else r.precision.compute,
     )
 
 

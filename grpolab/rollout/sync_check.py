@@ -99,6 +99,22 @@ def verify_weight_sync(
 # The calibrated limit never goes below noise_multiple x these: a floor measured on few tokens can be
 # far below the heavy-tailed noise of later steps (measured in bf16 with the same model on both sides:
 # 2e-5 on one step of 256 tokens, 5e-4 on the next).
+#
+# bf16 with float32 masters, the hf engine on its own copy of the linear weights in bf16 under the trainer's
+# autocast (grpolab.rollout.hf.engine_weights; the same log-probs as generating on the training model under
+# autocast), measured 2026-12-06 at fbc0a64 (AMD EPYC with avx512_bf16, under load; one run each):
+#   in sync, mean |diff| per step: the tests' tiny model 5e-5 to 3.4e-4 (12 steps, benchmarks/sync_margins.py);
+#   SmolLM2-135M-Instruct 3.4e-2 to 3.6e-2 (6 steps): the absolute bf16 limit 0.1 binds there (margin <= 0.36).
+#   A sync broken from step 4 on (tiny model, lr 1e-5): stopped at step 6.
+#   A missed sync simulated by moving every master weight by lr in a fixed random direction per missed step
+#   (32 samples of <= 32 tokens): tiny model, lr 1e-5: 5.7e-4 in sync, 4.5e-3 after 1 missed, 5.9e-3 after
+#   10 (caught from the first: 3 x max(floor, 1e-3)); lr 1e-4: 6.9e-3 after 1, 1.7e-2 after 10. SmolLM2,
+#   where bf16 decoding's own noise is 3.3e-2: lr 1e-5: 3.5e-2 after 1, 3.6e-2 after 10, 3.9e-2 after 20 (never
+#   caught); lr 1e-4: 4.9e-2 after 5, 7.0e-2 after 10, 0.116 after 20 (caught past the absolute 0.1). A tighter
+#   limit would stop in-sync SmolLM2 runs (their steps reach 3.6e-2; 3 x floor = 0.105): in bf16 the check
+#   catches corrupt or long-broken syncs on a real model, not a few missed ones.
+# An engine on an all-bf16 copy (no autocast; at 9c9a4f4) sits 10x higher on the tiny model (floor 3.4e-3, a sync broken
+# from step 4 stopped at step 11) and at 4.1e-2 to 4.6e-2 on SmolLM2: it is not the engine's default.
 MIN_NOISE_FLOOR = {"float32": 1e-5, "bfloat16": 1e-3}
 
 

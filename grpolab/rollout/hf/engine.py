@@ -14,6 +14,10 @@ On a CPU, grouped key/value heads attend as they are, even with the padding's ma
 (``grpolab.rollout.hf.grouped_attention``), and large weights are laid out once per call
 (``grpolab.rollout.hf.packed_linear``).
 
+With float32 master weights and a bf16 compute dtype the engine generates on its own copy of the model whose
+linear weights are bf16, refreshed by each ``sync_weights`` (``grpolab.rollout.hf.engine_weights``); where the
+weights are already in the compute dtype it generates on the training model itself.
+
 Seeding: every batch seeds torch's RNG from ``params.seed`` and the global index of its first row
 (``params.prompt_offset * n`` plus its position in the call; a call's first batch at offset 0 takes the
 seed itself), inside ``torch.random.fork_rng``, so the caller's global RNG stream is left untouched.
@@ -34,6 +38,7 @@ from grpolab.models.routing import routers
 from grpolab.models.weights import PolicyWeights
 from grpolab.rollout.base import Completion, EngineCapabilities, SamplingParams, collect_eos_ids
 from grpolab.rollout.hf.decode import decode
+from grpolab.rollout.hf.engine_weights import ComputeCopy, CopyMode, engine_weights
 from grpolab.rollout.hf.grouped_attention import grouped_kv_attention
 from grpolab.rollout.hf.packed_linear import packed_linears
 from grpolab.rollout.hf.prefill import prompt_layout, shared_prefill
@@ -56,14 +61,18 @@ class HFEngine:
     max_batch_size: most sequences (prompts x n) generated together.
     eos_token_ids: ids that end generation; default: the tokenizer's EOS plus the EOS ids of
         ``model.generation_config``.
-    compute_context: a factory of the context generation runs in (the trainer's bf16 autocast
-        when its weights are float32 masters), so that sampling and training forwards agree.
+    compute_context: a factory of the context generation runs in on the training model (the trainer's
+        bf16 autocast when its weights are float32 masters), so that sampling and training forwards agree.
+    compute_dtype: the trainer's compute dtype; where the model's weights are of another dtype (float32
+        masters), generation runs on a copy with weights in this dtype (``grpolab.rollout.hf.engine_weights``;
+        None: never a copy).
+    copy_mode: which weights the copy casts: ``matmul`` (the linear layers', generating under
+        ``compute_context`` as the trainer does) or ``all`` (every weight, without ``compute_context``).
     shared_prefill: prefill each distinct prompt of a batch, and the prefix they share, once
         (``grpolab.rollout.hf.prefill``).
     synced: the model's forwards are collectives over data-parallel ranks (FSDP): decoding goes on, with
         finished rows idle, until every rank's batch is done.
-    pack_weights: on a CPU in float32, generate with weights laid out once per call
-        (``grpolab.rollout.hf.packed_linear``).
+    pack_weights: on a CPU, generate with weights laid out once per call (``grpolab.rollout.hf.packed_linear``).
 
     An MoE model's completions carry the experts its routers chose for every token
     (``Completion.routed_experts``; ``grpolab.rollout.hf.routing_capture``).
@@ -90,6 +99,8 @@ class HFEngine:
         shared_prefill: bool = True,
         synced: bool = False,
         pack_weights: bool = True,
+        compute_dtype: torch.dtype | None = None,
+        copy_mode: CopyMode = "matmul",
     ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
@@ -98,6 +109,8 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.compute_context = compute_context
         self.shared_prefill, self.synced, self.pack_weights = shared_prefill, synced, pack_weights
+        self.compute_dtype, self.copy_mode = compute_dtype, copy_mode
+        self.copy: ComputeCopy | None = engine_weights(model, compute_dtype, copy_mode)
         self.eos_token_ids = (
             list(eos_token_ids)
             if eos_token_ids is not None
@@ -109,9 +122,19 @@ class HFEngine:
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
 
     def sync_weights(self, weights: PolicyWeights) -> None:
-        """No-op for the model it was built with (it samples from the training model itself, kind ``full``);
-        weights of another model object: generates with that one from now on."""
-        self.model = weights.model
+        """For the model it was built with (kind ``full``): refreshes its compute-dtype copy where it has one,
+        else nothing (it samples from the training model itself). Weights of another model object: generates
+        with that one (or a copy of it) from now on."""
+        if weights.model is not self.model:
+            self.model = weights.model
+            self.copy = engine_weights(self.model, self.compute_dtype, self.copy_mode)
+        elif self.copy is not None:
+            self.copy.refresh()
+
+    @property
+    def generation_model(self) -> nn.Module:
+        """The model generation runs on: the compute-dtype copy, or the training model itself."""
+        return self.copy.model if self.copy is not None else self.model
 
     def close(self) -> None:
         pass
@@ -123,7 +146,7 @@ class HFEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
         flat = [list(p) for p in prompts for _ in range(n)]
-        model = self.model
+        model = self.generation_model
         was_training = model.training
         device = next(model.parameters()).device
         out: list[Completion] = []
@@ -131,7 +154,8 @@ class HFEngine:
             model.eval()
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.no_grad())
-                stack.enter_context(self.compute_context())
+                if self.copy is None or self.copy.autocast:
+                    stack.enter_context(self.compute_context())
                 stack.enter_context(grouped_kv_attention(model))
                 if self.pack_weights:
                     stack.enter_context(packed_linears(model, min(len(flat), self.max_batch_size)))
@@ -140,20 +164,22 @@ class HFEngine:
                 for i in range(0, len(flat), self.max_batch_size):
                     if params.seed is not None:
                         torch.manual_seed(batch_seed(params.seed, params.prompt_offset * n + i))
-                    out.extend(self._generate_batch(flat[i : i + self.max_batch_size], params, device))
+                    out.extend(self._generate_batch(model, flat[i : i + self.max_batch_size], params, device))
         finally:
             model.train(was_training)
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, device) -> list[Completion]:
+    def _generate_batch(
+        self, model: nn.Module, prompts: list[list[int]], params: SamplingParams, device
+    ) -> list[Completion]:
         capture = None
-        if routers(self.model):
-            capture = RoutingCapture(self.model, len(prompts), max(map(len, prompts)) + params.max_new_tokens, device)
+        if routers(model):
+            capture = RoutingCapture(model, len(prompts), max(map(len, prompts)) + params.max_new_tokens, device)
         with capture.attach() if capture is not None else contextlib.nullcontext():
             if self.shared_prefill:
                 input_ids, attention_mask, cache = shared_prefill(
-                    backbone_and_head(self.model)[0],
-                    self.model.config,
+                    backbone_and_head(model)[0],
+                    model.config,
                     prompts,
                     self.pad_token_id,
                     device,
@@ -164,7 +190,7 @@ class HFEngine:
                 input_ids, attention_mask = (t.to(device) for t in prompt_layout(prompts, self.pad_token_id))
                 cache = None
             out = decode(
-                self.model,
+                model,
                 input_ids,
                 attention_mask,
                 max_new_tokens=params.max_new_tokens,
