@@ -35,9 +35,11 @@ from grpolab.models.weights import PolicyWeights
 from grpolab.parallel.ranks import Ranks, init_from_env
 from grpolab.rollout.base import RolloutEngine
 from grpolab.rollout.collect import RolloutCollector
+from grpolab.rollout.engine_process import EngineProcess
 from grpolab.rollout.engines import build_engine, capabilities, check_settings, dtype_name, weight_kind
 from grpolab.rollout.lockstep import LockstepEngine
 from grpolab.rollout.multiturn import MultiTurnEngine
+from grpolab.rollout.pipeline import AsyncRollouts, RolloutSource, SyncRollouts
 from grpolab.rollout.reward_models import RewardModels
 from grpolab.rollout.sync_check import MIN_NOISE_FLOOR, SyncMonitor
 from grpolab.run.checkpoints import is_checkpoint, verify
@@ -78,8 +80,9 @@ class RunParts:
     prompt_ids: dict[str, list[int]]
     sync_monitor: SyncMonitor
     state: RunState
-    collector: RolloutCollector
+    collector: RolloutCollector  # the run's engine (``engine``) samples evaluations, and sync rollouts
     learner: PolicyLearner
+    rollouts: RolloutSource  # each step's rollout batch (``grpolab.rollout.pipeline``)
     closed: bool = False
 
     # the parts most code reads, by name
@@ -115,6 +118,7 @@ class RunParts:
         """Close the engine (its processes, its memory); the other parts stay readable. Safe to call twice."""
         if not self.closed:
             self.closed = True
+            self.rollouts.close()
             self.engine.close()
 
 
@@ -131,6 +135,10 @@ def set_up(cfg: RunConfig, reporter_for: Callable[[Ranks], Reporter]) -> Setting
         raise ValueError(
             f"rollout.prompts_per_step {cfg.rollout.prompts_per_step} cannot be split into whole "
             f"prompt groups over {ranks.world} ranks"
+        )
+    if ranks.parallel and cfg.rollout.mode == "async":
+        raise ValueError(
+            f"rollout.mode 'async' runs one learner process; with {ranks.world} ranks use rollout.mode 'sync'"
         )
     torch.manual_seed(cfg.seed)
     threads = choose_threads(cfg.threads)
@@ -274,6 +282,32 @@ def rollout_engine(cfg: RunConfig, setting: Setting, task: Task, policy: Policy,
     return engine
 
 
+def rollout_source(
+    cfg: RunConfig, setting: Setting, task: Task, policy: Policy, collector: RolloutCollector
+) -> RolloutSource:
+    """Sync rollouts from the run's engine, or with ``rollout.mode = "async"`` an engine process of its own
+    (its threads taken from the run's) and a producer collecting ahead from the same prompt stream."""
+    if cfg.rollout.mode == "sync":
+        return SyncRollouts(collector)
+    threads = setting.threads.threads
+    engine_threads = cfg.rollout.engine_threads or max(1, threads // 2)
+    torch.set_num_threads(max(1, threads - engine_threads))
+    setting.reporter.line(
+        f"async rollouts (max staleness {cfg.rollout.max_staleness}): engine process {engine_threads} "
+        f"thread(s), learner {torch.get_num_threads()}"
+    )
+    with setting.reporter.phase("start the engine process"):
+        process = EngineProcess.for_rollout(
+            cfg.rollout, policy.model, policy.tokenizer, policy.precision.compute, engine_threads
+        )
+    engine = process if task.toolset is None else MultiTurnEngine(process, task.toolset, policy.tokenizer)
+    c = collector
+    producer = RolloutCollector(
+        engine, task, c.prompts, c.prompt_ids, c.rollout, c.spec, c.seed, c.shaping, c.ranks, c.reward_models
+    )
+    return AsyncRollouts(producer, process, cfg.rollout.max_staleness, cfg.steps, weights=None)
+
+
 def build_parts(
     cfg: RunConfig, setting: Setting, task: Task, val_examples: list[Example], weights_dir: Path | None = None
 ) -> RunParts:
@@ -337,7 +371,10 @@ def build_parts(
             state,
             collector,
             learner,
+            rollout_source(cfg, setting, task, policy, collector),
         )
+        parts.rollouts.weights = parts.sync_source  # async: the policy the engine process starts from
+        state.rollouts = parts.rollouts
         if not (capabilities(cfg.rollout.engine).shares_training_model or policy.files_are_policy):
             engine.sync_weights(parts.sync_source())  # it started from files that are not the policy (a base)
     except BaseException:

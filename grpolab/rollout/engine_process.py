@@ -1,0 +1,198 @@
+"""The hf engine in a process of its own, for asynchronous rollouts on one machine.
+
+The engine process holds a copy of the policy in the compute dtype and generates with
+``grpolab.rollout.hf.engine.HFEngine`` on its own CPU threads, while the learner trains in the parent. Its
+weights live in shared memory, in ``slots`` versions (``WeightSlots``): the parent writes the policy after step
+v into slot ``v % slots`` and the engine, asked to generate with version v, points its parameters at that slot
+(no copy). The rollout pipeline (``grpolab.rollout.pipeline``) only asks for a version once it is written and
+only overwrites a slot whose previous version no batch still needs, so a slot never changes under a
+generation.
+
+Requests and replies go over one pipe, one request at a time (completions, MoE routing records included,
+travel back through torch's shared-memory pickling). An engine process that dies is noticed within a
+second of the parent waiting on it (``EngineDied``: one line, the run stops with its last checkpoint). The
+engine process ignores SIGINT (the parent decides how a Ctrl-C stops the run) and ends when its pipe
+closes, so a parent killed outright leaves no engine behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import signal
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from grpolab.config import RolloutConfig
+from grpolab.models.weights import PolicyWeights
+from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
+from grpolab.rollout.hf.engine import HFEngine
+
+__all__ = ["EngineDied", "EngineProcess", "WeightSlots"]
+
+POLL_SECONDS = 1.0  # how often a parent waiting on the engine checks that it is alive
+
+
+class EngineDied(RuntimeError):
+    """The engine process ended (killed, out of memory) or failed while generating."""
+
+
+class WeightSlots:
+    """``count`` versions of a model's parameters (tied ones once) in ``dtype``, in shared memory; version v
+    is held in slot ``v % count``. Slot 0 is the engine copy's own parameters."""
+
+    def __init__(self, engine_model: nn.Module, count: int):
+        first = {name: p.data for name, p in engine_model.named_parameters()}
+        self.slots = [first] + [
+            {name: t.clone().share_memory_() for name, t in first.items()} for _ in range(count - 1)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def of(self, version: int) -> dict[str, torch.Tensor]:
+        return self.slots[version % len(self.slots)]
+
+    @torch.no_grad()
+    def write(self, weights: PolicyWeights, version: int) -> None:
+        """Copy (and cast) ``weights`` into the slot of ``version``; every parameter must be there by name."""
+        slot = self.of(version)
+        names = set(slot)
+        for name, tensor in weights.named_parameters():
+            slot[name].copy_(tensor.detach())
+            names.discard(name)
+        if names:
+            raise ValueError(f"the policy's weights lack {len(names)} engine parameters, e.g. {sorted(names)[0]}")
+
+
+def engine_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A frozen copy of ``model`` in ``dtype`` on the CPU, in eval mode, its tensors in shared memory."""
+    engine_model = copy.deepcopy(model).to(device="cpu", dtype=dtype)
+    engine_model.requires_grad_(False).eval()
+    return engine_model.share_memory()
+
+
+def _serve(conn, model: nn.Module, slots: list[dict[str, torch.Tensor]], tokenizer, settings: dict[str, Any]) -> None:
+    """The engine process: answer (version, prompts, n, params) requests until the pipe closes or says None."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(settings.pop("threads"))
+    engine = HFEngine(model, tokenizer, **settings)
+    params = dict(model.named_parameters())
+    current = 0
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        if request is None:
+            return
+        version, prompts, n, sampling = request
+        try:
+            if version % len(slots) != current:
+                current = version % len(slots)
+                for name, tensor in slots[current].items():
+                    params[name].data = tensor
+            reply = ("ok", engine.generate(prompts, n, sampling))
+        except Exception:
+            reply = ("error", traceback.format_exc())
+        conn.send(reply)
+
+
+class EngineProcess:
+    """The parent's handle on an engine process generating from a copy of ``model`` in ``dtype``.
+
+    slots: how many weight versions it holds (the pipeline's staleness bound + 1).
+    threads: the engine process's CPU threads.
+    engine_settings: ``HFEngine``'s keyword arguments (max_batch_size, eos_token_ids, shared_prefill,
+        pack_weights).
+    ``generate`` samples with the version last set in ``version`` (a ``RolloutEngine`` for the collector).
+    """
+
+    capabilities = dataclasses.replace(HFEngine.capabilities, shares_training_model=False)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        dtype: torch.dtype,
+        slots: int,
+        threads: int,
+        engine_settings: dict[str, Any],
+    ):
+        self.model_copy = engine_copy(model, dtype)
+        self.slots = WeightSlots(self.model_copy, slots)
+        self.version = 0
+        self.busy = False  # a request is in flight
+        context = mp.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(
+            target=_serve,
+            args=(child, self.model_copy, self.slots.slots, tokenizer, {**engine_settings, "threads": threads}),
+            daemon=True,
+            name="grpolab-engine",
+        )
+        self.process.start()
+        child.close()
+        self.closed = False
+
+    @classmethod
+    def for_rollout(cls, cfg: RolloutConfig, model: nn.Module, tokenizer, dtype: torch.dtype, threads: int):
+        """The engine process of a run's async rollouts: the hf engine's settings from ``cfg``, as many weight
+        slots as versions may be in use at once (``cfg.max_staleness`` + 1)."""
+        eos = collect_eos_ids(tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+        settings = {"max_batch_size": cfg.max_batch_size, "eos_token_ids": eos, "pack_weights": cfg.pack_weights}
+        return cls(model, tokenizer, dtype, cfg.max_staleness + 1, threads, settings)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def publish(self, weights: PolicyWeights, version: int) -> None:
+        """Write the policy after step ``version`` into its slot (the pipeline knows no batch still reads it)."""
+        self.slots.write(weights, version)
+
+    def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        """``n`` completions per prompt from the policy of ``self.version`` (``HFEngine.generate``)."""
+        self.busy = True
+        try:
+            self.conn.send((self.version, [list(p) for p in prompts], n, params))
+            while not self.conn.poll(POLL_SECONDS):
+                if not self.process.is_alive():
+                    raise EOFError
+            status, reply = self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            raise EngineDied(
+                f"the rollout engine process (pid {self.process.pid}) ended while generating "
+                f"(exit code {self.process.exitcode})"
+            ) from None
+        finally:
+            self.busy = False
+        if status != "ok":
+            last = reply.strip().splitlines()[-1]
+            raise EngineDied(f"the rollout engine process failed while generating: {last}")
+        return reply
+
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Write ``weights`` as the version ``generate`` samples with."""
+        self.publish(weights, self.version)
+
+    def close(self) -> None:
+        """Stop the engine process (at once: a generation in flight is abandoned). Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.busy:
+            try:
+                self.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+            self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
