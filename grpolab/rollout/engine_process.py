@@ -71,8 +71,9 @@ class WeightSlots:
 
 
 def engine_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A frozen copy of ``model`` in ``dtype`` on the CPU, in eval mode, its tensors in shared memory."""
-    engine_model = copy.deepcopy(model).to(device="cpu", dtype=dtype)
+    """A frozen copy of ``model`` in ``dtype`` on its device, in eval mode, its tensors shared with a spawned
+    process (CPU: shared memory; CUDA: torch's IPC handles, the same GPU's memory)."""
+    engine_model = copy.deepcopy(model).to(dtype=dtype)
     engine_model.requires_grad_(False).eval()
     return engine_model.share_memory()
 

@@ -72,7 +72,8 @@ def rl_step(
 def completion_rows(parts: RunParts, rollout: RolloutBatch, limit: int) -> tuple[list[str], list[list[Any]]]:
     """(columns, rows): a table of the step's sampled completions for the trackers, one row per completion of
     its first prompt groups (whole groups, at most ``limit`` rows but at least one group): the group, prompt,
-    completion, RL reward and advantage, answer and format rewards, each reward term, length, truncation."""
+    completion, RL reward and advantage, answer and format rewards, each reward term, length, truncation, and the
+    policy version that sampled it."""
     _, advantages = parts.learner.advantages(rollout)  # [B, G]: what the update used (recomputed, exact)
     group_size = max(len(group) for group in rollout.completions)
     groups = max(1, limit // group_size)
@@ -80,7 +81,7 @@ def completion_rows(parts: RunParts, rollout: RolloutBatch, limit: int) -> tuple
         dict.fromkeys(name for group in rollout.grades[:groups] for grade in group for name, _ in grade.components)
     )
     columns = ["group", "prompt", "completion", "reward", "advantage", "answer_reward", "format_reward"]
-    columns += [f"reward/{name}" for name in terms] + ["length", "truncated"]
+    columns += [f"reward/{name}" for name in terms] + ["length", "truncated", "policy_version"]
     rows = []
     for i, (example, completions, grades) in enumerate(
         zip(rollout.examples[:groups], rollout.completions[:groups], rollout.grades[:groups])
@@ -91,7 +92,7 @@ def completion_rows(parts: RunParts, rollout: RolloutBatch, limit: int) -> tuple
             rows.append(
                 [i, prompt, completion.text, grade.reward, float(advantages[i, j]), grade.answer_reward]
                 + [grade.format_reward, *(values.get(name) for name in terms)]
-                + [len(completion.completion_ids), completion.truncated]
+                + [len(completion.completion_ids), completion.truncated, completion.policy_version]
             )
     return columns, rows
 
