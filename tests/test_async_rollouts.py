@@ -5,6 +5,7 @@ the run in one line, resumable."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -120,3 +121,26 @@ def test_an_engine_process_killed_mid_run_is_one_line_and_the_run_resumes(
     train(load_run_config(run), resume=True)
     assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(async_run / "metrics.jsonl"))
     assert same_weights(run, async_run)
+
+
+def test_bench_step_times_async_steps_past_the_configs_last_step(warm_model_dir, tmp_path):
+    report = tmp_path / "bench.json"
+    args = ["bench", "step", "--engines", "hf", "--repeats", "3", "--json", str(report), "--steps", "1"]
+    settings = {k: v for k, v in quick_settings(warm_model_dir, tmp_path / "unused").items() if k != "output_dir"}
+    args += [f"--{k}={v}" for k, v in {**settings, "steps": 1, **OVERRIDES, **ASYNC}.items() if k != "steps"]
+    assert main(args) == 0
+    figures = json.loads(report.read_text())["results"]["hf"]
+    assert figures["step"] > 0 and figures["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "settings, refusal",
+    [
+        ({"rollout.engine": "vllm"}, "rollout.mode 'async' runs the hf engine in a process of its own"),
+    ],
+)
+def test_async_refuses_what_it_cannot_run_in_one_line(warm_model_dir, tmp_path, capsys, settings, refusal):
+    args = [f"--{k}={v}" for k, v in {**quick_settings(warm_model_dir, tmp_path / "run"), **ASYNC, **settings}.items()]
+    assert main(["train", *args]) == 2
+    out = capsys.readouterr().out
+    assert refusal in out and not (tmp_path / "run").exists()
