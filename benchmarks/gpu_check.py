@@ -385,6 +385,40 @@ def rl_steps(device: str, quick: bool) -> dict:
     }
 
 
+def async_rollouts(device: str, quick: bool) -> dict:
+    """Async rollouts on the device (the engine process on the same GPU through CUDA IPC): k = 0 against sync
+    (the records must be equal, timings aside), and k = 1's seconds per step against sync's."""
+    from rich.console import Console
+
+    from grpolab.run.rundir import read_metrics
+    from grpolab.run.trainer import train
+
+    steps = 2 if quick else 4
+    runs = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, extra in (
+            ("sync", {}),
+            ("async_k0", {"rollout.mode": "async", "rollout.max_staleness": 0}),
+            ("async_k1", {"rollout.mode": "async", "rollout.max_staleness": 1}),
+        ):
+            cfg = small_config(device, Path(scratch) / name, quick, steps=steps, **extra)
+            train(cfg, Console(quiet=True))
+            runs[name] = [r for r in read_metrics(Path(cfg.output_dir) / "metrics.jsonl") if "reward_mean" in r]
+
+    def untimed(records):
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
+
+    def per_step(records):
+        return sum(r["time/step"] for r in records[1:]) / max(1, len(records) - 1)
+
+    return {
+        "k0_equals_sync": untimed(runs["sync"]) == untimed(runs["async_k0"]),
+        "seconds_per_step": {name: per_step(records) for name, records in runs.items()},
+        "k1_staleness_max": [r.get("staleness/max") for r in runs["async_k1"]],
+        "ok": untimed(runs["sync"]) == untimed(runs["async_k0"]),
+    }
+
+
 def weights_changed(device: str, quick: bool, steps: int = 10) -> dict:
     """Fraction of weights changed after 1 and ``steps`` AdamW steps at lr 1e-5, per precision setting:
     of the stored weights, and of their bf16 casts (what an engine receives)."""
@@ -513,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         ("weights_changed", weights_changed),
         ("probe_olmo2_1b", probe_olmo2_1b),
         ("moe_routing", moe_routing),
+        ("async_rollouts", async_rollouts),
     ):
         section(report, name, fn, args.device, args.quick, deadline=deadline)
     report["total_seconds"] = round(time.monotonic() - started, 1)

@@ -299,8 +299,9 @@ def float64_norms(model) -> None:
             module.forward = forward.__get__(module)
 
 
-def quick_config(model_dir, out, **overrides) -> RunConfig:
-    base = {
+def quick_settings(model_dir, out) -> dict:
+    """The settings of a quick run (``quick_config``), as ``--key=value`` overrides name them."""
+    return {
         "model.path": str(model_dir),
         "output_dir": str(out),
         "steps": 2,
@@ -313,7 +314,10 @@ def quick_config(model_dir, out, **overrides) -> RunConfig:
         "eval.every": 2,
         "checkpoint.every": 2,
     }
-    return load_config(None, {**base, **overrides})
+
+
+def quick_config(model_dir, out, **overrides) -> RunConfig:
+    return load_config(None, {**quick_settings(model_dir, out), **overrides})
 
 
 def params_of(model) -> list[torch.Tensor]:

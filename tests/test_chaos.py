@@ -234,6 +234,17 @@ def test_kills_before_the_first_checkpoint_resume_from_step_0_in_place_to_the_un
 
 
 @pytest.mark.slow
+def test_an_async_run_killed_at_random_moments_resumes_to_the_uninterrupted_async_run(warm_model_dir, hook, tmp_path):
+    """Async rollouts (staleness 2): each checkpoint holds the batches generated ahead, so kill -9 anywhere,
+    the engine process with it, changes no number (default tier: test_async_rollouts.py's in-process stop and
+    engine kill, each resumed exactly)."""
+    run, extra = tmp_path / "run", {"rollout.mode": "async", "rollout.max_staleness": 2, "rollout.engine_threads": 1}
+    landed = kill_and_resume(warm_model_dir, run, steps=8, kills=4, seed=4, hook=hook, extra=extra)
+    assert len(landed) == 4, landed
+    check_against_uninterrupted(warm_model_dir, run, tmp_path / "reference", steps=8, extra=extra)
+
+
+@pytest.mark.slow
 def test_fifty_random_kills_then_resumes_match_the_uninterrupted_run(warm_model_dir, hook, tmp_path):
     run = tmp_path / "run"
     landed = kill_and_resume(warm_model_dir, run, steps=20, kills=50, seed=1, hook=hook)

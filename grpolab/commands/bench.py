@@ -68,8 +68,8 @@ def time_steps(parts, repeats: int) -> dict[str, Any]:
     """Mean seconds per phase over ``repeats`` RL steps after a warm-up step."""
     from grpolab.run.step import rl_step
 
-    rl_step(parts, 0)
-    records = [rl_step(parts, step) for step in range(1, repeats + 1)]
+    rl_step(parts, 1)  # steps count from 1: the batch of step t is sampled by the policy after step t - 1
+    records = [rl_step(parts, step) for step in range(2, repeats + 2)]
     out = {phase: statistics.mean(r[f"time/{phase}"] for r in records) for phase in PHASES}
     out["tokens_per_s"] = statistics.mean(r["tokens_per_s"] for r in records)
     out["sync_share"] = out["sync"] / out["step"]
@@ -92,7 +92,9 @@ def run_bench(
     for engine in engines:
         console.print(f"bench {kind}: {engine} ...")
         try:
-            parts = _parts(cfg, engine)
+            parts = _parts(
+                cfg.model_copy(update={"steps": max(cfg.steps, repeats + 1)}), engine
+            )  # async: its last batch
         except ValueError as err:  # e.g. an engine that cannot serve this model on this device
             if chosen:
                 raise

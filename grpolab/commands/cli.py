@@ -448,9 +448,10 @@ def main(argv: list[str] | None = None) -> int:
             console.print("[red]interrupted[/red]")
             return 130
         from grpolab.objectives.losses import NonFiniteError  # here, so that report and compare never load torch
+        from grpolab.rollout.engine_process import EngineDied
         from grpolab.rollout.sync_check import WeightSyncError
 
-        if not isinstance(err, (OSError, ValueError, NonFiniteError, WeightSyncError)):
+        if not isinstance(err, (OSError, ValueError, NonFiniteError, WeightSyncError, EngineDied)):
             raise
         for line in (os_error_line(err) if isinstance(err, OSError) else str(err)).splitlines():
             console.print(f"[red]error:[/red] {escape(line)}", highlight=False, soft_wrap=True)

@@ -247,7 +247,8 @@ class PolicyLearner:
         batch = collate(mine, self.pad_token_id).to(self.device)
         forward, routing = self.forward(batch), self.routing(batch, mine)
         old = self.old_logprobs(forward, routing)
-        sync = SyncCheck(self.sync_monitor, self.lockstep, batch, self.cfg.rollout.sync_check)
+        # a stale batch was sampled by an older policy: its difference is the policy's drift, not the sync's
+        sync = SyncCheck(self.sync_monitor, self.lockstep, batch, self.cfg.rollout.sync_check and not rollout.staleness)
         if sync.enabled and old is not None:
             sync(old, torch.ones(len(batch), dtype=torch.bool, device=old.device))
         ref = self.reference_logprobs(forward)

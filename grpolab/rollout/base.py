@@ -104,6 +104,8 @@ class Completion:
     routed_experts: an MoE policy's routing where the engine computed it: int16 [P + C, L, k], the experts each
         of its L routers chose for each prompt and completion token (-1: a token the engine never fed, such as
         the last); None when the engine records none.
+    policy_version: the policy that sampled it, as the steps trained into its weights (0: the start policy);
+        set by the rollout pipeline (``grpolab.rollout.pipeline``), None where nothing recorded it.
     """
 
     prompt_ids: list[int]
@@ -115,6 +117,7 @@ class Completion:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     turns: int = 1
     routed_experts: Tensor | None = None
+    policy_version: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):

@@ -35,7 +35,8 @@ class RolloutBatch:
     completions: list[list[Completion]]
     grades: list[list[Grade]]
     rounds: int = 1
-    seconds: dict[str, float] | None = None  # {"generate": s, "reward": s}
+    seconds: dict[str, float] | None = None  # {"generate": s, "reward": s}; "wait": the learner's, when async
+    staleness: int = 0  # versions between the policy that sampled it and the one it trains (rollout.pipeline)
 
     def rewards(self) -> torch.Tensor:
         """[B, G] float32."""

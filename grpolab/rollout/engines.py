@@ -165,6 +165,11 @@ def check_settings(cfg: RunConfig) -> None:
             f"not): use rollout.engine {' or '.join(repr(m) for m in makers)} or more than one step "
             "(algorithm.epochs x steps_per_epoch > 1)"
         )
+    if cfg.rollout.mode == "async" and cfg.rollout.engine != "hf":
+        raise _refused(
+            f"rollout.mode 'async' runs the hf engine in a process of its own; the {label} engine generates "
+            "in step with training here: use rollout.mode 'sync' or rollout.engine 'hf'"
+        )
     if (cfg.model.path or "").startswith("like:") and not can.shares_training_model:
         sharing = _engines_that(lambda c: c.shares_training_model)
         raise _refused(

@@ -36,9 +36,11 @@ from grpolab.objectives.rollout_correction import AUTO, auto_rollout_correction
 from grpolab.parallel.ranks import Ranks, init_from_env
 from grpolab.rollout.base import RolloutEngine
 from grpolab.rollout.collect import RolloutCollector
+from grpolab.rollout.engine_process import EngineProcess
 from grpolab.rollout.engines import build_engine, capabilities, check_settings, dtype_name, weight_kind
 from grpolab.rollout.lockstep import LockstepEngine
 from grpolab.rollout.multiturn import MultiTurnEngine
+from grpolab.rollout.pipeline import AsyncRollouts, RolloutSource, SyncRollouts
 from grpolab.rollout.reward_models import RewardModels
 from grpolab.rollout.sync_check import MIN_NOISE_FLOOR, SyncMonitor
 from grpolab.run.checkpoints import is_checkpoint, verify
@@ -79,8 +81,9 @@ class RunParts:
     prompt_ids: dict[str, list[int]]
     sync_monitor: SyncMonitor
     state: RunState
-    collector: RolloutCollector
+    collector: RolloutCollector  # the run's engine (``engine``) samples evaluations, and sync rollouts
     learner: PolicyLearner
+    rollouts: RolloutSource  # each step's rollout batch (``grpolab.rollout.pipeline``)
     resolved: dict[str, str] = field(default_factory=dict)  # each "auto" setting -> what it became, and why
     closed: bool = False
 
@@ -117,6 +120,7 @@ class RunParts:
         """Close the engine (its processes, its memory); the other parts stay readable. Safe to call twice."""
         if not self.closed:
             self.closed = True
+            self.rollouts.close()
             self.engine.close()
 
 
@@ -133,6 +137,10 @@ def set_up(cfg: RunConfig, reporter_for: Callable[[Ranks], Reporter]) -> Setting
         raise ValueError(
             f"rollout.prompts_per_step {cfg.rollout.prompts_per_step} cannot be split into whole "
             f"prompt groups over {ranks.world} ranks"
+        )
+    if ranks.parallel and cfg.rollout.mode == "async":
+        raise ValueError(
+            f"rollout.mode 'async' runs one learner process; with {ranks.world} ranks use rollout.mode 'sync'"
         )
     torch.manual_seed(cfg.seed)
     threads = choose_threads(cfg.threads)
@@ -282,13 +290,39 @@ def resolve_auto(cfg: RunConfig, precision: TrainingPrecision, stale: bool = Fal
 
     algorithm.rollout_correction: every engine samples in the trainer's compute dtype, so the engine's
     log-probs are float32 trainer math exactly when the compute dtype is float32. ``stale``: the engine
-    samples from weights older than the trainer's (asynchronous rollouts; no such mode yet, so False).
+    samples from weights older than the trainer's (async rollouts with a staleness bound above 0).
     """
     if cfg.algorithm.rollout_correction != AUTO:
         return cfg, {}
     mode, why = auto_rollout_correction(engine_differs=precision.compute != torch.float32, stale=stale)
     algorithm = cfg.algorithm.override(rollout_correction=mode)
     return cfg.model_copy(update={"algorithm": algorithm}), {"algorithm.rollout_correction": f"{mode} (auto: {why})"}
+
+
+def rollout_source(
+    cfg: RunConfig, setting: Setting, task: Task, policy: Policy, collector: RolloutCollector
+) -> RolloutSource:
+    """Sync rollouts from the run's engine, or with ``rollout.mode = "async"`` an engine process of its own
+    (its threads taken from the run's) and a producer collecting ahead from the same prompt stream."""
+    if cfg.rollout.mode == "sync":
+        return SyncRollouts(collector)
+    threads = setting.threads.threads
+    engine_threads = cfg.rollout.engine_threads or max(1, threads // 2)
+    torch.set_num_threads(max(1, threads - engine_threads))
+    setting.reporter.line(
+        f"async rollouts (max staleness {cfg.rollout.max_staleness}): engine process {engine_threads} "
+        f"thread(s), learner {torch.get_num_threads()}"
+    )
+    with setting.reporter.phase("start the engine process"):
+        process = EngineProcess.for_rollout(
+            cfg.rollout, policy.model, policy.tokenizer, policy.precision, engine_threads
+        )
+    engine = process if task.toolset is None else MultiTurnEngine(process, task.toolset, policy.tokenizer)
+    c = collector
+    producer = RolloutCollector(
+        engine, task, c.prompts, c.prompt_ids, c.rollout, c.spec, c.seed, c.shaping, c.ranks, c.reward_models
+    )
+    return AsyncRollouts(producer, process, cfg.rollout.max_staleness, cfg.steps, weights=None)
 
 
 def build_parts(
@@ -298,7 +332,9 @@ def build_parts(
     collector, learner; ``parts.cfg`` is ``cfg`` with its ``auto`` settings resolved. ``weights_dir``: the
     checkpoint a resumed run continues from (its state is loaded by the caller, ``RunState.load``)."""
     policy = prepare_policy(cfg, setting, task, weights_dir)
-    cfg, resolved = resolve_auto(cfg, policy.precision)
+    cfg, resolved = resolve_auto(
+        cfg, policy.precision, stale=cfg.rollout.mode == "async" and cfg.rollout.max_staleness > 0
+    )
     for name, choice in resolved.items():
         setting.reporter.line(f"{name}: {choice}")
     reward_models = RewardModels.load(task, setting.device, setting.reporter)
@@ -357,8 +393,11 @@ def build_parts(
             state,
             collector,
             learner,
+            rollout_source(cfg, setting, task, policy, collector),
             resolved,
         )
+        parts.rollouts.weights = parts.sync_source  # async: the policy the engine process starts from
+        state.rollouts = parts.rollouts
         if not (capabilities(cfg.rollout.engine).shares_training_model or policy.files_are_policy):
             engine.sync_weights(parts.sync_source())  # it started from files that are not the policy (a base)
     except BaseException:

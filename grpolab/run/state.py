@@ -18,6 +18,7 @@ import torch
 from grpolab.common.atomic import RecordingWriter
 from grpolab.parallel.fsdp import full_optimizer_state, is_sharded, load_optimizer_state
 from grpolab.parallel.ranks import Ranks
+from grpolab.rollout.pipeline import RolloutSource
 from grpolab.rollout.reward_models import RewardModels
 from grpolab.rollout.sync_check import SyncMonitor
 from grpolab.tasks.stream import PromptStream
@@ -46,8 +47,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class RunState:
     """The mutable parts of a run the weights do not hold, as one ``state_dict``: the step reached,
     update counters, the optimizer, the prompt order, the mini-batch shuffle generator, the global
-    RNGs (of every data-parallel rank), the sync check's calibration (noise floor, checks seen) and the
-    reward models' running moments. Under data
+    RNGs (of every data-parallel rank), the sync check's calibration (noise floor, checks seen), the
+    reward models' running moments and the rollout batches generated ahead (async rollouts). Under data
     parallelism every other part is the same on every rank (the ranks step alike)."""
 
     def __init__(
@@ -59,6 +60,7 @@ class RunState:
         ranks: Ranks = Ranks(),
         model: torch.nn.Module | None = None,
         reward_models: RewardModels | None = None,
+        rollouts: RolloutSource | None = None,
     ):
         self.step = 0
         self.updates = {"attempted": 0, "actual": 0}
@@ -70,9 +72,13 @@ class RunState:
         )
         self.ranks, self.model = ranks, model  # the model whose parameters the optimizer holds
         self.reward_models = reward_models
+        self.rollouts = rollouts  # the batches generated ahead (async rollouts), and where they stopped
 
     def state_dict(self) -> dict[str, Any]:
-        """Called on every rank (it gathers their RNGs)."""
+        """Called on every rank (it gathers their RNGs). Batches generated ahead are taken first: that waits
+        until none is in flight, so the prompt order and reward models' moments saved are theirs."""
+        rollouts = self.rollouts.state_dict() if self.rollouts is not None else {}
+        streams = rollouts.pop("streams", {})  # async: as after the batches saved, not the one in flight
         rngs = self.ranks.gather(rng_state())
         sharded = self.model is not None and is_sharded(self.model)
         optimizer = full_optimizer_state(self.model, self.optimizer) if sharded else self.optimizer.state_dict()
@@ -80,12 +86,14 @@ class RunState:
             "step": self.step,
             "updates": dict(self.updates),
             "optimizer": optimizer,
-            "prompts": self.prompts.state_dict(),
+            "prompts": streams.get("prompts") or self.prompts.state_dict(),
             "minibatch_gen": self.minibatch_gen.get_state(),
             "rng": rngs[0],
             "rng_by_rank": rngs,
             "sync_monitor": self.sync_monitor.state_dict(),
-            "reward_models": self.reward_models.state_dict() if self.reward_models is not None else {},
+            "reward_models": streams.get("reward_models")
+            or (self.reward_models.state_dict() if self.reward_models is not None else {}),
+            "rollouts": rollouts,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -100,6 +108,8 @@ class RunState:
         self.sync_monitor.load_state_dict(state.get("sync_monitor") or {"noise_floor": state["sync_noise_floor"]})
         if self.reward_models is not None:
             self.reward_models.load_state_dict(state.get("reward_models", {}))
+        if self.rollouts is not None:
+            self.rollouts.load_state_dict(state.get("rollouts", {}))
 
     @staticmethod
     def save(state: dict[str, Any], folder: Path) -> None:

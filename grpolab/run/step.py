@@ -10,6 +10,7 @@ from typing import Any
 from grpolab.common.progress import format_seconds
 from grpolab.rollout.collect import RolloutBatch
 from grpolab.rollout.multiturn import tool_metrics
+from grpolab.rollout.pipeline import staleness_metrics
 from grpolab.run.parts import RunParts
 from grpolab.tasks.base import Grade
 from grpolab.tasks.shaping import SHAPING_TERMS
@@ -26,7 +27,7 @@ def rl_step(
     batch once the update is done (``completion_rows``)."""
     t0 = time.perf_counter()
     status("generate")
-    rollout = parts.collector.collect(step)  # 1. rollout + 2. reward
+    rollout = parts.rollouts.batch(step)  # 1. rollout + 2. reward (generated now, or ahead when async)
     t1 = time.perf_counter()
     status("update")
     metrics = parts.learner.learn(rollout)  # 3. group advantages + 4. policy update
@@ -34,7 +35,7 @@ def rl_step(
     if on_rollout is not None:
         on_rollout(rollout)
     status("sync")
-    parts.engine.sync_weights(parts.sync_source())  # 5. sync the new weights to the engine
+    parts.rollouts.publish(parts.sync_source(), step)  # 5. sync the new weights to the engine
     t3 = time.perf_counter()
     flat = rollout.flat()
     grades = [g for group in rollout.grades for g in group]
@@ -58,6 +59,9 @@ def rl_step(
         "tokens_per_s": tokens / rollout.seconds["generate"],
         **reward_components(grades),
     }
+    if parts.rollouts.max_staleness:  # async: how stale the batch was, and how long the learner waited for it
+        record.update(staleness_metrics(rollout, step, parts.rollouts.max_staleness))
+        record["time/wait_rollout"] = rollout.seconds["wait"]
     if parts.reward_models is not None:
         record.update(parts.reward_models.metrics(grades))
     if parts.toolset is not None:
@@ -68,7 +72,8 @@ def rl_step(
 def completion_rows(parts: RunParts, rollout: RolloutBatch, limit: int) -> tuple[list[str], list[list[Any]]]:
     """(columns, rows): a table of the step's sampled completions for the trackers, one row per completion of
     its first prompt groups (whole groups, at most ``limit`` rows but at least one group): the group, prompt,
-    completion, RL reward and advantage, answer and format rewards, each reward term, length, truncation."""
+    completion, RL reward and advantage, answer and format rewards, each reward term, length, truncation, and the
+    policy version that sampled it."""
     _, advantages = parts.learner.advantages(rollout)  # [B, G]: what the update used (recomputed, exact)
     group_size = max(len(group) for group in rollout.completions)
     groups = max(1, limit // group_size)
@@ -76,7 +81,7 @@ def completion_rows(parts: RunParts, rollout: RolloutBatch, limit: int) -> tuple
         dict.fromkeys(name for group in rollout.grades[:groups] for grade in group for name, _ in grade.components)
     )
     columns = ["group", "prompt", "completion", "reward", "advantage", "answer_reward", "format_reward"]
-    columns += [f"reward/{name}" for name in terms] + ["length", "truncated"]
+    columns += [f"reward/{name}" for name in terms] + ["length", "truncated", "policy_version"]
     rows = []
     for i, (example, completions, grades) in enumerate(
         zip(rollout.examples[:groups], rollout.completions[:groups], rollout.grades[:groups])
@@ -87,7 +92,7 @@ def completion_rows(parts: RunParts, rollout: RolloutBatch, limit: int) -> tuple
             rows.append(
                 [i, prompt, completion.text, grade.reward, float(advantages[i, j]), grade.answer_reward]
                 + [grade.format_reward, *(values.get(name) for name in terms)]
-                + [len(completion.completion_ids), completion.truncated]
+                + [len(completion.completion_ids), completion.truncated, completion.policy_version]
             )
     return columns, rows
 

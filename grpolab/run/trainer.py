@@ -27,6 +27,7 @@ from grpolab.config import RunConfig
 from grpolab.models.loading import model_record
 from grpolab.parallel.fsdp import full_state_dict
 from grpolab.parallel.ranks import end_process_group
+from grpolab.rollout.engine_process import EngineDied
 from grpolab.rollout.engines import capabilities, dtype_name, engine_record
 from grpolab.rollout.evaluation import evaluate
 from grpolab.run.checkpoints import prune, remove_temp_folders, save_checkpoint, set_aside
@@ -446,7 +447,13 @@ def train(
     trainer = None
     try:
         trainer = Trainer(cfg, console, resume)
-        return trainer.run(stop)
+        try:
+            return trainer.run(stop)
+        except EngineDied as died:  # one line, and where the run continues from
+            raise EngineDied(
+                f"{died}; the run stopped after step {trainer.parts.state.step}: continue from its last "
+                f"checkpoint with: grpolab train --resume {trainer.run_dir}"
+            ) from None
     finally:
         if stop is not None:
             stop.armed = False

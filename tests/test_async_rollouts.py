@@ -1,0 +1,146 @@
+"""Async rollouts (``grpolab.rollout.pipeline``, ``grpolab.rollout.engine_process``): an engine process generates
+the next batches while the learner trains. k = 0 is the sync run bit for bit; k >= 1 trains each batch exactly
+min(k, t - 1) versions behind; a resumed async run is its uninterrupted self; an engine process that dies ends
+the run in one line, resumable."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from conftest import quick_config, quick_settings
+from transformers import AutoModelForCausalLM
+
+from grpolab.commands.cli import main
+from grpolab.config import load_run_config
+from grpolab.rollout.pipeline import AsyncRollouts
+from grpolab.run.rundir import read_metrics
+from grpolab.run.trainer import Trainer, train
+
+OVERRIDES = {"steps": 4, "checkpoint.every": 2, "eval.every": 2, "threads": 1, "rollout.engine_threads": 1}
+
+
+def untimed(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
+
+
+def final_weights(run_dir, step: int = 4) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / f"step_{step:06d}").state_dict()
+
+
+def same_weights(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(final_weights(a).values(), final_weights(b).values()))
+
+
+@pytest.fixture(scope="module")
+def sync_run(warm_model_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("sync") / "run"
+    train(quick_config(warm_model_dir, run, **OVERRIDES))
+    return run
+
+
+def test_async_at_staleness_0_is_the_sync_run_bit_for_bit(warm_model_dir, sync_run, tmp_path):
+    run = tmp_path / "run"
+    train(quick_config(warm_model_dir, run, **OVERRIDES, **{"rollout.mode": "async", "rollout.max_staleness": 0}))
+    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(sync_run / "metrics.jsonl"))
+    assert same_weights(run, sync_run)
+
+
+@pytest.fixture(scope="module")
+def async_run(warm_model_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("async") / "run"
+    train(quick_config(warm_model_dir, run, **OVERRIDES, **ASYNC))
+    return run
+
+
+ASYNC = {"rollout.mode": "async", "rollout.max_staleness": 1}
+
+
+def test_async_at_staleness_1_trains_each_batch_one_version_behind(async_run, sync_run):
+    records = [r for r in read_metrics(async_run / "metrics.jsonl") if "reward_mean" in r]
+    assert [r["staleness/max"] for r in records] == [0, 1, 1, 1]  # step 1's batch: the start policy, as in sync
+    assert [r["staleness/at_1"] for r in records] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["time/wait_rollout"] >= 0 for r in records)
+    synced = [r for r in read_metrics(sync_run / "metrics.jsonl") if "reward_mean" in r]
+    assert untimed(records[:1]) == [
+        {**untimed(synced[:1])[0], **{k: records[0][k] for k in records[0] if "stale" in k}}
+    ]
+    assert records[1]["reward_mean"] != synced[1]["reward_mean"] or records[1]["loss"] != synced[1]["loss"]
+    assert (
+        "sync/logprob_diff_max" in records[0] and "sync/logprob_diff_max" not in records[1]
+    )  # a stale batch is not a sync
+
+
+def test_async_run_stopped_after_step_3_resumes_with_identical_numbers(
+    warm_model_dir, async_run, tmp_path, monkeypatch
+):
+    run = tmp_path / "run"
+    original = Trainer.train_step
+
+    def die_at_step_4(self, step, *args):
+        if step == 4:
+            raise KeyboardInterrupt
+        return original(self, step, *args)
+
+    monkeypatch.setattr(Trainer, "train_step", die_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train(quick_config(warm_model_dir, run, **OVERRIDES, **ASYNC))
+    monkeypatch.setattr(Trainer, "train_step", original)
+    state = torch.load(run / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)
+    assert (
+        sorted(state["rollouts"]["pending"]) == [3] and state["rollouts"]["next_step"] == 4
+    )  # batch 3 made ahead; 4 by the saved weights
+    train(load_run_config(run), resume=True)
+    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(async_run / "metrics.jsonl"))
+    assert same_weights(run, async_run)
+
+
+def test_an_engine_process_killed_mid_run_is_one_line_and_the_run_resumes(
+    warm_model_dir, async_run, tmp_path, monkeypatch, capsys
+):
+    run = tmp_path / "run"
+    original = AsyncRollouts.publish
+
+    def kill_engine_before_version_2(self, weights, step):
+        if step == 2:  # once batch 3 (version 1) is made: batch 4, version 2's, is generated after the kill
+            with self.changed:
+                self.changed.wait_for(lambda: 3 in self.ready)
+            os.kill(self.engine.pid, signal.SIGKILL)
+        return original(self, weights, step)
+
+    monkeypatch.setattr(AsyncRollouts, "publish", kill_engine_before_version_2)
+    args = [f"--{k}={v}" for k, v in {**quick_settings(warm_model_dir, run), **OVERRIDES, **ASYNC}.items()]
+    assert main(["train", *args]) == 2
+    err = [line for line in capsys.readouterr().out.splitlines() if "error:" in line]
+    assert len(err) == 1 and "engine process" in err[0] and f"grpolab train --resume {run}" in err[0], err
+    monkeypatch.setattr(AsyncRollouts, "publish", original)
+    assert max(r["step"] for r in read_metrics(run / "metrics.jsonl")) == 3
+    train(load_run_config(run), resume=True)
+    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(async_run / "metrics.jsonl"))
+    assert same_weights(run, async_run)
+
+
+def test_bench_step_times_async_steps_past_the_configs_last_step(warm_model_dir, tmp_path):
+    report = tmp_path / "bench.json"
+    args = ["bench", "step", "--engines", "hf", "--repeats", "3", "--json", str(report), "--steps", "1"]
+    settings = {k: v for k, v in quick_settings(warm_model_dir, tmp_path / "unused").items() if k != "output_dir"}
+    args += [f"--{k}={v}" for k, v in {**settings, "steps": 1, **OVERRIDES, **ASYNC}.items() if k != "steps"]
+    assert main(args) == 0
+    figures = json.loads(report.read_text())["results"]["hf"]
+    assert figures["step"] > 0 and figures["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "settings, refusal",
+    [
+        ({"rollout.engine": "vllm"}, "rollout.mode 'async' runs the hf engine in a process of its own"),
+    ],
+)
+def test_async_refuses_what_it_cannot_run_in_one_line(warm_model_dir, tmp_path, capsys, settings, refusal):
+    args = [f"--{k}={v}" for k, v in {**quick_settings(warm_model_dir, tmp_path / "run"), **ASYNC, **settings}.items()]
+    assert main(["train", *args]) == 2
+    out = capsys.readouterr().out
+    assert refusal in out and not (tmp_path / "run").exists()
