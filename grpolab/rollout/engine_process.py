@@ -101,7 +101,7 @@ def _serve(
         **settings,
     )
     params = dict(model.named_parameters())
-    current = 0
+    current = 0  # the version the parameters and the engine's copy hold
     while True:
         try:
             request = conn.recv()
@@ -111,9 +111,9 @@ def _serve(
             return
         version, prompts, n, sampling = request
         try:
-            if version % len(slots) != current:
-                current = version % len(slots)
-                for name, tensor in slots[current].items():
+            if version != current:  # a new version, in another slot or written into the same one
+                current = version
+                for name, tensor in slots[version % len(slots)].items():
                     params[name].data = tensor
                 engine.sync_weights(ModelWeights(model))  # its compute-dtype copy, if any, from the slot
             reply = ("ok", engine.generate(prompts, n, sampling))

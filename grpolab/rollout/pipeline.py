@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from grpolab.models.weights import PolicyWeights
+from grpolab.rollout.base import RolloutEngine
 from grpolab.rollout.collect import RolloutBatch, RolloutCollector
 from grpolab.rollout.engine_process import EngineProcess
 
@@ -113,9 +114,11 @@ class AsyncRollouts:
         max_staleness: int,
         last_step: int,
         weights: Callable[[], PolicyWeights] | None,
+        evaluator: RolloutEngine,
     ) -> None:
         self.collector, self.engine, self.max_staleness, self.last_step = collector, engine, max_staleness, last_step
         self.weights = weights  # the policy as it is now (set once the run's parts exist): the first version
+        self.evaluator = evaluator  # the run's in-process engine, which evaluates: synced at every version too
         self.changed = threading.Condition()
         self.ready: dict[int, RolloutBatch] = {}
         self.published = -1  # the newest version written
@@ -196,8 +199,10 @@ class AsyncRollouts:
         return batch
 
     def publish(self, weights: PolicyWeights, step: int) -> None:
-        """Write the policy after ``step``: the engine may generate with it from now on."""
+        """Write the policy after ``step``: the engine may generate with it from now on (and the run's own
+        engine evaluates it)."""
         self.engine.publish(weights, step)
+        self.evaluator.sync_weights(weights)
         with self.changed:
             self.published = step
             self.written.add(step)

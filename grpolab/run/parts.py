@@ -322,7 +322,7 @@ def rollout_source(
     producer = RolloutCollector(
         engine, task, c.prompts, c.prompt_ids, c.rollout, c.spec, c.seed, c.shaping, c.ranks, c.reward_models
     )
-    return AsyncRollouts(producer, process, cfg.rollout.max_staleness, cfg.steps, weights=None)
+    return AsyncRollouts(producer, process, cfg.rollout.max_staleness, cfg.steps, None, evaluator=collector.engine)
 
 
 def build_parts(
