@@ -1,0 +1,162 @@
+"""The hf engine's refill: a call's rows join one running decoding batch as rows end, and every row samples what
+it samples in any batch (counter-based draws, ``grpolab.rollout.hf.draws``). Tiny random models, no mocks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from grpolab.rollout import Completion, HFEngine, SamplingParams
+from grpolab.rollout.hf.draws import uniforms
+
+# prompts of different lengths (left padding at every join) and a shared opening (a shared prefill at joins)
+PROMPTS = ["12+34=", "7+8=<think>", "a", "Question: 5*6=", "Question: 99+1=<think>", "bc"]
+
+
+@pytest.fixture
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+def _flat(groups: list[list[Completion]]) -> list[Completion]:
+    return [c for g in groups for c in g]
+
+
+def _same(a: list[Completion], b: list[Completion]) -> None:
+    assert [(c.completion_ids, c.finish_reason) for c in a] == [(c.completion_ids, c.finish_reason) for c in b]
+    for x, y in zip(a, b):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=5e-5)  # float32 rounding of other batch shapes
+
+
+def _engine(model, tokenizer, rows: int, **kwargs) -> HFEngine:
+    return HFEngine(model, tokenizer, max_batch_size=rows, eos_token_ids=[tokenizer.eos_token_id, *EOS], **kwargs)
+
+
+EOS: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def _eos(tokenizer):
+    """'5' ends rows too: tiny random models emit it often, so rows end at many different steps."""
+    EOS[:] = tokenizer.encode("5")
+    yield
+    EOS.clear()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_call_of_three_batches_samples_what_one_batch_of_every_row_samples(
+    make_tiny_model, tokenizer, prompts, arch, shared
+):
+    """6 prompts x 3 samples = 18 rows through a batch of 6 (rows join as others end) give the tokens, finish
+    reasons and log-probs of one batch of 18; and the batch stays full while rows wait."""
+    model = make_tiny_model(arch)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7)
+    whole = _engine(model, tokenizer, 18, shared_prefill=shared)
+    one = _flat(whole.generate(prompts, 3, params))
+    refilled = _engine(model, tokenizer, 6, shared_prefill=shared, refill_fraction=0.0)
+    three = _flat(refilled.generate(prompts, 3, params))
+    _same(three, one)
+    assert len({len(c.completion_ids) for c in one}) > 3  # rows end at many steps: refill really interleaves
+    assert whole.step_rows[0] == 18 and max(refilled.step_rows) == 6
+    # refill_fraction 0: a place is filled at the step it frees, so the batch holds 6 live rows until no row
+    # waits, then only shrinks; every row a forward computes is live (its logits give a token)
+    full = next(i for i, rows in enumerate(refilled.step_rows) if rows < 6)
+    assert set(refilled.step_rows[:full]) == {6}
+    assert refilled.step_rows[full:] == sorted(refilled.step_rows[full:], reverse=True)
+    assert sum(refilled.step_rows) == sum(len(c.completion_ids) for c in three)
+
+
+def test_refill_at_a_fraction_waits_for_free_places(make_tiny_model, tokenizer, prompts):
+    """refill_fraction 0.5 of 6 places: rows join only once 3 places are free (or every waiting row fits):
+    the batch then runs with 4 or 5 live rows at some steps, and still samples the same completions."""
+    model = make_tiny_model("llama")
+    params = SamplingParams(max_new_tokens=16, seed=3)
+    eager = _engine(model, tokenizer, 6, refill_fraction=0.0)
+    lazy = _engine(model, tokenizer, 6, refill_fraction=0.5)
+    _same(_flat(lazy.generate(prompts, 3, params)), _flat(eager.generate(prompts, 3, params)))
+    assert {4, 5} & set(lazy.step_rows)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 7, 30])
+def test_completions_do_not_depend_on_max_batch_size(make_tiny_model, tokenizer, prompts, rows):
+    model = make_tiny_model("llama")
+    params = SamplingParams(max_new_tokens=10, temperature=0.9, seed=11)
+    _same(
+        _flat(_engine(model, tokenizer, rows).generate(prompts, 5, params)),
+        _flat(_engine(model, tokenizer, 30).generate(prompts, 5, params)),
+    )
+
+
+def test_a_rank_samples_what_one_process_samples_for_its_rows_whatever_the_split(make_tiny_model, tokenizer, prompts):
+    """Data-parallel ranks: any split of the prompt list (not only on batch boundaries), each share called with
+    its ``prompt_offset``, samples exactly the whole call's rows."""
+    engine = _engine(make_tiny_model("llama"), tokenizer, 4)
+    params = SamplingParams(max_new_tokens=10, seed=5)
+    whole = _flat(engine.generate(prompts, 3, params))
+    for cut in (1, 2, 5):
+        first = _flat(engine.generate(prompts[:cut], 3, params))
+        rest = _flat(engine.generate(prompts[cut:], 3, replace(params, prompt_offset=cut)))
+        _same(first + rest, whole)
+    unplaced = _flat(engine.generate(prompts[2:], 3, params))  # seeded as the list's first rows
+    assert [c.completion_ids for c in unplaced] != [c.completion_ids for c in whole[6:]]
+
+
+def test_stop_strings_eos_and_the_token_limit_end_rows_under_refill(make_tiny_model, tokenizer, prompts):
+    """Each way a row ends, under refill (batch of 4) and in one batch of every row: the same rows, each ending
+    where its own rule says."""
+    model = make_tiny_model("qwen3")
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=2)
+    free = _flat(_engine(model, tokenizer, 18).generate(prompts, 3, params))
+    # stop strings the free completions hold (one a single character, one of two) but not every one of them
+    params = replace(
+        params,
+        stop_strings=(tokenizer.decode(free[4].completion_ids[3:5]), tokenizer.decode(free[9].completion_ids[2:3])),
+    )
+    refilled = _flat(_engine(model, tokenizer, 4, refill_fraction=0.0).generate(prompts, 3, params))
+    _same(refilled, _flat(_engine(model, tokenizer, 18).generate(prompts, 3, params)))
+    reasons = set()
+    for c in refilled:
+        text = tokenizer.decode(c.completion_ids, skip_special_tokens=False)
+        if c.finish_reason == "length":
+            assert len(c.completion_ids) == 12 and not any(s in text for s in params.stop_strings)
+            reasons.add("length")
+        elif c.completion_ids[-1] in [tokenizer.eos_token_id, *EOS]:
+            reasons.add("eos")
+        else:
+            assert any(text.endswith(s) for s in params.stop_strings)
+            assert not any(s in tokenizer.decode(c.completion_ids[:-1]) for s in params.stop_strings)
+            reasons.add("stop string")
+        assert not set(c.completion_ids[:-1]) & {tokenizer.eos_token_id, *EOS}
+    assert reasons == {"length", "eos", "stop string"}
+
+
+def test_greedy_under_refill_is_model_generate(make_tiny_model, tokenizer, prompts):
+    model = make_tiny_model("llama")
+    out = _flat(
+        HFEngine(model, tokenizer, max_batch_size=2, refill_fraction=0.0).generate(
+            prompts, 1, SamplingParams(max_new_tokens=8, temperature=0)
+        )
+    )
+    for prompt, c in zip(prompts, out):
+        with torch.no_grad():
+            ref = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=8,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )[0, len(prompt) :].tolist()
+        assert c.completion_ids == ref
+
+
+def test_uniforms_are_a_function_of_seed_row_and_token_index():
+    a = uniforms(9, [0, 1, 2, 3], [0, 0, 5, 5])
+    assert a.dtype == torch.float64 and ((a >= 0) & (a < 1)).all()
+    assert torch.equal(uniforms(9, [3, 0], [5, 0]), a[[3, 0]])  # no state: order and company do not matter
+    assert len(set(a.tolist())) == 4 and not torch.equal(uniforms(10, [0, 1, 2, 3], [0, 0, 5, 5]), a)
+    assert torch.equal(uniforms(9 + 2**64, [1], [0]), uniforms(9, [1], [0]))  # seeds modulo 2**64
+    many = uniforms(1, list(range(4000)) * 25, [t for t in range(25) for _ in range(4000)])
+    assert abs(many.mean().item() - 0.5) < 0.01 and abs(many.var().item() - 1 / 12) < 0.005
