@@ -160,3 +160,30 @@ def test_uniforms_are_a_function_of_seed_row_and_token_index():
     assert torch.equal(uniforms(9 + 2**64, [1], [0]), uniforms(9, [1], [0]))  # seeds modulo 2**64
     many = uniforms(1, list(range(4000)) * 25, [t for t in range(25) for _ in range(4000)])
     assert abs(many.mean().item() - 0.5) < 0.01 and abs(many.var().item() - 1 / 12) < 0.005
+
+
+def test_join_rows_trims_the_shared_padding_and_left_pads_the_narrower_side(make_tiny_model):
+    """A running cache of 2 rows x 5 columns (its first 2 columns padding in every row) joined by 3 rows x 4
+    columns: 5 rows x 4 columns, the running rows' last 3 columns right-aligned after a zero column, the joining
+    rows as they were, and room for more columns without a new buffer."""
+    from grpolab.rollout.hf.kv_cache import ReservedLayer, join_rows, joins_rows, reserved_cache
+
+    config = make_tiny_model("llama").config
+    running, joining = reserved_cache(config, 5), reserved_cache(config, 4)
+    assert joins_rows(running)
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    for layer in range(config.num_hidden_layers):
+        old = torch.arange(2 * heads * 5 * dim, dtype=torch.float32).reshape(2, heads, 5, dim)
+        running.update(old, -old, layer)
+        joining.update(torch.full((3, heads, 4, dim), 7.0), torch.full((3, heads, 4, dim), -7.0), layer)
+    assert join_rows(running, joining, 3, trim=2, room=6) == 4
+    for layer in running.layers:
+        assert isinstance(layer, ReservedLayer) and layer.keys.shape == (5, heads, 4, dim)
+        old = torch.arange(2 * heads * 5 * dim, dtype=torch.float32).reshape(2, heads, 5, dim)
+        assert (layer.keys[:2, :, 0] == 0).all() and torch.equal(layer.keys[:2, :, 1:], old[:, :, 2:])
+        assert torch.equal(layer.values[:2, :, 1:], -old[:, :, 2:])
+        assert (layer.keys[2:] == 7).all() and (layer.values[2:] == -7).all()
+        assert layer._keys.shape[2] == 4 + 6
+    # rows with nothing cached (one-token prompts) join as zeros
+    assert join_rows(running, None, 1, trim=0, room=2) == 4
+    assert running.layers[0].keys.shape[0] == 6 and (running.layers[0].keys[5] == 0).all()
