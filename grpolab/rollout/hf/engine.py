@@ -78,7 +78,9 @@ class HFEngine:
         least one place; see Refill above).
 
     An MoE model's completions carry the experts its routers chose for every token
-    (``Completion.routed_experts``; ``grpolab.rollout.hf.routing_capture``).
+    (``Completion.routed_experts``; ``grpolab.rollout.hf.routing_capture``). ``step_rows``: the live rows of
+    each decoding forward of the last call (``grpolab.rollout.hf.decode.Decoded.step_rows``), e.g. to see that
+    refill keeps the batch full.
     """
 
     capabilities = EngineCapabilities(
