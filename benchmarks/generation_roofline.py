@@ -30,6 +30,14 @@ which the floor counts and the rooflines do not. An engine's share of its floor 
 the matmuls (attention, caches, sampling, Python); the floor's own share of the roofline is what the
 batch's tail and the weights' memory traffic cost any engine that computes only live rows.
 
+Live rows (hf engines): the live rows of each decoding step of the last call (``HFEngine.step_rows``), printed
+as their mean over ``rollout.max_batch_size`` and the steps the batch was full. ``--rounds N`` generates N
+steps' prompts in one call (as evaluation over many items, dynamic sampling's rounds or an asynchronous
+producer do): with ``rollout.max_batch_size`` below the call's rows, rows join the running batch as others end
+(the hf engine's refill), and the batch stays full until no row waits::
+
+    python benchmarks/generation_roofline.py --engines hf --rounds 4 rollout.max_batch_size=64
+
 Prompts of different lengths (a padding mask in every step) are another workload than the default's
 equal-length chat prompts: ``--config configs/gsm8k_qwen3_0.6b.toml model.path=gguf:smollm2
 model.dtype=float32 reference=none`` runs SmolLM2 on GSM8K's r1_zero prompts (138-173 tokens).
@@ -187,11 +195,14 @@ def main(argv: list[str]) -> dict:
     parser.add_argument(
         "--engines", default="generate,hf,hf-unpacked", help="comma-separated: generate, hf, hf-unpacked, hf-sdpa, vllm"
     )
+    parser.add_argument("--rounds", type=int, default=1, help="steps' prompts generated in one call")
     parser.add_argument("--json", help="also write the figures here (must not exist)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.max_new_tokens=64")
     args = parser.parse_args(argv)
     if args.json and Path(args.json).exists():
         parser.error(f"--json {args.json} exists")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     torch.set_num_threads(args.threads)
     overrides = {"rollout.max_new_tokens": 64, "rollout.temperature": 1.0, "threads": args.threads}
     overrides |= {k: parse_value(v) for k, v in (o.split("=", 1) for o in args.overrides)}
@@ -213,9 +224,12 @@ def main(argv: list[str]) -> dict:
             trainer = Trainer(cfg, Console(quiet=True))
             try:
                 r = cfg.rollout
-                prompts = [trainer.parts.prompt_ids[e.id] for e in trainer.parts.prompts.take(r.prompts_per_step)]
+                prompts = [
+                    trainer.parts.prompt_ids[e.id] for e in trainer.parts.prompts.take(r.prompts_per_step * args.rounds)
+                ]
+                batch_rows = min(len(prompts) * r.group_size, r.max_batch_size)  # the most rows a step computes
                 if "roofline" not in results:
-                    rows = r.prompts_per_step * r.group_size
+                    rows = batch_rows
                     flops = 2 * sum(m.weight.numel() for m in trainer.parts.model.modules() if isinstance(m, nn.Linear))
                     console.print(f"timing the model's linear layers at {rows} rows (8-13 s measured at 2 threads) ...")
                     seconds = linear_seconds_per_token(trainer.parts.model, rows)
@@ -257,10 +271,15 @@ def main(argv: list[str]) -> dict:
                     "seconds": seconds,
                     "tokens_per_s": sum(tokens) / sum(seconds),
                 }
-                if engine.startswith("hf"):
-                    pack_rows = (
-                        None if engine == "hf-unpacked" else min(r.prompts_per_step * r.group_size, r.max_batch_size)
+                live = list(getattr(trainer.parts.engine, "step_rows", []))  # the hf engine's (refill)
+                if live:
+                    results["engines"][engine]["live_rows"] = live
+                    console.print(
+                        f"{engine}: live rows per decoding step (last call): mean {statistics.mean(live):.1f} of "
+                        f"{batch_rows}, the batch full at {sum(n == batch_rows for n in live)} of {len(live)} steps"
                     )
+                if engine.startswith("hf"):
+                    pack_rows = None if engine == "hf-unpacked" else batch_rows
                     results["engines"][engine]["floor"] = floor(
                         trainer.parts.model, forwards, tokens, pack_rows, console
                     )

@@ -231,19 +231,24 @@ def test_training_forward_is_the_models_own(family):
         assert max((g - h).abs().max() for g, h in zip(grads, own_grads)) <= 1e-5 * scale
 
 
+@pytest.mark.parametrize("rows", [64, 3])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_engine_logprobs_are_the_models_own(family, tokenizer):
+def test_engine_logprobs_are_the_models_own(family, tokenizer, rows):
+    """rows 3: the fourth row joins the running batch as soon as one ends (refill, where the family's cache
+    allows it; sliding windows: a second batch), left-padded to the others' width; a seventh of the vocabulary
+    ends rows, so that they end at different steps."""
     model = build(family)
     (p1, (c1, _)), (p2, _) = groups_for(model, family)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, VOCAB, (p,), generator=gen).tolist() for p in (p1, p2)]
     # an EOS id outside the vocabulary: every completion runs to max_new_tokens; 2 samples a prompt: shared prefill
-    engine = HFEngine(model, tokenizer, eos_token_ids=[VOCAB + 1])
+    eos = [VOCAB + 1] if rows == 64 else list(range(1, VOCAB, 7))
+    engine = HFEngine(model, tokenizer, max_batch_size=rows, eos_token_ids=eos)
     groups = engine.generate(prompts, 2, SamplingParams(max_new_tokens=c1, temperature=TEMPERATURE, seed=4))
     with torch.no_grad():
         for prompt, group in zip(prompts, groups):
             for c in group:
-                assert len(c.completion_ids) == c1
+                assert len(c.completion_ids) == c1 if rows == 64 else len(c.completion_ids) <= c1
                 own = own_logprobs(model, prompt + c.completion_ids)[len(prompt) - 1 :]
                 # generate computes each token in an incremental decode step, the reference in one pass
                 # over the sequence: float32 sums in another order, ~1e-6 relative through the layers

@@ -99,6 +99,26 @@ def test_generation_roofline_reports_every_engine_against_both_rooflines(warm_mo
     assert "roofline (best): " in capsys.readouterr().out and (tmp_path / "g.json").is_file()
 
 
+@pytest.mark.slow  # a benchmark's own run; default tier: test_refill.py's batch kept full while rows wait
+def test_generation_roofline_shows_the_live_rows_of_a_refilled_batch(warm_model_dir, tmp_path, capsys):
+    """--rounds 2: one call of 2 steps' prompts (32 rows) through a batch of 8: rows join as others end."""
+    import generation_roofline
+
+    config = tmp_path / "empty.toml"
+    config.write_text("")
+    overrides = [
+        f"{k.removeprefix('--')}={v}" for k, v in zip(_small(warm_model_dir)[::2], _small(warm_model_dir)[1::2])
+    ]
+    results = generation_roofline.main(
+        ["--config", str(config), "--repeats", "1", "--engines", "hf", "--rounds", "2", *overrides]
+        + ["rollout.max_batch_size=8"]
+    )
+    live = results["engines"]["hf"]["live_rows"]
+    assert results["roofline"]["rows"] == 8 and live[0] == 8 and max(live) == 8
+    assert sum(live) == results["engines"]["hf"]["tokens"][0]  # every row a step computes is live
+    assert "live rows per decoding step (last call)" in capsys.readouterr().out
+
+
 def test_lora_vs_full_reports_both_ways_and_the_adapters_share(warm_model_dir, capsys):
     import lora_vs_full
 

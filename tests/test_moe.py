@@ -320,11 +320,12 @@ def test_replay_with_one_step_needs_the_hf_engines_record():
     check_settings(load_config(None, {"algo": "gspo", "algorithm.routing_replay": True, "rollout.engine": "vllm"}))
 
 
-@pytest.mark.parametrize("shared_prefill", [True, False])
-def test_the_hf_engine_records_the_routing_of_every_token_it_computes(moe_dir, tokenizer, shared_prefill):
+@pytest.mark.parametrize("shared_prefill,rows", [(True, 6), (False, 6), (True, 2), (False, 2)])
+def test_the_hf_engine_records_the_routing_of_every_token_it_computes(moe_dir, tokenizer, shared_prefill, rows):
     """The shared prefix, each distinct prompt, the prompts' last tokens and every fed-back sampled token: in
     float64 each recorded choice is the one the model's own forward over prompt + completion makes; a row's
-    last token (never fed back) has no record."""
+    last token (never fed back) has no record. ``rows`` 2: rows join the running batch as others end (refill),
+    their prompts prefilled then and their cache left-padded to the batch's."""
     from grpolab.rollout.base import SamplingParams
     from grpolab.rollout.hf.engine import HFEngine
     from grpolab.rollout.hf.prefill import MIN_SAVED_TOKENS
@@ -335,8 +336,13 @@ def test_the_hf_engine_records_the_routing_of_every_token_it_computes(moe_dir, t
     head = tokenizer("What is 1 + 2? Think, then answer: ", add_special_tokens=False)["input_ids"]
     assert len(head) * 2 >= MIN_SAVED_TOKENS, "three distinct prompts share a prefix worth computing once"
     prompts = [head + tokenizer(tail, add_special_tokens=False)["input_ids"] for tail in ("a", "bc", "def")]
-    engine = HFEngine(model, tokenizer, max_batch_size=6, shared_prefill=shared_prefill, pack_weights=False)
-    groups = engine.generate(prompts, 2, SamplingParams(max_new_tokens=12, temperature=1.0, seed=3))
+    engine = HFEngine(
+        model, tokenizer, max_batch_size=rows, shared_prefill=shared_prefill, pack_weights=False, refill_fraction=0
+    )
+    # "f" ends rows at different steps: rows join a batch whose other rows are mid-completion
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, stop_strings=("f",))
+    groups = engine.generate(prompts, 2, params)
+    assert max(engine.step_rows) == rows and len({len(c.completion_ids) for group in groups for c in group}) > 2
     for completion in [c for group in groups for c in group]:
         ids = completion.prompt_ids + completion.completion_ids
         recorder = RouterRecorder()

@@ -104,15 +104,16 @@ def test_seed_determinism_and_rng_isolation(model, tokenizer, prompts):
 
 
 def test_a_share_split_on_a_batch_boundary_samples_what_the_whole_call_samples(model, tokenizer, prompts):
-    """Data-parallel ranks: each batch is seeded by its global first row (``prompt_offset``), so the
-    calls of two ranks holding whole batches of the list draw the same rows as one call over it."""
+    """Data-parallel ranks: each row's draws are keyed by its global index (``prompt_offset``), so the calls
+    of two ranks holding parts of the list draw the same rows as one call over it (any split:
+    ``tests/test_refill.py``)."""
     engine = HFEngine(model, tokenizer, max_batch_size=3)  # 3 samples per prompt: one prompt per batch
     params = SamplingParams(max_new_tokens=10, seed=5)
     whole = _flat(engine.generate(prompts, 3, params))
     first = _flat(engine.generate(prompts[:1], 3, params))
     rest = _flat(engine.generate(prompts[1:], 3, replace(params, prompt_offset=1)))  # two batches
     assert [c.completion_ids for c in first + rest] == [c.completion_ids for c in whole]
-    without_offset = _flat(engine.generate(prompts[1:], 3, params))  # seeded as the list's first batch
+    without_offset = _flat(engine.generate(prompts[1:], 3, params))  # drawn as the list's first rows
     assert [c.completion_ids for c in without_offset] != [c.completion_ids for c in rest]
 
 
@@ -214,8 +215,9 @@ def test_sampling_params_validation():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2"])
 def test_shared_prefill_samples_what_a_full_prefill_does(make_tiny_model, tokenizer, prompts, arch):
-    """Each distinct prompt is prefilled once for its n samples (max_batch_size 5 splits a group across
-    calls): the same tokens, finish reasons and log-probs as generate's own prefill of every row."""
+    """Each distinct prompt is prefilled once for its n samples (max_batch_size 5 splits a group between the
+    first batch and the rows that join it): the same tokens, finish reasons and log-probs as a prefill of every
+    row."""
     model = make_tiny_model(arch)
     backbone = model.get_decoder()
     widths: list[tuple[int, int]] = []
@@ -231,13 +233,15 @@ def test_shared_prefill_samples_what_a_full_prefill_does(make_tiny_model, tokeni
             runs = {}
             for shared in (True, False):
                 widths.clear()
-                runs[shared] = _flat(
-                    HFEngine(model, tokenizer, max_batch_size=5, shared_prefill=shared).generate(prompts, 4, params)
-                )
-                # prompts of 6, 5 and 1 tokens x 4 rows, 5 rows a call: the calls' prompts are 6, 5 and 1 wide
+                # refill_fraction 1: rows join 5 at a time (the last 2 once 2 places are free)
+                engine = HFEngine(model, tokenizer, max_batch_size=5, shared_prefill=shared, refill_fraction=1.0)
+                runs[shared] = _flat(engine.generate(prompts, 4, params))
+                # prompts of 6, 5 and 1 tokens x 4 rows, 5 rows at a time: their prompts are 6, 5 and 1 wide
                 prefills = [w for w in widths if w[1] > 1]
-                # shared: the 2 distinct prompts of each call, all but their last column; then a token per row
-                assert prefills == ([(2, 5), (2, 4)] if shared else [(5, 6), (5, 5)])
+                # shared: the 2 distinct prompts of each group, all but their last column; then a token per row.
+                # Not shared: the first batch's whole prompts, then each joining row's all but its last column
+                # (that column is computed with the running rows' next token); 1-token prompts: nothing to prefill
+                assert prefills == ([(2, 5), (2, 4)] if shared else [(5, 6), (5, 4)])
             for a, b in zip(runs[True], runs[False]):
                 assert (a.completion_ids, a.finish_reason) == (b.completion_ids, b.finish_reason)
                 assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

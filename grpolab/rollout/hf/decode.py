@@ -7,8 +7,15 @@ row ends at an EOS id, at a stop string, or at ``max_new_tokens``, and leaves th
 too), so that the rest stop paying for it. ``model.generate`` instead keeps every row to the end and
 samples with ``torch.multinomial``, whose exponential draws over the vocabulary cost as much as a tenth
 of a step on a 49k vocabulary.
-Each step draws one uniform for every row of the batch, live or not, so a row's tokens do not depend on
-when the other rows end or leave.
+Row r's t-th token is drawn with ``grpolab.rollout.hf.draws.uniforms(seed, first_row + r, t)``, a function of
+those integers alone, so a row's tokens do not depend on the other rows, on when they end or leave, or on
+the batch it is decoded in.
+
+Refill (``waiting``): rows of the call that did not fit the first batch join it as rows end. Their prompts are
+prefilled but for the last column (``Waiting.take``), their cache rows join the running cache, left-padded to
+its width (``grpolab.rollout.hf.kv_cache.join_rows``; columns that are padding in every running row are dropped
+first), and their last prompt column is computed in the next step's forward together with the running rows'
+sampled tokens: one forward a step, whatever joined.
 
 Positions are those ``generate`` computes for left-padded rows (the count of real tokens before each
 column), so the tokens and the recorded log-probs are those the trainer's forward scores.
@@ -21,16 +28,18 @@ as ``generate(synced_gpus=True)`` does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import Cache, TopKLogitsWarper, TopPLogitsWarper
 
-from grpolab.rollout.hf.kv_cache import reserved_cache
+from grpolab.rollout.hf.draws import uniforms
+from grpolab.rollout.hf.kv_cache import join_rows, reserved_cache
 
-__all__ = ["Decoded", "compaction", "decode", "left_padded_positions", "sample_step", "sequence_places"]
+__all__ = ["Decoded", "Waiting", "compaction", "decode", "left_padded_positions", "sample_step", "sequence_places"]
 
 
 def sample_step(
@@ -78,11 +87,14 @@ class Decoded:
     tokens: each row's tokens, ending with the token that stopped it (EOS id or a stop string's last).
     logprobs: the log-prob of each of those tokens (see ``sample_step``).
     stopped: True where a row stopped (EOS or stop string), False where it reached ``max_new_tokens``.
+    step_rows: the live rows each forward computed (the first: the prefill's last column), e.g. to see that
+        refill keeps the batch full.
     """
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
     stopped: list[bool]
+    step_rows: list[int] = field(default_factory=list)
 
 
 class _StopStrings:
@@ -122,6 +134,20 @@ def _forward(model: nn.Module, ids: Tensor, mask: Tensor, positions: Tensor, cac
     return out.logits[:, -1].float()
 
 
+class Waiting(Protocol):
+    """Rows of a call waiting to join the decoding batch (``decode``'s refill), in row order."""
+
+    def __len__(self) -> int:
+        """How many rows still wait."""
+        ...
+
+    def take(self, count: int) -> tuple[Tensor, Tensor, Cache | None]:
+        """The next ``count`` rows: left-padded input ids and attention mask [count, W] (on the batch's device),
+        and their cache over all columns but the last (``grpolab.rollout.hf.prefill.shared_prefill``), None
+        where W = 1."""
+        ...
+
+
 def decode(
     model: nn.Module,
     input_ids: Tensor,
@@ -138,8 +164,14 @@ def decode(
     synced: bool = False,
     drop_fraction: float = 0.0,
     on_forward: Callable[[list[int], Tensor], None] | None = None,
+    seed: int | None = None,
+    first_row: int = 0,
+    waiting: Waiting | None = None,
+    max_rows: int | None = None,
+    refill_at: int = 1,
 ) -> Decoded:
-    """Sample up to ``max_new_tokens`` tokens for each left-padded row of ``input_ids`` [B, P].
+    """Sample up to ``max_new_tokens`` tokens for each left-padded row of ``input_ids`` [B, P], and for each row
+    ``waiting`` holds, which joins the batch as rows end.
 
     attention_mask: [B, P], 0 on the left padding.
     cache: the rows' cache over all but the last prompt column (a shared prefill), or None to prefill here
@@ -149,12 +181,24 @@ def decode(
     drop_fraction: ended rows leave the batch once they are more than this share of the rows computed
         (0: at every step where a row ends; a reserved cache then copies only the rows that move, see
         ``compaction``).
-    on_forward: told before each forward the batch rows it computes and each token's place in its row's
+    on_forward: told before each forward the rows it computes and each token's place in its row's
         sequence [A, C] (its position id; -1 on padding), e.g. to record an MoE model's routing.
+    seed, first_row: row r's t-th token is sampled with ``grpolab.rollout.hf.draws.uniforms(seed, first_row + r,
+        t)``; seed None: one drawn from torch's global RNG.
+    waiting: rows B, B + 1, ... (refill; not with ``synced``). Once ``max_rows`` (default B) less the live rows
+        leaves ``refill_at`` free places (or room for every row still waiting), the ended rows leave, the next
+        waiting rows join (``Waiting.take``, ``grpolab.rollout.hf.kv_cache.join_rows``), and their prompts' last
+        column is computed in the same forward as the other rows' next token.
+    Returns every row's completion, the ``waiting`` rows' after the first B.
     """
     device, batch = input_ids.device, input_ids.shape[0]
+    if waiting is not None and synced:
+        raise ValueError("refill (waiting rows) cannot run synced: a rank's extra prefill would be a lone collective")
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
     stops = _StopStrings(stop_strings, decode_ids) if stop_strings else None
+    if seed is None and temperature != 0:
+        seed = int(torch.empty((), dtype=torch.int64).random_())
+    max_rows = max_rows or batch
     positions = left_padded_positions(attention_mask)
     announce = on_forward or (lambda rows, places: None)
     if cache is None:
@@ -164,36 +208,64 @@ def decode(
     else:
         announce(list(range(batch)), sequence_places(attention_mask[:, -1:], positions[:, -1:]))
         logits = _forward(model, input_ids[:, -1:], attention_mask, positions[:, -1:], cache)
-    rows = list(range(batch))  # the batch row of each row computed
-    row_index = torch.arange(batch, device=device)  # the same, as a tensor
+    total = batch + (len(waiting) if waiting is not None else 0)
+    rows = list(range(batch))  # the call row of each row computed
     live = [True] * batch  # per row computed: it has not ended
     last_position = positions[:, -1]
-    tokens: list[list[int]] = [[] for _ in range(batch)]
-    logprobs: list[list[float]] = [[] for _ in range(batch)]
-    stopped = [False] * batch
-    for step in range(max_new_tokens):
-        draws = None if temperature == 0 else torch.rand(batch, dtype=torch.float64, device=device)
-        new, logp = sample_step(logits, None if draws is None else draws[row_index], temperature, top_k, top_p)
+    tokens: list[list[int]] = [[] for _ in range(total)]
+    logprobs: list[list[float]] = [[] for _ in range(total)]
+    stopped = [False] * total
+    step_rows = [batch]
+    while True:
+        draws = None
+        if temperature != 0:
+            draws = uniforms(seed, [first_row + row for row in rows], [len(tokens[row]) for row in rows], device)
+        new, logp = sample_step(logits, draws, temperature, top_k, top_p)
         for i, (token, lp, at_eos) in enumerate(zip(new.tolist(), logp.tolist(), torch.isin(new, eos).tolist())):
             if live[i]:
                 row = rows[i]
                 tokens[row].append(token)
                 logprobs[row].append(lp)
                 stopped[row] = at_eos or (stops is not None and stops(tokens[row]))
-                live[i] = not stopped[row]
-        if step == max_new_tokens - 1 or not _any_live(any(live), synced, device):
+                live[i] = not stopped[row] and len(tokens[row]) < max_new_tokens
+        left = len(waiting) if waiting is not None else 0
+        refill = bool(left) and max_rows - live.count(True) >= min(refill_at, left)
+        if not _any_live(any(live) or refill, synced, device):
             break
-        if len(rows) > 1 and live.count(False) > drop_fraction * len(rows):
+        keep = None
+        if refill:
+            keep = compaction(live) if any(live) else []
+        elif len(rows) > 1 and live.count(False) > drop_fraction * len(rows):
             keep = compaction(live)
-            index = torch.tensor(keep, device=device)
+        if keep is not None and keep != list(range(len(rows))):
+            index = torch.tensor(keep, dtype=torch.long, device=device)
             cache.batch_select_indices(index)
             attention_mask, last_position, new = attention_mask[index], last_position[index], new[index]
-            rows, live, row_index = [rows[i] for i in keep], [live[i] for i in keep], row_index[index]
+            rows, live = [rows[i] for i in keep], [live[i] for i in keep]
+        if refill:
+            count = min(left, max_rows - len(rows))
+            ids, mask, joining = waiting.take(count)
+            real = attention_mask.any(0).nonzero()
+            trim = int(real[0]) if len(real) else attention_mask.shape[1]
+            width = join_rows(cache, joining, count, trim, max_new_tokens + 1)
+            attention_mask = torch.cat(
+                [_left_pad(attention_mask[:, trim:], width), _left_pad(mask[:, :-1], width)], dim=0
+            )
+            last_position = torch.cat([last_position, left_padded_positions(mask)[:, -1] - 1])
+            new = torch.cat([new, ids[:, -1]])
+            rows += range(total - left, total - left + count)
+            live += [True] * count
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
         last_position = last_position + 1
         announce(rows, last_position[:, None])
+        step_rows.append(live.count(True))
         logits = _forward(model, new[:, None], attention_mask, last_position[:, None], cache)
-    return Decoded(tokens, logprobs, stopped)
+    return Decoded(tokens, logprobs, stopped, step_rows)
+
+
+def _left_pad(mask: Tensor, width: int) -> Tensor:
+    """[R, w] attention mask -> [R, width] with zeros at the left (width >= w)."""
+    return torch.cat([mask.new_zeros(mask.shape[0], width - mask.shape[1]), mask], dim=1)
 
 
 def compaction(live: list[bool]) -> list[int]:

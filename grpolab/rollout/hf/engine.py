@@ -18,16 +18,31 @@ With float32 master weights and a bf16 compute dtype the engine generates on its
 linear weights are bf16, refreshed by each ``sync_weights`` (``grpolab.rollout.hf.engine_weights``); where the
 weights are already in the compute dtype it generates on the training model itself.
 
-Seeding: every batch seeds torch's RNG from ``params.seed`` and the global index of its first row
-(``params.prompt_offset * n`` plus its position in the call; a call's first batch at offset 0 takes the
-seed itself), inside ``torch.random.fork_rng``, so the caller's global RNG stream is left untouched.
-Results for a seed depend on the batch's rows (prompts, ``n``, ``max_batch_size``): a rank whose share
-starts on a batch boundary of the whole list samples exactly what one process samples for it.
+
+Refill: a call's rows are decoded in one running batch of at most ``max_batch_size`` rows; as rows end, the
+call's next rows join it (``grpolab.rollout.hf.decode``'s ``waiting``): their prompts are prefilled (shared
+prefill where it applies), their cache joins the running one (``grpolab.rollout.hf.kv_cache.join_rows``) and
+their prompts' last column rides in the next decoding step. Rows join once an eighth of the batch is free
+(``refill_fraction``), or once every row still waiting fits. Each admission costs a prefill forward (a weight
+pass, like a decoding step) and a copy of the cache; waiting for f of the batch to be free leaves about f / 2 of
+it idle. With completions of L steps, rows join about every f * L steps, so the cost per step is about
+1 / (f * L) forwards against f / 2 of a step's rows, least near f = sqrt(2 / L): 1/8 for L of about 130.
+``docs/engines.md`` has a rough count of the trade-off. Refill is off, and
+a call's rows are decoded batch after batch as before, under ``synced`` (a rank's prefill would be a collective
+the other ranks do not join) and for a model whose cache has sliding-window or other layers
+(``grpolab.rollout.hf.kv_cache.joins_rows``). An MoE model's routing is recorded under refill too.
+
+Seeding: a row's ``t``-th token is sampled with ``grpolab.rollout.hf.draws.uniforms(params.seed, row, t)``, the
+row's global index being ``params.prompt_offset * n`` plus its place in the call: a completion does not depend
+on ``max_batch_size``, on when rows joined or left the batch, or on how ranks split the list, and a rank
+samples exactly what one process samples for its rows. No RNG is seeded or advanced, so the caller's global RNG
+stream is left untouched; ``seed=None`` draws a seed from torch's global RNG.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -40,16 +55,12 @@ from grpolab.rollout.base import Completion, EngineCapabilities, SamplingParams,
 from grpolab.rollout.hf.decode import decode
 from grpolab.rollout.hf.engine_weights import ComputeCopy, CopyMode, engine_weights
 from grpolab.rollout.hf.grouped_attention import grouped_kv_attention
+from grpolab.rollout.hf.kv_cache import joins_rows, reserved_cache
 from grpolab.rollout.hf.packed_linear import packed_linears
 from grpolab.rollout.hf.prefill import prompt_layout, shared_prefill
 from grpolab.rollout.hf.routing_capture import RoutingCapture
 
 __all__ = ["HFEngine"]
-
-
-def batch_seed(seed: int, first_row: int) -> int:
-    """The seed of a generation batch whose first row has global index ``first_row`` (``seed`` itself at 0)."""
-    return seed if first_row == 0 else (seed * 1_000_003 + first_row * 7_919) % 2**63
 
 
 class HFEngine:
@@ -73,9 +84,13 @@ class HFEngine:
     synced: the model's forwards are collectives over data-parallel ranks (FSDP): decoding goes on, with
         finished rows idle, until every rank's batch is done.
     pack_weights: on a CPU, generate with weights laid out once per call (``grpolab.rollout.hf.packed_linear``).
+    refill_fraction: waiting rows join the running batch once this share of ``max_batch_size`` is free (at
+        least one place; see Refill above).
 
     An MoE model's completions carry the experts its routers chose for every token
-    (``Completion.routed_experts``; ``grpolab.rollout.hf.routing_capture``).
+    (``Completion.routed_experts``; ``grpolab.rollout.hf.routing_capture``). ``step_rows``: the live rows of
+    each decoding forward of the last call (``grpolab.rollout.hf.decode.Decoded.step_rows``), e.g. to see that
+    refill keeps the batch full.
     """
 
     capabilities = EngineCapabilities(
@@ -85,7 +100,7 @@ class HFEngine:
         graceful_stop=True,
         records_routing=True,
         serves_adapters=False,
-        batch_refill=False,
+        batch_refill=True,
         bounded_batch=True,
     )
 
@@ -101,9 +116,12 @@ class HFEngine:
         pack_weights: bool = True,
         compute_dtype: torch.dtype | None = None,
         copy_mode: CopyMode = "matmul",
+        refill_fraction: float = 0.125,
     ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        if not 0.0 <= refill_fraction <= 1.0:
+            raise ValueError(f"refill_fraction must be in [0, 1], got {refill_fraction}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -111,6 +129,8 @@ class HFEngine:
         self.shared_prefill, self.synced, self.pack_weights = shared_prefill, synced, pack_weights
         self.compute_dtype, self.copy_mode = compute_dtype, copy_mode
         self.copy: ComputeCopy | None = engine_weights(model, compute_dtype, copy_mode)
+        self.refill_at = max(1, math.ceil(refill_fraction * max_batch_size))
+        self.step_rows: list[int] = []  # the live rows of each forward of the last call's decoding batches
         self.eos_token_ids = (
             list(eos_token_ids)
             if eos_token_ids is not None
@@ -159,35 +179,60 @@ class HFEngine:
                 stack.enter_context(grouped_kv_attention(model))
                 if self.pack_weights:
                     stack.enter_context(packed_linears(model, min(len(flat), self.max_batch_size)))
-                if params.seed is not None:
-                    stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
-                for i in range(0, len(flat), self.max_batch_size):
-                    if params.seed is not None:
-                        torch.manual_seed(batch_seed(params.seed, params.prompt_offset * n + i))
-                    out.extend(self._generate_batch(model, flat[i : i + self.max_batch_size], params, device))
+                # one running batch refilled as rows end, or (synced, a cache that cannot join rows) batches in turn
+                refill = not self.synced and joins_rows(reserved_cache(model.config, 1))
+                span = max(len(flat), 1) if refill else self.max_batch_size
+                seed = params.seed
+                if seed is None and not params.greedy:  # one seed for the call, whatever its batches
+                    seed = int(torch.empty((), dtype=torch.int64).random_())
+                self.step_rows = []
+                for i in range(0, len(flat), span):
+                    out.extend(
+                        self._generate_rows(
+                            model, flat[i : i + span], params, device, seed, params.prompt_offset * n + i
+                        )
+                    )
         finally:
             model.train(was_training)
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _generate_batch(
-        self, model: nn.Module, prompts: list[list[int]], params: SamplingParams, device
+    def _generate_rows(
+        self,
+        model: nn.Module,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        device,
+        seed: int | None,
+        first_row: int,
     ) -> list[Completion]:
+        """Completions of ``prompts`` (one per row), the first ``max_batch_size`` decoded at once and the rest
+        joining as rows end; ``first_row``: the global index of the first (seeding)."""
         capture = None
         if routers(model):
             capture = RoutingCapture(model, len(prompts), max(map(len, prompts)) + params.max_new_tokens, device)
+        backbone = backbone_and_head(model)[0]
+
+        def prefill(start: int, stop: int, always: bool):
+            return shared_prefill(
+                backbone,
+                model.config,
+                prompts[start:stop],
+                self.pad_token_id,
+                device,
+                params.max_new_tokens,
+                on_forward=None
+                if capture is None
+                else lambda members, places: capture.at([[start + r for r in m] for m in members], places),
+                share=self.shared_prefill,
+                always=always,
+            )
+
+        first = min(len(prompts), self.max_batch_size)
         with capture.attach() if capture is not None else contextlib.nullcontext():
             if self.shared_prefill:
-                input_ids, attention_mask, cache = shared_prefill(
-                    backbone_and_head(model)[0],
-                    model.config,
-                    prompts,
-                    self.pad_token_id,
-                    device,
-                    params.max_new_tokens,
-                    on_forward=capture.at if capture is not None else None,
-                )
+                input_ids, attention_mask, cache = prefill(0, first, always=False)
             else:
-                input_ids, attention_mask = (t.to(device) for t in prompt_layout(prompts, self.pad_token_id))
+                input_ids, attention_mask = (t.to(device) for t in prompt_layout(prompts[:first], self.pad_token_id))
                 cache = None
             out = decode(
                 model,
@@ -205,7 +250,13 @@ class HFEngine:
                 on_forward=(lambda rows, places: capture.at([[r] for r in rows], places))
                 if capture is not None
                 else None,
+                seed=seed,
+                first_row=first_row,
+                waiting=_Waiting(prefill, first, len(prompts)) if len(prompts) > first else None,
+                max_rows=self.max_batch_size,
+                refill_at=self.refill_at,
             )
+        self.step_rows += out.step_rows
         routed = capture.choices.cpu() if capture is not None else None
         return [
             Completion(
@@ -218,3 +269,18 @@ class HFEngine:
             )
             for row, (prompt, ids, logprobs, stopped) in enumerate(zip(prompts, out.tokens, out.logprobs, out.stopped))
         ]
+
+
+class _Waiting:
+    """The call's rows ``[next, stop)`` not yet decoding (``grpolab.rollout.hf.decode.Waiting``), prefilled as
+    they join."""
+
+    def __init__(self, prefill: Callable[[int, int, bool], tuple], start: int, stop: int):
+        self.prefill, self.next, self.stop = prefill, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.next
+
+    def take(self, count: int):
+        start, self.next = self.next, self.next + count
+        return self.prefill(start, self.next, True)

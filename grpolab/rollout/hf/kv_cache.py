@@ -7,6 +7,12 @@ the filled part, so attention reads exactly what it reads from a ``DynamicLayer`
 (``batch_select_indices``) in ``grpolab.rollout.hf.decode.compaction``'s order copy only the rows that move,
 within the buffers; any other selection gathers the filled part anew. Sliding-window and other layer
 kinds stay as ``DynamicCache`` builds them.
+
+Refill (``join_rows``): rows that join a running decoding batch bring their prompts' cache; each layer's
+buffers are laid out anew once per admission, the running rows' columns that are padding in every row
+dropped at the left and the narrower side left-padded with zeros (the attention mask is 0 there; zeros,
+not whatever memory held, so that a masked column's weight of 0 never meets a NaN). Only a cache of
+``ReservedLayer``s joins rows (``joins_rows``).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["ReservedLayer", "reserved_cache"]
+__all__ = ["ReservedLayer", "join_rows", "joins_rows", "reserved_cache"]
 
 
 class ReservedLayer(DynamicLayer):
@@ -89,3 +95,33 @@ def reserved_cache(config, capacity: int) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [ReservedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def joins_rows(cache: DynamicCache) -> bool:
+    """Whether ``join_rows`` can add rows to ``cache``: every layer a ``ReservedLayer``."""
+    return all(isinstance(layer, ReservedLayer) for layer in cache.layers)
+
+
+def join_rows(cache: DynamicCache, joining: DynamicCache | None, count: int, trim: int, room: int) -> int:
+    """Append ``count`` rows, ``joining``'s, to ``cache``'s, in place; returns the joined width W.
+
+    cache: [A, H, w, D] a layer, its first ``trim`` columns padding in every row (dropped); joining: [count, H, w',
+    D] a layer, or None (rows with nothing cached yet, w' = 0). Both sides end at the last column: W = max(w - trim,
+    w'), each side's missing columns zeros at its left. Each layer keeps room for ``room`` more columns."""
+    joined = 0
+    for at, layer in enumerate(cache.layers):
+        other = joining.layers[at] if joining is not None and joining.layers[at].is_initialized else None
+        assert isinstance(layer, ReservedLayer) and layer.is_initialized, "join_rows needs a running ReservedLayer"
+        width = max(layer.length - trim, other.get_seq_length() if other is not None else 0)
+        for name, side in (("_keys", "keys"), ("_values", "values")):
+            mine = getattr(layer, side)[..., trim:, :]
+            theirs = getattr(other, side) if other is not None else None
+            buffer = mine.new_zeros((mine.shape[0] + count, *mine.shape[1:-2], width + room, mine.shape[-1]))
+            buffer[: mine.shape[0], ..., width - mine.shape[-2] : width, :] = mine
+            if theirs is not None:
+                buffer[mine.shape[0] :, ..., width - theirs.shape[-2] : width, :] = theirs
+            setattr(layer, name, buffer)
+        layer.length, layer.capacity = width, width + room
+        layer.keys, layer.values = layer._keys[..., :width, :], layer._values[..., :width, :]
+        joined = width
+    return joined

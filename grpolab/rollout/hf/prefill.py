@@ -54,6 +54,9 @@ def shared_prefill(
     device: torch.device,
     max_new_tokens: int,
     on_forward: Callable[[list[list[int]], Tensor], None] | None = None,
+    *,
+    share: bool = True,
+    always: bool = False,
 ) -> tuple[Tensor, Tensor, DynamicCache | None]:
     """Input ids and attention mask [B, W] of ``prompts`` (``prompt_layout``, on ``device``) and the cache of
     all their columns but the last, each distinct prompt and the prefix they all share computed once; the
@@ -62,14 +65,18 @@ def shared_prefill(
     backbone: the decoder without its output layer (``grpolab.models.logprobs.backbone_and_head``); config: the
     model's config (the cache's layer types); max_new_tokens: the cache keeps room for them
     (``grpolab.rollout.hf.kv_cache``). ``on_forward``: told before each forward the batch rows each of its rows
-    stands for and each token's place in their sequences [A, C] (-1 on padding), e.g. to record an MoE's routing."""
+    stands for and each token's place in their sequences [A, C] (-1 on padding), e.g. to record an MoE's routing.
+    share: False prefills every row on its own (no prompt or prefix computed once). always: the cache even where
+    nothing is shared (rows joining a running batch, ``grpolab.rollout.hf.decode``'s refill); None only where every
+    prompt is one token."""
     distinct: dict[tuple[int, ...], int] = {}
-    row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-    prefix = min(len(os.path.commonprefix(list(distinct))), min(map(len, prompts)) - 1)
-    if (len(distinct) - 1) * prefix < MIN_SAVED_TOKENS:
+    row_of = [distinct.setdefault(tuple(p), len(distinct)) if share else row for row, p in enumerate(prompts)]
+    distinct_prompts = list(distinct) if share else [tuple(p) for p in prompts]
+    prefix = min(len(os.path.commonprefix(distinct_prompts)), min(map(len, prompts)) - 1)
+    if not share or (len(distinct_prompts) - 1) * prefix < MIN_SAVED_TOKENS:
         prefix = 0
     input_ids, attention_mask = (t.to(device) for t in prompt_layout(prompts, pad_id, prefix))
-    if (len(distinct) == len(prompts) and not prefix) or input_ids.shape[1] < 2:
+    if (len(distinct_prompts) == len(prompts) and not prefix and not always) or input_ids.shape[1] < 2:
         return input_ids, attention_mask, None
     cache = reserved_cache(config, input_ids.shape[1] + max_new_tokens)
     announce = on_forward or (lambda members, places: None)
@@ -82,13 +89,13 @@ def shared_prefill(
             past_key_values=cache,
             use_cache=True,
         )
-        cache.batch_select_indices(torch.zeros(len(distinct), dtype=torch.long, device=device))
-    firsts = [row_of.index(u) for u in range(len(distinct))]
+        cache.batch_select_indices(torch.zeros(len(distinct_prompts), dtype=torch.long, device=device))
+    firsts = [row_of.index(u) for u in range(len(distinct_prompts))]
     ids, mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]
     if ids.shape[1] > prefix:
         positions = left_padded_positions(mask)[:, prefix:]
         announce(
-            [[r for r, u in enumerate(row_of) if u == unit] for unit in range(len(distinct))],
+            [[r for r, u in enumerate(row_of) if u == unit] for unit in range(len(distinct_prompts))],
             sequence_places(mask[:, prefix:], positions),
         )
         backbone(
