@@ -2,6 +2,7 @@
 
     python benchmarks/async_step.py                      # SmolLM2-135M-Instruct, 2 threads, k = 1, 6 steps each
     python benchmarks/async_step.py --model tiny --steps 3   # the demo's tiny model: a smoke run
+    python benchmarks/async_step.py --model.dtype bfloat16   # any --dotted.name value, for both modes
 
 Each mode trains its own run of ``--steps`` steps from the same start (``configs/smollm2_arithmetic.toml``'s
 task, 8 prompts x 8, <= 64 new tokens, temperature 1, evaluation only at the start and end on 8 items):
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from grpolab.commands.cli import parse_overrides
 from grpolab.config import load_config
 from grpolab.run.rundir import read_metrics
 from grpolab.run.trainer import train
@@ -69,22 +71,23 @@ def len_of(overrides: dict) -> int:
     return overrides["rollout.prompts_per_step"] * overrides["rollout.group_size"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gguf:smollm2", help="gguf:smollm2 (default) or tiny (smoke run)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2, help="total CPU threads of each mode")
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    args = parser.parse_args()
+    args, extra = parser.parse_known_args(argv)
+    extra = parse_overrides(extra)  # any --dotted.name value, for both modes
     config = None if args.model == "tiny" else ROOT / "configs" / "smollm2_arithmetic.toml"
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (
+        for name, mode in (
             ("sync", {}),
             ("async", {"rollout.mode": "async", "rollout.max_staleness": args.staleness}),
         ):
-            overrides = {**settings(args.model, args.steps, args.threads, Path(tmp) / name), **extra}
+            overrides = {**settings(args.model, args.steps, args.threads, Path(tmp) / name), **extra, **mode}
             results.append(run_mode(name, overrides, config))
             r = results[-1]
             print(
@@ -96,7 +99,8 @@ def main() -> None:
     print(f"async / sync samples per second: {ratio:.2f}x ({args.threads} threads each, staleness {args.staleness})")
     if args.json:
         args.json.write_text(json.dumps({"results": results, "ratio": ratio}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -49,6 +49,7 @@ def test_shared_prefill_benchmark_generates_the_same_completions(warm_model_dir,
     assert "same completions: True" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # TRL's GRPOTrainer imports in ~13 s; its loss pieces run in the default tier (test_rollout_correction_trl.py)
 def test_vs_trl_runs_both_at_the_same_settings(warm_model_dir, tmp_path, monkeypatch, capsys):
     pytest.importorskip("trl")
     import vs_trl
@@ -269,3 +270,13 @@ def test_precision_step_benchmark_times_float32_and_bf16_side_by_side(warm_model
     assert all(results[v][phase] > 0 for v in results for phase in precision_step.PHASES)
     with pytest.raises(SystemExit):  # an existing report is never overwritten
         precision_step.main(argv)
+
+
+@pytest.mark.slow  # two short runs; async against sync in the default tier: test_async_rollouts.py
+def test_async_step_benchmark_runs_sync_and_async_side_by_side(warm_model_dir, tmp_path, capsys):
+    import async_step
+
+    args = ["--model", "tiny", "--steps", "2", "--json", str(tmp_path / "f.json"), *_small(warm_model_dir)]
+    assert async_step.main(args) == 0
+    assert "async / sync samples per second" in capsys.readouterr().out
+    assert [r["mode"] for r in json.loads((tmp_path / "f.json").read_text())["results"]] == ["sync", "async"]
