@@ -121,7 +121,7 @@ def trl_config(trl, cfg: RunConfig, out_dir: str, steps: int):
         max_steps=steps + 1,
         seed=cfg.seed,
         use_cpu=True,
-        bf16=False,
+        bf16=cfg.model.dtype == "bfloat16",  # the same precision on both sides: TRL's bf16 autocast, fp32 weights
         fp16=False,
         # one generation of prompts_per_step x group_size per optimizer step, in micro-batches
         per_device_train_batch_size=o.micro_batch_size,
