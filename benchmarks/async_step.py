@@ -3,9 +3,11 @@
     python benchmarks/async_step.py                      # SmolLM2-135M-Instruct, 2 threads, k = 1, 6 steps each
     python benchmarks/async_step.py --model tiny --steps 3   # the demo's tiny model: a smoke run
     python benchmarks/async_step.py --model.dtype bfloat16   # any --dotted.name value, for both modes
+    python benchmarks/async_step.py --config configs/gsm8k_cpu_check.toml   # r1_zero prompts: 64-token completions
 
-Each mode trains its own run of ``--steps`` steps from the same start (``configs/smollm2_arithmetic.toml``'s
-task, 8 prompts x 8, <= 64 new tokens, temperature 1, evaluation only at the start and end on 8 items):
+Each mode trains its own run of ``--steps`` steps from the same start (``--config``, default
+``configs/smollm2_arithmetic.toml``, whose completions run 8-10 tokens; with 8 prompts x 8, <= 64 new tokens,
+temperature 1, evaluation only at the start and end on 8 items):
 
   sync    ``threads`` threads generate, then learn, then sync, in turn
   async   an engine process with ``threads // 2`` threads generates the next batch (staleness ``--staleness``)
@@ -74,13 +76,14 @@ def len_of(overrides: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gguf:smollm2", help="gguf:smollm2 (default) or tiny (smoke run)")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2_arithmetic.toml")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2, help="total CPU threads of each mode")
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args, extra = parser.parse_known_args(argv)
     extra = parse_overrides(extra)  # any --dotted.name value, for both modes
-    config = None if args.model == "tiny" else ROOT / "configs" / "smollm2_arithmetic.toml"
+    config = None if args.model == "tiny" else args.config
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, mode in (
