@@ -82,7 +82,6 @@ class SyncRollouts:
     """The batch of step t collected when asked, by the engine synced with the policy after step t - 1."""
 
     max_staleness = 0
-    weights = None  # unused: the engine is synced after each step
 
     def __init__(self, collector: RolloutCollector):
         self.collector = collector
@@ -113,11 +112,11 @@ class AsyncRollouts:
         engine: EngineProcess,
         max_staleness: int,
         last_step: int,
-        weights: Callable[[], PolicyWeights] | None,
+        weights: Callable[[], PolicyWeights],
         evaluator: RolloutEngine,
     ) -> None:
         self.collector, self.engine, self.max_staleness, self.last_step = collector, engine, max_staleness, last_step
-        self.weights = weights  # the policy as it is now (set once the run's parts exist): the first version
+        self.weights = weights  # the policy as it is now: written as the first version the engine may use
         self.evaluator = evaluator  # the run's in-process engine, which evaluates: synced at every version too
         self.changed = threading.Condition()
         self.ready: dict[int, RolloutBatch] = {}

@@ -300,7 +300,12 @@ def resolve_auto(cfg: RunConfig, precision: TrainingPrecision, stale: bool = Fal
 
 
 def rollout_source(
-    cfg: RunConfig, setting: Setting, task: Task, policy: Policy, collector: RolloutCollector
+    cfg: RunConfig,
+    setting: Setting,
+    task: Task,
+    policy: Policy,
+    collector: RolloutCollector,
+    weights: Callable[[], PolicyWeights],
 ) -> RolloutSource:
     """Sync rollouts from the run's engine, or with ``rollout.mode = "async"`` an engine process of its own
     (its threads taken from the run's) and a producer collecting ahead from the same prompt stream."""
@@ -322,7 +327,7 @@ def rollout_source(
     producer = RolloutCollector(
         engine, task, c.prompts, c.prompt_ids, c.rollout, c.spec, c.seed, c.shaping, c.ranks, c.reward_models
     )
-    return AsyncRollouts(producer, process, cfg.rollout.max_staleness, cfg.steps, None, evaluator=collector.engine)
+    return AsyncRollouts(producer, process, cfg.rollout.max_staleness, cfg.steps, weights, collector.engine)
 
 
 def build_parts(
@@ -393,10 +398,9 @@ def build_parts(
             state,
             collector,
             learner,
-            rollout_source(cfg, setting, task, policy, collector),
+            rollout_source(cfg, setting, task, policy, collector, lambda: parts.sync_source()),
             resolved,
         )
-        parts.rollouts.weights = parts.sync_source  # async: the policy the engine process starts from
         state.rollouts = parts.rollouts
         if not (capabilities(cfg.rollout.engine).shares_training_model or policy.files_are_policy):
             engine.sync_weights(parts.sync_source())  # it started from files that are not the policy (a base)
