@@ -280,3 +280,21 @@ def test_async_step_benchmark_runs_sync_and_async_side_by_side(warm_model_dir, t
     assert async_step.main(args) == 0
     assert "async / sync samples per second" in capsys.readouterr().out
     assert [r["mode"] for r in json.loads((tmp_path / "f.json").read_text())["results"]] == ["sync", "async"]
+
+
+def test_demo_outcome_tables_each_gain_with_its_paired_ci_and_lists_refusals(warm_model_dir, tmp_path, capsys):
+    import demo_outcome
+
+    out = tmp_path / "runs"
+    extra = f"--model {warm_model_dir} --steps 2 --eval.every 2 --threads 1 --rollout.prompts_per_step 2"
+    extra += " --reward.truncation_penalty 0.5"  # refused by maxrl (its advantage needs rewards in {0, 1})
+    assert demo_outcome.main(["--algos", "grpo", "maxrl", "--extra", extra, "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    grpo = next(line for line in lines if line.startswith("grpo "))
+    start, final, gain, low, high = (float(x.strip("[],")) for x in grpo.split()[4:9])
+    assert low <= gain <= high and abs(final - start - gain) < 1.5e-3
+    assert any(line.startswith("maxrl ") and line.endswith("refused") for line in lines)
+    assert any(line.startswith("refused: maxrl (hf):") and "truncation_penalty" in line for line in lines)
+    assert sorted(p.name for p in out.iterdir()) == ["grpo-hf-w0-s0"]  # a refused demo leaves nothing
+    with pytest.raises(SystemExit):  # an existing folder is never written into
+        demo_outcome.main(["--algos", "grpo", "--out", str(out)])

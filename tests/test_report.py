@@ -272,6 +272,8 @@ def test_compare_prints_the_paired_difference_ci_and_p(runs, capsys):
         (["report", "{runs}", "--baseline", "zz"], "--baseline 'zz' is not a run here"),
         (["report", "{runs}", "--resamples", "999"], "at least 10,000"),
         (["compare", "{runs}/a", "{empty}"], "not a run directory"),
+        (["report", "{runs}", "--runs", "a", "zz*"], "--runs 'zz*' matches no run here"),
+        (["report", "{runs}", "--runs", "c*", "--baseline", "a"], "--baseline 'a' is not a run here"),
     ],
 )
 def test_bad_input_is_one_error_line(runs, tmp_path, capsys, argv, message):
@@ -282,6 +284,21 @@ def test_bad_input_is_one_error_line(runs, tmp_path, capsys, argv, message):
     out = capsys.readouterr().out
     assert out.count("error:") == 1 and message in " ".join(out.split())
     assert sorted(p.name for p in runs.iterdir()) == before
+
+
+def test_a_subset_report_covers_only_its_runs_and_leaves_the_whole_report(runs):
+    assert main(["report", str(runs)]) == 0
+    whole = (runs / "report" / "report.md").read_text()
+    assert main(["report", str(runs), "--runs", "d", "[bc]"]) == 0
+    subset = runs / "report-d+_bc_"
+    text = (subset / "report.md").read_text()
+    assert set(md_table(text, "run")) == {"b", "c", "d"}  # in the folder's order, baseline the first: b
+    assert set(md_table(text, "run | step")) == {"c", "d"}
+    data = json.loads((subset / "report.json").read_text())
+    assert data["baseline"] == "b" and "b, c, d" in data["title"]
+    assert (runs / "report" / "report.md").read_text() == whole  # the whole directory's report is untouched
+    assert main(["report", str(runs)]) == 0  # and a later whole report does not take the subset for a run
+    assert set(md_table((runs / "report" / "report.md").read_text(), "run")) == set(RUNS)
 
 
 def test_tensorboard_scalars_equal_the_metrics(warm_model_dir, tmp_path):

@@ -202,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_download(sub)
     report.add_argument("--baseline", help="the run every other run is compared with (default: the first)")
+    report.add_argument(
+        "--runs",
+        nargs="+",
+        metavar="NAME",
+        help="report only these runs (names or shell patterns such as 'grpo*'), into DIR/report-NAMES/",
+    )
     for p in (report, compare):
         p.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (at least 10,000)")
         p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
@@ -217,7 +223,9 @@ def report_command(args: argparse.Namespace, console: Console) -> int:
     if args.resamples < 10_000:
         raise ValueError(f"--resamples {args.resamples}: use at least 10,000 for stable 95% intervals")
     if args.command == "report":
-        path = write_report(Path(args.directory), Reporter(console), args.baseline, args.resamples, args.seed)
+        path = write_report(
+            Path(args.directory), Reporter(console), args.baseline, args.resamples, args.seed, args.runs
+        )
         console.print(f"report: {path} (figures and report.json beside it)", highlight=False, soft_wrap=True)
         return 0
     c = compare_runs(Path(args.run_a), Path(args.run_b), args.resamples, args.seed)
