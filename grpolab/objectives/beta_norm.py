@@ -8,6 +8,8 @@ clamps). alpha = beta = 1 is REINFORCE with a baseline; alpha = beta = 3/2 is GR
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -31,10 +33,10 @@ def beta_density_scale(group_means: Tensor) -> Tensor:
     """1 / Beta(p; alpha, beta) density per group [B, 1] (capped at 1e6), alpha, beta from ``beta_parameters``."""
     alpha, beta = beta_parameters(group_means)
     p = group_means.double()
-    log_norm = (
-        torch.lgamma(torch.tensor(alpha + beta)) - torch.lgamma(torch.tensor(alpha)) - torch.lgamma(torch.tensor(beta))
-    )
+    log_norm = math.lgamma(alpha + beta) - math.lgamma(alpha) - math.lgamma(beta)
     # xlogy: 0 * log(0) = 0, so alpha = 1 at p = 0 (or beta = 1 at p = 1) gives a finite density
-    log_density = log_norm + torch.xlogy(torch.tensor(alpha - 1), p) + torch.xlogy(torch.tensor(beta - 1), 1 - p)
+    log_density = (
+        log_norm + torch.xlogy(torch.full_like(p, alpha - 1), p) + torch.xlogy(torch.full_like(p, beta - 1), 1 - p)
+    )
     scale = torch.exp(-log_density).clamp(max=MAX_SCALE)
     return scale.to(group_means.dtype)[:, None]
