@@ -362,7 +362,7 @@ PRESETS: dict[str, AlgorithmSpec] = {
             weight="vespo",
             aggregation="token",  # TRL's reduction for vespo
             steps_per_epoch=4,  # the weight differs from REINFORCE's only off-policy: four minibatches, as gspo
-            reference="VESPO: Variational Sequence-Level Soft Policy Optimization (TRL's vespo loss type)",
+            reference="VESPO (Shen et al., 2026, arXiv 2602.10693)",
         ),
         AlgorithmSpec(
             name="intellect2",
