@@ -100,7 +100,8 @@ class AlgorithmSpec(BaseModel):
     weight: Weight = Field(
         "clip",
         description="each token's weight: none (REINFORCE), noclip (importance ratio), clip (PPO), gspo "
-        "(sequence ratio, clipped), cispo (clipped, stop-gradient ratio)",
+        "(sequence ratio, clipped), cispo (clipped, stop-gradient ratio), sapo (a sigmoid gate of the ratio), "
+        "vespo (a stop-gradient gamma weight of the sequence's ratio)",
     )
     eps_low: float = Field(0.2, ge=0, lt=1, description="clip range below 1: the ratio's floor is 1 - eps_low")
     eps_high: float = Field(0.2, gt=0, description="clip range above 1: the ratio's ceiling is 1 + eps_high")
