@@ -485,9 +485,9 @@ class RunConfig(_Section):
             )
 
     def _mean_normalizer_has_binary_rewards(self) -> None:
-        """MaxRL's (r - mean) / mean: its sign flips with a negative group mean."""
+        """MaxRL's (r - mean) / mean: its sign flips with a negative group mean; BNPO's p is a success rate."""
         spec = self.algorithm
-        if spec.normalizer == "mean":
+        if spec.normalizer in ("mean", "beta_density"):
             shaping = [
                 f"reward.{name} {value:g}"
                 for name, value in (
@@ -497,10 +497,11 @@ class RunConfig(_Section):
                 if value
             ]
             nonbinary = shaping + self.task.nonbinary_rewards()
+            why = "its advantage (r - mean) / mean changes sign when a group's mean is negative"
+            why = why if spec.normalizer == "mean" else "BNPO's group mean is a success rate, fitted by a Beta"
             if nonbinary:
                 raise ValueError(
-                    f"algorithm {spec.name} (normalizer 'mean') needs RL rewards in {{0, 1}} (its "
-                    "advantage (r - mean) / mean changes sign when a group's mean is negative): "
+                    f"algorithm {spec.name} (normalizer '{spec.normalizer}') needs RL rewards in {{0, 1}} ({why}): "
                     f"{nonbinary[0]} can give other values; for such rewards use another "
                     "normalizer (e.g. --algo grpo or dr_grpo)"
                 )

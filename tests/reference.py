@@ -47,8 +47,19 @@ def reference_loss(
     engine=None,
     correction="none",
     cap=2.0,
+    delta=None,
+    tau_pos=1.0,
+    tau_neg=1.05,
+    vespo=(2.0, 3.0, 3.0, 2.0),
 ):
-    """Scalar float64 loss of one optimizer step. logp: [N, T] float64 leaf; others plain tensors."""
+    """Scalar float64 loss of one optimizer step. logp: [N, T] float64 leaf; others plain tensors.
+
+    The TRL loss types (their papers' formulas): delta (INTELLECT-2's two-sided clip) caps the ratio of the
+    unclipped term at delta; sapo: -A * (4 / tau) * sigmoid(tau * (w - 1)), tau = tau_pos when A > 0 else tau_neg;
+    vespo: -sg(phi(W)) * A * logp, W = prod_t w_t over the sequence, phi(W) = e^lam * W^k * e^(-lam * W) with
+    (k, lam) = vespo[0:2] when A >= 0 else vespo[2:4]; aggregation sequence_sum (LUSPO): each sequence's summed
+    token losses (for gspo: its loss times its length), a mean over sequences.
+    """
     n, t_len = mask.shape
     seq_token_losses = []
     total_tokens = 0
@@ -61,8 +72,15 @@ def reference_loss(
         if weight == "gspo":
             log_s = sum(logp[i, t] - old[i, t] for t in tokens) / max(len(tokens), 1)
             s = torch.exp(log_s)
-            seq_loss = -torch.minimum(s * a, torch.clamp(s, 1 - eps_low, 1 + eps_high) * a)
+            unclipped = s if delta is None else torch.clamp(s, max=delta)
+            seq_loss = -torch.minimum(unclipped * a, torch.clamp(s, 1 - eps_low, 1 + eps_high) * a)
             losses = [seq_loss for _ in tokens]
+        elif weight == "vespo":
+            log_w = sum(float(logp[i, t].detach() - old[i, t]) for t in tokens)  # the whole sequence's ratio, detached
+            k, lam = (vespo[0], vespo[1]) if a >= 0 else (vespo[2], vespo[3])
+            big_w = math.exp(log_w)
+            phi = math.exp(lam) * big_w**k * math.exp(-lam * big_w)
+            losses = [-phi * a * logp[i, t] for t in tokens]
         else:
             for t in tokens:
                 w = torch.exp(logp[i, t] - old[i, t])
@@ -71,7 +89,11 @@ def reference_loss(
                 elif weight == "noclip":
                     losses.append(-a * w)
                 elif weight == "clip":
-                    losses.append(-torch.minimum(w * a, torch.clamp(w, 1 - eps_low, 1 + eps_high) * a))
+                    unclipped = w if delta is None else torch.clamp(w, max=delta)
+                    losses.append(-torch.minimum(unclipped * a, torch.clamp(w, 1 - eps_low, 1 + eps_high) * a))
+                elif weight == "sapo":
+                    tau = tau_pos if a > 0 else tau_neg
+                    losses.append(-a * (4 / tau) * torch.sigmoid(tau * (w - 1)))
                 elif weight == "cispo":
                     losses.append(-torch.clamp(w, max=1 + eps_high).detach() * a * logp[i, t])
         if correction != "none":
@@ -90,6 +112,8 @@ def reference_loss(
     zero = logp.sum() * 0
     if aggregation == "sequence":
         total = sum((sum(ls, zero) / max(len(ls), 1) for ls in seq_token_losses), zero) / n
+    elif aggregation == "sequence_sum":
+        total = sum((sum(ls, zero) for ls in seq_token_losses), zero) / n
     elif aggregation == "token":
         total = sum((sum(ls, zero) for ls in seq_token_losses), zero) / total_tokens
     else:
@@ -98,6 +122,34 @@ def reference_loss(
     if ref is not None and beta > 0:
         total = total + beta * kl_sum / total_tokens
     return total
+
+
+def reference_beta_advantages(rewards: list[list[float]]) -> list[list[float]]:
+    """BNPO (Xiao et al., 2025, eq. for A_{alpha,beta} with the variance-minimising alpha, beta): rewards in
+    [0, 1]; p_i = group i's mean reward; a, b = the method-of-moments Beta fit of the p_i over the batch
+    (their mean m and unbiased variance v: a = m (m (1 - m) / v - 1), b = (1 - m) (m (1 - m) / v - 1));
+    alpha = max(1 + a / 3, 1), beta = max(1 + b / 3, 1); A_ij = (r_ij - p_i) / f(p_i; alpha, beta), f the
+    Beta density (1 / f capped at 1e6 as the authors' code does). One group, or all p_i equal (v = 0):
+    alpha = beta = 1, f = 1, A = r - p. A group whose rewards are all equal gets 0."""
+    ps = [sum(g) / len(g) for g in rewards]
+    k = len(ps)
+    m = sum(ps) / k
+    v = sum((p - m) ** 2 for p in ps) / (k - 1) if k > 1 else 0.0
+    if v > 0:
+        a, b = m * (m * (1 - m) / v - 1), (1 - m) * (m * (1 - m) / v - 1)
+        alpha, beta = max(1 + a / 3, 1.0), max(1 + b / 3, 1.0)
+    else:
+        alpha = beta = 1.0
+    norm = math.gamma(alpha + beta) / (math.gamma(alpha) * math.gamma(beta))
+    out = []
+    for group, p in zip(rewards, ps):
+        if all(r == group[0] for r in group):
+            out.append([0.0] * len(group))
+            continue
+        density = norm * p ** (alpha - 1) * (1 - p) ** (beta - 1)
+        scale = min(1 / density, 1e6) if density > 0 else 1e6
+        out.append([(r - p) * scale for r in group])
+    return out
 
 
 def reference_rollout_correction(old, engine, mask, mode, upper, lower=None):

@@ -21,6 +21,12 @@ EXPECTED = {  # GUIDE section 2: baseline, normalizer, weight, eps_low, eps_high
     "offpolicy_noclip": ("mean", "std", "noclip", 0.2, 0.2, "sequence", 1, 32),
     "offpolicy_clip": ("mean", "std", "clip", 0.2, 0.2, "sequence", 1, 32),
     "offpolicy_gspo": ("mean", "std", "gspo", 3e-4, 3e-4, "sequence", 1, 32),
+    # TRL's loss types
+    "sapo": ("mean", "std", "sapo", 0.2, 0.2, "sequence", 1, 4),
+    "bnpo": ("mean", "beta_density", "clip", 0.2, 0.28, "sequence_sum", 1, 1),
+    "luspo": ("mean", "std", "gspo", 3e-4, 4e-4, "sequence_sum", 1, 4),
+    "vespo": ("mean", "std", "vespo", 0.2, 0.2, "token", 1, 4),
+    "intellect2": ("mean", "std", "clip", 0.2, 0.2, "sequence", 1, 1),
 }
 
 

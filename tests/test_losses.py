@@ -21,8 +21,8 @@ from grpolab.objectives.losses import (
     step_denominators,
 )
 
-WEIGHTS = ["none", "noclip", "clip", "gspo", "cispo"]
-AGGREGATIONS = ["sequence", "token", "constant"]
+WEIGHTS = ["none", "noclip", "clip", "gspo", "cispo", "sapo", "vespo"]
+AGGREGATIONS = ["sequence", "token", "constant", "sequence_sum"]
 MAX_NEW = 12
 
 
@@ -66,6 +66,10 @@ def ref_loss_and_grad(spec, logp, old, adv, mask, ref=None):
         max_new_tokens=MAX_NEW,
         ref=ref,
         beta=spec.beta,
+        delta=spec.clip_delta,
+        tau_pos=spec.sapo_temperature_pos,
+        tau_neg=spec.sapo_temperature_neg,
+        vespo=(spec.vespo_k_pos, spec.vespo_lambda_pos, spec.vespo_k_neg, spec.vespo_lambda_neg),
     )
     loss.backward()
     return loss.detach(), leaf.grad

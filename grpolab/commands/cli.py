@@ -30,7 +30,9 @@ def print_algorithms(console: Console) -> None:
     )
     for spec in PRESETS.values():
         weight = (
-            spec.weight if spec.weight in ("none", "noclip") else f"{spec.weight}({spec.eps_low:g}, {spec.eps_high:g})"
+            spec.weight
+            if spec.weight in ("none", "noclip", "sapo", "vespo")  # no clip range
+            else f"{spec.weight}({spec.eps_low:g}, {spec.eps_high:g})"
         )
         schedule = f"{spec.epochs}x{spec.steps_per_epoch} (epochs x steps)"
         extra = ", dynamic sampling" if spec.dynamic_sampling else ""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from grpolab.objectives.beta_norm import beta_density_scale
+
 
 def group_advantages(rewards: Tensor, baseline: str, normalizer: str, eps: float = 1e-6) -> Tensor:
     """Advantage of every sample relative to its group.
@@ -18,6 +20,8 @@ def group_advantages(rewards: Tensor, baseline: str, normalizer: str, eps: float
                 "mean" -> / (mean_i + eps), and 0 for a group whose mean is 0 (MaxRL); defined for
                           rewards in {0, 1} only (with a negative mean the sign flips): others raise
                 "none" -> unchanged
+                "beta_density" -> / Beta(mean_i; alpha, beta) density, alpha, beta fitted to the batch's group
+                          means (BNPO, grpolab.objectives.beta_norm); rewards in [0, 1] only: others raise
     With baseline "mean", a group whose rewards are all equal gets advantage exactly 0.
     """
     if rewards.dim() != 2:
@@ -34,6 +38,11 @@ def group_advantages(rewards: Tensor, baseline: str, normalizer: str, eps: float
                 f"{rewards[b, g].item():g} (the advantage (r - mean) / mean changes sign when a "
                 "group's mean is negative)"
             )
+    if normalizer == "beta_density" and ((rewards < 0) | (rewards > 1)).any():
+        raise ValueError(
+            f"normalizer 'beta_density' (BNPO) needs rewards in [0, 1] (a group's mean is a success probability): "
+            f"got {rewards.min().item():g} to {rewards.max().item():g}; use another normalizer (e.g. --algo grpo)"
+        )
     mean = rewards.mean(dim=1, keepdim=True)
     if baseline == "mean":
         centered = rewards - mean
@@ -51,6 +60,8 @@ def group_advantages(rewards: Tensor, baseline: str, normalizer: str, eps: float
         return torch.where(mean == 0, torch.zeros_like(scaled), scaled)
     if normalizer == "none":
         return centered
+    if normalizer == "beta_density":
+        return centered * beta_density_scale(mean[:, 0])
     raise ValueError(f"unknown normalizer {normalizer!r}")
 
 

@@ -13,9 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Baseline = Literal["mean", "none"]
-Normalizer = Literal["std", "mean", "none"]
-Weight = Literal["none", "noclip", "clip", "gspo", "cispo"]
-Aggregation = Literal["sequence", "token", "constant"]
+Normalizer = Literal["std", "mean", "none", "beta_density"]
+Weight = Literal["none", "noclip", "clip", "gspo", "cispo", "sapo", "vespo"]
+Aggregation = Literal["sequence", "token", "constant", "sequence_sum"]
 RolloutCorrection = Literal[
     "none",
     "token_truncate",
@@ -44,11 +44,18 @@ WEIGHT_FORMULAS: dict[str, str] = {
     "clip": "-min(w*A, clip(w, 1-eps_low, 1+eps_high)*A)",
     "gspo": "-min(s*A, clip(s, 1-eps_low, 1+eps_high)*A), s = exp(mean_t(logp - logp_old))",
     "cispo": "-sg(min(w, 1+eps_high)) * A * logp",
+    "sapo": "-A * 4/tau * sigmoid(tau*(w-1)), tau = sapo_temperature_pos if A > 0 else _neg",
+    "vespo": "-sg(e^lam * W^k * e^(-lam*W)) * A * logp, W = prod_t w (k, lam: vespo_*_pos if A >= 0 else _neg)",
 }
 AGGREGATION_FORMULAS: dict[str, str] = {
     "sequence": "mean_i( sum_t l*m / sum_t m )",
     "token": "sum l*m / sum m",
     "constant": "sum l*m / Z",
+    "sequence_sum": "mean_i( sum_t l*m )",
+}
+# advantages whose formula is not GRPO's (r - mean) / std: their line in ``formula()``
+NORMALIZER_FORMULAS: dict[str, str] = {
+    "beta_density": "A = (r - p) / Beta(p; a, b) density, p = group mean, a, b fitted to the batch's p (BNPO)",
 }
 
 
@@ -84,22 +91,44 @@ class AlgorithmSpec(BaseModel):
     # advantages
     baseline: Baseline = Field("mean", description="subtracted from each reward: the group mean, or none")
     normalizer: Normalizer = Field(
-        "std", description="the advantage is divided by the group's std, its mean (MaxRL), or nothing"
+        "std",
+        description="the advantage is divided by the group's std, its mean (MaxRL), nothing, or the Beta density "
+        "of the group's mean reward fitted over the batch (beta_density: BNPO, rewards in [0, 1])",
     )
     adv_eps: float = Field(1e-6, ge=0, description="added to the normalizer's denominator")
     # per-token weighting
     weight: Weight = Field(
         "clip",
         description="each token's weight: none (REINFORCE), noclip (importance ratio), clip (PPO), gspo "
-        "(sequence ratio, clipped), cispo (clipped, stop-gradient ratio)",
+        "(sequence ratio, clipped), cispo (clipped, stop-gradient ratio), sapo (a sigmoid gate of the ratio), "
+        "vespo (a stop-gradient gamma weight of the sequence's ratio)",
     )
     eps_low: float = Field(0.2, ge=0, lt=1, description="clip range below 1: the ratio's floor is 1 - eps_low")
     eps_high: float = Field(0.2, gt=0, description="clip range above 1: the ratio's ceiling is 1 + eps_high")
+    # TRL's loss types (docs/algorithms.md, "TRL's loss types"): INTELLECT-2's two-sided clip, SAPO's gate
+    # temperatures and VESPO's gamma weight, each named as TRL's GRPOConfig names it
+    clip_delta: float | None = Field(
+        None,
+        gt=1,
+        description="INTELLECT-2's two-sided clip (TRL: delta): the unclipped term's ratio is capped at this, so a "
+        "negative-advantage token's loss stays bounded; weight clip or gspo, above 1 + eps_high; none = off",
+    )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, description="SAPO's gate temperature for positive advantages (weight sapo)"
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, description="SAPO's gate temperature for negative and zero advantages (weight sapo)"
+    )
+    vespo_k_pos: float = Field(2.0, ge=0, description="VESPO's shape k for advantages >= 0 (weight vespo)")
+    vespo_lambda_pos: float = Field(3.0, gt=0, description="VESPO's rate lambda for advantages >= 0 (weight vespo)")
+    vespo_k_neg: float = Field(3.0, ge=0, description="VESPO's shape k for negative advantages (weight vespo)")
+    vespo_lambda_neg: float = Field(2.0, gt=0, description="VESPO's rate lambda for negative advantages (weight vespo)")
     # reduction over the response mask
     aggregation: Aggregation = Field(
         "sequence",
         description="per-token losses reduced as a mean per sequence then over sequences (sequence), "
-        "a mean over all tokens (token), or a sum over a constant Z (constant)",
+        "a mean over all tokens (token), a sum over a constant Z (constant), or a sum per sequence then a mean "
+        "over sequences (sequence_sum: LUSPO's length-scaled sequence loss)",
     )
     loss_denominator: float | None = Field(
         None, gt=0, description="Z for aggregation=constant; default = sequences per step x max new tokens"
@@ -183,7 +212,31 @@ class AlgorithmSpec(BaseModel):
             )
         if self.rollout_correction == "icepop" and lower is None:
             raise ValueError("rollout_correction icepop needs rollout_correction_lower (a two-sided band, e.g. 0.5)")
+        self._check_trl_loss_types()
         return self
+
+    def _check_trl_loss_types(self) -> None:
+        """The combinations of TRL's loss types that would be silently wrong, each refused in one line."""
+        if self.clip_delta is not None:
+            if self.weight not in ("clip", "gspo"):
+                raise ValueError(
+                    f"clip_delta (the two-sided clip) caps the unclipped ratio of weight clip or gspo, not {self.weight}; "
+                    "drop clip_delta or use weight clip"
+                )
+            if self.clip_delta <= 1 + self.eps_high:
+                raise ValueError(
+                    f"clip_delta {self.clip_delta:g} must exceed 1 + eps_high ({1 + self.eps_high:g}), else it also "
+                    "caps positive advantages' ratios; raise clip_delta (INTELLECT-2 uses 4)"
+                )
+        if self.normalizer == "beta_density" and self.baseline != "mean":
+            raise ValueError(
+                "normalizer 'beta_density' (BNPO) divides r - (group mean) by a density: it needs baseline 'mean'"
+            )
+        if self.weight == "vespo" and self.rollout_correction not in ("auto", "none", "token_truncate"):
+            raise ValueError(
+                f"weight vespo folds the rollout correction's per-token weight into its sequence ratio (as TRL does), "
+                f"which {self.rollout_correction} does not give; use rollout_correction token_truncate, auto or none"
+            )
 
     @property
     def is_single_update(self) -> bool:
@@ -191,7 +244,11 @@ class AlgorithmSpec(BaseModel):
         return self.epochs * self.steps_per_epoch == 1
 
     def formula(self) -> str:
-        return f"{WEIGHT_FORMULAS[self.weight]}; reduced {AGGREGATION_FORMULAS[self.aggregation]}"
+        weight = WEIGHT_FORMULAS[self.weight]
+        if self.clip_delta is not None:
+            weight = weight.replace("-min(w*A", "-min(min(w, delta)*A").replace("-min(s*A", "-min(min(s, delta)*A")
+        advantage = f"; {NORMALIZER_FORMULAS[self.normalizer]}" if self.normalizer in NORMALIZER_FORMULAS else ""
+        return f"{weight}; reduced {AGGREGATION_FORMULAS[self.aggregation]}{advantage}"
 
     def override(self, **changes: Any) -> AlgorithmSpec:
         """A validated copy with some fields changed (unknown fields and bad values raise)."""
@@ -277,6 +334,41 @@ PRESETS: dict[str, AlgorithmSpec] = {
             eps_high=3e-4,
             **_OFFPOLICY,
             reference="GSPO over many steps",
+        ),
+        # TRL's loss types (docs/algorithms.md, "TRL's loss types"): SAPO, BNPO, LUSPO, VESPO, two-sided clip
+        AlgorithmSpec(
+            name="sapo",
+            weight="sapo",
+            steps_per_epoch=4,  # the gate differs from GRPO's only off-policy: four minibatches, as gspo
+            reference="Soft Adaptive Policy Optimization (Gao et al., Qwen, 2025, arXiv 2511.20347)",
+        ),
+        AlgorithmSpec(
+            name="bnpo",
+            normalizer="beta_density",
+            eps_high=0.28,
+            aggregation="sequence_sum",  # the authors' run: clip 0.2 / 0.28, verl's seq-mean-token-sum
+            reference="BNPO: Beta Normalization Policy Optimization (Xiao et al., 2025, arXiv 2506.02864)",
+        ),
+        AlgorithmSpec(
+            name="luspo",
+            weight="gspo",
+            eps_low=3e-4,
+            eps_high=4e-4,
+            aggregation="sequence_sum",
+            steps_per_epoch=4,  # GSPO's setup (our gspo preset), its loss scaled by each sequence's length
+            reference="Length-Unbiased Sequence Policy Optimization (Liu et al., 2026, arXiv 2602.05261)",
+        ),
+        AlgorithmSpec(
+            name="vespo",
+            weight="vespo",
+            aggregation="token",  # TRL's reduction for vespo
+            steps_per_epoch=4,  # the weight differs from REINFORCE's only off-policy: four minibatches, as gspo
+            reference="VESPO (Shen et al., 2026, arXiv 2602.10693)",
+        ),
+        AlgorithmSpec(
+            name="intellect2",
+            clip_delta=4.0,
+            reference="INTELLECT-2 (Prime Intellect, 2025, arXiv 2505.07291): GRPO with a two-sided clip, delta 4",
         ),
     ]
 }

@@ -25,6 +25,7 @@ from grpolab.objectives.rollout_correction import (
     raw_ratio,
     rollout_correction,
 )
+from grpolab.objectives.soft_weights import sapo_surrogate, vespo_phi
 
 
 class NonFiniteError(FloatingPointError):
@@ -65,7 +66,7 @@ def step_denominators(
     """Denominators for an optimizer step over the sequences of ``response_mask`` [n, T].
 
     Count every sequence of the step, including those later pruned for zero advantage.
-    sequence -> n; token -> total response tokens; constant -> Z (spec.loss_denominator, else
+    sequence, sequence_sum -> n; token -> total response tokens; constant -> Z (spec.loss_denominator, else
     n x max_new_tokens: independent of response lengths). Under data parallelism ``reduce`` sums the
     counts over the ranks (``grpolab.parallel.ranks``), so each rank divides by the global step's.
     """
@@ -73,7 +74,7 @@ def step_denominators(
     if reduce is not None:
         counts = reduce(counts)
     n_seqs, n_tokens = int(counts[0]), max(float(counts[1]), 1.0)
-    if spec.aggregation == "sequence":
+    if spec.aggregation in ("sequence", "sequence_sum"):
         policy = float(n_seqs)
     elif spec.aggregation == "token":
         policy = n_tokens
@@ -177,7 +178,8 @@ def sequence_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tens
 def per_token_surrogate(inp: PolicyLossInput, spec: AlgorithmSpec) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-token loss [N, T] (to be minimised) and the ratio, low-clip and high-clip indicators [N, T].
 
-    The clip indicators mark tokens whose gradient the clip (or CISPO's truncation) changed.
+    The clip indicators mark tokens whose gradient the clip (or CISPO's truncation) changed; SAPO's gate and
+    VESPO's weight are smooth and mark none.
     """
     mask = inp.response_mask
     adv = inp.advantages[:, None].to(inp.logprobs.dtype)
@@ -195,20 +197,52 @@ def per_token_surrogate(inp: PolicyLossInput, spec: AlgorithmSpec) -> tuple[Tens
         return -adv * ratio, ratio, no_clip, no_clip
     if spec.weight in ("clip", "gspo"):
         clipped = ratio.clamp(1 - spec.eps_low, 1 + spec.eps_high)
-        loss = -torch.minimum(ratio * adv, clipped * adv)
+        # INTELLECT-2's two-sided clip: the unclipped term capped at delta (> 1 + eps_high: only A < 0 changes)
+        unclipped = ratio if spec.clip_delta is None else ratio.clamp(max=spec.clip_delta)
+        loss = -torch.minimum(unclipped * adv, clipped * adv)
         low = (adv < 0) & (ratio < 1 - spec.eps_low)
         high = (adv > 0) & (ratio > 1 + spec.eps_high)
         return loss, ratio, low, high
     if spec.weight == "cispo":
         truncated_weight = ratio.clamp(max=1 + spec.eps_high).detach()
         return -truncated_weight * adv * logp, ratio, no_clip, ratio > 1 + spec.eps_high
+    if spec.weight == "sapo":
+        return sapo_surrogate(ratio, adv, spec.sapo_temperature_pos, spec.sapo_temperature_neg), ratio, no_clip, no_clip
+    if spec.weight == "vespo":
+        phi = vespo_phi(
+            inp.logprobs - inp.old_logprobs,
+            mask,
+            adv,
+            spec.vespo_k_pos,
+            spec.vespo_lambda_pos,
+            spec.vespo_k_neg,
+            spec.vespo_lambda_neg,
+            extra_log_weight=_vespo_correction(inp, spec),
+        )
+        return -phi * adv * logp, ratio, no_clip, no_clip
     raise ValueError(f"unknown weight {spec.weight!r}")
+
+
+def _vespo_correction(inp: PolicyLossInput, spec: AlgorithmSpec) -> Tensor | None:
+    """log of the truncated rollout-correction weight [N, T] that VESPO folds into its sequence ratio (TRL's way:
+    W = pi / pi_engine, not a factor on the loss); None without engine log-probs or a correction."""
+    if inp.engine_logprobs is None or spec.rollout_correction != "token_truncate":
+        return None
+    corr = rollout_correction(
+        inp.old_logprobs - inp.engine_logprobs,
+        inp.response_mask,
+        "token_truncate",
+        spec.rollout_correction_upper,
+        spec.rollout_correction_lower,
+    )
+    return torch.log(corr.weight.to(inp.logprobs.dtype))
 
 
 def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, denominator: float) -> Tensor:
     """Reduce [N, T] to a scalar: this micro-batch's share of the optimizer step's objective.
 
     sequence: sum_i(sum_t l*m / sum_t m) / denominator (= sequences in the step)
+    sequence_sum: sum_i(sum_t l*m) / denominator (= sequences in the step; LUSPO: a sequence weighs its length)
     token / constant: sum(l*m) / denominator (= tokens in the step, or Z)
     """
     per_token = _masked(per_token, mask)
@@ -245,7 +279,7 @@ def apply_rollout_correction(
     # "auto" is a run's to resolve (grpolab.run.parts, from the engine's precision); a spec used on its own
     # keeps what "auto" replaced as the default, none
     mode = "none" if spec.rollout_correction == AUTO else spec.rollout_correction
-    if mode != "none" and inp.engine_logprobs is not None:
+    if mode != "none" and inp.engine_logprobs is not None and spec.weight != "vespo":  # vespo: in its weight
         corr = rollout_correction(
             inp.old_logprobs - inp.engine_logprobs,
             mask,
