@@ -11,8 +11,9 @@ import torch
 
 
 def reference_advantages(
-    rewards: list[list[float]], baseline: str, normalizer: str, eps: float = 1e-6
+    rewards: list[list[float]], baseline: str, normalizer: str, eps: float = 1e-6, valid_rescale: bool = False
 ) -> list[list[float]]:
+    """valid_rescale: GPG's alpha = B / (B - M), M the samples of groups whose rewards are all equal."""
     out = []
     for group in rewards:
         g = len(group)
@@ -27,6 +28,11 @@ def reference_advantages(
         elif normalizer == "mean":
             centered = [0.0 if mean == 0 else c / (mean + eps) for c in centered]
         out.append(centered)
+    if valid_rescale:
+        total = sum(len(group) for group in rewards)
+        invalid = sum(len(group) for group in rewards if all(r == group[0] for r in group))
+        alpha = total / (total - invalid) if total > invalid else 1.0
+        out = [[alpha * a for a in group] for group in out]
     return out
 
 
@@ -47,8 +53,24 @@ def reference_loss(
     engine=None,
     correction="none",
     cap=2.0,
+    ratio_cap=None,
+    kl_tau=0.0,
+    filter_zero_advantages=False,
 ):
-    """Scalar float64 loss of one optimizer step. logp: [N, T] float64 leaf; others plain tensors."""
+    """Scalar float64 loss of one optimizer step. logp: [N, T] float64 leaf; others plain tensors.
+
+    gmpo (Zhao et al., 2025): a sequence's objective is sign(A) * (prod_t |min(r_t A, clip(r_t, e^-eps_low,
+    e^eps_high) A)|)^(1/|o|), the same value on each of its tokens. dppo (Qi et al., 2026, Binary-TV): a token
+    is dropped when A > 0 and p - p_old > eps_high or A < 0 and p - p_old < -eps_low (p the sampled token's
+    probability), else -min(r, ratio_cap) * A with the truncated factor held fixed (r without a cap).
+    kl_tau: + kl_tau * sum over response tokens of (logp - old)^2 / response tokens of the step (prime-rl).
+    filter_zero_advantages: the sequences with A = 0 are not in the step at all (prime-rl's orchestrator).
+    """
+    if filter_zero_advantages:
+        keep = [i for i in range(mask.shape[0]) if float(adv[i]) != 0]
+        logp, old, adv, mask = logp[keep], old[keep], adv[keep], mask[keep]
+        ref = ref[keep] if ref is not None else None
+        engine = engine[keep] if engine is not None else None
     n, t_len = mask.shape
     seq_token_losses = []
     total_tokens = 0
@@ -63,6 +85,18 @@ def reference_loss(
             s = torch.exp(log_s)
             seq_loss = -torch.minimum(s * a, torch.clamp(s, 1 - eps_low, 1 + eps_high) * a)
             losses = [seq_loss for _ in tokens]
+        elif weight == "gmpo" and a == 0:
+            losses = [logp.sum() * 0 for _ in tokens]  # the paper's sign(A) = 0 (and no 0 ** (1/|o|) gradient)
+        elif weight == "gmpo":
+            product = logp.sum() * 0 + 1.0
+            for t in tokens:
+                w = torch.exp(logp[i, t] - old[i, t])
+                product = product * torch.abs(
+                    torch.minimum(w * a, torch.clamp(w, math.exp(-eps_low), math.exp(eps_high)) * a)
+                )
+            sign = 1.0 if a > 0 else -1.0
+            seq_objective = sign * product ** (1.0 / max(len(tokens), 1))
+            losses = [-seq_objective for _ in tokens]
         else:
             for t in tokens:
                 w = torch.exp(logp[i, t] - old[i, t])
@@ -74,6 +108,14 @@ def reference_loss(
                     losses.append(-torch.minimum(w * a, torch.clamp(w, 1 - eps_low, 1 + eps_high) * a))
                 elif weight == "cispo":
                     losses.append(-torch.clamp(w, max=1 + eps_high).detach() * a * logp[i, t])
+                elif weight == "dppo":
+                    moved = math.exp(float(logp[i, t].detach())) - math.exp(float(old[i, t]))
+                    if (a > 0 and moved > eps_high) or (a < 0 and moved < -eps_low):
+                        losses.append(logp.sum() * 0)
+                    elif ratio_cap is not None and float(w.detach()) > ratio_cap:
+                        losses.append(-(ratio_cap / w.detach()) * w * a)
+                    else:
+                        losses.append(-w * a)
         if correction != "none":
             if correction == "token":
                 factors = [min(math.exp(float(old[i, t] - engine[i, t])), cap) for t in tokens]
@@ -97,6 +139,9 @@ def reference_loss(
         total = sum((sum(ls, zero) for ls in seq_token_losses), zero) / z
     if ref is not None and beta > 0:
         total = total + beta * kl_sum / total_tokens
+    if kl_tau > 0:
+        sq = sum((((logp[i, t] - old[i, t]) ** 2) for i in range(n) for t in range(t_len) if mask[i, t] > 0), zero)
+        total = total + kl_tau * sq / total_tokens
     return total
 
 

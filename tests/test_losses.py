@@ -21,7 +21,7 @@ from grpolab.objectives.losses import (
     step_denominators,
 )
 
-WEIGHTS = ["none", "noclip", "clip", "gspo", "cispo"]
+WEIGHTS = ["none", "noclip", "clip", "gspo", "cispo", "gmpo", "dppo"]
 AGGREGATIONS = ["sequence", "token", "constant"]
 MAX_NEW = 12
 
@@ -44,7 +44,7 @@ def make_batch(seed: int, n: int = 6, t: int = 16, spread: float = 0.4, with_ref
 
 def impl_loss_and_grad(spec, logp, old, adv, mask, ref=None):
     leaf = logp.clone().requires_grad_(True)
-    denominators = step_denominators(spec, mask, MAX_NEW)
+    denominators = step_denominators(spec, mask, MAX_NEW, advantages=adv)
     loss, metrics = policy_loss(PolicyLossInput(leaf, old, adv, mask, ref), spec, denominators)
     loss.backward()
     raise_if_nonfinite(metrics.on_host())
@@ -66,6 +66,9 @@ def ref_loss_and_grad(spec, logp, old, adv, mask, ref=None):
         max_new_tokens=MAX_NEW,
         ref=ref,
         beta=spec.beta,
+        ratio_cap=spec.ratio_cap,
+        kl_tau=spec.kl_tau,
+        filter_zero_advantages=spec.filter_zero_advantages,
     )
     loss.backward()
     return loss.detach(), leaf.grad
