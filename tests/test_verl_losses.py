@@ -52,6 +52,14 @@ def test_gmpo_is_not_the_arithmetic_mean_of_clipped_ratios():
     assert abs(float(gmpo) - float(grpo_wide)) > 1e-4
 
 
+def test_gmpo_on_a_single_update_has_grpos_gradient():
+    """At ratio 1 (one optimizer step per batch) d(A exp(mean_t l_t)) = A mean_t dlogp: GRPO's sequence mean."""
+    logp, _, adv, mask, _ = make_batch(11)
+    _, gmpo, _ = impl_loss_and_grad(PRESETS["gmpo"], logp, logp.clone(), adv, mask)
+    _, grpo, _ = impl_loss_and_grad(PRESETS["grpo"], logp, logp.clone(), adv, mask)
+    torch.testing.assert_close(gmpo, grpo, rtol=1e-12, atol=1e-15)
+
+
 def verl_geo_mean(old_log_prob, log_prob, advantages, response_mask, clip_low, clip_high):
     """verl's compute_policy_loss_geo_mean (verl/trainer/ppo/core_algos.py, volcengine/verl b178a3c): the loss
     lines, config read as arguments; advantages [bs, T] (verl's token-level advantages)."""
