@@ -217,7 +217,10 @@ class AlgorithmSpec(BaseModel):
     def _check_verl_prime_rl(self) -> None:
         """Refuse the settings of verl's and prime-rl's losses that cannot mean anything."""
         if self.ratio_cap is not None and self.weight != "dppo":
-            raise ValueError(f"ratio_cap truncates weight 'dppo''s ratio; weight {self.weight!r} has none to cap")
+            raise ValueError(
+                f"ratio_cap truncates the ratio of weight 'dppo' only (weight {self.weight!r} has none to cap): "
+                "unset ratio_cap or use weight dppo"
+            )
         if self.weight == "dppo" and self.eps_high >= 1:
             raise ValueError(
                 f"weight dppo reads eps_high as a bound on a probability's rise; {self.eps_high:g} never masks: "
@@ -225,8 +228,8 @@ class AlgorithmSpec(BaseModel):
             )
         if self.valid_rescale and self.baseline != "mean":
             raise ValueError(
-                "valid_rescale (GPG's B / B_valid) needs baseline 'mean': without it all-equal groups still carry "
-                "a gradient"
+                "valid_rescale (GPG's B / B_valid) needs baseline 'mean' (without it all-equal groups still carry "
+                "a gradient): use baseline mean or valid_rescale false"
             )
 
     @property
