@@ -11,8 +11,9 @@ import torch
 
 
 def reference_advantages(
-    rewards: list[list[float]], baseline: str, normalizer: str, eps: float = 1e-6
+    rewards: list[list[float]], baseline: str, normalizer: str, eps: float = 1e-6, valid_rescale: bool = False
 ) -> list[list[float]]:
+    """valid_rescale: GPG's alpha = B / (B - M), M the samples of groups whose rewards are all equal."""
     out = []
     for group in rewards:
         g = len(group)
@@ -27,6 +28,11 @@ def reference_advantages(
         elif normalizer == "mean":
             centered = [0.0 if mean == 0 else c / (mean + eps) for c in centered]
         out.append(centered)
+    if valid_rescale:
+        total = sum(len(group) for group in rewards)
+        invalid = sum(len(group) for group in rewards if all(r == group[0] for r in group))
+        alpha = total / (total - invalid) if total > invalid else 1.0
+        out = [[alpha * a for a in group] for group in out]
     return out
 
 
@@ -51,6 +57,9 @@ def reference_loss(
     tau_pos=1.0,
     tau_neg=1.05,
     vespo=(2.0, 3.0, 3.0, 2.0),
+    ratio_cap=None,
+    kl_tau=0.0,
+    filter_zero_advantages=False,
 ):
     """Scalar float64 loss of one optimizer step. logp: [N, T] float64 leaf; others plain tensors.
 
@@ -59,7 +68,19 @@ def reference_loss(
     vespo: -sg(phi(W)) * A * logp, W = prod_t w_t over the sequence, phi(W) = e^lam * W^k * e^(-lam * W) with
     (k, lam) = vespo[0:2] when A >= 0 else vespo[2:4]; aggregation sequence_sum (LUSPO): each sequence's summed
     token losses (for gspo: its loss times its length), a mean over sequences.
+
+    gmpo (Zhao et al., 2025): a sequence's objective is sign(A) * (prod_t |min(r_t A, clip(r_t, e^-eps_low,
+    e^eps_high) A)|)^(1/|o|), the same value on each of its tokens. dppo (Qi et al., 2026, Binary-TV): a token
+    is dropped when A > 0 and p - p_old > eps_high or A < 0 and p - p_old < -eps_low (p the sampled token's
+    probability), else -min(r, ratio_cap) * A with the truncated factor held fixed (r without a cap).
+    kl_tau: + kl_tau * sum over response tokens of (logp - old)^2 / response tokens of the step (prime-rl).
+    filter_zero_advantages: the sequences with A = 0 are not in the step at all (prime-rl's orchestrator).
     """
+    if filter_zero_advantages:
+        keep = [i for i in range(mask.shape[0]) if float(adv[i]) != 0]
+        logp, old, adv, mask = logp[keep], old[keep], adv[keep], mask[keep]
+        ref = ref[keep] if ref is not None else None
+        engine = engine[keep] if engine is not None else None
     n, t_len = mask.shape
     seq_token_losses = []
     total_tokens = 0
@@ -81,6 +102,18 @@ def reference_loss(
             big_w = math.exp(log_w)
             phi = math.exp(lam) * big_w**k * math.exp(-lam * big_w)
             losses = [-phi * a * logp[i, t] for t in tokens]
+        elif weight == "gmpo" and a == 0:
+            losses = [logp.sum() * 0 for _ in tokens]  # the paper's sign(A) = 0 (and no 0 ** (1/|o|) gradient)
+        elif weight == "gmpo":
+            product = logp.sum() * 0 + 1.0
+            for t in tokens:
+                w = torch.exp(logp[i, t] - old[i, t])
+                product = product * torch.abs(
+                    torch.minimum(w * a, torch.clamp(w, math.exp(-eps_low), math.exp(eps_high)) * a)
+                )
+            sign = 1.0 if a > 0 else -1.0
+            seq_objective = sign * product ** (1.0 / max(len(tokens), 1))
+            losses = [-seq_objective for _ in tokens]
         else:
             for t in tokens:
                 w = torch.exp(logp[i, t] - old[i, t])
@@ -96,6 +129,14 @@ def reference_loss(
                     losses.append(-a * (4 / tau) * torch.sigmoid(tau * (w - 1)))
                 elif weight == "cispo":
                     losses.append(-torch.clamp(w, max=1 + eps_high).detach() * a * logp[i, t])
+                elif weight == "dppo":
+                    moved = math.exp(float(logp[i, t].detach())) - math.exp(float(old[i, t]))
+                    if (a > 0 and moved > eps_high) or (a < 0 and moved < -eps_low):
+                        losses.append(logp.sum() * 0)
+                    elif ratio_cap is not None and float(w.detach()) > ratio_cap:
+                        losses.append(-(ratio_cap / w.detach()) * w * a)
+                    else:
+                        losses.append(-w * a)
         if correction != "none":
             if correction == "token":
                 factors = [min(math.exp(float(old[i, t] - engine[i, t])), cap) for t in tokens]
@@ -121,6 +162,9 @@ def reference_loss(
         total = sum((sum(ls, zero) for ls in seq_token_losses), zero) / z
     if ref is not None and beta > 0:
         total = total + beta * kl_sum / total_tokens
+    if kl_tau > 0:
+        sq = sum((((logp[i, t] - old[i, t]) ** 2) for i in range(n) for t in range(t_len) if mask[i, t] > 0), zero)
+        total = total + kl_tau * sq / total_tokens
     return total
 
 

@@ -27,6 +27,11 @@ EXPECTED = {  # GUIDE section 2: baseline, normalizer, weight, eps_low, eps_high
     "luspo": ("mean", "std", "gspo", 3e-4, 4e-4, "sequence_sum", 1, 4),
     "vespo": ("mean", "std", "vespo", 0.2, 0.2, "token", 1, 4),
     "intellect2": ("mean", "std", "clip", 0.2, 0.2, "sequence", 1, 1),
+    # verl's and prime-rl's losses
+    "gmpo": ("mean", "std", "gmpo", 0.4, 0.4, "sequence", 1, 1),  # log-space clip (e^-0.4, e^0.4)
+    "gpg": ("mean", "none", "none", 0.2, 0.2, "token", 1, 1),  # with valid_rescale
+    "dppo": ("mean", "std", "dppo", 0.2, 0.2, "token", 1, 1),  # TV thresholds, ratio_cap 20
+    "prime_rl": ("mean", "none", "dppo", 0.2, 0.2, "token", 1, 1),  # with kl_tau 1e-3
 }
 
 
@@ -38,6 +43,10 @@ def test_presets_are_exactly_the_documented_ones():
         assert got == fields, name
         assert s.beta == 0.0 and s.name == name
     assert PRESETS["dapo"].dynamic_sampling and not PRESETS["grpo"].dynamic_sampling
+    extras = {n: (s.ratio_cap, s.kl_tau, s.valid_rescale) for n, s in PRESETS.items()}
+    assert extras.pop("gpg") == (None, 0.0, True) and extras.pop("dppo") == (20.0, 0.0, False)
+    assert extras.pop("prime_rl") == (None, 1e-3, False)
+    assert set(extras.values()) == {(None, 0.0, False)}  # the other presets keep the defaults
 
 
 def test_every_field_can_be_overridden_and_is_validated():

@@ -21,7 +21,7 @@ from grpolab.objectives.losses import (
     step_denominators,
 )
 
-WEIGHTS = ["none", "noclip", "clip", "gspo", "cispo", "sapo", "vespo"]
+WEIGHTS = ["none", "noclip", "clip", "gspo", "cispo", "sapo", "vespo", "gmpo", "dppo"]
 AGGREGATIONS = ["sequence", "token", "constant", "sequence_sum"]
 MAX_NEW = 12
 
@@ -44,7 +44,7 @@ def make_batch(seed: int, n: int = 6, t: int = 16, spread: float = 0.4, with_ref
 
 def impl_loss_and_grad(spec, logp, old, adv, mask, ref=None):
     leaf = logp.clone().requires_grad_(True)
-    denominators = step_denominators(spec, mask, MAX_NEW)
+    denominators = step_denominators(spec, mask, MAX_NEW, advantages=adv)
     loss, metrics = policy_loss(PolicyLossInput(leaf, old, adv, mask, ref), spec, denominators)
     loss.backward()
     raise_if_nonfinite(metrics.on_host())
@@ -70,6 +70,9 @@ def ref_loss_and_grad(spec, logp, old, adv, mask, ref=None):
         tau_pos=spec.sapo_temperature_pos,
         tau_neg=spec.sapo_temperature_neg,
         vespo=(spec.vespo_k_pos, spec.vespo_lambda_pos, spec.vespo_k_neg, spec.vespo_lambda_neg),
+        ratio_cap=spec.ratio_cap,
+        kl_tau=spec.kl_tau,
+        filter_zero_advantages=spec.filter_zero_advantages,
     )
     loss.backward()
     return loss.detach(), leaf.grad

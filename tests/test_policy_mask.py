@@ -105,7 +105,8 @@ def test_observation_log_probs_never_reach_the_gradient(make_tiny_model, tokeniz
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert clean_metrics == perturbed_metrics
     assert clean_metrics["metric_tokens"] == 21
-    assert step_denominators(spec, batch.response_mask, 12).kl == 21  # token counts are the policy's
+    advantages = torch.tensor([1.0, -0.5, 0.7, -1.2])  # _gradients' (none is 0: every row is in the step)
+    assert step_denominators(spec, batch.response_mask, 12, advantages=advantages).kl == 21  # the policy's tokens
 
 
 def test_entropy_metric_is_the_mean_over_policy_tokens(make_tiny_model, tokenizer):

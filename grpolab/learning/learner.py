@@ -32,6 +32,7 @@ from grpolab.models.precision import TrainingPrecision
 from grpolab.objectives.advantages import advantage_metrics, group_advantages
 from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.rollout_correction import AUTO
+from grpolab.objectives.valid_rescale import valid_sample_scale
 from grpolab.parallel.fsdp import drop_stale_weights, is_sharded
 from grpolab.parallel.ranks import Ranks, wrap_ddp
 from grpolab.rollout.base import Completion
@@ -278,7 +279,10 @@ class PolicyLearner:
         if self.spec.normalizer == "mean":
             refuse_nonbinary_rewards(rollout)
         rewards = rollout.rewards()
-        return rewards, group_advantages(rewards, self.spec.baseline, self.spec.normalizer, self.spec.adv_eps)
+        advantages = group_advantages(rewards, self.spec.baseline, self.spec.normalizer, self.spec.adv_eps)
+        if self.spec.valid_rescale:  # GPG's alpha over the whole rollout batch (every rank's groups)
+            advantages = advantages * valid_sample_scale(rewards)
+        return rewards, advantages
 
     def old_logprobs(self, forward: BatchForward, routing: DenseRouting) -> torch.Tensor | None:
         """[N, T] log-probs of the policy before the update, frozen; None with one optimizer step: the policy is

@@ -167,6 +167,10 @@ def rows_with_gradient(
     """
     nonzero = data.advantages[indices] != 0
     has_kl = spec.beta > 0 and data.ref_logprobs is not None
+    # kl_tau's (log pi / pi_old)^2 has a gradient on every row once the policy moved (with no old log-probs
+    # the update is the first and only one: the log-ratio is exactly 0)
+    has_kl = has_kl or (spec.kl_tau > 0 and data.old_logprobs is not None)
+    has_kl = has_kl and not spec.filter_zero_advantages  # zero-advantage rows then carry no term at all
     if has_kl or extra_loss or (not spec.prune_zero_advantage and any_rank(bool(nonzero.any()))):
         return torch.ones_like(nonzero)
     return nonzero
@@ -208,7 +212,11 @@ def accumulate_gradients(
     """
     ranks = dp.ranks if dp is not None else Ranks()
     denominators = step_denominators(
-        spec, data.response_mask[indices], max_new_tokens, ranks.sum_ if ranks.parallel else None
+        spec,
+        data.response_mask[indices],
+        max_new_tokens,
+        ranks.sum_ if ranks.parallel else None,
+        advantages=data.advantages[indices],
     )
     grad_rows = rows_with_gradient(spec, data, indices, ranks.any, extra_loss)
     backward = ranks.any(bool(grad_rows.any()))

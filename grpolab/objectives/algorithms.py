@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Baseline = Literal["mean", "none"]
 Normalizer = Literal["std", "mean", "none", "beta_density"]
-Weight = Literal["none", "noclip", "clip", "gspo", "cispo", "sapo", "vespo"]
+Weight = Literal["none", "noclip", "clip", "gspo", "cispo", "sapo", "vespo", "gmpo", "dppo"]
 Aggregation = Literal["sequence", "token", "constant", "sequence_sum"]
 RolloutCorrection = Literal[
     "none",
@@ -46,6 +46,8 @@ WEIGHT_FORMULAS: dict[str, str] = {
     "cispo": "-sg(min(w, 1+eps_high)) * A * logp",
     "sapo": "-A * 4/tau * sigmoid(tau*(w-1)), tau = sapo_temperature_pos if A > 0 else _neg",
     "vespo": "-sg(e^lam * W^k * e^(-lam*W)) * A * logp, W = prod_t w (k, lam: vespo_*_pos if A >= 0 else _neg)",
+    "gmpo": "-A * exp(mean_t sgn(A)*min(sgn(A)*log w, sgn(A)*clip(log w, -eps_low, eps_high)))  (per sequence)",
+    "dppo": "-M * w * A, M = 0 where A>0 and p-p_old > eps_high or A<0 and p-p_old < -eps_low",
 }
 AGGREGATION_FORMULAS: dict[str, str] = {
     "sequence": "mean_i( sum_t l*m / sum_t m )",
@@ -101,9 +103,35 @@ class AlgorithmSpec(BaseModel):
         "clip",
         description="each token's weight: none (REINFORCE), noclip (importance ratio), clip (PPO), gspo "
         "(sequence ratio, clipped), cispo (clipped, stop-gradient ratio), sapo (a sigmoid gate of the ratio), "
-        "vespo (a stop-gradient gamma weight of the sequence's ratio)",
+        "vespo (a stop-gradient gamma weight of the sequence's ratio), gmpo (geometric mean of the token "
+        "ratios clipped in log space into [-eps_low, eps_high]), dppo (ratio, tokens whose probability moved "
+        "more than eps_high up / eps_low down in the advantage's direction masked)",
     )
     eps_low: float = Field(0.2, ge=0, lt=1, description="clip range below 1: the ratio's floor is 1 - eps_low")
+    # verl's and prime-rl's losses (GMPO, GPG, DPPO, prime-rl's default; docs/algorithms.md): weight gmpo reads
+    # eps_low / eps_high as log-ratio bounds, weight dppo as bounds on the sampled token's probability change
+    ratio_cap: float | None = Field(
+        None,
+        gt=1,
+        description="weight dppo: the ratio pi / pi_old truncated from above at this cap (value min(r, cap), "
+        "gradient min(r, cap) x grad log pi; verl's clip_ratio_c); none = no cap",
+    )
+    kl_tau: float = Field(
+        0.0,
+        ge=0,
+        description="adds kl_tau x the per-token mean of (log pi / pi_old)^2 over each optimizer step: prime-rl's "
+        "kl_tau (Kimi K2.5's penalty toward the sampling policy; beta is the one toward the reference)",
+    )
+    valid_rescale: bool = Field(
+        False,
+        description="advantages times B / B_valid: the rollout batch's samples over those in groups whose rewards "
+        "are not all equal (GPG's alpha); needs baseline mean",
+    )
+    filter_zero_advantages: bool = Field(
+        False,
+        description="zero-advantage sequences leave each optimizer step: out of every loss term (kl_tau's and "
+        "beta's too) and every denominator (prime-rl's orchestrator setting of that name)",
+    )
     eps_high: float = Field(0.2, gt=0, description="clip range above 1: the ratio's ceiling is 1 + eps_high")
     # TRL's loss types (docs/algorithms.md, "TRL's loss types"): INTELLECT-2's two-sided clip, SAPO's gate
     # temperatures and VESPO's gamma weight, each named as TRL's GRPOConfig names it
@@ -213,6 +241,7 @@ class AlgorithmSpec(BaseModel):
         if self.rollout_correction == "icepop" and lower is None:
             raise ValueError("rollout_correction icepop needs rollout_correction_lower (a two-sided band, e.g. 0.5)")
         self._check_trl_loss_types()
+        self._check_verl_prime_rl()
         return self
 
     def _check_trl_loss_types(self) -> None:
@@ -238,6 +267,24 @@ class AlgorithmSpec(BaseModel):
                 f"which {self.rollout_correction} does not give; use rollout_correction token_truncate, auto or none"
             )
 
+    def _check_verl_prime_rl(self) -> None:
+        """Refuse the settings of verl's and prime-rl's losses that cannot mean anything."""
+        if self.ratio_cap is not None and self.weight != "dppo":
+            raise ValueError(
+                f"ratio_cap truncates the ratio of weight 'dppo' only (weight {self.weight!r} has none to cap): "
+                "unset ratio_cap or use weight dppo"
+            )
+        if self.weight == "dppo" and self.eps_high >= 1:
+            raise ValueError(
+                f"weight dppo reads eps_high as a bound on a probability's rise; {self.eps_high:g} never masks: "
+                "use a value below 1 (e.g. 0.2)"
+            )
+        if self.valid_rescale and self.baseline != "mean":
+            raise ValueError(
+                "valid_rescale (GPG's B / B_valid) needs baseline 'mean' (without it all-equal groups still carry "
+                "a gradient): use baseline mean or valid_rescale false"
+            )
+
     @property
     def is_single_update(self) -> bool:
         """One optimizer step per rollout batch: the update's ratio is exactly 1."""
@@ -248,7 +295,15 @@ class AlgorithmSpec(BaseModel):
         if self.clip_delta is not None:
             weight = weight.replace("-min(w*A", "-min(min(w, delta)*A").replace("-min(s*A", "-min(min(s, delta)*A")
         advantage = f"; {NORMALIZER_FORMULAS[self.normalizer]}" if self.normalizer in NORMALIZER_FORMULAS else ""
-        return f"{weight}; reduced {AGGREGATION_FORMULAS[self.aggregation]}{advantage}"
+        return f"{weight}; reduced {AGGREGATION_FORMULAS[self.aggregation]}{advantage}" + self._verl_prime_rl_terms()
+
+    def _verl_prime_rl_terms(self) -> str:
+        """The formula's terms from verl's and prime-rl's losses: the ratio cap, kl_tau, GPG's rescaling."""
+        terms = [f"; w truncated at {self.ratio_cap:g}"] if self.ratio_cap is not None else []
+        terms += [f" + {self.kl_tau:g} * mean_t (log w)^2"] if self.kl_tau else []
+        terms += ["; A *= B / B_valid"] if self.valid_rescale else []
+        terms += ["; rows with A = 0 left out"] if self.filter_zero_advantages else []
+        return "".join(terms)
 
     def override(self, **changes: Any) -> AlgorithmSpec:
         """A validated copy with some fields changed (unknown fields and bad values raise)."""
@@ -369,6 +424,43 @@ PRESETS: dict[str, AlgorithmSpec] = {
             name="intellect2",
             clip_delta=4.0,
             reference="INTELLECT-2 (Prime Intellect, 2025, arXiv 2505.07291): GRPO with a two-sided clip, delta 4",
+        ),
+        # verl's and prime-rl's losses (docs/algorithms.md, "verl's and prime-rl's losses")
+        # GMPO: the paper's clip range (e^-0.4, e^0.4), set in log space; a mean over sequences
+        AlgorithmSpec(
+            name="gmpo",
+            weight="gmpo",
+            eps_low=0.4,
+            eps_high=0.4,
+            reference="Geometric-Mean Policy Optimization (Zhao et al., 2025, arXiv 2507.20673); verl geo_mean",
+        ),
+        # GPG: REINFORCE on r - mean (F_norm = 1) times B / B_valid, a mean over all tokens
+        AlgorithmSpec(
+            name="gpg",
+            normalizer="none",
+            weight="none",
+            aggregation="token",
+            valid_rescale=True,
+            reference="GPG: Group Policy Gradient (Chu et al., 2025, arXiv 2504.02546); verl gpg",
+        ),
+        # DPPO-Binary-TV as verl runs it: thresholds 0.2 (verl's clip_ratio), ratio capped at 20 (clip_ratio_c)
+        AlgorithmSpec(
+            name="dppo",
+            weight="dppo",
+            ratio_cap=20.0,
+            aggregation="token",
+            reference="DPPO (Qi et al., 2026, arXiv 2602.04879), Binary-TV; verl dppo_tv",
+        ),
+        # prime-rl's default loss (DefaultLossConfig): DPPO mask 0.2 / 0.2, no cap, kl_tau 1e-3, A = r - mean, a
+        # mean over the tokens of the sequences whose advantage is not 0 (its orchestrator drops the others)
+        AlgorithmSpec(
+            name="prime_rl",
+            normalizer="none",
+            weight="dppo",
+            aggregation="token",
+            kl_tau=1e-3,
+            filter_zero_advantages=True,
+            reference="prime-rl's default loss: DPPO-Binary-TV + Kimi K2.5's squared log-ratio (prime-rl, 2026)",
         ),
     ]
 }

@@ -26,6 +26,7 @@ from grpolab.objectives.rollout_correction import (
     rollout_correction,
 )
 from grpolab.objectives.soft_weights import sapo_surrogate, vespo_phi
+from grpolab.objectives.trust_region import dppo_surrogate, gmpo_sequence_ratio, squared_log_ratio
 
 
 class NonFiniteError(FloatingPointError):
@@ -61,7 +62,11 @@ class Denominators:
 
 
 def step_denominators(
-    spec: AlgorithmSpec, response_mask: Tensor, max_new_tokens: int, reduce: Callable[[Tensor], Tensor] | None = None
+    spec: AlgorithmSpec,
+    response_mask: Tensor,
+    max_new_tokens: int,
+    reduce: Callable[[Tensor], Tensor] | None = None,
+    advantages: Tensor | None = None,
 ) -> Denominators:
     """Denominators for an optimizer step over the sequences of ``response_mask`` [n, T].
 
@@ -69,11 +74,16 @@ def step_denominators(
     sequence, sequence_sum -> n; token -> total response tokens; constant -> Z (spec.loss_denominator, else
     n x max_new_tokens: independent of response lengths). Under data parallelism ``reduce`` sums the
     counts over the ranks (``grpolab.parallel.ranks``), so each rank divides by the global step's.
+    With ``spec.filter_zero_advantages`` the sequences whose ``advantages`` [n] are 0 are not counted.
     """
+    if spec.filter_zero_advantages:
+        if advantages is None:
+            raise ValueError("filter_zero_advantages: the step's denominators need its advantages")
+        response_mask = response_mask[advantages != 0]
     counts = torch.tensor([float(response_mask.shape[0]), float(response_mask.sum().item())], dtype=torch.float64)
     if reduce is not None:
         counts = reduce(counts)
-    n_seqs, n_tokens = int(counts[0]), max(float(counts[1]), 1.0)
+    n_seqs, n_tokens = max(int(counts[0]), 1), max(float(counts[1]), 1.0)  # a filtered step may count none
     if spec.aggregation in ("sequence", "sequence_sum"):
         policy = float(n_seqs)
     elif spec.aggregation == "token":
@@ -220,6 +230,16 @@ def per_token_surrogate(inp: PolicyLossInput, spec: AlgorithmSpec) -> tuple[Tens
             extra_log_weight=_vespo_correction(inp, spec),
         )
         return -phi * adv * logp, ratio, no_clip, no_clip
+    if spec.weight == "gmpo":  # one value per sequence, on each of its tokens (as gspo)
+        seq, low, high = gmpo_sequence_ratio(
+            inp.logprobs, inp.old_logprobs, inp.advantages, mask, spec.eps_low, spec.eps_high
+        )
+        return (-adv * seq[:, None].to(adv.dtype)).expand_as(logp), ratio, low, high
+    if spec.weight == "dppo":  # the clip indicators are DPPO's masks
+        loss, _, low, high = dppo_surrogate(
+            inp.logprobs, inp.old_logprobs, inp.advantages, mask, spec.eps_low, spec.eps_high, spec.ratio_cap
+        )
+        return loss, ratio, low, high
     raise ValueError(f"unknown weight {spec.weight!r}")
 
 
@@ -315,11 +335,17 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
     surrogate = apply_rollout_correction(surrogate, inp, spec, metrics)
     loss = aggregate(surrogate, mask, spec.aggregation, denominators.policy)
 
+    # the KL terms' tokens: without the zero-advantage sequences when they leave the step
+    in_step = mask * (inp.advantages != 0)[:, None].to(mask.dtype) if spec.filter_zero_advantages else mask
     if inp.ref_logprobs is not None:
         kl = kl_k3(inp.logprobs, inp.ref_logprobs, mask)
         metrics.add("kl_ref", kl, mask)
         if spec.beta > 0:
-            loss = loss + spec.beta * _masked(kl, mask).sum() / denominators.kl
+            loss = loss + spec.beta * _masked(kl, in_step).sum() / denominators.kl
+    if spec.kl_tau > 0:  # prime-rl's penalty toward the sampling policy, a per-token mean as the KL's
+        squared = squared_log_ratio(inp.logprobs, inp.old_logprobs, mask)
+        metrics.add("log_ratio_sq", squared, mask)
+        loss = loss + spec.kl_tau * (squared * in_step).sum() / denominators.kl
 
     on_mask = mask.bool()
     finite = torch.isfinite(loss.detach()) & (torch.isfinite(ratio.detach()) | ~on_mask).all()
