@@ -21,6 +21,10 @@ EXPECTED = {  # GUIDE section 2: baseline, normalizer, weight, eps_low, eps_high
     "offpolicy_noclip": ("mean", "std", "noclip", 0.2, 0.2, "sequence", 1, 32),
     "offpolicy_clip": ("mean", "std", "clip", 0.2, 0.2, "sequence", 1, 32),
     "offpolicy_gspo": ("mean", "std", "gspo", 3e-4, 3e-4, "sequence", 1, 32),
+    # advantage variants: Lite PPO (batch std), GDPO (decoupled terms), 2-GRPO (group size 2)
+    "lite_ppo": ("mean", "batch_std", "clip", 0.2, 0.2, "token", 1, 1),
+    "gdpo": ("mean", "std", "clip", 0.2, 0.2, "sequence", 1, 1),
+    "two_grpo": ("mean", "std", "clip", 0.2, 0.2, "sequence", 1, 1),
 }
 
 
@@ -32,6 +36,8 @@ def test_presets_are_exactly_the_documented_ones():
         assert got == fields, name
         assert s.beta == 0.0 and s.name == name
     assert PRESETS["dapo"].dynamic_sampling and not PRESETS["grpo"].dynamic_sampling
+    assert [n for n, s in PRESETS.items() if s.multi_objective_aggregation != "sum_then_normalize"] == ["gdpo"]
+    assert {n: s.group_size for n, s in PRESETS.items() if s.group_size is not None} == {"two_grpo": 2}
 
 
 def test_every_field_can_be_overridden_and_is_validated():

@@ -13,7 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Baseline = Literal["mean", "none"]
-Normalizer = Literal["std", "mean", "none"]
+Normalizer = Literal["std", "mean", "none", "batch_std"]
+MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 Weight = Literal["none", "noclip", "clip", "gspo", "cispo"]
 Aggregation = Literal["sequence", "token", "constant"]
 RolloutCorrection = Literal[
@@ -84,9 +85,25 @@ class AlgorithmSpec(BaseModel):
     # advantages
     baseline: Baseline = Field("mean", description="subtracted from each reward: the group mean, or none")
     normalizer: Normalizer = Field(
-        "std", description="the advantage is divided by the group's std, its mean (MaxRL), or nothing"
+        "std",
+        description="the advantage is divided by the group's std, its mean (MaxRL), nothing, or the std of "
+        "every reward of the batch (batch_std, Lite PPO)",
     )
     adv_eps: float = Field(1e-6, ge=0, description="added to the normalizer's denominator")
+    # advantage variants (issue 51, part "advantage variants"): Lite PPO's batch_std normalizer (above), GDPO's
+    # decoupled reward terms, 2-GRPO's group size (the config resolves it into rollout.group_size)
+    multi_objective_aggregation: MultiObjectiveAggregation = Field(
+        "sum_then_normalize",
+        description="sum_then_normalize: the advantage of the RL reward (the weighted sum of its terms); "
+        "normalize_then_sum (GDPO): each reward term normalized within its group, their weighted sum whitened "
+        "over the batch (TRL's name and values)",
+    )
+    group_size: int | None = Field(
+        None,
+        ge=2,
+        description="the rollout.group_size this algorithm is defined with (2-GRPO: 2), set into the rollout "
+        "config (an explicit, different rollout.group_size is refused); None: rollout.group_size decides",
+    )
     # per-token weighting
     weight: Weight = Field(
         "clip",
@@ -175,6 +192,14 @@ class AlgorithmSpec(BaseModel):
     def _check(self) -> AlgorithmSpec:
         if self.normalizer == "mean" and self.baseline != "mean":
             raise ValueError("normalizer 'mean' (MaxRL) needs baseline 'mean'")
+        if self.multi_objective_aggregation == "normalize_then_sum" and (
+            self.baseline != "mean" or self.normalizer not in ("std", "none")
+        ):
+            raise ValueError(
+                "multi_objective_aggregation 'normalize_then_sum' (GDPO) normalizes each reward term within its "
+                f"group: it needs baseline 'mean' and normalizer 'std' or 'none', not {self.baseline!r} and "
+                f"{self.normalizer!r}"
+            )
         lower, upper = self.rollout_correction_lower, self.rollout_correction_upper
         if lower is not None and lower >= upper:
             raise ValueError(
@@ -191,7 +216,24 @@ class AlgorithmSpec(BaseModel):
         return self.epochs * self.steps_per_epoch == 1
 
     def formula(self) -> str:
-        return f"{WEIGHT_FORMULAS[self.weight]}; reduced {AGGREGATION_FORMULAS[self.aggregation]}"
+        loss = f"{WEIGHT_FORMULAS[self.weight]}; reduced {AGGREGATION_FORMULAS[self.aggregation]}"
+        advantage = self.advantage_formula()
+        return f"{loss}; {advantage}" if advantage else loss
+
+    def advantage_formula(self) -> str:
+        """The advantage where it is not GRPO's family's (r - mean_i) / std_i; empty otherwise."""
+        group = f", G = {self.group_size}" if self.group_size is not None else ""
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            scale = " / (std_i(r_k) + eps)" if self.normalizer == "std" else ""
+            return f"A = whiten_batch( sum_k w_k (r_k - mean_i(r_k)){scale} ){group}"
+        if self.normalizer == "batch_std":
+            centered = "r - mean_i(r)" if self.baseline == "mean" else "r"
+            return f"A = ({centered}) / (std_batch(r) + eps){group}"
+        if not group:
+            return ""
+        centered = "r - mean_i(r)" if self.baseline == "mean" else "r"
+        scale = {"std": "std_i(r) + eps", "mean": "mean_i(r) + eps"}.get(self.normalizer)
+        return f"A = ({centered}) / ({scale}){group}" if scale else f"A = {centered}{group}"
 
     def override(self, **changes: Any) -> AlgorithmSpec:
         """A validated copy with some fields changed (unknown fields and bad values raise)."""
@@ -277,6 +319,25 @@ PRESETS: dict[str, AlgorithmSpec] = {
             eps_high=3e-4,
             **_OFFPOLICY,
             reference="GSPO over many steps",
+        ),
+        # advantage variants (issue 51, part "advantage variants")
+        # Lite PPO: the paper's two techniques on the vanilla (critic-free) PPO clip loss: the group's mean over
+        # the batch's std, and token-level aggregation
+        AlgorithmSpec(
+            name="lite_ppo",
+            normalizer="batch_std",
+            aggregation="token",
+            reference="Tricks or Traps? A Deep Dive into RL for LLM Reasoning (Liu et al., 2025), Lite PPO",
+        ),
+        AlgorithmSpec(
+            name="gdpo",
+            multi_objective_aggregation="normalize_then_sum",
+            reference="GDPO: Group reward-Decoupled Normalization Policy Optimization (Liu et al., NVIDIA, 2026)",
+        ),
+        AlgorithmSpec(
+            name="two_grpo",
+            group_size=2,
+            reference="It Takes Two: Your GRPO Is Secretly DPO (Wu et al., 2025), 2-GRPO",
         ),
     ]
 }

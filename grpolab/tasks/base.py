@@ -21,7 +21,8 @@ from grpolab.tasks.reward_model_spec import RewardModelSpec
 from grpolab.tools.protocol import Toolset
 
 logger = logging.getLogger(__name__)
-_reported: set[str] = set()  # tasks whose grade raised: the first traceback is logged
+_reported: set[str] = set()
+ANSWER_TERM = "answer_reward"  # the RL reward's one term where a grade has no components (Grade.answer_reward)  # tasks whose grade raised: the first traceback is logged
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,12 @@ class TaskSettings(BaseModel):
         setting (an objective defined for rewards in {0, 1} refuses them up front). The built-in tasks' reward
         is their correctness: none."""
         return []
+
+    def reward_weights(self) -> dict[str, float] | None:
+        """The RL reward's terms, each grade component's name and its weight (``answer_reward``: the grade's
+        answer reward, for a task that sets no components); None where the settings cannot know them (a task
+        class of the user's). GDPO normalizes each term apart. The built-in tasks' reward is their correctness."""
+        return {ANSWER_TERM: 1.0}
 
     def prompt_format(self) -> str | None:
         """The ``task.prompt.format`` these settings choose (``r1_zero``, ``template``, ``chat``); None for the
