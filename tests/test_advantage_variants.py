@@ -14,6 +14,7 @@ from reference_advantage_variants import reference_batch_std_advantages, referen
 from test_rollout_correction_trl import _function, _run, _trl_source
 from threaded_ranks import run_as_threads
 
+from grpolab.commands.cli import main
 from grpolab.config import ConfigError, load_config
 from grpolab.learning.learner import PolicyLearner
 from grpolab.objectives.advantages import group_advantages
@@ -319,3 +320,13 @@ def test_formulas_name_the_advantage():
     assert "whiten_batch( sum_k w_k" in PRESETS["gdpo"].formula()
     assert PRESETS["two_grpo"].formula().endswith("A = (r - mean_i(r)) / (std_i(r) + eps), G = 2")
     assert PRESETS["grpo"].advantage_formula() == ""
+
+
+def test_grpolab_algorithms_lists_the_variants_with_their_formulas(capsys):
+    assert main(["algorithms"]) in (0, None)
+    out = capsys.readouterr().out
+    for name in ("lite_ppo", "gdpo", "two_grpo"):
+        line = next(line for line in out.splitlines() if line.startswith(name))
+        formula = out.splitlines()[out.splitlines().index(line) + 1]
+        assert PRESETS[name].advantage_formula() in formula, formula
+    assert "each reward term normalized apart" in out and "group size 2" in out

@@ -103,9 +103,10 @@ def assert_single_process_update(ranked_updates: list[dict], name: str, override
 
 
 # sequence, token and constant aggregation; cispo's 4 epochs and offpolicy's shuffled mini-batches, where
-# a rank may hold no row of an optimizer step
+# a rank may hold no row of an optimizer step; lite_ppo's batch-std advantages (formed over the global batch)
 ALGORITHMS = pytest.mark.parametrize(
-    "name, overrides", [("grpo", {}), ("cispo", {}), ("dr_grpo", {}), ("offpolicy_clip", {"steps_per_epoch": 4})]
+    "name, overrides",
+    [("grpo", {}), ("cispo", {}), ("dr_grpo", {}), ("offpolicy_clip", {"steps_per_epoch": 4}), ("lite_ppo", {})],
 )
 
 
