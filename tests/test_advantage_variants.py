@@ -330,3 +330,17 @@ def test_grpolab_algorithms_lists_the_variants_with_their_formulas(capsys):
         formula = out.splitlines()[out.splitlines().index(line) + 1]
         assert PRESETS[name].advantage_formula() in formula, formula
     assert "each reward term normalized apart" in out and "group size 2" in out
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--algo", "two_grpo", "--rollout.group_size", "8"], "rollout.group_size is 8"),
+        (["--algo", "gdpo"], "nothing to decouple"),
+    ],
+)
+def test_the_command_line_refuses_in_one_line_before_anything_is_written(args, says, tmp_path, capsys):
+    code = main(["train", *args, "--output_dir", str(tmp_path / "run"), "--steps", "1"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
+    assert code != 0 and len(lines) == 1 and says in lines[0], lines
+    assert not (tmp_path / "run").exists()
