@@ -7,8 +7,6 @@ ranks, and through the config's refusals."""
 from __future__ import annotations
 
 import ast
-import json
-import math
 
 import pytest
 import torch
@@ -346,49 +344,3 @@ def test_the_command_line_refuses_in_one_line_before_anything_is_written(args, s
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
     assert code != 0 and len(lines) == 1 and says in lines[0], lines
     assert not (tmp_path / "run").exists()
-
-
-def test_gdpo_trains_a_dataset_task_on_its_named_reward_terms(tmp_path, warm_model_dir):
-    """A real rollout of a dataset task with two weighted terms and overlong shaping: the learner's advantages are
-    the reference's on the grades' own components (the config's term names are the grades')."""
-    from conftest import quick_settings
-
-    from grpolab.run.trainer import Trainer
-
-    rows = [{"problem": f"{a}+{b}", "result": a + b} for a in range(1, 10) for b in range(1, 10)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    quick = {k: v for k, v in quick_settings(warm_model_dir, tmp_path / "run").items() if not k.startswith("task.")}
-    cfg = load_config(
-        None,
-        {
-            **quick,
-            "algo": "gdpo",
-            "task.name": "dataset",
-            "task.train": str(tmp_path / "train.jsonl"),
-            "task.validation_size": 8,
-            "task.question_field": "problem",
-            "task.answer_field": "result",
-            "task.prompt.format": "r1_zero",
-            "task.rewards": [
-                {"function": "numeric", "name": "correct"},
-                {"function": "reward_fns:brevity", "weight": 0.1},
-            ],
-            "reward.overlong_buffer": 8,
-        },
-    )
-    assert cfg.reward_weights() == {"correct": 1.0, "brevity": 0.1, "overlong_penalty": 1.0}
-    trainer = Trainer(cfg)
-    try:
-        rollout = trainer.parts.collector.collect(1)
-        terms = [
-            [[dict(g.components)[n] for n in ("correct", "brevity", "overlong_penalty")] for g in group]
-            for group in rollout.grades
-        ]
-        want = reference_decoupled_advantages(terms, [1.0, 0.1, 1.0], "std", EPS)
-        _, advantages = trainer.parts.learner.advantages(rollout)
-        torch.testing.assert_close(advantages.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-5)
-        assert (advantages != 0).any()
-        record = trainer.train_step(1)
-        assert record["attempted_updates"] == 1 and math.isfinite(record["advantage_std"])
-    finally:
-        trainer.close()
