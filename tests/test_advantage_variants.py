@@ -294,19 +294,32 @@ def test_gdpo_without_terms_to_decouple_is_refused(overrides, says):
     }
 
 
+DATASET = {"task.name": "dataset", "task.train": "train.jsonl", "task.validation_size": 4, "model.path": "model"}
+
+
 def test_gdpo_weights_of_a_dataset_task_are_its_rewards():
     cfg = load_config(
         None,
         {
             "algo": "gdpo",
-            "task.name": "dataset",
-            "task.train": "train.jsonl",
-            "task.validation_size": 4,
-            "model.path": "model",
+            **DATASET,
             "task.rewards": [{"function": "numeric"}, {"function": "reward_fns:brevity", "weight": 0.25}],
         },
     )
     assert cfg.reward_weights() == {"numeric": 1.0, "brevity": 0.25}
+
+
+def test_gdpo_refuses_a_clipped_reward_model(reward_model_dir):
+    rewards = [
+        {"function": "numeric"},
+        {"function": f"model:{reward_model_dir}", "name": "rm", "weight": 0.5, "options": {"clip": 2.0}},
+    ]
+    settings = {"algo": "gdpo", **DATASET, "task.rewards": rewards}
+    with pytest.raises(ConfigError) as err:
+        load_config(None, settings)
+    assert len(str(err.value).splitlines()) == 1 and "reward model 'rm'" in str(err.value), str(err.value)
+    rewards[1]["options"] = {"normalize": "batch"}
+    assert load_config(None, settings).reward_weights() == {"numeric": 1.0, "rm": 0.5}
 
 
 @pytest.mark.parametrize("overrides", [{"normalizer": "mean"}, {"normalizer": "batch_std"}, {"baseline": "none"}])
