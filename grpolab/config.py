@@ -487,8 +487,8 @@ class RunConfig(_Section):
         if "group_size" in self.rollout.model_fields_set:
             raise ValueError(
                 f"algorithm {self.algorithm.name} is defined with group size {want} (algorithm.group_size) but "
-                f"rollout.group_size is {self.rollout.group_size}; drop rollout.group_size, or set "
-                "algorithm.group_size to null to choose another"
+                f"rollout.group_size is {self.rollout.group_size}; drop rollout.group_size, or choose the group size "
+                "with an algorithm that leaves it to the rollout (e.g. --algo grpo)"
             )
         self.rollout.group_size = want
 
