@@ -21,8 +21,8 @@ from grpolab.tasks.reward_model_spec import RewardModelSpec
 from grpolab.tools.protocol import Toolset
 
 logger = logging.getLogger(__name__)
-_reported: set[str] = set()
-ANSWER_TERM = "answer_reward"  # the RL reward's one term where a grade has no components (Grade.answer_reward)  # tasks whose grade raised: the first traceback is logged
+_reported: set[str] = set()  # tasks whose grade raised: the first traceback is logged
+ANSWER_TERM = "answer_reward"  # the RL reward's one term where a grade has no components (Grade.answer_reward)
 
 
 @dataclass(frozen=True)

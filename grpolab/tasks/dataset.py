@@ -41,8 +41,8 @@ from grpolab.tasks.reward_model_spec import (
     MODEL_PREFIX,
     RewardModelSpec,
     is_model_reward,
+    reward_model_name,
     reward_model_spec,
-    reward_model_spec_name,
 )
 from grpolab.tasks.rewards import VERIFIERS, RewardSet, Sample, reward_term
 from grpolab.tasks.sandbox import IMPORT_PATH, MAX_WORKERS
@@ -289,7 +289,7 @@ class RewardConfig(TaskSettings):
         if self.name:
             return self.name
         if is_model_reward(self.function):
-            return reward_model_spec_name(self.function)
+            return reward_model_name(self.function)
         return self.function.rpartition(":")[2]
 
     @field_validator("function")

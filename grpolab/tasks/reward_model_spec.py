@@ -79,7 +79,7 @@ def check_reward_model_dir(path: str) -> dict:
     return config
 
 
-def reward_model_spec_name(function: str) -> str:
+def reward_model_name(function: str) -> str:
     """The default name of a ``model:DIR`` entry's term: the folder's name."""
     return Path(function[len(MODEL_PREFIX) :]).name or "reward_model"
 
@@ -93,4 +93,4 @@ def reward_model_spec(function: str, name: str | None, weight: float, options: d
         lines = (f"options.{line}" for line in describe_validation_error(err, ""))
         raise ValueError(f"reward model {path!r}: " + "; ".join(lines)) from None
     check_reward_model_dir(path)
-    return RewardModelSpec(path=path, name=name or reward_model_spec_name(function), weight=weight, options=checked)
+    return RewardModelSpec(path=path, name=name or reward_model_name(function), weight=weight, options=checked)
