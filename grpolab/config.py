@@ -21,7 +21,6 @@ from grpolab.models.precision import PrecisionName
 from grpolab.models.tinymodel import WarmStartSettings
 from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec, get_algorithm, translate_old_spelling
 from grpolab.tasks.configs import TASK_KINDS, TINY_MODEL_TASKS, ArithmeticTaskConfig, TaskConfig
-from grpolab.tasks.reward_model_spec import is_model_reward
 from grpolab.tasks.shaping import SHAPING_TERMS
 
 
@@ -503,12 +502,10 @@ class RunConfig(_Section):
                 f"{why}, and the terms and weights of task {self.task.name!r} (a task class of your own) are unknown; "
                 "use task.name 'dataset' with task.rewards, or another algorithm (e.g. --algo grpo)"
             )
-        clipped = [
-            r for r in getattr(self.task, "rewards", ()) if is_model_reward(r.function) and r.options.get("clip")
-        ]
+        clipped = self.task.clipped_reward_models()
         if clipped:
             raise ValueError(
-                f"{why} from its raw value, so reward model {clipped[0].term_name!r}'s options.clip would not apply; "
+                f"{why} from its raw value, so reward model {clipped[0]!r}'s options.clip would not apply; "
                 "drop the clip (the group normalization bounds the term) or use another algorithm (e.g. --algo grpo)"
             )
         weighted = [name for name, weight in weights.items() if weight != 0]

@@ -223,6 +223,11 @@ class TaskSettings(BaseModel):
         class of the user's). GDPO normalizes each term apart. The built-in tasks' reward is their correctness."""
         return {ANSWER_TERM: 1.0}
 
+    def clipped_reward_models(self) -> list[str]:
+        """The term names of the reward models whose score is clipped (``options.clip``); the built-in tasks have
+        no reward models: none."""
+        return []
+
     def prompt_format(self) -> str | None:
         """The ``task.prompt.format`` these settings choose (``r1_zero``, ``template``, ``chat``); None for the
         kinds without that setting."""

@@ -383,6 +383,9 @@ class DatasetTaskConfig(TaskSettings):
             )
         return terms
 
+    def clipped_reward_models(self) -> list[str]:
+        return [r.term_name for r in self.rewards if is_model_reward(r.function) and r.options.get("clip") is not None]
+
     def reward_weights(self) -> dict[str, float]:
         """Each reward's component name and weight (a reward model's term: weight x its normalized score)."""
         return {r.term_name: r.weight for r in self.rewards}
