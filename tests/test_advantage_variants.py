@@ -10,6 +10,8 @@ import ast
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference_advantage_variants import reference_batch_std_advantages, reference_decoupled_advantages
 from test_rollout_correction_trl import _function, _run, _trl_source
 from threaded_ranks import run_as_threads
@@ -105,6 +107,22 @@ def test_batch_advantages_follow_the_spec():
     )
     with pytest.raises(ValueError, match="reward terms and their weights"):
         batch_advantages(PRESETS["gdpo"], rewards)
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 5), g=st.integers(2, 6), k=st.integers(1, 4), seed=st.integers(0, 10_000))
+def test_property_both_variants_match_their_references(b, g, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    terms = torch.randint(0, 3, (b, g, k), generator=gen).double() / 2
+    weights = torch.randint(0, 5, (k,), generator=gen).double() / 4
+    got = decoupled_advantages(terms, weights, "mean", "std", EPS)
+    want = reference_decoupled_advantages(terms.tolist(), weights.tolist(), "std", EPS)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+    rewards = (terms * weights).sum(2)
+    got = group_advantages(rewards, "mean", "batch_std", EPS)
+    want = reference_batch_std_advantages(rewards.tolist(), "mean", EPS)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+    assert torch.isfinite(got).all()
 
 
 # ---- TRL 1.16's own lines on the same rewards -----------------------------------------------------------------
