@@ -21,6 +21,7 @@ from grpolab.models.precision import PrecisionName
 from grpolab.models.tinymodel import WarmStartSettings
 from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec, get_algorithm, translate_old_spelling
 from grpolab.tasks.configs import TASK_KINDS, TINY_MODEL_TASKS, ArithmeticTaskConfig, TaskConfig
+from grpolab.tasks.shaping import SHAPING_TERMS
 
 
 class ConfigError(ValueError):
@@ -461,9 +462,11 @@ class RunConfig(_Section):
     def _check_rules(self) -> RunConfig:
         """The rules between sections, in this order (the first one broken is the error)."""
         for rule in (
+            self._algorithm_sets_the_group_size,
             self._batch_splits_into_steps,
             self._mean_normalizer_has_binary_rewards,
             self._group_baseline_has_a_group,
+            self._decoupled_terms_are_known,
             self._warm_start_is_for_the_demo,
             self._like_model_settings,
             self._revision_has_a_hub_id,
@@ -474,6 +477,53 @@ class RunConfig(_Section):
         ):
             rule()
         return self
+
+    def _algorithm_sets_the_group_size(self) -> None:
+        """An algorithm defined with its group size (2-GRPO) sets rollout.group_size; an explicit other one is refused."""
+        want = self.algorithm.group_size
+        if want is None or self.rollout.group_size == want:
+            return
+        if "group_size" in self.rollout.model_fields_set:
+            raise ValueError(
+                f"algorithm {self.algorithm.name} is defined with group size {want} (algorithm.group_size) but "
+                f"rollout.group_size is {self.rollout.group_size}; drop rollout.group_size, or choose the group size "
+                "with an algorithm that leaves it to the rollout (e.g. --algo grpo)"
+            )
+        self.rollout.group_size = want
+
+    def _decoupled_terms_are_known(self) -> None:
+        """GDPO normalizes each term of the RL reward apart: it needs their names and weights, and two of them."""
+        spec, weights = self.algorithm, self.reward_weights()
+        if spec.multi_objective_aggregation != "normalize_then_sum":
+            return
+        why = f"algorithm {spec.name} (multi_objective_aggregation 'normalize_then_sum') normalizes each reward term apart"
+        if weights is None:
+            raise ValueError(
+                f"{why}, and the terms and weights of task {self.task.name!r} (a task class of your own) are unknown; "
+                "use task.name 'dataset' with task.rewards, or another algorithm (e.g. --algo grpo)"
+            )
+        clipped = self.task.clipped_reward_models()
+        if clipped:
+            raise ValueError(
+                f"{why} from its raw value, so reward model {clipped[0]!r}'s options.clip would not apply; "
+                "drop the clip (the group normalization bounds the term) or use another algorithm (e.g. --algo grpo)"
+            )
+        weighted = [name for name, weight in weights.items() if weight != 0]
+        if len(weighted) < 2:
+            raise ValueError(
+                f"{why}, and the RL reward has a single weighted term ({', '.join(weighted) or 'none'}): nothing to "
+                "decouple; add a weighted term (task.rewards, reward.truncation_penalty, reward.overlong_buffer) "
+                "or use --algo grpo"
+            )
+
+    def reward_weights(self) -> dict[str, float] | None:
+        """The RL reward's terms (grade component names) and weights: the task's, then the enabled length shaping's
+        (weight 1: the penalty is in the value); None where the task's are unknown (a task class of your own)."""
+        weights = self.task.reward_weights()
+        if weights is None:
+            return None
+        shaping = (self.reward.truncation_penalty, self.reward.overlong_buffer)
+        return {**weights, **{name: 1.0 for name, on in zip(SHAPING_TERMS, shaping) if on}}
 
     def _batch_splits_into_steps(self) -> None:
         spec = self.algorithm

@@ -32,6 +32,10 @@ EXPECTED = {  # GUIDE section 2: baseline, normalizer, weight, eps_low, eps_high
     "gpg": ("mean", "none", "none", 0.2, 0.2, "token", 1, 1),  # with valid_rescale
     "dppo": ("mean", "std", "dppo", 0.2, 0.2, "token", 1, 1),  # TV thresholds, ratio_cap 20
     "prime_rl": ("mean", "none", "dppo", 0.2, 0.2, "token", 1, 1),  # with kl_tau 1e-3
+    # advantage variants: Lite PPO (batch std), GDPO (decoupled terms), 2-GRPO (group size 2)
+    "lite_ppo": ("mean", "batch_std", "clip", 0.2, 0.2, "token", 1, 1),
+    "gdpo": ("mean", "std", "clip", 0.2, 0.2, "sequence", 1, 1),
+    "two_grpo": ("mean", "std", "clip", 0.2, 0.2, "sequence", 1, 1),
 }
 
 
@@ -47,6 +51,8 @@ def test_presets_are_exactly_the_documented_ones():
     assert extras.pop("gpg") == (None, 0.0, True) and extras.pop("dppo") == (20.0, 0.0, False)
     assert extras.pop("prime_rl") == (None, 1e-3, False)
     assert set(extras.values()) == {(None, 0.0, False)}  # the other presets keep the defaults
+    assert [n for n, s in PRESETS.items() if s.multi_objective_aggregation != "sum_then_normalize"] == ["gdpo"]
+    assert {n: s.group_size for n, s in PRESETS.items() if s.group_size is not None} == {"two_grpo": 2}
 
 
 def test_every_field_can_be_overridden_and_is_validated():

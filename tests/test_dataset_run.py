@@ -4,11 +4,17 @@ configured in TOML; a task class by import path whose grader raises."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
+import torch
+from conftest import quick_settings
+from reference_advantage_variants import reference_decoupled_advantages
+
 from grpolab.commands.cli import main
 from grpolab.config import load_config
+from grpolab.run.trainer import Trainer
 from grpolab.tasks import build_task
 from grpolab.tasks.stream import PromptStream
 
@@ -228,3 +234,45 @@ def test_the_step_line_says_when_rewards_failed():
     }
     assert "reward failures 12  1.0 s/step" in vital_signs(record, 10, 7.0)
     assert "failures" not in vital_signs({**record, "reward/faulty_failed": 0}, 10, 7.0)
+
+
+def test_gdpo_trains_a_dataset_task_on_its_named_reward_terms(tmp_path, warm_model_dir):
+    """A real rollout of a dataset task with two weighted terms and overlong shaping: the learner's advantages are
+    the reference's on the grades' own components (the config's term names are the grades')."""
+    rows = [{"problem": f"{a}+{b}", "result": a + b} for a in range(1, 10) for b in range(1, 10)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    quick = {k: v for k, v in quick_settings(warm_model_dir, tmp_path / "run").items() if not k.startswith("task.")}
+    cfg = load_config(
+        None,
+        {
+            **quick,
+            "algo": "gdpo",
+            "task.name": "dataset",
+            "task.train": str(tmp_path / "train.jsonl"),
+            "task.validation_size": 8,
+            "task.question_field": "problem",
+            "task.answer_field": "result",
+            "task.prompt.format": "r1_zero",
+            "task.rewards": [
+                {"function": "numeric", "name": "correct"},
+                {"function": "reward_fns:brevity", "weight": 0.1},
+            ],
+            "reward.overlong_buffer": 8,
+        },
+    )
+    assert cfg.reward_weights() == {"correct": 1.0, "brevity": 0.1, "overlong_penalty": 1.0}
+    trainer = Trainer(cfg)
+    try:
+        rollout = trainer.parts.collector.collect(1)
+        terms = [
+            [[dict(g.components)[n] for n in ("correct", "brevity", "overlong_penalty")] for g in group]
+            for group in rollout.grades
+        ]
+        want = reference_decoupled_advantages(terms, [1.0, 0.1, 1.0], "std", 1e-6)
+        _, advantages = trainer.parts.learner.advantages(rollout)
+        torch.testing.assert_close(advantages.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-5)
+        assert (advantages != 0).any()
+        record = trainer.train_step(1)
+        assert record["attempted_updates"] == 1 and math.isfinite(record["advantage_std"])
+    finally:
+        trainer.close()

@@ -103,7 +103,8 @@ def assert_single_process_update(ranked_updates: list[dict], name: str, override
 
 
 # sequence, token and constant aggregation; cispo's 4 epochs and offpolicy's shuffled mini-batches, where
-# a rank may hold no row of an optimizer step; bnpo's batch-wide Beta fit and sequence_sum, vespo's sequence weight
+# a rank may hold no row of an optimizer step; bnpo's batch-wide Beta fit and sequence_sum, vespo's sequence weight,
+# lite_ppo's batch-std advantages (formed over the global batch)
 ALGORITHMS = pytest.mark.parametrize(
     "name, overrides",
     [
@@ -113,6 +114,7 @@ ALGORITHMS = pytest.mark.parametrize(
         ("offpolicy_clip", {"steps_per_epoch": 4}),
         ("bnpo", {}),
         ("vespo", {}),
+        ("lite_ppo", {}),
     ],
 )
 

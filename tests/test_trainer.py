@@ -17,9 +17,17 @@ from grpolab.run.rundir import RunDirError, read_metrics
 from grpolab.run.trainer import Trainer, train
 
 
+def preset_settings(name: str) -> dict:
+    """What a preset needs beyond the quick run's settings: GDPO a second reward term to decouple (a truncation
+    penalty), 2-GRPO its own group size (the quick run's explicit other one is refused)."""
+    spec = PRESETS[name]
+    extra = {"reward.truncation_penalty": 0.5} if spec.multi_objective_aggregation == "normalize_then_sum" else {}
+    return {**extra, "rollout.group_size": spec.group_size} if spec.group_size is not None else extra
+
+
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_every_preset_runs_real_rl_steps(name, warm_model_dir, tmp_path):
-    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo=name))
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo=name, **preset_settings(name)))
     actual = 0
     for step in (1, 2):
         before = params_of(trainer.parts.model)

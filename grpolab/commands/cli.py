@@ -36,6 +36,10 @@ def print_algorithms(console: Console) -> None:
         )
         schedule = f"{spec.epochs}x{spec.steps_per_epoch} (epochs x steps)"
         extra = ", dynamic sampling" if spec.dynamic_sampling else ""
+        extra += (
+            ", each reward term normalized apart" if spec.multi_objective_aggregation == "normalize_then_sum" else ""
+        )
+        extra += f", group size {spec.group_size}" if spec.group_size is not None else ""
         console.print(
             f"[bold cyan]{spec.name:<17}[/] advantage={spec.baseline}/{spec.normalizer} weight={weight} "
             f"aggregation={spec.aggregation} schedule={schedule}{extra}",

@@ -29,8 +29,9 @@ from grpolab.learning.shared_prefix import UnitLayout, layout_units, unit_logpro
 from grpolab.learning.update import StepCheck, UpdateData, UpdateResult, run_update
 from grpolab.models.fidelity import forward_fidelity
 from grpolab.models.precision import TrainingPrecision
-from grpolab.objectives.advantages import advantage_metrics, group_advantages
+from grpolab.objectives.advantages import advantage_metrics
 from grpolab.objectives.algorithms import AlgorithmSpec
+from grpolab.objectives.decoupled import batch_advantages
 from grpolab.objectives.rollout_correction import AUTO
 from grpolab.objectives.valid_rescale import valid_sample_scale
 from grpolab.parallel.fsdp import drop_stale_weights, is_sharded
@@ -242,8 +243,7 @@ class PolicyLearner:
 
     def learn(self, rollout: RolloutBatch) -> dict[str, Any]:
         """Advantages, sync check and the update schedule over one rollout batch; returns its metrics."""
-        rewards, advantages = self.advantages(rollout)  # [B, G], all groups
-        part = self.lockstep.part(len(rollout.completions), rewards.shape[1])  # this rank's groups
+        rewards, advantages, part = self.global_advantages(rollout)
         mine = [c for group in part.of(rollout.completions) for c in group]
         batch = collate(mine, self.pad_token_id).to(self.device)
         forward, routing = self.forward(batch), self.routing(batch, mine)
@@ -274,12 +274,27 @@ class PolicyLearner:
             **routing.metrics(self.lockstep.total),
         }
 
+    def global_advantages(self, rollout: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, RankPart]:
+        """(rewards, advantages) [B, G] of all groups, computed before the rank split (a batch-level statistic, Lite
+        PPO's std or GDPO's whitening, is the global batch's on every rank), and this rank's part of them."""
+        rewards, advantages = self.advantages(rollout)
+        return rewards, advantages, self.lockstep.part(len(rollout.completions), rewards.shape[1])
+
     def advantages(self, rollout: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(rewards, advantages) [B, G] of every group of ``rollout``."""
         if self.spec.normalizer == "mean":
             refuse_nonbinary_rewards(rollout)
         rewards = rollout.rewards()
-        advantages = group_advantages(rewards, self.spec.baseline, self.spec.normalizer, self.spec.adv_eps)
+        if self.spec.multi_objective_aggregation == "sum_then_normalize":
+            advantages = batch_advantages(self.spec, rewards)
+        else:
+            weights = self.cfg.reward_weights()  # GDPO: each term apart (the config refused unknown weights)
+            if weights is None:
+                raise ValueError(
+                    f"algorithm {self.spec.name} needs the reward terms' weights; the task does not say them"
+                )
+            terms = rollout.reward_terms(list(weights))
+            advantages = batch_advantages(self.spec, rewards, terms, torch.tensor(list(weights.values())))
         if self.spec.valid_rescale:  # GPG's alpha over the whole rollout batch (every rank's groups)
             advantages = advantages * valid_sample_scale(rewards)
         return rewards, advantages

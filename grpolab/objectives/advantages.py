@@ -19,6 +19,8 @@ def group_advantages(rewards: Tensor, baseline: str, normalizer: str, eps: float
     normalizer: "std"  -> / (unbiased std_i + eps)
                 "mean" -> / (mean_i + eps), and 0 for a group whose mean is 0 (MaxRL); defined for
                           rewards in {0, 1} only (with a negative mean the sign flips): others raise
+                "batch_std" -> / (unbiased std of all B x G rewards + eps) (Lite PPO: the batch's scale, the
+                          group's mean; the batch must be the whole, global rollout batch)
                 "none" -> unchanged
                 "beta_density" -> / Beta(mean_i; alpha, beta) density, alpha, beta fitted to the batch's group
                           means (BNPO, grpolab.objectives.beta_norm); rewards in [0, 1] only: others raise
@@ -27,6 +29,8 @@ def group_advantages(rewards: Tensor, baseline: str, normalizer: str, eps: float
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [B, G], got shape {tuple(rewards.shape)}")
     group_size = rewards.shape[1]
+    if normalizer == "batch_std" and rewards.numel() < 2:
+        raise ValueError("normalizer 'batch_std' needs a batch of at least 2 rewards")
     if normalizer == "std" and group_size < 2:
         raise ValueError("normalizer 'std' needs a group size of at least 2")
     if normalizer == "mean":
@@ -55,6 +59,8 @@ def group_advantages(rewards: Tensor, baseline: str, normalizer: str, eps: float
 
     if normalizer == "std":
         return centered / (rewards.std(dim=1, keepdim=True, unbiased=True) + eps)
+    if normalizer == "batch_std":
+        return centered / (rewards.std(unbiased=True) + eps)
     if normalizer == "mean":
         scaled = centered / (mean + eps)
         return torch.where(mean == 0, torch.zeros_like(scaled), scaled)

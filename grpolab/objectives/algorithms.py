@@ -13,7 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Baseline = Literal["mean", "none"]
-Normalizer = Literal["std", "mean", "none", "beta_density"]
+Normalizer = Literal["std", "mean", "none", "beta_density", "batch_std"]
+MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 Weight = Literal["none", "noclip", "clip", "gspo", "cispo", "sapo", "vespo", "gmpo", "dppo"]
 Aggregation = Literal["sequence", "token", "constant", "sequence_sum"]
 RolloutCorrection = Literal[
@@ -94,10 +95,25 @@ class AlgorithmSpec(BaseModel):
     baseline: Baseline = Field("mean", description="subtracted from each reward: the group mean, or none")
     normalizer: Normalizer = Field(
         "std",
-        description="the advantage is divided by the group's std, its mean (MaxRL), nothing, or the Beta density "
-        "of the group's mean reward fitted over the batch (beta_density: BNPO, rewards in [0, 1])",
+        description="the advantage is divided by the group's std, its mean (MaxRL), nothing, the Beta density "
+        "of the group's mean reward fitted over the batch (beta_density: BNPO, rewards in [0, 1]), or the std of "
+        "every reward of the batch (batch_std, Lite PPO)",
     )
     adv_eps: float = Field(1e-6, ge=0, description="added to the normalizer's denominator")
+    # advantage variants (docs/algorithms.md, "Advantage variants"): Lite PPO's batch_std normalizer (above), GDPO's
+    # decoupled reward terms, 2-GRPO's group size (the config resolves it into rollout.group_size)
+    multi_objective_aggregation: MultiObjectiveAggregation = Field(
+        "sum_then_normalize",
+        description="sum_then_normalize: the advantage of the RL reward (the weighted sum of its terms); "
+        "normalize_then_sum (GDPO): each reward term normalized within its group, their weighted sum whitened "
+        "over the batch (TRL's name and values)",
+    )
+    group_size: int | None = Field(
+        None,
+        ge=2,
+        description="the rollout.group_size this algorithm is defined with (2-GRPO: 2), set into the rollout "
+        "config (an explicit, different rollout.group_size is refused); None: rollout.group_size decides",
+    )
     # per-token weighting
     weight: Weight = Field(
         "clip",
@@ -232,6 +248,14 @@ class AlgorithmSpec(BaseModel):
     def _check(self) -> AlgorithmSpec:
         if self.normalizer == "mean" and self.baseline != "mean":
             raise ValueError("normalizer 'mean' (MaxRL) needs baseline 'mean'")
+        if self.multi_objective_aggregation == "normalize_then_sum" and (
+            self.baseline != "mean" or self.normalizer not in ("std", "none")
+        ):
+            raise ValueError(
+                "multi_objective_aggregation 'normalize_then_sum' (GDPO) normalizes each reward term within its "
+                f"group: it needs baseline 'mean' and normalizer 'std' or 'none', not {self.baseline!r} and "
+                f"{self.normalizer!r}"
+            )
         lower, upper = self.rollout_correction_lower, self.rollout_correction_upper
         if lower is not None and lower >= upper:
             raise ValueError(
@@ -294,8 +318,9 @@ class AlgorithmSpec(BaseModel):
         weight = WEIGHT_FORMULAS[self.weight]
         if self.clip_delta is not None:
             weight = weight.replace("-min(w*A", "-min(min(w, delta)*A").replace("-min(s*A", "-min(min(s, delta)*A")
-        advantage = f"; {NORMALIZER_FORMULAS[self.normalizer]}" if self.normalizer in NORMALIZER_FORMULAS else ""
-        return f"{weight}; reduced {AGGREGATION_FORMULAS[self.aggregation]}{advantage}" + self._verl_prime_rl_terms()
+        loss = f"{weight}; reduced {AGGREGATION_FORMULAS[self.aggregation]}" + self._verl_prime_rl_terms()
+        advantage = self.advantage_formula()
+        return f"{loss}; {advantage}" if advantage else loss
 
     def _verl_prime_rl_terms(self) -> str:
         """The formula's terms from verl's and prime-rl's losses: the ratio cap, kl_tau, GPG's rescaling."""
@@ -304,6 +329,23 @@ class AlgorithmSpec(BaseModel):
         terms += ["; A *= B / B_valid"] if self.valid_rescale else []
         terms += ["; rows with A = 0 left out"] if self.filter_zero_advantages else []
         return "".join(terms)
+
+    def advantage_formula(self) -> str:
+        """The advantage where it is not GRPO's family's (r - mean_i) / std_i; empty otherwise."""
+        group = f", G = {self.group_size}" if self.group_size is not None else ""
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            scale = " / (std_i(r_k) + eps)" if self.normalizer == "std" else ""
+            return f"A = whiten_batch( sum_k w_k (r_k - mean_i(r_k)){scale} ){group}"
+        if self.normalizer == "batch_std":
+            centered = "r - mean_i(r)" if self.baseline == "mean" else "r"
+            return f"A = ({centered}) / (std_batch(r) + eps){group}"
+        if self.normalizer in NORMALIZER_FORMULAS:
+            return NORMALIZER_FORMULAS[self.normalizer] + group
+        if not group:
+            return ""
+        centered = "r - mean_i(r)" if self.baseline == "mean" else "r"
+        scale = {"std": "std_i(r) + eps", "mean": "mean_i(r) + eps"}.get(self.normalizer)
+        return f"A = ({centered}) / ({scale}){group}" if scale else f"A = {centered}{group}"
 
     def override(self, **changes: Any) -> AlgorithmSpec:
         """A validated copy with some fields changed (unknown fields and bad values raise)."""
@@ -461,6 +503,25 @@ PRESETS: dict[str, AlgorithmSpec] = {
             kl_tau=1e-3,
             filter_zero_advantages=True,
             reference="prime-rl's default loss: DPPO-Binary-TV + Kimi K2.5's squared log-ratio (prime-rl, 2026)",
+        ),
+        # advantage variants (docs/algorithms.md, "Advantage variants")
+        # Lite PPO: the paper's two techniques on the vanilla (critic-free) PPO clip loss: the group's mean over
+        # the batch's std, and token-level aggregation
+        AlgorithmSpec(
+            name="lite_ppo",
+            normalizer="batch_std",
+            aggregation="token",
+            reference="Tricks or Traps? A Deep Dive into RL for LLM Reasoning (Liu et al., 2025), Lite PPO",
+        ),
+        AlgorithmSpec(
+            name="gdpo",
+            multi_objective_aggregation="normalize_then_sum",
+            reference="GDPO: Group reward-Decoupled Normalization Policy Optimization (Liu et al., NVIDIA, 2026)",
+        ),
+        AlgorithmSpec(
+            name="two_grpo",
+            group_size=2,
+            reference="It Takes Two: Your GRPO Is Secretly DPO (Wu et al., 2025), 2-GRPO",
         ),
     ]
 }

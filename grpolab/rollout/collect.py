@@ -22,7 +22,7 @@ from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
 from grpolab.rollout.evaluation import grade_completions
 from grpolab.rollout.reward_models import RewardModels
-from grpolab.tasks.base import Example, Grade, Task
+from grpolab.tasks.base import ANSWER_TERM, Example, Grade, Task
 from grpolab.tasks.shaping import shape_rewards
 from grpolab.tasks.stream import PromptStream
 
@@ -41,6 +41,23 @@ class RolloutBatch:
     def rewards(self) -> torch.Tensor:
         """[B, G] float32."""
         return torch.tensor([[g.reward for g in group] for group in self.grades], dtype=torch.float32)
+
+    def reward_terms(self, names: list[str]) -> torch.Tensor:
+        """[B, G, K] float32: each grade's unweighted component ``names[k]`` (``ANSWER_TERM``: the answer reward
+        where a grade has no component of that name); a ValueError naming the first grade that lacks one."""
+        out = torch.zeros(len(self.grades), len(self.grades[0]) if self.grades else 0, len(names))
+        for i, (example, grades) in enumerate(zip(self.examples, self.grades)):
+            for j, grade in enumerate(grades):
+                values = dict(grade.components)
+                for k, name in enumerate(names):
+                    if name not in values and name != ANSWER_TERM:
+                        raise ValueError(
+                            f"reward term {name!r} is missing from the grade of example {example.id} sample {j} "
+                            f"(its terms: {', '.join(values) or 'none'}); the task's reward terms and weights "
+                            "must name the grade's components"
+                        )
+                    out[i, j, k] = values.get(name, grade.answer_reward)
+        return out
 
     def flat(self) -> list[Completion]:
         return [c for group in self.completions for c in group]

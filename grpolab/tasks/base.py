@@ -22,6 +22,7 @@ from grpolab.tools.protocol import Toolset
 
 logger = logging.getLogger(__name__)
 _reported: set[str] = set()  # tasks whose grade raised: the first traceback is logged
+ANSWER_TERM = "answer_reward"  # the RL reward's one term where a grade has no components (Grade.answer_reward)
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,17 @@ class TaskSettings(BaseModel):
         """The terms of the RL reward these settings say can take values other than 0 and 1, each named by its
         setting (an objective defined for rewards in {0, 1} refuses them up front). The built-in tasks' reward
         is their correctness: none."""
+        return []
+
+    def reward_weights(self) -> dict[str, float] | None:
+        """The RL reward's terms, each grade component's name and its weight (``answer_reward``: the grade's
+        answer reward, for a task that sets no components); None where the settings cannot know them (a task
+        class of the user's). GDPO normalizes each term apart. The built-in tasks' reward is their correctness."""
+        return {ANSWER_TERM: 1.0}
+
+    def clipped_reward_models(self) -> list[str]:
+        """The term names of the reward models whose score is clipped (``options.clip``); the built-in tasks have
+        no reward models: none."""
         return []
 
     def prompt_format(self) -> str | None:

@@ -49,6 +49,10 @@ class ImportedTaskConfig(TaskSettings):
             raise ValueError(f"unknown task {value!r}; choose {', '.join(BUILT_IN)} or 'package.module:Class'")
         return value
 
+    def reward_weights(self) -> None:
+        """A task class's reward terms and weights are its own: unknown here."""
+        return None
+
     def build(self) -> Task:
         try:
             cls = resolve(self.name)

@@ -37,7 +37,13 @@ from grpolab.tasks.datasets import (
 from grpolab.tasks.extract import AnswerFormat, extract_answer, last_boxed
 from grpolab.tasks.folder_hash import model_sha256
 from grpolab.tasks.prompts import PromptBuilder, PromptFormat, template_fields
-from grpolab.tasks.reward_model_spec import MODEL_PREFIX, RewardModelSpec, is_model_reward, reward_model_spec
+from grpolab.tasks.reward_model_spec import (
+    MODEL_PREFIX,
+    RewardModelSpec,
+    is_model_reward,
+    reward_model_name,
+    reward_model_spec,
+)
 from grpolab.tasks.rewards import VERIFIERS, RewardSet, Sample, reward_term
 from grpolab.tasks.sandbox import IMPORT_PATH, MAX_WORKERS
 from grpolab.tools.protocol import ToolsConfig
@@ -277,6 +283,15 @@ class RewardConfig(TaskSettings):
     )
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the verifier or function")
 
+    @property
+    def term_name(self) -> str:
+        """Its grade component's name: ``name``, else the function's (a reward model: its folder's)."""
+        if self.name:
+            return self.name
+        if is_model_reward(self.function):
+            return reward_model_name(self.function)
+        return self.function.rpartition(":")[2]
+
     @field_validator("function")
     @classmethod
     def _known(cls, value: str) -> str:
@@ -367,6 +382,13 @@ class DatasetTaskConfig(TaskSettings):
                 f"task.rewards[{weighted[0][0]}],"
             )
         return terms
+
+    def clipped_reward_models(self) -> list[str]:
+        return [r.term_name for r in self.rewards if is_model_reward(r.function) and r.options.get("clip") is not None]
+
+    def reward_weights(self) -> dict[str, float]:
+        """Each reward's component name and weight (a reward model's term: weight x its normalized score)."""
+        return {r.term_name: r.weight for r in self.rewards}
 
     def prompt_format(self) -> str | None:
         return self.prompt.format

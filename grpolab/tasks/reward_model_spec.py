@@ -79,6 +79,11 @@ def check_reward_model_dir(path: str) -> dict:
     return config
 
 
+def reward_model_name(function: str) -> str:
+    """The default name of a ``model:DIR`` entry's term: the folder's name."""
+    return Path(function[len(MODEL_PREFIX) :]).name or "reward_model"
+
+
 def reward_model_spec(function: str, name: str | None, weight: float, options: dict) -> RewardModelSpec:
     """The spec of a ``model:DIR`` reward entry, checked (one ``ValueError`` line when not)."""
     path = function[len(MODEL_PREFIX) :]
@@ -88,4 +93,4 @@ def reward_model_spec(function: str, name: str | None, weight: float, options: d
         lines = (f"options.{line}" for line in describe_validation_error(err, ""))
         raise ValueError(f"reward model {path!r}: " + "; ".join(lines)) from None
     check_reward_model_dir(path)
-    return RewardModelSpec(path=path, name=name or Path(path).name or "reward_model", weight=weight, options=checked)
+    return RewardModelSpec(path=path, name=name or reward_model_name(function), weight=weight, options=checked)
