@@ -21,6 +21,10 @@ EXPECTED = {  # GUIDE section 2: baseline, normalizer, weight, eps_low, eps_high
     "offpolicy_noclip": ("mean", "std", "noclip", 0.2, 0.2, "sequence", 1, 32),
     "offpolicy_clip": ("mean", "std", "clip", 0.2, 0.2, "sequence", 1, 32),
     "offpolicy_gspo": ("mean", "std", "gspo", 3e-4, 3e-4, "sequence", 1, 32),
+    # token selection and entropy (issue 51, tokensel)
+    "dapo_8020": ("mean", "std", "clip", 0.2, 0.28, "token", 1, 1),  # DAPO + the top 20% of tokens by entropy
+    "clip_cov": ("mean", "std", "clip", 0.2, 0.2, "token", 1, 8),
+    "kl_cov": ("mean", "std", "noclip", 0.2, 0.2, "token", 1, 8),
 }
 
 

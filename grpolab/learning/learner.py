@@ -32,6 +32,7 @@ from grpolab.models.precision import TrainingPrecision
 from grpolab.objectives.advantages import advantage_metrics, group_advantages
 from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.rollout_correction import AUTO
+from grpolab.objectives.token_selection import AdaptiveEntropy
 from grpolab.parallel.fsdp import drop_stale_weights, is_sharded
 from grpolab.parallel.ranks import Ranks, wrap_ddp
 from grpolab.rollout.base import Completion
@@ -192,6 +193,7 @@ class PolicyLearner:
         updates: dict[str, int],
         ranks: Ranks = Ranks(),
         reference_context: Callable[[], AbstractContextManager] = nullcontext,
+        entropy_control: AdaptiveEntropy | None = None,
     ):
         if cfg.algorithm.rollout_correction == AUTO:  # the loss would read it as none, also with bf16 rollouts
             raise ValueError(
@@ -210,6 +212,8 @@ class PolicyLearner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.precision, self.device, self.pad_token_id = precision, device, pad_token_id
         self.minibatch_gen, self.sync_monitor, self.updates = minibatch_gen, sync_monitor, updates
+        # the entropy bonus's adaptive coefficient: the run state's (saved in checkpoints), updated in place
+        self.entropy_control = entropy_control if entropy_control is not None else AdaptiveEntropy()
         blocker = None
         if cfg.optim.shared_prompts:  # FSDP gathers weights at every backbone pass: a unit takes two, a lone row one
             blocker = "FSDP ranks must run the same forwards" if self.sharded else forward_fidelity(model).share_blocker
@@ -339,6 +343,7 @@ class PolicyLearner:
                     dp=share,
                     first_step_check=first_step_check,
                     extra_loss=routing.extra_loss,
+                    entropy_control=self.entropy_control,
                 )
         finally:
             self.model.eval()
