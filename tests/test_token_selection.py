@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 from reference import reference_adaptive_coefficients, reference_quantile, reference_tokensel_loss
-from test_update import ToyPolicy, make_data, optimizer_for
+from test_update import ToyPolicy, make_data
 
 from grpolab.learning.update import accumulate_gradients, run_update
 from grpolab.objectives.algorithms import PRESETS, get_algorithm
@@ -225,3 +225,27 @@ def test_the_new_presets_are_listed_with_their_formula(capsys):
         at = next(i for i, line in enumerate(lines) if line.startswith(name + " "))
         assert term in lines[at + 1], name  # the formula line under the preset's
     assert "- c_k (adaptive) * mean_t H" in ADAPTIVE.formula()
+
+
+def test_a_bad_combination_on_the_command_line_is_one_error_line(capsys):
+    from grpolab.commands.cli import main
+
+    assert main(["config", "--algo", "grpo", "--algorithm.cov_selection", "kl_cov"]) == 2
+    errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "set steps_per_epoch or epochs above 1" in errors[0]
+
+
+def test_a_run_logs_the_adaptive_coefficient_every_step_and_checkpoints_it(warm_model_dir, tmp_path):
+    from conftest import quick_config
+
+    from grpolab.run.rundir import read_metrics
+    from grpolab.run.state import STATE_FILE
+    from grpolab.run.trainer import train
+
+    run = tmp_path / "run"
+    settings = {"use_adaptive_entropy": True, "entropy_target": 100.0, "entropy_coef_delta": 0.01}
+    train(quick_config(warm_model_dir, run, **{f"algorithm.{k}": v for k, v in settings.items()}))
+    records = [r for r in read_metrics(run / "metrics.jsonl") if "entropy_coef" in r]
+    assert [r["entropy_coef"] for r in records] == pytest.approx([0.0, 0.01])  # c_1 = 0.01 once e_0 <= target
+    state = torch.load(run / "checkpoints" / "step_000002" / STATE_FILE, weights_only=False)
+    assert state["entropy_control"]["coef"] == pytest.approx(0.02) and state["entropy_control"]["last_entropy"] < 100

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.learning.step_selection import StepSelection, step_selection
+from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.losses import (
     Denominators,
     NonFiniteError,
@@ -111,6 +111,8 @@ class UpdateResult:
         out = self.tokens.means()
         if self.entropy_coefs:
             out["entropy_coef"] = self.entropy_coefs[-1]
+        if out.get("bonus_tokens"):  # the mean entropy over the bonus's tokens (the adaptive coefficient's e_k)
+            out["bonus_entropy"] = out["bonus_entropy"] / out["bonus_tokens"]
         out.update(attempted_updates=self.attempted, actual_updates=self.actual)
         if self.losses:
             out["loss"] = sum(self.losses) / len(self.losses)

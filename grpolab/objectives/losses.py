@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from grpolab.objectives.algorithms import AlgorithmSpec
-from grpolab.objectives.token_selection import apply_selection, entropy_bonus
 from grpolab.objectives.rollout_correction import (
     AUTO,
     engine_kl_k3,
@@ -26,6 +25,7 @@ from grpolab.objectives.rollout_correction import (
     raw_ratio,
     rollout_correction,
 )
+from grpolab.objectives.token_selection import apply_selection, entropy_bonus
 
 
 class NonFiniteError(FloatingPointError):

@@ -30,7 +30,7 @@ def check_token_selection(spec: Any) -> None:
     if spec.cov_selection == "kl_cov" and spec.epochs * spec.steps_per_epoch == 1:
         raise ValueError(
             "cov_selection kl_cov penalises |logp - logp_old|, which is 0 with a 0 gradient in a single-update "
-            "schedule; set steps_per_epoch or epochs above 1 (the kl_cov preset uses 4 steps)"
+            "schedule; set steps_per_epoch or epochs above 1 (the kl_cov preset uses 8 steps)"
         )
     if spec.use_adaptive_entropy and not spec.entropy_coef_min <= spec.entropy_coef <= spec.entropy_coef_max:
         raise ValueError(
