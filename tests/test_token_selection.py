@@ -92,6 +92,9 @@ def test_the_quantile_threshold_is_the_linear_interpolation_and_ties_are_kept():
     assert entropy_quantile_keep(values, 0.2).tolist() == [v >= threshold for v in values.tolist()]
     assert entropy_quantile_keep(torch.full((5,), 0.4, dtype=torch.float64), 0.2).all()  # all tied: all kept
     assert entropy_quantile_keep(values, 1.0).all()
+    many = torch.rand(1000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for rho in (0.2, 0.37, 0.9):  # torch.quantile's threshold (ours sorts: no size limit)
+        assert torch.equal(entropy_quantile_keep(many, rho), many >= torch.quantile(many, 1 - rho))
 
 
 def test_clip_cov_draws_on_the_given_generator():
@@ -175,16 +178,10 @@ def test_the_adaptive_coefficient_follows_skywork_or1_and_resumes_exactly():
     torch.testing.assert_close(policy2.weight, policy.weight, rtol=0, atol=0)
 
 
-def test_the_run_state_saves_and_loads_the_adaptive_coefficient():
-    from grpolab.run.state import RunState
-
-    state = RunState.__new__(RunState)
-    state.entropy_control = AdaptiveEntropy()
-    state.entropy_control.observe(ADAPTIVE, 0.1)
-    saved = state.entropy_control.state_dict()
-    loaded = AdaptiveEntropy()
-    loaded.load_state_dict(saved)
-    assert (loaded.coef, loaded.last_entropy) == (0.4, 0.1) and loaded.applied(ADAPTIVE) == 0.4
+def test_a_checkpoint_without_the_coefficient_loads_as_no_step_yet():
+    control = AdaptiveEntropy()
+    control.observe(ADAPTIVE, 0.1)
+    assert (control.coef, control.last_entropy) == (0.4, 0.1) and control.applied(ADAPTIVE) == 0.4
     old_checkpoint = AdaptiveEntropy()
     old_checkpoint.load_state_dict({})  # a checkpoint from before the field: no step yet
     assert old_checkpoint.applied(ADAPTIVE) == 0.0 and old_checkpoint.coef is None
@@ -249,3 +246,51 @@ def test_a_run_logs_the_adaptive_coefficient_every_step_and_checkpoints_it(warm_
     assert [r["entropy_coef"] for r in records] == pytest.approx([0.0, 0.01])  # c_1 = 0.01 once e_0 <= target
     state = torch.load(run / "checkpoints" / "step_000002" / STATE_FILE, weights_only=False)
     assert state["entropy_control"]["coef"] == pytest.approx(0.02) and state["entropy_control"]["last_entropy"] < 100
+
+
+@pytest.mark.slow  # two runs of the tiny model; default tier: ..._follows_skywork_or1_and_resumes_exactly (the
+# controller's save and load) and ..._logs_the_adaptive_coefficient_every_step_and_checkpoints_it (the checkpoint)
+def test_a_resumed_run_applies_the_same_adaptive_coefficients(warm_model_dir, tmp_path, monkeypatch):
+    from conftest import quick_config
+
+    from grpolab.config import load_run_config
+    from grpolab.run.rundir import read_metrics
+    from grpolab.run.trainer import Trainer, train
+
+    settings = {
+        "steps": 4,
+        "checkpoint.every": 2,
+        "algorithm.use_adaptive_entropy": True,
+        "algorithm.entropy_target": 100.0,
+        "algorithm.entropy_coef_delta": 0.01,
+        "algorithm.cov_selection": "clip_cov",  # its draws on the run's generator resume too
+        "algorithm.clip_cov_ratio": 0.05,
+        "algorithm.clip_cov_lb": 0.0,
+        "algorithm.steps_per_epoch": 2,
+    }
+    train(quick_config(warm_model_dir, tmp_path / "full", **settings))
+    original = Trainer.train_step
+
+    def stop_at_step_4(self, step, *args):
+        if step == 4:
+            raise KeyboardInterrupt
+        return original(self, step, *args)
+
+    monkeypatch.setattr(Trainer, "train_step", stop_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train(quick_config(warm_model_dir, tmp_path / "cut", **settings))
+    monkeypatch.setattr(Trainer, "train_step", original)
+    train(load_run_config(tmp_path / "cut"), resume=True)
+
+    def numbers(run):
+        return [
+            {k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
+            for r in read_metrics(run / "metrics.jsonl")
+        ]
+
+    full = numbers(tmp_path / "full")
+    assert numbers(tmp_path / "cut") == full
+    assert [r["entropy_coef"] for r in full if "entropy_coef" in r] == pytest.approx(
+        [0.01, 0.03, 0.05, 0.07]
+    )  # the last of 2 steps
+    assert any(0 < r.get("token_keep_frac", 1) < 1 for r in full)

@@ -25,11 +25,18 @@ from torch import Tensor
 
 
 def entropy_quantile_keep(entropy: Tensor, rho: float) -> Tensor:
-    """Bool [K]: the tokens whose entropy [K] is at least the (1 - rho) quantile of all K (rho = 1: all)."""
+    """Bool [K]: the tokens whose entropy [K] is at least the (1 - rho) quantile of all K (rho = 1: all), the
+    quantile interpolated linearly between the sorted values (``torch.quantile``'s, without its size limit of
+    2^24 elements: a step may hold more tokens)."""
     if rho >= 1 or entropy.numel() == 0:
         return torch.ones_like(entropy, dtype=torch.bool)
-    threshold = torch.quantile(entropy.double(), 1 - rho)
-    return entropy.double() >= threshold
+    values = entropy.double()
+    ordered = values.sort().values
+    position = (1 - rho) * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    threshold = ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    return values >= threshold
 
 
 def token_covariance(logprobs: Tensor, advantages: Tensor) -> Tensor:
