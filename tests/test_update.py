@@ -266,7 +266,15 @@ def test_property_split_and_prune_equivalence(seed, groups, group_size, micro, n
     torch.testing.assert_close(split, whole, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("name, overrides", [("grpo", {}), ("offpolicy_clip", {"steps_per_epoch": 2})])
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("grpo", {}),
+        ("offpolicy_clip", {"steps_per_epoch": 2}),
+        ("dapo_8020", {"entropy_coef": 0.01}),  # the selection's pass and the bonus: reads per step, too
+        ("kl_cov", {"steps_per_epoch": 2, "kl_cov_ratio": 0.1}),
+    ],
+)
 def test_the_update_waits_for_the_device_per_optimizer_step_not_per_micro_batch(name, overrides):
     """The micro-batch loop keeps its metrics, loss and finiteness checks on the device: an optimizer step
     in micro-batches of one row reads as many values as the same step in one micro-batch."""
