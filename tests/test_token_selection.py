@@ -105,6 +105,14 @@ def test_clip_cov_draws_on_the_given_generator():
     grads = {seed: ours(spec, data, policy, 4, 0.0, seed)[1] for seed in (1, 2)}
     torch.testing.assert_close(ours(spec, data, policy, 3, 0.0, 1)[1], grads[1], rtol=1e-10, atol=1e-13)
     assert not torch.allclose(grads[1], grads[2])
+    # no generator given: the same draws every call, whatever torch's global generator did in between
+    unseeded = []
+    for _ in range(2):
+        torch.rand(7)
+        policy.weight.grad = None
+        accumulate_gradients(spec, data, torch.arange(N), policy, 4, MAX_NEW)
+        unseeded.append(policy.weight.grad.clone())
+    torch.testing.assert_close(unseeded[0], unseeded[1], rtol=0, atol=0)
 
 
 def test_kl_cov_penalises_zero_advantage_rows_so_they_are_fed():

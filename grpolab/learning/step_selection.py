@@ -55,7 +55,9 @@ def step_selection(
 ) -> StepSelection:
     """The no-grad pass over the step's rows ``indices`` (this rank's, split as the step's micro-batches), then
     the selection over the whole step's tokens (gathered from every rank of ``dp``, in global row order).
-    ``record(rows, logprobs)`` sees each forward's log-probs (the first step's sync check)."""
+    ``record(rows, logprobs)`` sees each forward's log-probs (the first step's sync check). Clip-Cov draws on
+    ``generator`` (a run's: its mini-batch generator, saved in checkpoints); None: a generator seeded 0 for this
+    step, so that a call is deterministic (never torch's global generator)."""
     mask = data.response_mask
     logprobs = entropy = None  # [N, T] in the forward's dtype, allocated at the first forward
     micros = split(indices) if len(indices) else []
@@ -95,7 +97,7 @@ def step_selection(
         parts = dp.ranks.gather([t.cpu() for t in flat])
         start = sum(p[0].numel() for p in parts[: dp.ranks.rank])
         flat = [torch.cat([p[j] for p in parts]) for j in range(len(flat))]
-    sel = select_flat(spec, *flat, generator=generator)
+    sel = select_flat(spec, *flat, generator=generator if generator is not None else torch.Generator().manual_seed(0))
 
     def scatter(values: Tensor | None, fill: bool) -> Tensor | None:
         if values is None:
