@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.losses import PolicyLossInput
 from grpolab.objectives.token_selection import select_flat
 
@@ -34,7 +36,9 @@ class StepSelection:
     logprobs: Tensor
     entropy: Tensor
 
-    def loss_input(self, inp: PolicyLossInput, rows: Tensor, entropy: Tensor | None, coef: float | None):
+    def loss_input(
+        self, inp: PolicyLossInput, rows: Tensor, entropy: Tensor | None, coef: float | None
+    ) -> PolicyLossInput:
         """``inp`` of the rows ``rows`` with the selection's fields, and the entropy bonus with ``coef`` (None: off)."""
         inp.keep = self.keep[rows]
         inp.penalise = None if self.penalise is None else self.penalise[rows]
@@ -44,16 +48,17 @@ class StepSelection:
 
 
 def step_selection(
-    spec,
-    data,
+    spec: AlgorithmSpec,
+    data: Any,
     indices: Tensor,
     policy_logprobs: Callable,
     split: Callable[[Tensor], list[Tensor]],
-    dp=None,
+    dp: Any = None,
     generator: torch.Generator | None = None,
     record: Callable[[Tensor, Tensor], None] | None = None,
 ) -> StepSelection:
-    """The no-grad pass over the step's rows ``indices`` (this rank's, split as the step's micro-batches), then
+    """``data``: the update's ``UpdateData``, ``dp`` its ``DataParallelShare`` or None (update.py's types; it
+    imports this module). The no-grad pass over the step's rows ``indices`` (this rank's, split as the step's micro-batches), then
     the selection over the whole step's tokens (gathered from every rank of ``dp``, in global row order).
     ``record(rows, logprobs)`` sees each forward's log-probs (the first step's sync check). Clip-Cov draws on
     ``generator`` (a run's: its mini-batch generator, saved in checkpoints); None: a generator seeded 0 for this

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpolab.objectives.algorithms import AlgorithmSpec
+
 
 def entropy_quantile_keep(entropy: Tensor, rho: float) -> Tensor:
     """Bool [K]: the tokens whose entropy [K] is at least the (1 - rho) quantile of all K (rho = 1: all), the
@@ -76,7 +78,9 @@ def kl_cov_penalised(cov: Tensor, ratio: float) -> Tensor:
     return out
 
 
-def ppo_clip_active(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, eps_low: float, eps_high: float):
+def ppo_clip_active(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, eps_low: float, eps_high: float
+) -> Tensor:
     """Bool [K]: the PPO clip holds the token: -A clip(w) > -A w (verl's ``clip_by_origin``), w = exp(logp - old)."""
     ratio = torch.exp(logprobs.double() - old_logprobs.double())
     adv = advantages.double()
@@ -94,7 +98,7 @@ class FlatSelection:
 
 
 def select_flat(
-    spec,
+    spec: AlgorithmSpec,
     entropy: Tensor,
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -118,17 +122,25 @@ def select_flat(
     return FlatSelection(keep=everything, penalise=None, bonus=everything)
 
 
-def needs_step_pass(spec) -> bool:
+def needs_step_pass(spec: AlgorithmSpec) -> bool:
     """The step's tokens are selected from the current policy's statistics over the whole step (one no-grad
     forward of its rows before the first backward)."""
     return spec.top_entropy_quantile < 1 or spec.cov_selection != "none"
 
 
-def bonus_enabled(spec) -> bool:
+def bonus_enabled(spec: AlgorithmSpec) -> bool:
+    """The loss has an entropy bonus (a fixed or an adaptive coefficient)."""
     return spec.entropy_coef > 0 or spec.use_adaptive_entropy
 
 
-def apply_selection(surrogate: Tensor, logprobs: Tensor, old_logprobs: Tensor, keep, penalise, kl_coef: float):
+def apply_selection(
+    surrogate: Tensor,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    keep: Tensor | None,
+    penalise: Tensor | None,
+    kl_coef: float,
+) -> Tensor:
     """The per-token surrogate [N, T]: 0 where ``keep`` [N, T] is False (not 0 x inf), plus
     kl_coef x |logp - logp_old| where ``penalise`` [N, T] is True; either may be None (nothing to do)."""
     if keep is not None:
@@ -159,13 +171,13 @@ class AdaptiveEntropy:
         self.coef: float | None = None  # c_k; None: no step yet (c_0 = the spec's entropy_coef)
         self.last_entropy = math.inf
 
-    def applied(self, spec) -> float:
+    def applied(self, spec: AlgorithmSpec) -> float:
         if not spec.use_adaptive_entropy:
             return float(spec.entropy_coef)
         coef = spec.entropy_coef if self.coef is None else self.coef
         return float(coef) if self.last_entropy <= spec.entropy_target else 0.0
 
-    def observe(self, spec, entropy: float) -> None:
+    def observe(self, spec: AlgorithmSpec, entropy: float) -> None:
         if not spec.use_adaptive_entropy:
             return
         coef = spec.entropy_coef if self.coef is None else self.coef
