@@ -57,9 +57,10 @@ def step_selection(
     generator: torch.Generator | None = None,
     record: Callable[[Tensor, Tensor], None] | None = None,
 ) -> StepSelection:
-    """``data``: the update's ``UpdateData``, ``dp`` its ``DataParallelShare`` or None (update.py's types; it
-    imports this module). The no-grad pass over the step's rows ``indices`` (this rank's, split as the step's micro-batches), then
+    """The no-grad pass over the step's rows ``indices`` (this rank's, split as the step's micro-batches), then
     the selection over the whole step's tokens (gathered from every rank of ``dp``, in global row order).
+    ``data``: the update's ``UpdateData``; ``dp``: its ``DataParallelShare`` or None (update.py's types, untyped
+    here: update.py imports this module).
     ``record(rows, logprobs)`` sees each forward's log-probs (the first step's sync check). Clip-Cov draws on
     ``generator`` (a run's: its mini-batch generator, saved in checkpoints); None: a generator seeded 0 for this
     step, so that a call is deterministic (never torch's global generator)."""
