@@ -108,11 +108,9 @@ class UpdateResult:
     entropy_coefs: list[float] = field(default_factory=list)  # the entropy bonus's coefficient of each step
 
     def metrics(self) -> dict[str, float]:
-        out = self.tokens.means()
+        out = _bonus_mean(self.tokens.means())
         if self.entropy_coefs:
             out["entropy_coef"] = self.entropy_coefs[-1]
-        if out.get("bonus_tokens"):  # the mean entropy over the bonus's tokens (the adaptive coefficient's e_k)
-            out["bonus_entropy"] = out["bonus_entropy"] / out["bonus_tokens"]
         out.update(attempted_updates=self.attempted, actual_updates=self.actual)
         if self.losses:
             out["loss"] = sum(self.losses) / len(self.losses)
@@ -121,6 +119,14 @@ class UpdateResult:
             out["grad_norm_max"] = max(self.grad_norms)
         out.update({f"first_update/{k}": v for k, v in self.first_step.items()})
         return out
+
+
+def _bonus_mean(means: dict[str, float]) -> dict[str, float]:
+    """``means`` with ``bonus_entropy`` the mean entropy over the bonus's tokens (the adaptive coefficient's e_k),
+    not over all response tokens."""
+    if means.get("bonus_tokens"):
+        means["bonus_entropy"] = means["bonus_entropy"] / means["bonus_tokens"]
+    return means
 
 
 def check_schedule(
@@ -403,7 +409,7 @@ def run_update(
         result.actual += 1
         result.grad_norms.append(grad_norm)
         if result.actual == 1:
-            result.first_step = metrics.means()
+            result.first_step = _bonus_mean(metrics.means())
     optimizer.zero_grad(set_to_none=True)
     return result
 
