@@ -288,3 +288,109 @@ def reference_corrected_loss(
     if aggregation == "token":
         return sum((sum(ls, zero) for ls in per_seq), zero) / total_tokens
     return sum((sum(ls, zero) for ls in per_seq), zero) / (n * max_new_tokens)
+
+
+# --- token selection and entropy: written from the papers' formulas, loops only ---
+
+
+def reference_quantile(values, q):
+    """The q quantile of a list by linear interpolation between the sorted values (numpy's default)."""
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def reference_token_choice(logp, old, adv, mask, entropy, *, spec, generator=None):
+    """Per-token (keep, penalise, bonus) lists of lists over each row's response tokens, from the whole batch
+    (one optimizer step). 80/20: keep H >= the (1 - rho) quantile. Covariance: cov = (logp - mean logp)(A - mean A),
+    the means over every response token (A repeated per token). Clip-Cov: of the tokens with lb < cov < ub whose
+    PPO clip is not active (-A clip(w) > -A w), in row-then-position order, drop the first max(1, int(ratio K)) of
+    randperm(#candidates) on ``generator``. KL-Cov: penalise the max(1, int(ratio K)) largest cov (ties: earlier)."""
+    n, t_len = mask.shape
+    tokens = [(i, t) for i in range(n) for t in range(t_len) if mask[i, t] > 0]
+    k = len(tokens)
+    keep = {tok: True for tok in tokens}
+    penalise = {tok: False for tok in tokens}
+    bonus = {tok: True for tok in tokens}
+    if spec.top_entropy_quantile < 1:
+        threshold = reference_quantile([float(entropy[i, t]) for i, t in tokens], 1 - spec.top_entropy_quantile)
+        for i, t in tokens:
+            keep[(i, t)] = bonus[(i, t)] = float(entropy[i, t]) >= threshold
+    if spec.cov_selection != "none":
+        mean_lp = sum(float(logp[i, t]) for i, t in tokens) / k
+        mean_a = sum(float(adv[i]) for i, t in tokens) / k
+        cov = {(i, t): (float(logp[i, t]) - mean_lp) * (float(adv[i]) - mean_a) for i, t in tokens}
+        count = max(1, int(k * (spec.clip_cov_ratio if spec.cov_selection == "clip_cov" else spec.kl_cov_ratio)))
+        if spec.cov_selection == "clip_cov":
+            candidates = []
+            for i, t in tokens:
+                w = math.exp(float(logp[i, t]) - float(old[i, t]))
+                a = float(adv[i])
+                clipped = -a * min(max(w, 1 - spec.eps_low), 1 + spec.eps_high) > -a * w
+                if spec.clip_cov_lb < cov[(i, t)] < spec.clip_cov_ub and not clipped:
+                    candidates.append((i, t))
+            if candidates:
+                for j in torch.randperm(len(candidates), generator=generator)[:count].tolist():
+                    keep[candidates[j]] = False
+        else:
+            ranked = sorted(range(k), key=lambda j: (-cov[tokens[j]], j))
+            for j in ranked[:count]:
+                penalise[tokens[j]] = True
+    rows = lambda d: [[d[(i, t)] for t in range(t_len) if mask[i, t] > 0] for i in range(n)]  # noqa: E731
+    return rows(keep), rows(penalise), rows(bonus)
+
+
+def reference_tokensel_loss(logp, old, adv, mask, entropy, *, spec, max_new_tokens, entropy_coef=0.0, generator=None):
+    """Scalar float64 loss of one optimizer step with token selection and the entropy bonus: each token's
+    surrogate (clip or noclip) times keep, plus kl_cov_coef |logp - old| where penalised; reduced by the spec's
+    aggregation (dropped tokens still count); minus entropy_coef x mean of H over the bonus tokens.
+    logp, entropy: [N, T] float64 (may require grad)."""
+    keep, penalise, bonus = reference_token_choice(
+        logp.detach(), old, adv, mask, entropy.detach(), spec=spec, generator=generator
+    )
+    n, t_len = mask.shape
+    zero = logp.sum() * 0
+    per_seq, total_tokens = [], 0
+    h_sum, h_count = zero, 0
+    for i in range(n):
+        tokens = [t for t in range(t_len) if mask[i, t] > 0]
+        total_tokens += len(tokens)
+        a = float(adv[i])
+        losses = []
+        for j, t in enumerate(tokens):
+            w = torch.exp(logp[i, t] - old[i, t])
+            if spec.weight == "clip":
+                loss = -torch.minimum(w * a, torch.clamp(w, 1 - spec.eps_low, 1 + spec.eps_high) * a)
+            elif spec.weight == "noclip":
+                loss = -a * w
+            else:
+                raise ValueError(spec.weight)
+            loss = loss if keep[i][j] else zero
+            if penalise[i][j]:
+                loss = loss + spec.kl_cov_coef * torch.abs(logp[i, t] - old[i, t])
+            losses.append(loss)
+            if bonus[i][j]:
+                h_sum, h_count = h_sum + entropy[i, t], h_count + 1
+        per_seq.append(losses)
+    if spec.aggregation == "sequence":
+        total = sum((sum(ls, zero) / max(len(ls), 1) for ls in per_seq), zero) / n
+    elif spec.aggregation == "token":
+        total = sum((sum(ls, zero) for ls in per_seq), zero) / total_tokens
+    else:
+        total = sum((sum(ls, zero) for ls in per_seq), zero) / (n * max_new_tokens)
+    if entropy_coef:
+        total = total - entropy_coef * h_sum / max(h_count, 1)
+    return total
+
+
+def reference_adaptive_coefficients(entropies, *, start, target, delta, low, high):
+    """Skywork-OR1's coefficient, as TRL applies it: step k uses c_k when e_{k-1} <= target (no e_{-1}: 0), then
+    c_{k+1} = c_k + delta if e_k <= target else c_k - delta, clipped to [low, high]. Returns the applied list."""
+    applied, c, last = [], start, None
+    for e in entropies:
+        applied.append(c if last is not None and last <= target else 0.0)
+        c = min(max(c + (delta if e <= target else -delta), low), high)
+        last = e
+    return applied

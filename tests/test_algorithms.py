@@ -36,6 +36,10 @@ EXPECTED = {  # GUIDE section 2: baseline, normalizer, weight, eps_low, eps_high
     "lite_ppo": ("mean", "batch_std", "clip", 0.2, 0.2, "token", 1, 1),
     "gdpo": ("mean", "std", "clip", 0.2, 0.2, "sequence", 1, 1),
     "two_grpo": ("mean", "std", "clip", 0.2, 0.2, "sequence", 1, 1),
+    # token selection and entropy
+    "dapo_8020": ("mean", "std", "clip", 0.2, 0.28, "token", 1, 1),  # DAPO + the top 20% of tokens by entropy
+    "clip_cov": ("mean", "std", "clip", 0.2, 0.2, "token", 1, 8),
+    "kl_cov": ("mean", "std", "noclip", 0.2, 0.2, "token", 1, 8),
 }
 
 

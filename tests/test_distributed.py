@@ -19,6 +19,7 @@ from threaded_ranks import run_as_threads
 from grpolab.learning.lockstep import UpdateLockstep
 from grpolab.learning.update import UpdateData, run_update
 from grpolab.objectives.algorithms import PRESETS
+from grpolab.objectives.token_selection import AdaptiveEntropy
 from grpolab.parallel.ranks import Ranks, wrap_ddp
 
 GROUPS, G, T = 4, 4, 9
@@ -51,6 +52,7 @@ def updates(name: str, ranks: Ranks, **overrides) -> dict:
     dp = lockstep.share(part)
     out = {"actual": [], "grad_norms": [], "metrics": []}
     gen = torch.Generator().manual_seed(3)
+    control = AdaptiveEntropy()  # the adaptive entropy coefficient, carried over the batches as a run does
     for batch, zero in enumerate(ZERO_GROUPS):
         data = make_data(policy, seed=10 + batch, groups=GROUPS, group_size=G, spec=spec, zero_groups=zero)
         local = UpdateData(
@@ -69,6 +71,7 @@ def updates(name: str, ranks: Ranks, **overrides) -> dict:
             max_new_tokens=T,
             generator=gen,
             dp=dp,
+            entropy_control=control,
         )
         out["actual"].append(result.actual)
         out["grad_norms"] += result.grad_norms
@@ -91,7 +94,10 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, name: str, overri
 
 def assert_single_process_update(ranked_updates: list[dict], name: str, overrides: dict) -> None:
     single = updates(name, Ranks(), **overrides)
-    assert single["actual"][1] == 0 and single["actual"][0] > 0 and single["actual"][2] > 0
+    # the entropy bonus and KL-Cov's penalty (on its top tokens, all of covariance 0) have a gradient without signal
+    bonus = overrides.get("entropy_coef", 0) > 0 or overrides.get("use_adaptive_entropy", False) or name == "kl_cov"
+    skipped = 0 if not bonus else single["actual"][1]
+    assert single["actual"][1] == skipped and single["actual"][0] > 0 and single["actual"][2] > 0
     assert len(ranked_updates) == 2
     for ranked in ranked_updates:
         assert ranked["actual"] == single["actual"]
@@ -104,7 +110,8 @@ def assert_single_process_update(ranked_updates: list[dict], name: str, override
 
 # sequence, token and constant aggregation; cispo's 4 epochs and offpolicy's shuffled mini-batches, where
 # a rank may hold no row of an optimizer step; bnpo's batch-wide Beta fit and sequence_sum, vespo's sequence weight,
-# lite_ppo's batch-std advantages (formed over the global batch)
+# lite_ppo's batch-std advantages (formed over the global batch);
+# token selection over the whole step (all ranks): 80/20, Clip-Cov's draw, KL-Cov's penalty, the adaptive entropy
 ALGORITHMS = pytest.mark.parametrize(
     "name, overrides",
     [
@@ -115,6 +122,10 @@ ALGORITHMS = pytest.mark.parametrize(
         ("bnpo", {}),
         ("vespo", {}),
         ("lite_ppo", {}),
+        ("dapo_8020", {"entropy_coef": 0.02}),
+        ("clip_cov", {"steps_per_epoch": 2, "clip_cov_ratio": 0.15, "clip_cov_lb": 0.0, "clip_cov_ub": 0.5}),
+        ("kl_cov", {"steps_per_epoch": 4, "kl_cov_ratio": 0.1}),
+        ("grpo", {"use_adaptive_entropy": True, "entropy_coef_delta": 0.1, "entropy_target": 5.0}),
     ],
 )
 

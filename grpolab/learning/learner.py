@@ -33,6 +33,7 @@ from grpolab.objectives.advantages import advantage_metrics
 from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.decoupled import batch_advantages
 from grpolab.objectives.rollout_correction import AUTO
+from grpolab.objectives.token_selection import AdaptiveEntropy
 from grpolab.objectives.valid_rescale import valid_sample_scale
 from grpolab.parallel.fsdp import drop_stale_weights, is_sharded
 from grpolab.parallel.ranks import Ranks, wrap_ddp
@@ -194,6 +195,7 @@ class PolicyLearner:
         updates: dict[str, int],
         ranks: Ranks = Ranks(),
         reference_context: Callable[[], AbstractContextManager] = nullcontext,
+        entropy_control: AdaptiveEntropy | None = None,
     ):
         if cfg.algorithm.rollout_correction == AUTO:  # the loss would read it as none, also with bf16 rollouts
             raise ValueError(
@@ -212,6 +214,8 @@ class PolicyLearner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.precision, self.device, self.pad_token_id = precision, device, pad_token_id
         self.minibatch_gen, self.sync_monitor, self.updates = minibatch_gen, sync_monitor, updates
+        # the entropy bonus's adaptive coefficient: the run state's (saved in checkpoints), updated in place
+        self.entropy_control = entropy_control if entropy_control is not None else AdaptiveEntropy()
         blocker = None
         if cfg.optim.shared_prompts:  # FSDP gathers weights at every backbone pass: a unit takes two, a lone row one
             blocker = "FSDP ranks must run the same forwards" if self.sharded else forward_fidelity(model).share_blocker
@@ -358,6 +362,7 @@ class PolicyLearner:
                     dp=share,
                     first_step_check=first_step_check,
                     extra_loss=routing.extra_loss,
+                    entropy_control=self.entropy_control,
                 )
         finally:
             self.model.eval()

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from grpolab.learning.step_selection import StepSelection, step_selection
 from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.losses import (
+    Denominators,
     NonFiniteError,
     PolicyLossInput,
     TokenMetrics,
@@ -26,6 +28,7 @@ from grpolab.objectives.losses import (
     raise_if_nonfinite,
     step_denominators,
 )
+from grpolab.objectives.token_selection import AdaptiveEntropy, bonus_enabled, needs_step_pass
 from grpolab.parallel.ranks import Ranks
 
 PolicyLogprobs = Callable[[Tensor], tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]]
@@ -102,9 +105,12 @@ class UpdateResult:
     grad_norms: list[float] = field(default_factory=list)
     tokens: TokenMetrics = field(default_factory=TokenMetrics)
     first_step: dict[str, float] = field(default_factory=dict)
+    entropy_coefs: list[float] = field(default_factory=list)  # the entropy bonus's coefficient of each step
 
     def metrics(self) -> dict[str, float]:
-        out = self.tokens.means()
+        out = _bonus_mean(self.tokens.means())
+        if self.entropy_coefs:
+            out["entropy_coef"] = self.entropy_coefs[-1]
         out.update(attempted_updates=self.attempted, actual_updates=self.actual)
         if self.losses:
             out["loss"] = sum(self.losses) / len(self.losses)
@@ -113,6 +119,14 @@ class UpdateResult:
             out["grad_norm_max"] = max(self.grad_norms)
         out.update({f"first_update/{k}": v for k, v in self.first_step.items()})
         return out
+
+
+def _bonus_mean(means: dict[str, float]) -> dict[str, float]:
+    """``means`` with ``bonus_entropy`` the mean entropy over the bonus's tokens (the adaptive coefficient's e_k),
+    not over all response tokens."""
+    if means.get("bonus_tokens"):
+        means["bonus_entropy"] = means["bonus_entropy"] / means["bonus_tokens"]
+    return means
 
 
 def check_schedule(
@@ -192,6 +206,8 @@ def accumulate_gradients(
     dp: DataParallelShare | None = None,
     seen: tuple[Tensor, Tensor] | None = None,
     extra_loss: bool = False,
+    generator: torch.Generator | None = None,
+    entropy_coef: float | None = None,
 ) -> StepGradients:
     """Backward the loss of one optimizer step over ``indices`` [n], micro-batch by micro-batch
     (``plan``'s, or slices of ``micro_batch_size``).
@@ -209,6 +225,10 @@ def accumulate_gradients(
 
     ``seen`` (log-probs [N, T], covered bool [N]) receives the detached log-probs of every row forwarded.
     ``extra_loss``: ``policy_logprobs`` returns an extra term (module docstring), so every row has a gradient.
+
+    Token selection (80/20, Clip-Cov, KL-Cov: ``grpolab.learning.step_selection``): a no-grad pass over the
+    step's rows first, the selection over the whole step (Clip-Cov's draw on ``generator``). ``entropy_coef``:
+    the entropy bonus's coefficient this step (None: no bonus); with it every row has a gradient.
     """
     ranks = dp.ranks if dp is not None else Ranks()
     denominators = step_denominators(
@@ -218,14 +238,21 @@ def accumulate_gradients(
         ranks.sum_ if ranks.parallel else None,
         advantages=data.advantages[indices],
     )
-    grad_rows = rows_with_gradient(spec, data, indices, ranks.any, extra_loss)
-    backward = ranks.any(bool(grad_rows.any()))
     split = lambda rows: plan(rows) if plan else list(rows.split(micro_batch_size))  # noqa: E731
+    # token selection and the entropy bonus: decided over the whole step
+    chosen = None
+    if needs_step_pass(spec):
+        chosen = step_selection(spec, data, indices, policy_logprobs, split, dp, generator, _recorder(seen))
+    grad_rows = rows_with_gradient(spec, data, indices, ranks.any, extra_loss or entropy_coef is not None)
+    if chosen is not None and chosen.penalise is not None:  # KL-Cov's penalty has a gradient at any advantage
+        grad_rows = grad_rows | chosen.penalise[indices].any(1)
+    backward = ranks.any(bool(grad_rows.any()))
     grad_micros = split(indices[grad_rows]) if backward and bool(grad_rows.any()) else []
     rest = indices[~grad_rows] if backward else indices
     metric_micros = split(rest) if full_metrics and len(rest) else []
     accumulate = dp.accumulate if dp is not None else contextlib.nullcontext
-    n_grad, n_metric = len(grad_micros), len(metric_micros)
+    # the selection's pass already computed the metric rows: no second forward of theirs
+    n_grad, n_metric = len(grad_micros), 0 if chosen is not None else len(metric_micros)
     if dp is not None:
         n_grad, n_metric = dp.forwards(n_grad, n_metric, backward)
     filler = torch.zeros(1, dtype=torch.long, device=indices.device)  # a row of this rank's, for a zero loss
@@ -239,7 +266,8 @@ def accumulate_gradients(
             micro = grad_micros[i]
             logprobs, entropy, *extra = policy_logprobs(micro)
             _record(seen, micro, logprobs)
-            loss, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
+            inp = _selected(data.loss_input(micro, logprobs), chosen, micro, entropy, entropy_coef, denominators)
+            loss, metrics = policy_loss(inp, spec, denominators)
             (loss + extra[0] / denominators.kl if extra else loss).backward()
         merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
     for i in range(n_metric):
@@ -250,9 +278,36 @@ def accumulate_gradients(
             micro = metric_micros[i]
             logprobs, entropy, *_ = policy_logprobs(micro)
             _record(seen, micro, logprobs)
-            _, metrics = policy_loss(data.loss_input(micro, logprobs), spec, denominators)
+            inp = _selected(data.loss_input(micro, logprobs), chosen, micro, entropy, entropy_coef, denominators)
+            _, metrics = policy_loss(inp, spec, denominators)
+        merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
+    for micro in metric_micros if chosen is not None else []:
+        logprobs, entropy = chosen.logprobs[micro], chosen.entropy[micro]
+        inp = _selected(data.loss_input(micro, logprobs), chosen, micro, entropy, entropy_coef, denominators)
+        _, metrics = policy_loss(inp, spec, denominators)
         merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
     return StepGradients(merged, backward=backward)
+
+
+def _selected(
+    inp: PolicyLossInput,
+    chosen: StepSelection | None,
+    rows: Tensor,
+    entropy: Tensor | None,
+    coef: float | None,
+    denominators: Denominators,
+) -> PolicyLossInput:
+    """``inp`` with the step's token selection and entropy bonus (over all the step's response tokens when no
+    selection narrows it)."""
+    if chosen is not None:
+        return chosen.loss_input(inp, rows, entropy, coef)
+    if coef is not None:
+        inp.entropy, inp.bonus = entropy, (coef, denominators.kl, None)
+    return inp
+
+
+def _recorder(seen: tuple[Tensor, Tensor] | None):
+    return None if seen is None else (lambda rows, logprobs: _record(seen, rows, logprobs))
 
 
 def _record(seen: tuple[Tensor, Tensor] | None, rows: Tensor, logprobs: Tensor) -> None:
@@ -283,6 +338,7 @@ def run_update(
     dp: DataParallelShare | None = None,
     first_step_check: StepCheck | None = None,
     extra_loss: bool = False,
+    entropy_control: AdaptiveEntropy | None = None,
 ) -> UpdateResult:
     """Every optimizer step the schedule asks for on one rollout batch.
 
@@ -301,11 +357,17 @@ def run_update(
     ``first_step_check`` sees the first step's own forward (the log-probs of the rows it ran, detached)
     before that step updates anything, e.g. the engine-vs-trainer sync check at no extra pass; it may
     raise to stop the update. ``extra_loss``: ``policy_logprobs`` returns an extra loss term (module docstring).
+
+    The entropy bonus (``spec.entropy_coef``, ``use_adaptive_entropy``): each step applies
+    ``entropy_control.applied``, which then observes the step's entropy (the run's controller, saved in its
+    checkpoints; None: a fresh one, for this call only). Clip-Cov draws its tokens on ``generator``.
     """
     n_rows = dp.n_rows if dp is not None else data.advantages.shape[0]
     check_schedule(spec, n_rows, micro_batch_size, data.old_logprobs is None)
     ranks = dp.ranks if dp is not None else Ranks()
     result = UpdateResult()
+    bonus = bonus_enabled(spec)
+    entropy_control = entropy_control if entropy_control is not None else AdaptiveEntropy()
     for indices in minibatches(spec, n_rows, generator, data.advantages.device):
         result.attempted += 1
         optimizer.zero_grad(set_to_none=True)
@@ -327,6 +389,8 @@ def run_update(
             dp,
             seen,
             extra_loss,
+            generator,
+            coef := entropy_control.applied(spec) if bonus else None,
         )
         metrics = _merge(ranks.gather(step.metrics.on_host()))  # the step's one wait for the device
         try:
@@ -336,6 +400,9 @@ def run_update(
             raise
         if seen is not None:
             first_step_check(*seen)
+        if bonus:  # the coefficient applied, then the controller's update from the step's entropy
+            result.entropy_coefs.append(coef)
+            entropy_control.observe(spec, metrics.sums["bonus_entropy"] / max(metrics.sums["bonus_tokens"], 1.0))
         result.tokens = result.tokens.merge(metrics)
         result.losses.append(metrics.loss)
         if not step.backward:
@@ -350,7 +417,7 @@ def run_update(
         result.actual += 1
         result.grad_norms.append(grad_norm)
         if result.actual == 1:
-            result.first_step = metrics.means()
+            result.first_step = _bonus_mean(metrics.means())
     optimizer.zero_grad(set_to_none=True)
     return result
 

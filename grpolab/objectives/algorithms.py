@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from grpolab.objectives.selection_rules import check_token_selection, token_selection_formula
+
 Baseline = Literal["mean", "none"]
 Normalizer = Literal["std", "mean", "none", "beta_density", "batch_std"]
 MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
@@ -27,6 +29,7 @@ RolloutCorrection = Literal[
     "geometric_mask",
     "icepop",
 ]
+CovSelection = Literal["none", "clip_cov", "kl_cov"]
 # the setting: a mode, or "auto" (the run picks one when it starts: rollout_correction.resolve_rollout_correction)
 RolloutCorrectionSetting = Literal["auto", RolloutCorrection]
 # the old spelling of the rollout correction (config.json of runs from older commits): field -> (new field, values)
@@ -207,6 +210,43 @@ class AlgorithmSpec(BaseModel):
     beta: float = Field(
         0.0, ge=0, description="KL penalty (k3) to the frozen reference, a per-token mean; > 0 loads the reference"
     )
+    # token selection and entropy (grpolab.objectives.token_selection): 80/20 high-entropy
+    # tokens, Clip-Cov, KL-Cov, each decided over the whole optimizer step; the entropy bonus with Skywork-OR1's
+    # adaptive coefficient. Names as TRL's (top_entropy_quantile, entropy_coef, ...) and verl's (clip_cov_*, kl_cov_*)
+    top_entropy_quantile: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="the policy gradient only on this top fraction of the step's response tokens by entropy "
+        "(80/20: 0.2); 1 = every token",
+    )
+    cov_selection: CovSelection = Field(
+        "none",
+        description="tokens picked by the covariance of log-prob and advantage over the step: clip_cov (a random "
+        "clip_cov_ratio of those with clip_cov_lb < cov < clip_cov_ub lose their gradient), kl_cov (the top "
+        "kl_cov_ratio get kl_cov_coef x |logp - logp_old|), none",
+    )
+    clip_cov_ratio: float = Field(2e-4, gt=0, le=1, description="Clip-Cov: fraction of the step's tokens detached")
+    clip_cov_lb: float = Field(1.0, description="Clip-Cov: the covariance band's lower bound (exclusive)")
+    clip_cov_ub: float = Field(5.0, description="Clip-Cov: the covariance band's upper bound (exclusive)")
+    kl_cov_ratio: float = Field(2e-3, gt=0, le=1, description="KL-Cov: fraction of the step's tokens penalised")
+    kl_cov_coef: float = Field(1.0, ge=0, description="KL-Cov: the |logp - logp_old| penalty's coefficient")
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        description="entropy bonus: minus this times the mean token entropy of the step (the start value "
+        "with use_adaptive_entropy)",
+    )
+    use_adaptive_entropy: bool = Field(
+        False,
+        description="Skywork-OR1's adaptive entropy coefficient: after each optimizer step it rises by "
+        "entropy_coef_delta when the step's entropy is at or below entropy_target, else falls; applied only "
+        "while the last step's entropy was at or below the target",
+    )
+    entropy_target: float = Field(0.2, ge=0, description="adaptive entropy: the target mean token entropy (nats)")
+    entropy_coef_delta: float = Field(0.005, ge=0, description="adaptive entropy: the coefficient's step")
+    entropy_coef_min: float = Field(0.0, ge=0, description="adaptive entropy: the coefficient's floor")
+    entropy_coef_max: float = Field(1.0, ge=0, description="adaptive entropy: the coefficient's ceiling")
     # schedule over one rollout batch
     epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     steps_per_epoch: int = Field(1, ge=1, description="optimizer steps per pass (the batch split into minibatches)")
@@ -266,6 +306,7 @@ class AlgorithmSpec(BaseModel):
             raise ValueError("rollout_correction icepop needs rollout_correction_lower (a two-sided band, e.g. 0.5)")
         self._check_trl_loss_types()
         self._check_verl_prime_rl()
+        check_token_selection(self)
         return self
 
     def _check_trl_loss_types(self) -> None:
@@ -320,6 +361,7 @@ class AlgorithmSpec(BaseModel):
             weight = weight.replace("-min(w*A", "-min(min(w, delta)*A").replace("-min(s*A", "-min(min(s, delta)*A")
         loss = f"{weight}; reduced {AGGREGATION_FORMULAS[self.aggregation]}" + self._verl_prime_rl_terms()
         advantage = self.advantage_formula()
+        loss += token_selection_formula(self)
         return f"{loss}; {advantage}" if advantage else loss
 
     def _verl_prime_rl_terms(self) -> str:
@@ -522,6 +564,35 @@ PRESETS: dict[str, AlgorithmSpec] = {
             name="two_grpo",
             group_size=2,
             reference="It Takes Two: Your GRPO Is Secretly DPO (Wu et al., 2025), 2-GRPO",
+        ),
+        # token selection and entropy (docs/algorithms.md, "Token selection and entropy")
+        # Beyond the 80/20 Rule (Wang et al., 2025): DAPO's recipe, the gradient on the top 20% of tokens by entropy
+        AlgorithmSpec(
+            name="dapo_8020",
+            eps_low=0.2,
+            eps_high=0.28,
+            aggregation="token",
+            dynamic_sampling=True,
+            top_entropy_quantile=0.2,
+            reference="Beyond the 80/20 Rule (Wang et al., 2025)",
+        ),
+        # The Entropy Mechanism of RL for Reasoning LMs (Cui et al., 2025): token-mean PPO clip 0.2, 8 mini-batch
+        # steps per rollout batch (256 prompts, mini-batches of 32); Clip-Cov's ratio 2e-4 in the band (1, 5)
+        AlgorithmSpec(
+            name="clip_cov",
+            aggregation="token",
+            steps_per_epoch=8,
+            cov_selection="clip_cov",
+            reference="Clip-Cov, The Entropy Mechanism of RL for Reasoning LMs (Cui et al., 2025)",
+        ),
+        # the same paper's KL-Cov: the unclipped ratio, |logp - logp_old| (coefficient 1) on the top 2e-3 by covariance
+        AlgorithmSpec(
+            name="kl_cov",
+            weight="noclip",
+            aggregation="token",
+            steps_per_epoch=8,
+            cov_selection="kl_cov",
+            reference="KL-Cov, The Entropy Mechanism of RL for Reasoning LMs (Cui et al., 2025)",
         ),
     ]
 }

@@ -26,6 +26,7 @@ from grpolab.objectives.rollout_correction import (
     rollout_correction,
 )
 from grpolab.objectives.soft_weights import sapo_surrogate, vespo_phi
+from grpolab.objectives.token_selection import apply_selection, entropy_bonus
 from grpolab.objectives.trust_region import dppo_surrogate, gmpo_sequence_ratio, squared_log_ratio
 
 
@@ -43,6 +44,11 @@ class PolicyLossInput:
     response_mask:   [N, T] 1 on policy-generated tokens, else 0
     ref_logprobs:    [N, T] reference policy, optional (KL penalty / metric)
     engine_logprobs: [N, T] rollout engine's log-probs of the sampled tokens, optional
+    token selection and entropy (grpolab.objectives.token_selection), decided over the whole step:
+    keep:            [N, T] bool, the surrogate counts (False: 0 there; 80/20, Clip-Cov), optional
+    penalise:        [N, T] bool, KL-Cov's |logp - logp_old| penalty there, optional
+    entropy:         [N, T] the policy's entropy (with grad), for the entropy bonus
+    bonus:           (coefficient, the step's bonus tokens, bool [N, T] tokens or None = response_mask)
     """
 
     logprobs: Tensor
@@ -51,6 +57,10 @@ class PolicyLossInput:
     response_mask: Tensor
     ref_logprobs: Tensor | None = None
     engine_logprobs: Tensor | None = None
+    keep: Tensor | None = None
+    penalise: Tensor | None = None
+    entropy: Tensor | None = None
+    bonus: tuple[float, float, Tensor | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -332,8 +342,19 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
     mask = inp.response_mask.to(inp.logprobs.dtype)
     surrogate, ratio, clip_low, clip_high = per_token_surrogate(inp, spec)
     metrics = TokenMetrics(tokens=mask.sum().double())
+    if inp.keep is not None or inp.penalise is not None:  # 80/20, Clip-Cov, KL-Cov (the step's selection)
+        surrogate = apply_selection(surrogate, inp.logprobs, inp.old_logprobs, inp.keep, inp.penalise, spec.kl_cov_coef)
+        _selection_metrics(inp, metrics, mask)
     surrogate = apply_rollout_correction(surrogate, inp, spec, metrics)
     loss = aggregate(surrogate, mask, spec.aggregation, denominators.policy)
+    if inp.bonus is not None:  # the entropy bonus, a mean over the step's bonus tokens
+        coef, bonus_tokens, bonus_mask = inp.bonus
+        if inp.entropy is None:
+            raise ValueError("the entropy bonus needs the policy's entropies; this forward computes none")
+        bonus_mask = mask if bonus_mask is None else mask * bonus_mask.to(mask.dtype)
+        loss = loss - entropy_bonus(inp.entropy, bonus_mask, coef, bonus_tokens)
+        metrics.add("bonus_entropy", inp.entropy, bonus_mask)
+        metrics.add("bonus_tokens", torch.ones_like(mask), bonus_mask)
 
     # the KL terms' tokens: without the zero-advantage sequences when they leave the step
     in_step = mask * (inp.advantages != 0)[:, None].to(mask.dtype) if spec.filter_zero_advantages else mask
@@ -362,6 +383,14 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
     metrics.ratio_min = masked_ratio.masked_fill(~on_mask, float("inf")).amin()
     metrics.ratio_max = masked_ratio.masked_fill(~on_mask, float("-inf")).amax()
     return loss, metrics
+
+
+def _selection_metrics(inp: PolicyLossInput, metrics: TokenMetrics, mask: Tensor) -> None:
+    """The fractions of response tokens the step's selection kept (80/20, Clip-Cov) and penalised (KL-Cov)."""
+    if inp.keep is not None:
+        metrics.add("token_keep_frac", inp.keep.to(mask.dtype), mask)
+    if inp.penalise is not None:
+        metrics.add("kl_cov_frac", inp.penalise.to(mask.dtype), mask)
 
 
 def raise_if_nonfinite(metrics: TokenMetrics) -> None:

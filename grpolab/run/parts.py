@@ -383,6 +383,7 @@ def build_parts(
             state.updates,
             ranks,
             reference_context=policy.reference_context,
+            entropy_control=state.entropy_control,
         )
         parts = RunParts(
             cfg,

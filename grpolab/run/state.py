@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from grpolab.common.atomic import RecordingWriter
+from grpolab.objectives.token_selection import AdaptiveEntropy
 from grpolab.parallel.fsdp import full_optimizer_state, is_sharded, load_optimizer_state
 from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.pipeline import RolloutSource
@@ -46,7 +47,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 class RunState:
     """The mutable parts of a run the weights do not hold, as one ``state_dict``: the step reached,
-    update counters, the optimizer, the prompt order, the mini-batch shuffle generator, the global
+    update counters, the entropy bonus's adaptive coefficient, the optimizer, the prompt order, the mini-batch shuffle generator, the global
     RNGs (of every data-parallel rank), the sync check's calibration (noise floor, checks seen), the
     reward models' running moments and the rollout batches generated ahead (async rollouts). Under data
     parallelism every other part is the same on every rank (the ranks step alike)."""
@@ -64,6 +65,7 @@ class RunState:
     ):
         self.step = 0
         self.updates = {"attempted": 0, "actual": 0}
+        self.entropy_control = AdaptiveEntropy()  # the entropy bonus's adaptive coefficient (the learner updates it)
         self.optimizer, self.prompts, self.minibatch_gen, self.sync_monitor = (
             optimizer,
             prompts,
@@ -85,6 +87,7 @@ class RunState:
         return {
             "step": self.step,
             "updates": dict(self.updates),
+            "entropy_control": self.entropy_control.state_dict(),
             "optimizer": optimizer,
             "prompts": streams.get("prompts") or self.prompts.state_dict(),
             "minibatch_gen": self.minibatch_gen.get_state(),
@@ -100,6 +103,7 @@ class RunState:
         """Each rank takes its own RNGs; a run resumed with another number of ranks takes rank 0's."""
         self.step = state["step"]
         self.updates.update(state["updates"])  # in place: the learner counts into this dict
+        self.entropy_control.load_state_dict(state.get("entropy_control", {}))  # in place: the learner holds it
         load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.prompts.load_state_dict(state["prompts"])
         self.minibatch_gen.set_state(state["minibatch_gen"])
