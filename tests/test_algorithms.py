@@ -21,6 +21,8 @@ EXPECTED = {  # GUIDE section 2: baseline, normalizer, weight, eps_low, eps_high
     "offpolicy_noclip": ("mean", "std", "noclip", 0.2, 0.2, "sequence", 1, 32),
     "offpolicy_clip": ("mean", "std", "clip", 0.2, 0.2, "sequence", 1, 32),
     "offpolicy_gspo": ("mean", "std", "gspo", 3e-4, 3e-4, "sequence", 1, 32),
+    # part opd: on-policy distillation (Thinking Machines 2025): per-token -(reverse KL), importance sampling
+    "opd": ("mean", "std", "noclip", 0.2, 0.2, "token", 1, 1),
 }
 
 

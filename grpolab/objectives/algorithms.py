@@ -45,6 +45,8 @@ WEIGHT_FORMULAS: dict[str, str] = {
     "gspo": "-min(s*A, clip(s, 1-eps_low, 1+eps_high)*A), s = exp(mean_t(logp - logp_old))",
     "cispo": "-sg(min(w, 1+eps_high)) * A * logp",
 }
+# on-policy distillation's per-token advantage (A: the task's sequence advantage)
+DISTILL_FORMULA = "A_t = reward_coef*A + teacher_kl_coef*(logp_teacher - logp_old)"
 AGGREGATION_FORMULAS: dict[str, str] = {
     "sequence": "mean_i( sum_t l*m / sum_t m )",
     "token": "sum l*m / sum m",
@@ -148,6 +150,21 @@ class AlgorithmSpec(BaseModel):
         description="MoE policies: every training forward routes each token to the experts chosen where its "
         "behaviour log-probs were computed (Rollout Routing Replay)",
     )
+    # on-policy distillation (part: opd; grpolab.objectives.distillation): each sampled token's advantage is
+    # reward_coef * A_i + teacher_kl_coef * (log pi_teacher - log pi_old), the frozen teacher of the run's [teacher]
+    teacher_kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="on-policy distillation: each sampled token's advantage gets this times minus the reverse KL "
+        "of the sampling policy to the frozen teacher at that token, log pi_teacher - log pi_old (tinker's "
+        "kl_penalty_coef, discount 0); > 0 needs teacher.path",
+    )
+    reward_coef: float = Field(
+        1.0,
+        ge=0,
+        description="with teacher_kl_coef > 0: the task's sequence advantage enters each token's advantage times "
+        "this (0 = pure distillation, the opd preset)",
+    )
     # rollout-side behaviour: DAPO's dynamic sampling keeps the groups whose correctness (the task's answer
     # reward) is not all equal, 0 < #correct < G as in the paper, or with "reward" whose RL rewards (length
     # shaping and reward models included) are not all equal
@@ -183,6 +200,11 @@ class AlgorithmSpec(BaseModel):
             )
         if self.rollout_correction == "icepop" and lower is None:
             raise ValueError("rollout_correction icepop needs rollout_correction_lower (a two-sided band, e.g. 0.5)")
+        if self.reward_coef != 1.0 and not self.needs_teacher:
+            raise ValueError(
+                f"reward_coef {self.reward_coef:g} scales the task advantage beside the teacher's term; it needs "
+                "teacher_kl_coef > 0 (e.g. --algo opd)"
+            )
         return self
 
     @property
@@ -190,8 +212,16 @@ class AlgorithmSpec(BaseModel):
         """One optimizer step per rollout batch: the update's ratio is exactly 1."""
         return self.epochs * self.steps_per_epoch == 1
 
+    @property
+    def needs_teacher(self) -> bool:
+        """On-policy distillation: the update reads a frozen teacher's log-probs of the sampled tokens."""
+        return self.teacher_kl_coef > 0
+
     def formula(self) -> str:
-        return f"{WEIGHT_FORMULAS[self.weight]}; reduced {AGGREGATION_FORMULAS[self.aggregation]}"
+        out = f"{WEIGHT_FORMULAS[self.weight]}; reduced {AGGREGATION_FORMULAS[self.aggregation]}"
+        if self.needs_teacher:
+            out = f"{DISTILL_FORMULA}; {out}"
+        return out
 
     def override(self, **changes: Any) -> AlgorithmSpec:
         """A validated copy with some fields changed (unknown fields and bad values raise)."""
@@ -277,6 +307,16 @@ PRESETS: dict[str, AlgorithmSpec] = {
             eps_high=3e-4,
             **_OFFPOLICY,
             reference="GSPO over many steps",
+        ),
+        # part opd: on-policy distillation as Thinking Machines (2025) publish it: per-token advantage -(log pi_old
+        # - log pi_teacher), no discount, no task reward, importance-sampling loss, a mean over the step's tokens
+        AlgorithmSpec(
+            name="opd",
+            weight="noclip",
+            aggregation="token",
+            teacher_kl_coef=1.0,
+            reward_coef=0.0,
+            reference="On-Policy Distillation (Agarwal et al., 2024; Thinking Machines, 2025)",
         ),
     ]
 }

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from grpolab.objectives.algorithms import AlgorithmSpec
+from grpolab.objectives.distillation import distill_advantages, sampled_reverse_kl
 from grpolab.objectives.rollout_correction import (
     AUTO,
     engine_kl_k3,
@@ -41,6 +42,7 @@ class PolicyLossInput:
     response_mask:   [N, T] 1 on policy-generated tokens, else 0
     ref_logprobs:    [N, T] reference policy, optional (KL penalty / metric)
     engine_logprobs: [N, T] rollout engine's log-probs of the sampled tokens, optional
+    teacher_logprobs: [N, T] a frozen teacher's log-probs of the sampled tokens (on-policy distillation), optional
     """
 
     logprobs: Tensor
@@ -49,6 +51,7 @@ class PolicyLossInput:
     response_mask: Tensor
     ref_logprobs: Tensor | None = None
     engine_logprobs: Tensor | None = None
+    teacher_logprobs: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -174,13 +177,32 @@ def sequence_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tens
     return torch.exp(log_ratio)
 
 
+def token_advantages(inp: PolicyLossInput, spec: AlgorithmSpec) -> Tensor:
+    """The advantage each token's surrogate reads: the sequence's [N, 1], or with on-policy distillation
+    (``spec.needs_teacher``) each token's own [N, T] (``grpolab.objectives.distillation``)."""
+    if not spec.needs_teacher:
+        return inp.advantages[:, None]
+    if inp.teacher_logprobs is None:
+        raise ValueError(
+            f"algorithm {spec.name} (teacher_kl_coef {spec.teacher_kl_coef:g}) needs the teacher's log-probs"
+        )
+    return distill_advantages(
+        inp.advantages,
+        inp.old_logprobs,
+        inp.teacher_logprobs,
+        inp.response_mask,
+        spec.teacher_kl_coef,
+        spec.reward_coef,
+    )
+
+
 def per_token_surrogate(inp: PolicyLossInput, spec: AlgorithmSpec) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-token loss [N, T] (to be minimised) and the ratio, low-clip and high-clip indicators [N, T].
 
     The clip indicators mark tokens whose gradient the clip (or CISPO's truncation) changed.
     """
     mask = inp.response_mask
-    adv = inp.advantages[:, None].to(inp.logprobs.dtype)
+    adv = token_advantages(inp, spec).to(inp.logprobs.dtype)
     logp = _masked(inp.logprobs, mask)
     no_clip = torch.zeros_like(logp, dtype=torch.bool)
 
@@ -296,6 +318,8 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
     metrics.add("clip_low_frac", clip_low.to(mask.dtype), mask)
     metrics.add("clip_high_frac", clip_high.to(mask.dtype), mask)
     metrics.add("approx_kl_old_new", (token_w - 1) - torch.log(token_w), mask)
+    if inp.teacher_logprobs is not None:  # on-policy distillation: how far the sampling policy is from the teacher
+        metrics.add("teacher_kl", sampled_reverse_kl(inp.old_logprobs, inp.teacher_logprobs, mask), mask)
     if inp.engine_logprobs is not None:  # trainer vs rollout-engine log-prob mismatch
         metrics.add("engine_logprob_absdiff", (_masked(inp.logprobs.detach() - inp.engine_logprobs, mask)).abs(), mask)
     masked_ratio = ratio.detach().double()
