@@ -281,8 +281,8 @@ def warm_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def warm_teacher_dir(tmp_path_factory):
     """On-policy distillation's teacher: the same tokenizer as ``warm_model_dir`` (built from the same task), a
-    model warm-started twice as long from another seed (so it differs from the student everywhere)."""
-    settings = QUICK_WARM_START.model_copy(update={"seed": 1, "steps": 300})
+    model warm-started as long from another seed (so it differs from the student everywhere)."""
+    settings = QUICK_WARM_START.model_copy(update={"seed": 1})
     return warm_start_model(ArithmeticTask(**TASK), settings, cache_dir=tmp_path_factory.mktemp("teacher_cache"))
 
 

@@ -136,7 +136,7 @@ def test_the_spec_refuses_a_reward_coef_without_a_teacher_term():
 
 def test_grpolab_algorithms_shows_the_per_token_advantage():
     formula = PRESETS["opd"].formula()
-    assert formula.startswith("A_t = reward_coef*A + teacher_kl_coef*(logp_teacher - logp_old)") and "-A * w" in formula
+    assert formula.startswith("-A_t * w, A_t = reward_coef*A + teacher_kl_coef*(logp_teacher - logp_old); reduced")
     assert "teacher" not in PRESETS["grpo"].formula()
 
 
@@ -151,6 +151,15 @@ def test_config_refuses_opd_without_a_teacher_and_a_teacher_without_opd():
         load_config(
             None, {"algorithm.name": "opd", "teacher.path": "x", "rollout.group_size": 1, "algorithm.reward_coef": 1}
         )
+
+
+def test_a_suite_run_names_its_teacher_absolutely(tmp_path, monkeypatch):
+    from grpolab.studies.suite.prepare import frozen_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "teachers" / "t1").mkdir(parents=True)  # a local folder (an existing path wins over a hub id)
+    cfg = load_config(None, {"algorithm.name": "opd", "teacher.path": "teachers/t1"})
+    assert frozen_config(cfg, {"task_paths": {}}, None).teacher.path == str(tmp_path / "teachers" / "t1")
 
 
 def _vocab_swapped(tokenizer):

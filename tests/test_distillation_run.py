@@ -49,8 +49,8 @@ def test_the_students_reverse_kl_to_the_teacher_falls(warm_model_dir, warm_teach
         assert record["first_update/ratio_mean"] == 1.0 and record["teacher_kl"] > 0
         kls.append(exact_reverse_kl(parts.model, parts.teacher.model, fixed))
     trainer.close()
-    assert kls[0] > 0.2, kls  # the teacher differs from the student
-    assert kls[-1] < 0.92 * kls[0] and min(kls[-3:]) < min(kls[:3]), kls
+    assert kls[0] > 0.05, kls  # the teacher differs from the student
+    assert kls[-1] < 0.9 * kls[0], kls
 
 
 def test_the_manifest_records_the_teacher_and_a_resume_keeps_it(warm_model_dir, warm_teacher_dir, tmp_path, capsys):

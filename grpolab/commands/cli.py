@@ -34,6 +34,8 @@ def print_algorithms(console: Console) -> None:
         )
         schedule = f"{spec.epochs}x{spec.steps_per_epoch} (epochs x steps)"
         extra = ", dynamic sampling" if spec.dynamic_sampling else ""
+        if spec.needs_teacher:
+            extra += f", teacher (teacher_kl_coef {spec.teacher_kl_coef:g}, reward_coef {spec.reward_coef:g})"
         console.print(
             f"[bold cyan]{spec.name:<17}[/] advantage={spec.baseline}/{spec.normalizer} weight={weight} "
             f"aggregation={spec.aggregation} schedule={schedule}{extra}",

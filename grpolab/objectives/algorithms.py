@@ -8,6 +8,7 @@ The trainer reads the fields; it never looks at the name. Adding an algorithm = 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -218,10 +219,10 @@ class AlgorithmSpec(BaseModel):
         return self.teacher_kl_coef > 0
 
     def formula(self) -> str:
-        out = f"{WEIGHT_FORMULAS[self.weight]}; reduced {AGGREGATION_FORMULAS[self.aggregation]}"
-        if self.needs_teacher:
-            out = f"{DISTILL_FORMULA}; {out}"
-        return out
+        weight = WEIGHT_FORMULAS[self.weight]
+        if self.needs_teacher:  # each token's own advantage A_t
+            weight = re.sub(r"\bA\b", "A_t", weight) + ", " + DISTILL_FORMULA
+        return f"{weight}; reduced {AGGREGATION_FORMULAS[self.aggregation]}"
 
     def override(self, **changes: Any) -> AlgorithmSpec:
         """A validated copy with some fields changed (unknown fields and bad values raise)."""
