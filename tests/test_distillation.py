@@ -195,3 +195,16 @@ def test_teacher_chat_template_must_match_when_prompts_are_chat():
     check_teacher_tokenizer(student, teacher, "t", chat_prompts=False)  # prompts not rendered by a template
     with pytest.raises(ValueError, match="chat template differs"):
         check_teacher_tokenizer(student, teacher, "t", chat_prompts=True)
+
+
+def test_no_learning_signal_warning_stays_quiet_while_the_teacher_trains():
+    """Every task advantage 0 (all rewards equal) does not stop distillation: no 'no_learning_signal' warning."""
+    from test_health import DEAD, step
+
+    from grpolab.run.health import HealthMonitor, HealthSettings
+
+    monitor = HealthMonitor(HealthSettings(no_signal_steps=2))
+    records = [step(n, **{**DEAD, "actual_updates": 1, "total_actual_updates": n}) for n in (1, 2, 3)]
+    assert [w for r in records for w in monitor.record(r)] == []
+    assert [w.key for w in monitor.record(step(4, **DEAD, actual_updates=0))] == []  # a streak starts anew
+    assert [w.key for w in monitor.record(step(5, **DEAD, actual_updates=0))] == ["no_learning_signal"]
