@@ -208,3 +208,12 @@ def test_no_learning_signal_warning_stays_quiet_while_the_teacher_trains():
     assert [w for r in records for w in monitor.record(r)] == []
     assert [w.key for w in monitor.record(step(4, **DEAD, actual_updates=0))] == []  # a streak starts anew
     assert [w.key for w in monitor.record(step(5, **DEAD, actual_updates=0))] == ["no_learning_signal"]
+
+
+def test_the_step_line_shows_the_kl_to_the_teacher():
+    from grpolab.run.step import vital_signs
+
+    record = {"step": 3, "reward_mean": 0.5, "teacher_kl": 0.1234567, "time/step": 1.0}
+    assert "teacher_kl 0.1235" in vital_signs(record, 10, 5.0)
+    del record["teacher_kl"]
+    assert "teacher_kl" not in vital_signs(record, 10, 5.0)
