@@ -132,6 +132,11 @@ def test_the_spec_refuses_a_reward_coef_without_a_teacher_term():
     with pytest.raises(ValueError, match="reward_coef 0.5 .* needs teacher_kl_coef > 0"):
         get_algorithm("grpo", reward_coef=0.5)
     assert get_algorithm("opd", reward_coef=0.5).needs_teacher and not PRESETS["grpo"].needs_teacher
+    with pytest.raises(ValueError, match="off_policy_mask_delta drops sequences by the sign of their advantage"):
+        get_algorithm("opd", off_policy_mask_delta=0.1)
+    with pytest.raises(ValueError, match="dynamic_sampling drops groups .* pure distillation"):
+        get_algorithm("opd", dynamic_sampling=True)
+    assert get_algorithm("opd", dynamic_sampling=True, reward_coef=1.0).dynamic_sampling  # the reward counts again
 
 
 def test_grpolab_algorithms_shows_the_per_token_advantage():

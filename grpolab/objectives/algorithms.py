@@ -206,6 +206,16 @@ class AlgorithmSpec(BaseModel):
                 f"reward_coef {self.reward_coef:g} scales the task advantage beside the teacher's term; it needs "
                 "teacher_kl_coef > 0 (e.g. --algo opd)"
             )
+        if self.needs_teacher and self.off_policy_mask_delta is not None:
+            raise ValueError(
+                "off_policy_mask_delta drops sequences by the sign of their advantage, and on-policy distillation "
+                "gives each token its own; drop off_policy_mask_delta or teacher_kl_coef"
+            )
+        if self.needs_teacher and self.dynamic_sampling and not self.reward_coef:
+            raise ValueError(
+                "dynamic_sampling drops groups whose task rewards are all equal, which pure distillation (reward_coef "
+                "0) does not read: every group has the teacher's signal; drop dynamic_sampling or set reward_coef"
+            )
         return self
 
     @property
