@@ -89,3 +89,12 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_the_run_directory_ex
     err = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "its tokenizer differs from the policy's" in err[0], err
     assert not run.exists()
+
+
+def test_grpolab_probe_runs_a_distillation_update_with_its_teacher(warm_model_dir, warm_teacher_dir, tmp_path):
+    """The probe's update is the run's: the teacher scores its batch first (without it the loss refuses)."""
+    from grpolab.commands.probe import run_probe
+
+    cfg = quick_config(warm_model_dir, tmp_path / "run", algo="opd", **{"teacher.path": str(warm_teacher_dir)})
+    report = run_probe(cfg, tmp_path / "probe.json")
+    assert report["complete"] and json.loads((tmp_path / "probe.json").read_text())["complete"]
