@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from grpolab.common.fields import FieldDoc, unknown_field, walk
 from grpolab.common.validation import describe_validation_error
 from grpolab.models.precision import PrecisionName
+from grpolab.models.teacher import TeacherConfig, check_teacher_setting
 from grpolab.models.tinymodel import WarmStartSettings
 from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec, get_algorithm, translate_old_spelling
 from grpolab.tasks.configs import TASK_KINDS, TINY_MODEL_TASKS, ArithmeticTaskConfig, TaskConfig
@@ -442,6 +443,7 @@ class RunConfig(_Section):
     )
     log: LogConfig = Field(default_factory=LogConfig, description="where metrics go besides RUN_DIR/metrics.jsonl")
     dist: DistConfig = Field(default_factory=DistConfig, description="data parallelism under torchrun")
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="on-policy distillation's teacher")
 
     @field_validator("task", mode="before")
     @classmethod
@@ -467,6 +469,7 @@ class RunConfig(_Section):
             self._mean_normalizer_has_binary_rewards,
             self._group_baseline_has_a_group,
             self._decoupled_terms_are_known,
+            lambda: check_teacher_setting(self.algorithm, self.teacher, self.rollout.group_size),
             self._warm_start_is_for_the_demo,
             self._like_model_settings,
             self._revision_has_a_hub_id,
@@ -558,7 +561,7 @@ class RunConfig(_Section):
 
     def _group_baseline_has_a_group(self) -> None:
         spec = self.algorithm
-        if spec.baseline == "mean" and self.rollout.group_size < 2:
+        if spec.baseline == "mean" and self.rollout.group_size < 2 and not spec.needs_teacher:  # its own rule
             raise ValueError(
                 f"rollout.group_size 1 with the group-mean baseline of {spec.name}: every "
                 "advantage would be 0 and nothing would train; use group_size >= 2"

@@ -53,7 +53,7 @@ UNIT_MODULES = frozenset(
     test_health test_refill test_report_stats test_reward_model test_rollout_hf test_sandbox test_score_norm test_shaping test_shared_prefix
     test_sync_check test_task_members test_tasks test_tinymodel test_tool_protocol test_update test_verifiers test_rollout_correction
     test_rollout_correction_trl test_trl_loss_types test_objectives_trl
-    test_verl_losses test_advantage_variants test_token_selection test_token_selection_trl
+    test_verl_losses test_advantage_variants test_token_selection test_token_selection_trl test_distillation
 """.split()
 )
 
@@ -277,6 +277,14 @@ QUICK_WARM_START = WarmStartSettings(
 def warm_model_dir(tmp_path_factory):
     """A briefly warm-started tiny model: some samples right, some wrong (so advantages are non-zero)."""
     return warm_start_model(ArithmeticTask(**TASK), QUICK_WARM_START, cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def warm_teacher_dir(tmp_path_factory):
+    """On-policy distillation's teacher: the same tokenizer as ``warm_model_dir`` (built from the same task), a
+    model warm-started as long from another seed (so it differs from the student everywhere)."""
+    settings = QUICK_WARM_START.model_copy(update={"seed": 1})
+    return warm_start_model(ArithmeticTask(**TASK), settings, cache_dir=tmp_path_factory.mktemp("teacher_cache"))
 
 
 @pytest.fixture(scope="session")

@@ -394,3 +394,42 @@ def reference_adaptive_coefficients(entropies, *, start, target, delta, low, hig
         c = min(max(c + (delta if e <= target else -delta), low), high)
         last = e
     return applied
+
+
+def reference_distill_loss(
+    logp, old, adv, teacher, mask, *, weight, aggregation, teacher_kl_coef, reward_coef, eps_low=0.2, eps_high=0.2
+):
+    """On-policy distillation (Agarwal et al. 2024; Thinking Machines 2025, tinker cookbook's
+    ``incorporate_kl_penalty`` with ``kl_discount_factor`` 0), float64 loops. Each sampled response token t of
+    sequence i gets its own advantage
+
+        A_it = reward_coef * A_i + teacher_kl_coef * (log pi_teacher(y_t) - log pi_old(y_t))
+
+    (minus the sampled reverse KL of the sampling policy to the teacher, no discount: the token's own term only,
+    a constant of the update), then the policy-gradient surrogate of ``weight`` (none: -A logp, noclip: -w A,
+    clip: -min(w A, clip(w) A), w = exp(logp - logp_old)), reduced by ``aggregation``."""
+    n, t_len = mask.shape
+    per_seq, total_tokens = [], 0
+    zero = logp.sum() * 0
+    for i in range(n):
+        losses = []
+        for t in range(t_len):
+            if mask[i, t] <= 0:
+                continue
+            total_tokens += 1
+            a = reward_coef * float(adv[i]) + teacher_kl_coef * (float(teacher[i, t]) - float(old[i, t]))
+            w = torch.exp(logp[i, t] - old[i, t])
+            if weight == "none":
+                losses.append(-a * logp[i, t])
+            elif weight == "noclip":
+                losses.append(-w * a)
+            elif weight == "clip":
+                losses.append(-torch.minimum(w * a, torch.clamp(w, 1 - eps_low, 1 + eps_high) * a))
+            else:
+                raise ValueError(weight)
+        per_seq.append(losses)
+    if aggregation == "token":
+        return sum((sum(ls, zero) for ls in per_seq), zero) / total_tokens
+    if aggregation == "sequence":
+        return sum((sum(ls, zero) / max(len(ls), 1) for ls in per_seq), zero) / n
+    raise ValueError(aggregation)

@@ -40,6 +40,8 @@ EXPECTED = {  # GUIDE section 2: baseline, normalizer, weight, eps_low, eps_high
     "dapo_8020": ("mean", "std", "clip", 0.2, 0.28, "token", 1, 1),  # DAPO + the top 20% of tokens by entropy
     "clip_cov": ("mean", "std", "clip", 0.2, 0.2, "token", 1, 8),
     "kl_cov": ("mean", "std", "noclip", 0.2, 0.2, "token", 1, 8),
+    # part opd: on-policy distillation (Thinking Machines 2025): per-token -(reverse KL), importance sampling
+    "opd": ("mean", "std", "noclip", 0.2, 0.2, "token", 1, 1),
 }
 
 

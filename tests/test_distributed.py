@@ -60,6 +60,7 @@ def updates(name: str, ranks: Ranks, **overrides) -> dict:
             response_mask=data.response_mask[rows],
             old_logprobs=data.old_logprobs[rows],
             ref_logprobs=data.ref_logprobs[rows],
+            teacher_logprobs=None if data.teacher_logprobs is None else data.teacher_logprobs[rows],
         )
         result = run_update(
             spec,
@@ -96,8 +97,12 @@ def assert_single_process_update(ranked_updates: list[dict], name: str, override
     single = updates(name, Ranks(), **overrides)
     # the entropy bonus and KL-Cov's penalty (on its top tokens, all of covariance 0) have a gradient without signal
     bonus = overrides.get("entropy_coef", 0) > 0 or overrides.get("use_adaptive_entropy", False) or name == "kl_cov"
-    skipped = 0 if not bonus else single["actual"][1]
-    assert single["actual"][1] == skipped and single["actual"][0] > 0 and single["actual"][2] > 0
+    # batch 1 has no task signal: skipped, but by distillation (its teacher's signal is on every token)
+    if PRESETS[name].needs_teacher:
+        assert single["actual"][1] > 0
+    elif not bonus:
+        assert single["actual"][1] == 0
+    assert single["actual"][0] > 0 and single["actual"][2] > 0
     assert len(ranked_updates) == 2
     for ranked in ranked_updates:
         assert ranked["actual"] == single["actual"]
@@ -111,7 +116,8 @@ def assert_single_process_update(ranked_updates: list[dict], name: str, override
 # sequence, token and constant aggregation; cispo's 4 epochs and offpolicy's shuffled mini-batches, where
 # a rank may hold no row of an optimizer step; bnpo's batch-wide Beta fit and sequence_sum, vespo's sequence weight,
 # lite_ppo's batch-std advantages (formed over the global batch);
-# token selection over the whole step (all ranks): 80/20, Clip-Cov's draw, KL-Cov's penalty, the adaptive entropy
+# token selection over the whole step (all ranks): 80/20, Clip-Cov's draw, KL-Cov's penalty, the adaptive entropy;
+# opd's per-token advantages from a teacher (every row trains)
 ALGORITHMS = pytest.mark.parametrize(
     "name, overrides",
     [
@@ -126,6 +132,7 @@ ALGORITHMS = pytest.mark.parametrize(
         ("clip_cov", {"steps_per_epoch": 2, "clip_cov_ratio": 0.15, "clip_cov_lb": 0.0, "clip_cov_ub": 0.5}),
         ("kl_cov", {"steps_per_epoch": 4, "kl_cov_ratio": 0.1}),
         ("grpo", {"use_adaptive_entropy": True, "entropy_coef_delta": 0.1, "entropy_target": 5.0}),
+        ("opd", {}),
     ],
 )
 

@@ -94,7 +94,8 @@ def test_every_weighting_and_aggregation_matches_reference(weight, aggregation, 
     assert_matches_reference(spec, seed=hash((weight, aggregation)) % 1000, spread=0.4)
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+# on-policy distillation reads a teacher's log-probs: tests/test_distillation.py has its own float64 reference
+@pytest.mark.parametrize("name", [n for n in PRESETS if not PRESETS[n].needs_teacher])
 def test_every_preset_matches_reference(name):
     spec = PRESETS[name]
     spread = 3e-4 if spec.weight == "gspo" else 0.3  # put GSPO's tiny ratios near its clip edges

@@ -69,15 +69,16 @@ def _gradients(model, batch, spec, perturb: bool):
     assert int(obs.sum()) == 10  # collate left the observations out of the response mask
     with torch.no_grad():
         frozen = token_logprobs(model, batch.input_ids, batch.attention_mask).logprobs
-    old, ref, engine = frozen.clone(), frozen - 0.05, batch.engine_logprobs.clone()
+    old, ref, engine, teacher = frozen.clone(), frozen - 0.05, batch.engine_logprobs.clone(), frozen - 0.3
     if perturb:
-        old, ref, engine = (torch.where(obs, t + 3.0, t) for t in (old, ref, engine))
+        old, ref, engine, teacher = (torch.where(obs, t + 3.0, t) for t in (old, ref, engine, teacher))
     data = UpdateData(
         advantages=torch.tensor([1.0, -0.5, 0.7, -1.2]),
         response_mask=batch.response_mask,
         old_logprobs=old,
         ref_logprobs=ref,
         engine_logprobs=engine,
+        teacher_logprobs=teacher,  # read by on-policy distillation only
     )
 
     def policy_logprobs(idx):

@@ -26,8 +26,10 @@ def preset_settings(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
-def test_every_preset_runs_real_rl_steps(name, warm_model_dir, tmp_path):
-    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo=name, **preset_settings(name)))
+def test_every_preset_runs_real_rl_steps(name, warm_model_dir, tmp_path, request):
+    # on-policy distillation learns from a teacher with the policy's tokenizer
+    teacher = {"teacher.path": str(request.getfixturevalue("warm_teacher_dir"))} if PRESETS[name].needs_teacher else {}
+    trainer = Trainer(quick_config(warm_model_dir, tmp_path / "run", algo=name, **preset_settings(name), **teacher))
     actual = 0
     for step in (1, 2):
         before = params_of(trainer.parts.model)

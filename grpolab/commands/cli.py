@@ -40,6 +40,8 @@ def print_algorithms(console: Console) -> None:
             ", each reward term normalized apart" if spec.multi_objective_aggregation == "normalize_then_sum" else ""
         )
         extra += f", group size {spec.group_size}" if spec.group_size is not None else ""
+        if spec.needs_teacher:
+            extra += f", teacher (teacher_kl_coef {spec.teacher_kl_coef:g}, reward_coef {spec.reward_coef:g})"
         console.print(
             f"[bold cyan]{spec.name:<17}[/] advantage={spec.baseline}/{spec.normalizer} weight={weight} "
             f"aggregation={spec.aggregation} schedule={schedule}{extra}",

@@ -125,7 +125,11 @@ def probe_update(
     """One optimizer step over the whole batch by the learner's own update; counts the gradients it produced.
     ``each()`` is called after every micro-batch's forward."""
     started = time.perf_counter()
-    data = UpdateData(advantages=advantages, response_mask=batch.response_mask, old_logprobs=None)
+    # a distillation teacher scores the batch first, as in a run (its own frozen forward, not counted as the update's)
+    teacher = learner.teacher_logprobs(learner.forward(batch))
+    data = UpdateData(
+        advantages=advantages, response_mask=batch.response_mask, old_logprobs=None, teacher_logprobs=teacher
+    )
     with_grad: list[int] = []
     counting = learner.optimizer.register_step_pre_hook(
         lambda *_: with_grad.append(

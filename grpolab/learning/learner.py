@@ -176,7 +176,8 @@ class SyncCheck:
 
 class PolicyLearner:
     """Updates ``model`` with ``optimizer`` from rollout batches (the reference policy is ``reference``,
-    computed within ``reference_context``: with LoRA the policy itself with its adapter off); ``updates``
+    computed within ``reference_context``: with LoRA the policy itself with its adapter off; ``teacher``: on-policy
+    distillation's frozen teacher, or None); ``updates``
     counts attempted and actual optimizer steps (the run state's counters, updated in place). With several
     ``ranks`` the training forward is wrapped in DDP (which broadcasts rank 0's weights here), unless FSDP
     sharded ``model``."""
@@ -196,6 +197,7 @@ class PolicyLearner:
         ranks: Ranks = Ranks(),
         reference_context: Callable[[], AbstractContextManager] = nullcontext,
         entropy_control: AdaptiveEntropy | None = None,
+        teacher: nn.Module | None = None,
     ):
         if cfg.algorithm.rollout_correction == AUTO:  # the loss would read it as none, also with bf16 rollouts
             raise ValueError(
@@ -204,6 +206,7 @@ class PolicyLearner:
         self.cfg, self.spec, self.ranks = cfg, cfg.algorithm, ranks
         self.model, self.reference, self.optimizer = model, reference, optimizer
         self.reference_context = reference_context  # within it, ``reference`` computes the reference policy
+        self.teacher = teacher
         self.sharded = is_sharded(model)
         if self.sharded:
             optimizer.register_step_post_hook(lambda *_: drop_stale_weights(model))
@@ -263,6 +266,7 @@ class PolicyLearner:
             old_logprobs=old,
             ref_logprobs=ref,
             engine_logprobs=batch.engine_logprobs,
+            teacher_logprobs=self.teacher_logprobs(forward),
         )
         # with one optimizer step the sync check reads the update's own forward, before its optimizer step
         result = self.update(
@@ -317,6 +321,11 @@ class PolicyLearner:
             return None
         with self.reference_context():
             return forward.frozen(self.reference)
+
+    def teacher_logprobs(self, forward: BatchForward) -> torch.Tensor | None:
+        """[N, T] the teacher's log-probs of the sampled tokens (None without a teacher): one frozen forward per
+        rollout batch, micro-batch by micro-batch, chunked over the output layer like the reference's."""
+        return None if self.teacher is None else forward.frozen(self.teacher)
 
     def update(
         self,

@@ -73,7 +73,8 @@ class UpdateData:
 
     advantages [N]; response_mask [N, T]; old_logprobs [N, T] frozen before the first update, or None
     for a single-update schedule, where the current log-probs detached are exactly those (the policy has
-    not moved yet) and no extra forward pass is needed; ref_logprobs / engine_logprobs [N, T] or None.
+    not moved yet) and no extra forward pass is needed; ref_logprobs / engine_logprobs / teacher_logprobs
+    [N, T] or None.
     """
 
     advantages: Tensor
@@ -81,6 +82,7 @@ class UpdateData:
     old_logprobs: Tensor | None
     ref_logprobs: Tensor | None = None
     engine_logprobs: Tensor | None = None
+    teacher_logprobs: Tensor | None = None
 
     def loss_input(self, indices: Tensor, logprobs: Tensor) -> PolicyLossInput:
         pick = lambda t: None if t is None else t[indices]  # noqa: E731
@@ -92,6 +94,7 @@ class UpdateData:
             response_mask=self.response_mask[indices],
             ref_logprobs=pick(self.ref_logprobs),
             engine_logprobs=pick(self.engine_logprobs),
+            teacher_logprobs=pick(self.teacher_logprobs),
         )
 
 
@@ -176,7 +179,8 @@ def rows_with_gradient(
     """Bool [n], on the device of ``indices``: the rows of one step that need a backward pass.
 
     A row's loss is A_i x (surrogate) + beta x KL (+ its ``extra_loss`` term): it is identically zero, with
-    zero gradient, when its advantage is 0 and there is no KL penalty nor extra term. Without pruning every
+    zero gradient, when its advantage is 0 and there is no KL penalty nor extra term (on-policy distillation
+    gives every token an advantage of its own: every row is fed). Without pruning every
     row is fed, unless the whole step's loss (on every rank: ``any_rank``) is zero.
     """
     nonzero = data.advantages[indices] != 0
@@ -185,7 +189,7 @@ def rows_with_gradient(
     # the update is the first and only one: the log-ratio is exactly 0)
     has_kl = has_kl or (spec.kl_tau > 0 and data.old_logprobs is not None)
     has_kl = has_kl and not spec.filter_zero_advantages  # zero-advantage rows then carry no term at all
-    if has_kl or extra_loss or (not spec.prune_zero_advantage and any_rank(bool(nonzero.any()))):
+    if has_kl or extra_loss or spec.needs_teacher or (not spec.prune_zero_advantage and any_rank(bool(nonzero.any()))):
         return torch.ones_like(nonzero)
     return nonzero
 

@@ -8,6 +8,7 @@ The trainer reads the fields; it never looks at the name. Adding an algorithm = 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -53,6 +54,8 @@ WEIGHT_FORMULAS: dict[str, str] = {
     "gmpo": "-A * exp(mean_t sgn(A)*min(sgn(A)*log w, sgn(A)*clip(log w, -eps_low, eps_high)))  (per sequence)",
     "dppo": "-M * w * A, M = 0 where A>0 and p-p_old > eps_high or A<0 and p-p_old < -eps_low",
 }
+# on-policy distillation's per-token advantage (A: the task's sequence advantage)
+DISTILL_FORMULA = "A_t = reward_coef*A + teacher_kl_coef*(logp_teacher - logp_old)"
 AGGREGATION_FORMULAS: dict[str, str] = {
     "sequence": "mean_i( sum_t l*m / sum_t m )",
     "token": "sum l*m / sum m",
@@ -261,6 +264,21 @@ class AlgorithmSpec(BaseModel):
         description="MoE policies: every training forward routes each token to the experts chosen where its "
         "behaviour log-probs were computed (Rollout Routing Replay)",
     )
+    # on-policy distillation (grpolab.objectives.distillation): each sampled token's advantage is
+    # reward_coef * A_i + teacher_kl_coef * (log pi_teacher - log pi_old), the frozen teacher of the run's [teacher]
+    teacher_kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="on-policy distillation: each sampled token's advantage gets this times minus the reverse KL "
+        "of the sampling policy to the frozen teacher at that token, log pi_teacher - log pi_old (tinker's "
+        "kl_penalty_coef, discount 0); > 0 needs teacher.path",
+    )
+    reward_coef: float = Field(
+        1.0,
+        ge=0,
+        description="with teacher_kl_coef > 0: the task's sequence advantage enters each token's advantage times "
+        "this (0 = pure distillation, the opd preset)",
+    )
     # rollout-side behaviour: DAPO's dynamic sampling keeps the groups whose correctness (the task's answer
     # reward) is not all equal, 0 < #correct < G as in the paper, or with "reward" whose RL rewards (length
     # shaping and reward models included) are not all equal
@@ -307,6 +325,21 @@ class AlgorithmSpec(BaseModel):
         self._check_trl_loss_types()
         self._check_verl_prime_rl()
         check_token_selection(self)
+        if self.reward_coef != 1.0 and not self.needs_teacher:
+            raise ValueError(
+                f"reward_coef {self.reward_coef:g} scales the task advantage beside the teacher's term; it needs "
+                "teacher_kl_coef > 0 (e.g. --algo opd)"
+            )
+        if self.needs_teacher and self.off_policy_mask_delta is not None:
+            raise ValueError(
+                "off_policy_mask_delta drops sequences by the sign of their advantage, and on-policy distillation "
+                "gives each token its own; drop off_policy_mask_delta or teacher_kl_coef"
+            )
+        if self.needs_teacher and self.dynamic_sampling and not self.reward_coef:
+            raise ValueError(
+                "dynamic_sampling drops groups whose task rewards are all equal, which pure distillation (reward_coef "
+                "0) does not read: every group has the teacher's signal; drop dynamic_sampling or set reward_coef"
+            )
         return self
 
     def _check_trl_loss_types(self) -> None:
@@ -355,10 +388,17 @@ class AlgorithmSpec(BaseModel):
         """One optimizer step per rollout batch: the update's ratio is exactly 1."""
         return self.epochs * self.steps_per_epoch == 1
 
+    @property
+    def needs_teacher(self) -> bool:
+        """On-policy distillation: the update reads a frozen teacher's log-probs of the sampled tokens."""
+        return self.teacher_kl_coef > 0
+
     def formula(self) -> str:
         weight = WEIGHT_FORMULAS[self.weight]
         if self.clip_delta is not None:
             weight = weight.replace("-min(w*A", "-min(min(w, delta)*A").replace("-min(s*A", "-min(min(s, delta)*A")
+        if self.needs_teacher:  # each token's own advantage A_t
+            weight = re.sub(r"\bA\b", "A_t", weight) + ", " + DISTILL_FORMULA
         loss = f"{weight}; reduced {AGGREGATION_FORMULAS[self.aggregation]}" + self._verl_prime_rl_terms()
         advantage = self.advantage_formula()
         loss += token_selection_formula(self)
@@ -593,6 +633,16 @@ PRESETS: dict[str, AlgorithmSpec] = {
             steps_per_epoch=8,
             cov_selection="kl_cov",
             reference="KL-Cov, The Entropy Mechanism of RL for Reasoning LMs (Cui et al., 2025)",
+        ),
+        # on-policy distillation (docs/algorithms.md, "On-policy distillation"): on-policy distillation as Thinking Machines (2025) publish it: per-token advantage -(log pi_old
+        # - log pi_teacher), no discount, no task reward, importance-sampling loss, a mean over the step's tokens
+        AlgorithmSpec(
+            name="opd",
+            weight="noclip",
+            aggregation="token",
+            teacher_kl_coef=1.0,
+            reward_coef=0.0,
+            reference="On-Policy Distillation (Agarwal et al., 2024; Thinking Machines, 2025)",
         ),
     ]
 }

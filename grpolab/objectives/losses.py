@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from grpolab.objectives.algorithms import AlgorithmSpec
+from grpolab.objectives.distillation import distill_advantages, sampled_reverse_kl
 from grpolab.objectives.rollout_correction import (
     AUTO,
     engine_kl_k3,
@@ -49,6 +50,7 @@ class PolicyLossInput:
     penalise:        [N, T] bool, KL-Cov's |logp - logp_old| penalty there, optional
     entropy:         [N, T] the policy's entropy (with grad), for the entropy bonus
     bonus:           (coefficient, the step's bonus tokens, bool [N, T] tokens or None = response_mask)
+    teacher_logprobs: [N, T] a frozen teacher's log-probs of the sampled tokens (on-policy distillation), optional
     """
 
     logprobs: Tensor
@@ -61,6 +63,7 @@ class PolicyLossInput:
     penalise: Tensor | None = None
     entropy: Tensor | None = None
     bonus: tuple[float, float, Tensor | None] | None = None
+    teacher_logprobs: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,25 @@ def sequence_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tens
     return torch.exp(log_ratio)
 
 
+def token_advantages(inp: PolicyLossInput, spec: AlgorithmSpec) -> Tensor:
+    """The advantage each token's surrogate reads: the sequence's [N, 1], or with on-policy distillation
+    (``spec.needs_teacher``) each token's own [N, T] (``grpolab.objectives.distillation``)."""
+    if not spec.needs_teacher:
+        return inp.advantages[:, None]
+    if inp.teacher_logprobs is None:
+        raise ValueError(
+            f"algorithm {spec.name} (teacher_kl_coef {spec.teacher_kl_coef:g}) needs the teacher's log-probs"
+        )
+    return distill_advantages(
+        inp.advantages,
+        inp.old_logprobs,
+        inp.teacher_logprobs,
+        inp.response_mask,
+        spec.teacher_kl_coef,
+        spec.reward_coef,
+    )
+
+
 def per_token_surrogate(inp: PolicyLossInput, spec: AlgorithmSpec) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-token loss [N, T] (to be minimised) and the ratio, low-clip and high-clip indicators [N, T].
 
@@ -202,7 +224,7 @@ def per_token_surrogate(inp: PolicyLossInput, spec: AlgorithmSpec) -> tuple[Tens
     VESPO's weight are smooth and mark none.
     """
     mask = inp.response_mask
-    adv = inp.advantages[:, None].to(inp.logprobs.dtype)
+    adv = token_advantages(inp, spec).to(inp.logprobs.dtype)
     logp = _masked(inp.logprobs, mask)
     no_clip = torch.zeros_like(logp, dtype=torch.bool)
 
@@ -377,6 +399,8 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
     metrics.add("clip_low_frac", clip_low.to(mask.dtype), mask)
     metrics.add("clip_high_frac", clip_high.to(mask.dtype), mask)
     metrics.add("approx_kl_old_new", (token_w - 1) - torch.log(token_w), mask)
+    if inp.teacher_logprobs is not None:  # on-policy distillation: how far the sampling policy is from the teacher
+        metrics.add("teacher_kl", sampled_reverse_kl(inp.old_logprobs, inp.teacher_logprobs, mask), mask)
     if inp.engine_logprobs is not None:  # trainer vs rollout-engine log-prob mismatch
         metrics.add("engine_logprob_absdiff", (_masked(inp.logprobs.detach() - inp.engine_logprobs, mask)).abs(), mask)
     masked_ratio = ratio.detach().double()

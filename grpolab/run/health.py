@@ -148,7 +148,8 @@ class HealthMonitor:
         step = r["step"]
         self._steps += 1
         self._last_step, self._last_record = step, r
-        no_signal = r.get("zero_advantage_group_frac") == 1
+        # no update either: a signal beside the task's (a distillation teacher's, a KL term) still trains
+        no_signal = r.get("zero_advantage_group_frac") == 1 and not r.get("actual_updates")
         self._signal_seen |= not no_signal
         self._streak = [*self._streak, step] if no_signal else []
         found: list[RunWarning | None] = []

@@ -31,6 +31,7 @@ from grpolab.models.policy import Policy, load_run_policy, policy_start
 from grpolab.models.precision import TrainingPrecision, resolve_precision
 from grpolab.models.prompt_tokens import tokenize_prompts
 from grpolab.models.routing import routers
+from grpolab.models.teacher import Teacher, load_teacher
 from grpolab.models.weights import PolicyWeights
 from grpolab.objectives.rollout_correction import AUTO, auto_rollout_correction
 from grpolab.parallel.ranks import Ranks, init_from_env
@@ -86,6 +87,7 @@ class RunParts:
     rollouts: RolloutSource  # each step's rollout batch (``grpolab.rollout.pipeline``)
     resolved: dict[str, str] = field(default_factory=dict)  # each "auto" setting -> what it became, and why
     closed: bool = False
+    teacher: Teacher | None = None  # on-policy distillation's frozen teacher
 
     # the parts most code reads, by name
     spec = property(lambda self: self.cfg.algorithm)
@@ -343,6 +345,18 @@ def build_parts(
     for name, choice in resolved.items():
         setting.reporter.line(f"{name}: {choice}")
     reward_models = RewardModels.load(task, setting.device, setting.reporter)
+    teacher = None
+    if cfg.algorithm.needs_teacher:  # its tokenizer is checked against the policy's before anything is written
+        prompt_format = cfg.task.prompt_format()
+        teacher = load_teacher(
+            cfg.teacher,
+            task,
+            policy.tokenizer,
+            prompt_format,
+            policy.precision.compute,
+            setting.device,
+            setting.reporter,
+        )
     optimizer = policy.precision.optimizer(
         policy.trainable(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
     )
@@ -384,6 +398,7 @@ def build_parts(
             ranks,
             reference_context=policy.reference_context,
             entropy_control=state.entropy_control,
+            teacher=teacher.model if teacher is not None else None,
         )
         parts = RunParts(
             cfg,
@@ -401,6 +416,7 @@ def build_parts(
             learner,
             rollout_source(cfg, setting, task, policy, collector, lambda: parts.sync_source()),
             resolved,
+            teacher=teacher,
         )
         state.rollouts = parts.rollouts
         if not (capabilities(cfg.rollout.engine).shares_training_model or policy.files_are_policy):

@@ -114,8 +114,9 @@ def reward_components(grades: list[Grade]) -> dict[str, float]:
 
 
 def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
-    """One log line of a step's vital signs (KL only when a reference exists, grad norm only when
-    an optimizer step ran, tool calls only with tools, routing only for an MoE policy)."""
+    """One log line of a step's vital signs (KL only when a reference exists, the KL to a distillation teacher
+    only with one, grad norm only when an optimizer step ran, tool calls only with tools, routing only for an
+    MoE policy)."""
 
     def num(key: str, fmt: str) -> str:
         value = record.get(key)
@@ -129,6 +130,8 @@ def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
     ]
     if "kl_ref" in record:
         parts.append(f"kl {num('kl_ref', '.4f')}")
+    if "teacher_kl" in record:  # on-policy distillation: the sampled reverse KL to the teacher
+        parts.append(f"teacher_kl {num('teacher_kl', '.4f')}")
     clip = record.get("clip_low_frac", 0.0) + record.get("clip_high_frac", 0.0)
     parts += [
         f"clip {clip:.3f}",

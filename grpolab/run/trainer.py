@@ -25,6 +25,7 @@ import grpolab
 from grpolab.common.progress import Reporter, format_seconds
 from grpolab.config import RunConfig
 from grpolab.models.loading import model_record
+from grpolab.models.teacher import check_teacher_record
 from grpolab.parallel.fsdp import full_state_dict
 from grpolab.parallel.ranks import end_process_group
 from grpolab.rollout.engine_process import EngineDied
@@ -33,7 +34,7 @@ from grpolab.rollout.evaluation import evaluate
 from grpolab.run.checkpoints import prune, remove_temp_folders, save_checkpoint, set_aside
 from grpolab.run.disk import CheckpointPlan, checkpoint_plan
 from grpolab.run.health import HealthMonitor, HealthSettings, RunWarning
-from grpolab.run.journal import RunJournal
+from grpolab.run.journal import MANIFEST, RunJournal
 from grpolab.run.lock import LOCK_FILE, RunLock
 from grpolab.run.parts import RunParts, build_parts, load_task, set_up
 from grpolab.run.resume import ResumePlan, check_data, check_target, plan_resume
@@ -93,6 +94,15 @@ class Trainer:
             )
         self.parts = build_parts(cfg, setting, task, val_examples, self.resumed_from)
         self.cfg, self.spec = self.parts.cfg, self.parts.spec  # "auto" settings resolved: config.json records them
+        if resume:  # a resumed run keeps its teacher: another is refused before anything moves
+            self.ranks.run_on_main(
+                lambda: (
+                    self.plan.journal is None
+                    or check_teacher_record(
+                        self.plan.journal.data.get("teacher"), self.parts.teacher, self.run_dir / MANIFEST
+                    )
+                )
+            )
         if self.resumed_from is not None:
             self.parts.state.load(self.resumed_from)
         # the metrics of the steps before a resume
@@ -210,6 +220,7 @@ class Trainer:
                 "compute": dtype_name(parts.precision.compute),
             },
             "rollout_engine": engine_record(self.cfg.rollout),
+            "teacher": parts.teacher.record if parts.teacher is not None else None,
         }
 
     # ---- evaluation, the loop, the summary ------------------------------------------------

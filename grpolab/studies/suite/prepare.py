@@ -136,9 +136,9 @@ def _prepare(
 
 
 def frozen_config(cfg: RunConfig, data: dict[str, Any], init_from: str | None) -> RunConfig:
-    """The run's config reading the data snapshot's file copies, with an absolute start model (a hub id pinned
-    to the commit its revision names now: every run of the suite loads the same one, however long the queue)
-    and absolute reward model folders."""
+    """The run's config reading the data snapshot's file copies, with an absolute start model and teacher (a hub
+    id pinned to the commit its revision names now: every run of the suite loads the same one, however long the
+    queue) and absolute reward model folders."""
     paths = {k.removeprefix("task."): v for k, v in data["task_paths"].items()}
     updates = {"task": cfg.task.model_copy(update={**paths, **cfg.task.absolute_reward_models()})}
     if cfg.model.path and init_from is None:
@@ -146,6 +146,11 @@ def frozen_config(cfg: RunConfig, data: dict[str, Any], init_from: str | None) -
         if is_hub_id(cfg.model.path):
             model["revision"] = current_commit(cfg.model.path, cfg.model.revision)
         updates["model"] = cfg.model.model_copy(update=model)
+    if cfg.teacher.path:  # on-policy distillation's teacher: the same one from every run's folder, pinned alike
+        teacher = {"path": absolute_model_spec(cfg.teacher.path)}
+        if is_hub_id(cfg.teacher.path):
+            teacher["revision"] = current_commit(cfg.teacher.path, cfg.teacher.revision)
+        updates["teacher"] = cfg.teacher.model_copy(update=teacher)
     return cfg.model_copy(update=updates)
 
 
