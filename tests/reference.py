@@ -50,6 +50,7 @@ def reference_loss(
     max_new_tokens=None,
     ref=None,
     beta=0.0,
+    kl_ratio=False,
     engine=None,
     correction="none",
     cap=2.0,
@@ -148,7 +149,8 @@ def reference_loss(
         if ref is not None:
             for t in tokens:
                 d = ref[i, t] - logp[i, t]
-                kl_sum = kl_sum + torch.exp(d) - d - 1
+                ratio = torch.exp(logp[i, t] - old[i, t]) if kl_ratio else 1.0  # DeepSeek-V3.2's correction
+                kl_sum = kl_sum + ratio * (torch.exp(d) - d - 1)
 
     zero = logp.sum() * 0
     if aggregation == "sequence":

@@ -66,6 +66,7 @@ def ref_loss_and_grad(spec, logp, old, adv, mask, ref=None):
         max_new_tokens=MAX_NEW,
         ref=ref,
         beta=spec.beta,
+        kl_ratio=spec.use_bias_correction_kl,
         delta=spec.clip_delta,
         tau_pos=spec.sapo_temperature_pos,
         tau_neg=spec.sapo_temperature_neg,
@@ -92,6 +93,22 @@ def test_every_weighting_and_aggregation_matches_reference(weight, aggregation, 
     spec = AlgorithmSpec(name="t", weight=weight, aggregation=aggregation, eps_low=0.1, eps_high=0.3, beta=beta)
     # a spread big enough that clipping is active on some tokens
     assert_matches_reference(spec, seed=hash((weight, aggregation)) % 1000, spread=0.4)
+
+
+@pytest.mark.parametrize("weight, aggregation", [("clip", "sequence"), ("clip", "token"), ("gspo", "constant")])
+def test_the_bias_corrected_kl_matches_its_reference_and_moves_the_gradient(weight, aggregation):
+    """DeepSeek-V3.2's KL: each token's k3 times w = pi / pi_old, differentiated through w as well."""
+    spec = AlgorithmSpec(name="t", weight=weight, aggregation=aggregation, beta=0.5, use_bias_correction_kl=True)
+    assert_matches_reference(spec, seed=7)
+    logp, old, adv, mask, ref = make_batch(7)
+    corrected = impl_loss_and_grad(spec, logp, old, adv, mask, ref)[1]
+    plain = impl_loss_and_grad(spec.override(use_bias_correction_kl=False), logp, old, adv, mask, ref)[1]
+    assert not torch.allclose(corrected, plain, rtol=1e-3, atol=1e-8)
+    on_policy = impl_loss_and_grad(spec, old.clone(), old, adv, mask, ref)  # w = 1: the value is the plain one's
+    plain_on_policy = impl_loss_and_grad(spec.override(use_bias_correction_kl=False), old.clone(), old, adv, mask, ref)
+    torch.testing.assert_close(on_policy[0], plain_on_policy[0], rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="use_bias_correction_kl corrects the KL penalty; it needs beta > 0"):
+        spec.override(beta=0.0)
 
 
 # on-policy distillation reads a teacher's log-probs: tests/test_distillation.py has its own float64 reference

@@ -80,9 +80,10 @@ def trl_settings(code: TRL, loss_type: str, *, level="token", eps=(0.2, 0.2), de
     return me
 
 
-def trl_loss(code: TRL, me, logp, old, adv, mask, engine=None) -> tuple[torch.Tensor, torch.Tensor]:
+def trl_loss(code: TRL, me, logp, old, adv, mask, engine=None, ref=None) -> tuple[torch.Tensor, torch.Tensor]:
     """TRL's ``_compute_loss``: its loss and d loss / d logp. ``engine``: the sampling log-probs, whose truncated
-    ratio goes in as TRL's ``importance_sampling_ratio`` (only then, as in TRL)."""
+    ratio goes in as TRL's ``importance_sampling_ratio`` (only then, as in TRL); ``ref``: the reference's (with
+    ``me.beta`` > 0)."""
     leaf = logp.clone().requires_grad_(True)
     me._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, torch.zeros_like(leaf), None)
     n, t = mask.shape
@@ -95,6 +96,8 @@ def trl_loss(code: TRL, me, logp, old, adv, mask, engine=None) -> tuple[torch.Te
         "old_per_token_logps": old,
         "num_items_in_batch": mask.sum(),
     }
+    if ref is not None:
+        inputs["ref_per_token_logps"] = ref
     if engine is not None:
         inputs["sampling_per_token_logps"] = engine
         inputs["importance_sampling_ratio"] = code.ratio(me, old, engine, mask)
@@ -103,9 +106,9 @@ def trl_loss(code: TRL, me, logp, old, adv, mask, engine=None) -> tuple[torch.Te
     return loss.detach(), leaf.grad
 
 
-def ours(spec, logp, old, adv, mask, engine=None) -> tuple[torch.Tensor, torch.Tensor]:
+def ours(spec, logp, old, adv, mask, engine=None, ref=None) -> tuple[torch.Tensor, torch.Tensor]:
     leaf = logp.clone().requires_grad_(True)
-    inp = PolicyLossInput(leaf, old, adv, mask, engine_logprobs=engine)
+    inp = PolicyLossInput(leaf, old, adv, mask, ref_logprobs=ref, engine_logprobs=engine)
     loss, _ = policy_loss(inp, spec, step_denominators(spec, mask, mask.shape[1]))
     loss.backward()
     return loss.detach(), leaf.grad
@@ -214,3 +217,18 @@ def test_trl_bnpo_is_a_micro_batch_token_mean_not_the_paper(trl_code):
         policy_loss(PolicyLossInput(logp[h], old[h], adv[h], mask[h]), spec, denominators)[0] for h in halves
     )
     assert float(ours_split) == pytest.approx(float(whole[0]), rel=1e-6)
+
+
+@pytest.mark.parametrize("corrected", [False, True])
+def test_the_kl_penalty_with_and_without_the_bias_correction_equals_trl(trl_code, corrected):
+    """TRL adds beta * k3 (times w with ``use_bias_correction_kl``, DeepSeek-V3.2) to each token's loss before its
+    loss type's reduction; with dapo's (a token mean over the step) that is our separate token mean of the KL."""
+    logp, old, ref, adv, mask = batch(16)
+    logp = spread_out(logp, old, 3.0)  # w far enough from 1 that the correction changes the gradient
+    me = trl_settings(trl_code, "dapo", eps=(0.2, 0.28), use_bias_correction_kl=corrected)
+    me.beta = 0.3
+    spec = PRESETS["dapo"].override(beta=0.3, use_bias_correction_kl=corrected)
+    want = trl_loss(trl_code, me, logp, old, adv, mask, ref=ref)
+    assert_same(ours(spec, logp, old, adv, mask, ref=ref), want)
+    other = ours(spec.override(use_bias_correction_kl=not corrected), logp, old, adv, mask, ref=ref)
+    assert not torch.allclose(other[1], want[1], rtol=1e-3, atol=1e-6), "the correction matters on this batch"

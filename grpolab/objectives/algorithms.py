@@ -213,6 +213,12 @@ class AlgorithmSpec(BaseModel):
     beta: float = Field(
         0.0, ge=0, description="KL penalty (k3) to the frozen reference, a per-token mean; > 0 loads the reference"
     )
+    use_bias_correction_kl: bool = Field(
+        False,
+        description="each token's k3 times the ratio pi / pi_old (with its gradient): DeepSeek-V3.2's unbiased "
+        "estimate of the KL's gradient from samples of pi_old (TRL's use_bias_correction_kl, on there by default); "
+        "needs beta > 0",
+    )
     # token selection and entropy (grpolab.objectives.token_selection): 80/20 high-entropy
     # tokens, Clip-Cov, KL-Cov, each decided over the whole optimizer step; the entropy bonus with Skywork-OR1's
     # adaptive coefficient. Names as TRL's (top_entropy_quantile, entropy_coef, ...) and verl's (clip_cov_*, kl_cov_*)
@@ -320,6 +326,8 @@ class AlgorithmSpec(BaseModel):
                 f"rollout_correction_lower {lower} must be below rollout_correction_upper {upper}; "
                 "lower the one or raise the other"
             )
+        if self.use_bias_correction_kl and self.beta == 0:
+            raise ValueError("use_bias_correction_kl corrects the KL penalty; it needs beta > 0 (e.g. 0.001)")
         if self.rollout_correction == "icepop" and lower is None:
             raise ValueError("rollout_correction icepop needs rollout_correction_lower (a two-sided band, e.g. 0.5)")
         self._check_trl_loss_types()

@@ -357,7 +357,8 @@ def apply_rollout_correction(
 def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denominators) -> tuple[Tensor, TokenMetrics]:
     """Scalar loss of one micro-batch (its share of the step) and its token metrics.
 
-    loss = aggregate(surrogate) + beta * sum(k3 * m) / (tokens in the step)
+    loss = aggregate(surrogate) + beta * sum(k3 * m) / (tokens in the step), k3 times w = pi / pi_old with
+    ``use_bias_correction_kl``
     Nothing here waits for the device: a non-finite loss or ratio is counted in ``metrics.nonfinite``
     (``raise_if_nonfinite`` reads it once the step's metrics are on the host).
     """
@@ -384,6 +385,8 @@ def policy_loss(inp: PolicyLossInput, spec: AlgorithmSpec, denominators: Denomin
         kl = kl_k3(inp.logprobs, inp.ref_logprobs, mask)
         metrics.add("kl_ref", kl, mask)
         if spec.beta > 0:
+            if spec.use_bias_correction_kl:  # DeepSeek-V3.2: k3 of samples of pi_old, weighted by pi / pi_old
+                kl = kl * token_ratio(inp.logprobs, inp.old_logprobs, mask)
             loss = loss + spec.beta * _masked(kl, in_step).sum() / denominators.kl
     if spec.kl_tau > 0:  # prime-rl's penalty toward the sampling policy, a per-token mean as the KL's
         squared = squared_log_ratio(inp.logprobs, inp.old_logprobs, mask)
