@@ -238,3 +238,68 @@ def test_a_bad_combination_on_the_command_line_is_one_error_line(capsys):
     assert main(["config", "--algo", "grpo", "--algorithm.cov_selection", "kl_cov"]) == 2
     errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "set steps_per_epoch or epochs above 1" in errors[0]
+
+
+# verl's Clip-Cov and KL-Cov (verl/trainer/ppo/core_algos.py at b178a3c, compute_policy_loss_clip_cov /
+# compute_policy_loss_kl_cov), their torch lines transcribed (verl cannot be imported here): its config reads
+# replaced by arguments, verl_F.masked_mean by a masked mean, agg_loss "token-mean" likewise.
+def _masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum()
+
+
+def verl_clip_cov(old_log_prob, log_prob, advantages, response_mask, clip_cov_ratio, lb, ub, cliprange=0.2):
+    ratio = torch.exp(log_prob - old_log_prob)
+    pg_losses1 = -advantages * ratio
+    corr = torch.ones_like(advantages)
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    clip_by_origin = (pg_losses2 > pg_losses1) & (response_mask > 0)
+    cov_all = (advantages - _masked_mean(advantages, response_mask)) * (
+        log_prob - _masked_mean(log_prob.detach(), response_mask)
+    )
+    cov_all[response_mask == 0] = -torch.inf
+    cov_all[clip_by_origin] = -torch.inf
+    clip_num = max(int(clip_cov_ratio * response_mask.sum().item()), 1)
+    top_k_idx = torch.nonzero((cov_all < ub) & (cov_all > lb) & (response_mask > 0))
+    if len(top_k_idx) > 0:
+        top_k_idx = top_k_idx[torch.randperm(len(top_k_idx))[: min(clip_num, len(top_k_idx))]]
+    corr[top_k_idx[:, 0], top_k_idx[:, 1]] = 0
+    return _masked_mean(torch.maximum(pg_losses1, pg_losses2) * corr, response_mask)
+
+
+def verl_kl_cov(old_log_prob, log_prob, advantages, response_mask, kl_cov_ratio, ppo_kl_coef):
+    negative_approx_kl = log_prob - old_log_prob
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses = -advantages * ratio
+    pg_losses_kl = -advantages * ratio + ppo_kl_coef * negative_approx_kl.abs()
+    all_valid = response_mask > 0
+    all_valid_idx = torch.nonzero(all_valid.reshape(-1), as_tuple=True)[0]
+    all_valid_adv = advantages[all_valid].detach().reshape(-1)
+    all_valid_logp = log_prob[all_valid].detach().reshape(-1)
+    cov = (all_valid_adv - all_valid_adv.mean()) * (all_valid_logp - all_valid_logp.mean())
+    idx = all_valid_idx[torch.topk(cov, max(1, int(len(cov) * kl_cov_ratio)), largest=True).indices]
+    rows, cols = idx // advantages.shape[1], idx % advantages.shape[1]
+    pg_losses[rows, cols] = pg_losses_kl[rows, cols]
+    return _masked_mean(pg_losses, response_mask)
+
+
+@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])
+def test_one_micro_batch_step_equals_verls_function(mode):
+    """With the whole step in one micro-batch (verl selects per micro-batch; grpolab over the step, which is the
+    same here), grpolab's loss and gradient are verl's, Clip-Cov's draw included (verl draws on the global RNG,
+    grpolab on the run's generator: the same seed gives the same permutation)."""
+    spec, _ = CASES[mode]
+    policy = ToyPolicy(N, T, seed=12)
+    data = make_data(policy, 12, groups=3, group_size=4, spec=spec)
+    metrics, got = ours(spec, data, policy, N, 0.0, seed=7)
+    policy.weight.grad = None
+    logp, _ = policy(torch.arange(N))
+    adv = data.advantages[:, None].expand_as(logp)
+    if mode == "clip_cov":
+        with torch.random.fork_rng():  # verl draws on the global generator; the other tests' stays as it was
+            torch.manual_seed(7)
+            loss = verl_clip_cov(data.old_logprobs, logp, adv, data.response_mask, 0.15, 0.0, 0.5)
+    else:
+        loss = verl_kl_cov(data.old_logprobs, logp, adv, data.response_mask, 0.1, 0.7)
+    loss.backward()
+    torch.testing.assert_close(got, policy.weight.grad, rtol=1e-10, atol=1e-12)
+    assert metrics.loss == pytest.approx(float(loss.detach()), rel=1e-10, abs=1e-12)
