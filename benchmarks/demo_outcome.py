@@ -78,7 +78,7 @@ def outcome_row(algo: str, engine: str, warm: int, seed: int, out: Path, seconds
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpolab.objectives.algorithms import PRESETS
+    from grpolab.objectives.presets import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algos", nargs="+", default=["grpo", "dr_grpo", "maxrl"], help="presets, or all")

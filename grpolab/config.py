@@ -20,7 +20,8 @@ from grpolab.common.validation import describe_validation_error
 from grpolab.models.precision import PrecisionName
 from grpolab.models.teacher import TeacherConfig, check_teacher_setting
 from grpolab.models.tinymodel import WarmStartSettings
-from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec, get_algorithm, translate_old_spelling
+from grpolab.objectives.algorithms import AlgorithmSpec, translate_old_spelling
+from grpolab.objectives.presets import PRESETS, get_algorithm
 from grpolab.tasks.configs import TASK_KINDS, TINY_MODEL_TASKS, ArithmeticTaskConfig, TaskConfig
 from grpolab.tasks.shaping import SHAPING_TERMS
 

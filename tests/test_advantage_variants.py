@@ -20,8 +20,8 @@ from grpolab.commands.cli import main
 from grpolab.config import ConfigError, load_config
 from grpolab.learning.learner import PolicyLearner
 from grpolab.objectives.advantages import group_advantages
-from grpolab.objectives.algorithms import PRESETS, get_algorithm
 from grpolab.objectives.decoupled import batch_advantages, decoupled_advantages
+from grpolab.objectives.presets import PRESETS, get_algorithm
 from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.collect import RolloutBatch
 from grpolab.tasks.base import Example, Grade

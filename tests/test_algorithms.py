@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from grpolab.common.validation import describe_validation_error
-from grpolab.objectives.algorithms import PRESETS, UnknownAlgorithmError, get_algorithm
+from grpolab.objectives.presets import PRESETS, UnknownAlgorithmError, get_algorithm
 
 EXPECTED = {  # GUIDE section 2: baseline, normalizer, weight, eps_low, eps_high, aggregation, epochs, steps
     "grpo": ("mean", "std", "clip", 0.2, 0.2, "sequence", 1, 1),

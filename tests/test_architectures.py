@@ -45,7 +45,7 @@ from grpolab.learning.shared_prefix import layout_units, unit_logprobs
 from grpolab.learning.update import UpdateData, run_update
 from grpolab.models.fidelity import attention_implementation, check_trainable, forward_fidelity
 from grpolab.models.loading import load_policy
-from grpolab.objectives.algorithms import PRESETS
+from grpolab.objectives.presets import PRESETS
 from grpolab.rollout import HFEngine, SamplingParams
 
 VOCAB, WINDOW, ORIGINAL, TEMPERATURE = 128, 8, 16, 0.7

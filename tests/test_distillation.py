@@ -14,8 +14,8 @@ from test_update import ToyPolicy, make_data, step_grad
 from grpolab.config import ConfigError, load_config
 from grpolab.learning.update import UpdateData
 from grpolab.models.teacher import check_teacher_tokenizer
-from grpolab.objectives.algorithms import PRESETS, get_algorithm
 from grpolab.objectives.losses import PolicyLossInput, policy_loss, step_denominators
+from grpolab.objectives.presets import PRESETS, get_algorithm
 
 MAX_NEW = 12
 

@@ -18,7 +18,7 @@ from threaded_ranks import run_as_threads
 
 from grpolab.learning.lockstep import UpdateLockstep
 from grpolab.learning.update import UpdateData, run_update
-from grpolab.objectives.algorithms import PRESETS
+from grpolab.objectives.presets import PRESETS
 from grpolab.objectives.token_selection import AdaptiveEntropy
 from grpolab.parallel.ranks import Ranks, wrap_ddp
 

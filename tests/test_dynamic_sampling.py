@@ -8,7 +8,7 @@ import torch
 from test_reward_model_run import rm_config
 
 from grpolab.config import load_config
-from grpolab.objectives.algorithms import PRESETS
+from grpolab.objectives.presets import PRESETS
 from grpolab.run.trainer import Trainer
 from grpolab.tasks.base import Grade
 

@@ -108,7 +108,7 @@ def test_step_indices_and_pruning_masks_are_made_on_the_data_device():
     """On a CPU machine every tensor is on the CPU, so the recorder above cannot see a mix-up; the
     "meta" device (shapes without data) shows where the index tensors are created."""
     from grpolab.learning.update import UpdateData, minibatches, rows_with_gradient
-    from grpolab.objectives.algorithms import PRESETS
+    from grpolab.objectives.presets import PRESETS
 
     meta = torch.device("meta")
     for spec in (PRESETS["grpo"], PRESETS["offpolicy_clip"]):

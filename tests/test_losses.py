@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference_loss
 
-from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec
+from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.losses import (
     NonFiniteError,
     PolicyLossInput,
@@ -20,6 +20,7 @@ from grpolab.objectives.losses import (
     sequence_ratio,
     step_denominators,
 )
+from grpolab.objectives.presets import PRESETS
 
 WEIGHTS = ["none", "noclip", "clip", "gspo", "cispo", "sapo", "vespo", "gmpo", "dppo"]
 AGGREGATIONS = ["sequence", "token", "constant", "sequence_sum"]

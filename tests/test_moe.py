@@ -448,7 +448,7 @@ def test_a_batchs_routing_part_follows_the_policy_and_the_schedule(make_tiny_mod
     """A dense policy's part watches nothing; an MoE policy's keeps a record when the engine made one or the
     schedule has an old-log-prob forward to make it, and adds the load-balancing loss only with a coefficient."""
     from grpolab.learning.moe_routing import DenseRouting, MoeRouting, batch_routing
-    from grpolab.objectives.algorithms import PRESETS
+    from grpolab.objectives.presets import PRESETS
 
     grpo, two_epochs = PRESETS["grpo"], PRESETS["grpo"].override(epochs=2)
     dense = batch_routing(make_tiny_model("llama"), grpo, 0.0, (2, 10), [None, None])

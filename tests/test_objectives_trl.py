@@ -29,8 +29,8 @@ trl = pytest.importorskip("trl")
 
 from test_rollout_correction_trl import ATOL, RTOL, TRL, _function, _run, _trl_source, batch  # noqa: E402
 
-from grpolab.objectives.algorithms import PRESETS  # noqa: E402
 from grpolab.objectives.losses import PolicyLossInput, policy_loss, step_denominators  # noqa: E402
+from grpolab.objectives.presets import PRESETS  # noqa: E402
 
 N, T = 8, 12
 # GRPOConfig's fields of these loss types -> ours (same names; TRL's delta is our clip_delta)

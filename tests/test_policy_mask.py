@@ -14,8 +14,8 @@ import torch
 from grpolab.learning.batching import collate
 from grpolab.learning.update import UpdateData, accumulate_gradients
 from grpolab.models.logprobs import token_logprobs
-from grpolab.objectives.algorithms import PRESETS
 from grpolab.objectives.losses import step_denominators
+from grpolab.objectives.presets import PRESETS
 from grpolab.rollout.base import Completion
 from grpolab.rollout.sync_check import logprob_diff
 

@@ -11,8 +11,9 @@ import torch
 from reference import reference_corrected_loss, reference_off_policy_mask, reference_rollout_correction
 
 from grpolab.config import ConfigError, RunConfig, load_config, load_run_config, validate_config
-from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec
+from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.losses import PolicyLossInput, TokenMetrics, policy_loss, step_denominators
+from grpolab.objectives.presets import PRESETS
 from grpolab.objectives.rollout_correction import (
     ROLLOUT_CORRECTIONS,
     engine_kl_k3,

@@ -47,8 +47,8 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from grpolab.objectives.algorithms import PRESETS  # noqa: E402
 from grpolab.objectives.losses import PolicyLossInput, policy_loss, step_denominators  # noqa: E402
+from grpolab.objectives.presets import PRESETS  # noqa: E402
 from grpolab.objectives.rollout_correction import off_policy_sequence_mask, rollout_correction  # noqa: E402
 
 TRL_MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]

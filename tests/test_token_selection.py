@@ -14,7 +14,7 @@ from reference import reference_adaptive_coefficients, reference_quantile, refer
 from test_update import ToyPolicy, make_data
 
 from grpolab.learning.update import accumulate_gradients, run_update
-from grpolab.objectives.algorithms import PRESETS, get_algorithm
+from grpolab.objectives.presets import PRESETS, get_algorithm
 from grpolab.objectives.token_selection import AdaptiveEntropy, entropy_quantile_keep
 
 N, T, MAX_NEW = 12, 9, 9

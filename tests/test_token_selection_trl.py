@@ -19,7 +19,7 @@ import torch
 from test_rollout_correction_trl import ATOL, RTOL, TRL, N, T, _function, _run, _trl_source, batch
 
 from grpolab.learning.update import UpdateData, accumulate_gradients
-from grpolab.objectives.algorithms import PRESETS
+from grpolab.objectives.presets import PRESETS
 from grpolab.objectives.token_selection import AdaptiveEntropy
 
 LOSS_TYPES = {"grpo": "sequence", "dapo": "token", "dr_grpo": "constant"}

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from grpolab.commands.cli import main
 from grpolab.config import load_config
-from grpolab.objectives.algorithms import PRESETS
+from grpolab.objectives.presets import PRESETS
 from grpolab.rollout.evaluation import pass_at_k
 from grpolab.run.rundir import RunDirError, read_metrics
 from grpolab.run.trainer import Trainer, train

@@ -19,9 +19,10 @@ from test_update import ToyPolicy, make_data, step_grad
 from grpolab.common.validation import describe_validation_error
 from grpolab.config import ConfigError, validate_config
 from grpolab.objectives.advantages import group_advantages
-from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec, get_algorithm
+from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.beta_norm import beta_parameters
 from grpolab.objectives.losses import PolicyLossInput, policy_loss, step_denominators
+from grpolab.objectives.presets import PRESETS, get_algorithm
 from grpolab.objectives.soft_weights import vespo_phi
 
 NEW = ["sapo", "bnpo", "luspo", "vespo", "intellect2"]

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpolab.learning.update import UpdateData, accumulate_gradients, run_update
-from grpolab.objectives.algorithms import PRESETS, AlgorithmSpec
+from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.losses import NonFiniteError
+from grpolab.objectives.presets import PRESETS
 
 V, D = 11, 5
 

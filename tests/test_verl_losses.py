@@ -15,8 +15,8 @@ from threaded_ranks import run_as_threads
 
 from grpolab.config import ConfigError, validate_config
 from grpolab.learning.learner import PolicyLearner
-from grpolab.objectives.algorithms import PRESETS
 from grpolab.objectives.losses import PolicyLossInput, policy_loss, step_denominators
+from grpolab.objectives.presets import PRESETS
 from grpolab.objectives.valid_rescale import valid_sample_scale
 from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.collect import RolloutBatch

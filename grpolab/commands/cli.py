@@ -19,7 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from grpolab.objectives.algorithms import PRESETS
+from grpolab.objectives.presets import PRESETS
 from grpolab.run.stop import RunStopped, StopRequest
 
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from grpolab.common.fields import FieldDoc, type_text
 from grpolab.config import ALIASES, ConfigError, RunConfig, config_fields
-from grpolab.objectives.algorithms import PRESETS
+from grpolab.objectives.presets import PRESETS
 
 HEADER = (
     "Every field can be set in the --config TOML file, in its [section] (the top-level fields before any "
