@@ -48,9 +48,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class RunState:
     """The mutable parts of a run the weights do not hold, as one ``state_dict``: the step reached,
     update counters, the entropy bonus's adaptive coefficient, the optimizer, the prompt order, the
-    mini-batch shuffle generator, the global RNGs (of every data-parallel rank), the sync check's calibration (noise floor, checks seen), the
-    reward models' running moments and the rollout batches generated ahead (async rollouts). Under data
-    parallelism every other part is the same on every rank (the ranks step alike)."""
+    mini-batch shuffle generator, the global RNGs (of every data-parallel rank), the sync check's
+    calibration (noise floor, checks seen), the reward models' running moments and the rollout batches
+    generated ahead (async rollouts). Under data parallelism every other part is the same on every rank
+    (the ranks step alike)."""
 
     def __init__(
         self,
