@@ -21,6 +21,7 @@ from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.distillation import distill_advantages, sampled_reverse_kl
 from grpolab.objectives.rollout_correction import (
     AUTO,
+    Correction,
     engine_kl_k3,
     off_policy_sequence_mask,
     raw_ratio,
@@ -280,14 +281,18 @@ def _vespo_correction(inp: PolicyLossInput, spec: AlgorithmSpec) -> Tensor | Non
     W = pi / pi_engine, not a factor on the loss); None without engine log-probs or a correction."""
     if inp.engine_logprobs is None or spec.rollout_correction != "token_truncate":
         return None
-    corr = rollout_correction(
+    return torch.log(_engine_correction(inp, spec, "token_truncate").weight.to(inp.logprobs.dtype))
+
+
+def _engine_correction(inp: PolicyLossInput, spec: AlgorithmSpec, mode: str) -> Correction:
+    """The rollout correction ``mode`` of ``inp``'s batch, r = pi_old / pi_engine, with ``spec``'s bounds."""
+    return rollout_correction(
         inp.old_logprobs - inp.engine_logprobs,
         inp.response_mask,
-        "token_truncate",
+        mode,
         spec.rollout_correction_upper,
         spec.rollout_correction_lower,
     )
-    return torch.log(corr.weight.to(inp.logprobs.dtype))
 
 
 def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, denominator: float) -> Tensor:
@@ -332,13 +337,7 @@ def apply_rollout_correction(
     # keeps what "auto" replaced as the default, none
     mode = "none" if spec.rollout_correction == AUTO else spec.rollout_correction
     if mode != "none" and inp.engine_logprobs is not None and spec.weight != "vespo":  # vespo: in its weight
-        corr = rollout_correction(
-            inp.old_logprobs - inp.engine_logprobs,
-            mask,
-            mode,
-            spec.rollout_correction_upper,
-            spec.rollout_correction_lower,
-        )
+        corr = _engine_correction(inp, spec, mode)
         surrogate, keep = surrogate * corr.weight.to(surrogate.dtype), corr.kept
         metrics.add("rollout_is_weight_mean", corr.weight, mask)
         metrics.maxima["rollout_is_weight_max"] = corr.weight.double().masked_fill(~mask.bool(), float("-inf")).amax()
