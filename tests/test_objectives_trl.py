@@ -27,7 +27,7 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from test_rollout_correction_trl import ATOL, RTOL, TRL, _function, _run, _trl_source, batch  # noqa: E402
+from test_rollout_correction_trl import ATOL, RTOL, TRL, _function, _run, _trl_source, batch, trl_inputs  # noqa: E402
 
 from grpolab.objectives.losses import PolicyLossInput, policy_loss, step_denominators  # noqa: E402
 from grpolab.objectives.presets import PRESETS  # noqa: E402
@@ -86,21 +86,10 @@ def trl_loss(code: TRL, me, logp, old, adv, mask, engine=None, ref=None) -> tupl
     ``me.beta`` > 0)."""
     leaf = logp.clone().requires_grad_(True)
     me._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, torch.zeros_like(leaf), None)
-    n, t = mask.shape
-    inputs = {
-        "prompt_ids": torch.zeros(n, 0, dtype=torch.long),
-        "prompt_mask": torch.zeros(n, 0, dtype=torch.long),
-        "completion_ids": torch.zeros(n, t, dtype=torch.long),
-        "completion_mask": mask,
-        "advantages": adv,
-        "old_per_token_logps": old,
-        "num_items_in_batch": mask.sum(),
-    }
-    if ref is not None:
-        inputs["ref_per_token_logps"] = ref
+    extra = {} if ref is None else {"ref_per_token_logps": ref}
     if engine is not None:
-        inputs["sampling_per_token_logps"] = engine
-        inputs["importance_sampling_ratio"] = code.ratio(me, old, engine, mask)
+        extra["importance_sampling_ratio"] = code.ratio(me, old, engine, mask)
+    inputs = trl_inputs(mask, adv, old, engine, **extra)
     loss = code.globals["_compute_loss"](me, None, inputs)
     loss.backward()
     return loss.detach(), leaf.grad

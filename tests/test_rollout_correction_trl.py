@@ -158,20 +158,29 @@ class TRL:
         per-token log-probs of the completions (the prompt is empty)."""
         leaf = logp.clone().requires_grad_(True)
         me._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, torch.zeros_like(leaf), None)
-        inputs = {
-            "prompt_ids": torch.zeros(N, 0, dtype=torch.long),
-            "prompt_mask": torch.zeros(N, 0, dtype=torch.long),
-            "completion_ids": torch.zeros(N, T, dtype=torch.long),
-            "completion_mask": mask,
-            "advantages": adv,
-            "old_per_token_logps": old,
-            "sampling_per_token_logps": engine,
-            "importance_sampling_ratio": self.ratio(me, old, engine, mask),
-            "num_items_in_batch": mask.sum(),
-        }
+        inputs = trl_inputs(mask, adv, old, engine, importance_sampling_ratio=self.ratio(me, old, engine, mask))
         loss = self.globals["_compute_loss"](me, None, inputs)
         loss.backward()
         return loss.detach(), leaf.grad
+
+
+def trl_inputs(mask, adv, old, engine=None, **extra) -> dict:
+    """The ``inputs`` of TRL's ``_compute_loss`` for completions [n, T] from position 0 with an empty prompt;
+    ``engine`` the sampling log-probs (None: none given), ``extra`` further keys (the ratio, the reference's)."""
+    n, t = mask.shape
+    inputs = {
+        "prompt_ids": torch.zeros(n, 0, dtype=torch.long),
+        "prompt_mask": torch.zeros(n, 0, dtype=torch.long),
+        "completion_ids": torch.zeros(n, t, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "num_items_in_batch": mask.sum(),
+        **extra,
+    }
+    if engine is not None:
+        inputs["sampling_per_token_logps"] = engine
+    return inputs
 
 
 @pytest.fixture(scope="module")

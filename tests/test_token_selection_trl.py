@@ -16,7 +16,7 @@ import ast
 
 import pytest
 import torch
-from test_rollout_correction_trl import ATOL, RTOL, TRL, N, T, _function, _run, _trl_source, batch
+from test_rollout_correction_trl import ATOL, RTOL, TRL, N, T, _function, _run, _trl_source, batch, trl_inputs
 
 from grpolab.learning.update import UpdateData, accumulate_gradients
 from grpolab.objectives.presets import PRESETS
@@ -53,17 +53,7 @@ def trl_loss(trl_code, me, logp, entropy, old, adv, mask):
     """TRL's loss and its gradients d/d logp, d/d entropy (the model's outputs stood in by leaves)."""
     lp, ent = logp.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
     me._get_per_token_logps_and_entropies = lambda *a, **k: (lp, ent, None)
-    inputs = {
-        "prompt_ids": torch.zeros(N, 0, dtype=torch.long),
-        "prompt_mask": torch.zeros(N, 0, dtype=torch.long),
-        "completion_ids": torch.zeros(N, T, dtype=torch.long),
-        "completion_mask": mask,
-        "advantages": adv,
-        "old_per_token_logps": old,
-        "sampling_per_token_logps": old,
-        "num_items_in_batch": mask.sum(),
-    }
-    loss = trl_code.globals["_compute_loss"](me, None, inputs)
+    loss = trl_code.globals["_compute_loss"](me, None, trl_inputs(mask, adv, old, old))
     loss.backward()
     return loss.detach(), lp.grad, ent.grad
 
