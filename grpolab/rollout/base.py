@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from torch import Tensor
 
 from grpolab.models.weights import PolicyWeights
+from grpolab.tasks.base import Grade
 
 __all__ = [
     "SamplingParams",
@@ -104,6 +105,8 @@ class Completion:
     routed_experts: an MoE policy's routing where the engine computed it: int16 [P + C, L, k], the experts each
         of its L routers chose for each prompt and completion token (-1: a token the engine never fed, such as
         the last); None when the engine records none.
+    grade: the grade an environment gave the trajectory it drove (``grpolab.tasks.environment``); None: the
+        task grades it.
     policy_version: the policy that sampled it, as the steps trained into its weights (0: the start policy);
         set by the rollout pipeline (``grpolab.rollout.pipeline``), None where nothing recorded it.
     """
@@ -118,6 +121,7 @@ class Completion:
     turns: int = 1
     routed_experts: Tensor | None = None
     policy_version: int | None = None
+    grade: Grade | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):

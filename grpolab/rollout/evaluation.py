@@ -20,15 +20,17 @@ from grpolab.tasks.base import Example, Grade, Task, grade_safely
 def grade_completions(
     task: Task, examples: list[Example], completions: list[list[Completion]], reward_models: RewardModels | None = None
 ) -> list[list[Grade]]:
-    """Grades [prompt][sample] of the completions of each example (with the task's ``grade_batch``), with
-    ``reward_models``' raw scores as components."""
-    items = [(c.text, ex, c.truncated) for ex, group in zip(examples, completions) for c in group]
+    """Grades [prompt][sample] of the completions of each example (with the task's ``grade_batch``; a completion
+    an environment graded keeps its ``Completion.grade``), with ``reward_models``' raw scores as components."""
+    items = [(c.text, ex, c.truncated) for ex, group in zip(examples, completions) for c in group if c.grade is None]
     try:
-        flat = task.grade_batch(items)
+        graded = task.grade_batch(items) if items else []
     except Exception:
-        flat = None  # graded one by one below, each failure counted
-    if flat is None or len(flat) != len(items):
-        flat = [grade_safely(task, *item) for item in items]
+        graded = None  # graded one by one below, each failure counted
+    if graded is None or len(graded) != len(items):
+        graded = [grade_safely(task, *item) for item in items]
+    fresh = iter(graded)
+    flat = [c.grade if c.grade is not None else next(fresh) for group in completions for c in group]
     out, start = [], 0
     for group in completions:
         out.append(flat[start : start + len(group)])

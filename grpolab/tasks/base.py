@@ -91,12 +91,15 @@ class Task(ABC):
     Attributes:
         toolset: tools the model may call (rollouts become multi-turn); None: single-turn.
         reward_models: reward models scored beside ``grade`` (their weighted terms join the RL reward).
+        environment: the ``grpolab.tasks.environment.Environment`` that drives and grades its rollouts
+            (an ``EnvironmentTask``); None: the engine samples and ``grade`` grades.
         warm_start_overrides: ``WarmStartSettings`` fields for the demo's tiny model on this task.
     """
 
     name: str
     toolset: Toolset | None = None
     reward_models: Sequence[RewardModelSpec] = ()
+    environment: Any = None  # an Environment (grpolab.tasks.environment, which imports this module)
     warm_start_overrides: Mapping[str, Any] = MappingProxyType({})
 
     @abstractmethod
@@ -164,6 +167,7 @@ REQUIRED_MEMBERS = ("name", "train_examples", "validation_examples", "prompt", "
 OPTIONAL_MEMBERS = (
     "toolset",
     "reward_models",
+    "environment",
     "warm_start_overrides",
     "grade_batch",
     "bind_tokenizer",

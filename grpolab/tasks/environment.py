@@ -1,0 +1,97 @@
+"""Environments: tasks whose rollouts an outside environment drives and grades (verifiers, OpenEnv).
+
+An environment runs one rollout of one example at a time (``Environment.rollout``, a coroutine; many run
+concurrently). It generates by calling an OpenAI-compatible chat-completions endpoint that grpolab serves
+over its rollout engine for the length of the rollouts (``Endpoint``: one per trajectory), may put its own
+messages (observations, tool output, a user simulator's turns) between the policy's turns, and returns the
+trajectory's ``Grade`` (its reward terms as components). grpolab records every call token-in/token-out:
+the trajectory trains on exactly the tokens the engine sampled, the environment's messages masked out of
+the loss.
+
+The endpoint samples with the run's rollout settings (temperature, top-p, top-k, seed); a request's own
+sampling arguments are ignored, except ``max_tokens`` (capped by what is left of the trajectory's
+``rollout.max_new_tokens``) and ``stop``. A rollout that raises, or runs past ``timeout_s``, scores 0 with
+the term ``environment`` failed: never a hang, never a crash.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from grpolab.tasks.base import Example, Grade, Task
+
+ENVIRONMENT_TERM = "environment"  # the failed term of a rollout that raised or timed out
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where one trajectory generates: an OpenAI-compatible server on the loopback address.
+
+    base_url: ``http://127.0.0.1:PORT/.../v1``, this trajectory's own (calls on it form one trajectory).
+    model: the model name the server answers to.
+    max_tokens: the trajectory's token budget (``rollout.max_new_tokens``: its turns and the messages put
+        between them, together).
+    """
+
+    base_url: str
+    model: str
+    max_tokens: int
+    api_key: str = "grpolab"
+
+    def client(self, timeout: float = 600.0) -> Any:
+        """An ``openai.AsyncOpenAI`` client of this endpoint (no retries: a failed call fails the rollout)."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=timeout)
+
+
+class Environment(ABC):
+    """An environment grpolab's rollouts step: one coroutine per trajectory.
+
+    Attributes:
+        name: what it is (e.g. the verifiers environment's module), for the manifest.
+        version: its package's version, for the manifest (a resumed run refuses another).
+        settings: the arguments it was built with, for the manifest (JSON values).
+        max_concurrency: rollouts in flight at once.
+        timeout_s: wall-clock seconds one rollout may take.
+    """
+
+    name: str
+    version: str
+    settings: Mapping[str, Any] = {}
+    max_concurrency: int = 8
+    timeout_s: float = 300.0
+
+    def start(self) -> None:
+        """Starts what the rollouts need (a server process); called before the first rollout, may be called
+        again (then a no-op)."""
+
+    def close(self) -> None:
+        """Stops what ``start`` started; may be called more than once."""
+
+    @abstractmethod
+    async def rollout(self, example: Example, endpoint: Endpoint) -> Grade:
+        """One trajectory of ``example``, generated through ``endpoint``, and its grade."""
+
+    def identity(self) -> dict[str, Any]:
+        """Name, version and settings: what the manifest records and a resume checks."""
+        return {"name": self.name, "version": self.version, "settings": dict(self.settings)}
+
+
+class EnvironmentTask(Task):
+    """A task whose rollouts and grades come from ``environment`` (set by the subclass).
+
+    ``prompt(example)`` must be the text of the trajectory's first model call (what the endpoint renders
+    from the environment's first messages): it is what validation records hash and what the collector
+    hands the engine, whose environment wrapper finds the example by it.
+    """
+
+    environment: Environment
+
+    def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
+        """An environment grades its own rollouts (``Completion.grade``); a completion it never saw scores 0,
+        counted as failed."""
+        return Grade(0.0, 0.0, failed=(ENVIRONMENT_TERM,))
