@@ -1,0 +1,319 @@
+"""reasoning-gym's procedural generators as a task: ``task.name = "reasoning_gym"``.
+
+Each ``[[task.generators]]`` names a reasoning-gym generator (``reasoning_gym.create_dataset``'s name), its
+weight and its settings (the generator's config fields, passed through). The items come from reasoning-gym's
+own ``CompositeDataset`` (weighted choice of a generator per item, each generator seeded from the composite's
+seed): ``n_train`` training items from ``seed``, ``n_val`` validation items from ``val_seed``.
+
+**Disjoint validation.** reasoning-gym seeds item ``i`` of a generator with ``seed + i`` (and generator ``j`` of a
+composite with ``seed + j + 1``), so two seeds closer than the item counts give the same items shifted: the
+settings refuse seeds whose ranges overlap (``val_seed`` defaults to ``seed + 1,000,000``). Distinct seeds can
+still draw the same problem where a generator has few (``leg_counting`` with one animal): any training item whose
+question is a validation question is skipped and the next one drawn, so no validation question is ever trained
+on; the fingerprint records how many were skipped.
+
+**Reward.** The generator's own ``score_answer(answer, entry)`` grades the answer extracted from the completion.
+Two terms: ``correct`` (1.0 when the score is 1.0, the task's accuracy, weight 1) and ``score`` (the generator's
+score itself, partial credit included, weight ``score_weight``, 0 by default: logged, not in the RL reward, so the
+RL reward stays binary and every objective applies; set it to train on partial credit too). A truncated completion
+or one without an answer in the asked form scores 0 on both.
+
+**Prompts.** ``chat`` (the default): the tokenizer's chat template over the question and an instruction saying
+how to answer: ``answer = "answer_is"`` ("End your reply with: The answer is <answer>."; the text after the last
+``answer is`` on its line is the answer) or ``"answer_tags"`` (reasoning-gym's own convention, ``<answer>...</answer>``,
+read by its ``extract_answer``). ``r1_zero``: the r1_zero prompt, the answer inside ``</think> <answer> ... </answer>``.
+
+reasoning-gym is imported only when such a task is configured (the ``envs`` extra).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields as dataclass_fields
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from grpolab.tasks.base import Example, Grade, Task, TaskSettings
+from grpolab.tasks.datasets import canonical_json, text_sha256
+from grpolab.tasks.prompts import PromptBuilder
+from grpolab.tasks.r1_zero import parse_r1_zero
+
+VAL_SEED_OFFSET = 1_000_000  # the default val_seed - seed: far beyond any item count, so no item is shared
+CONTROLLED = ("seed", "size")  # generator config fields the task sets itself (task.seed / val_seed, n_train / n_val)
+INSTRUCTIONS = {
+    "answer_is": "End your reply with: The answer is <answer>.",
+    "answer_tags": "Give your final answer between <answer> and </answer> tags.",
+}
+CORRECT, SCORE = "correct", "score"  # the grade's components (reward/<name> in the metrics)
+_ANSWER_IS = re.compile(r"answer is:?[ \t]*(.*?)[ \t]*$", re.IGNORECASE | re.MULTILINE)
+INSTALL = "pip install -e '.[envs]' (reasoning-gym)"
+
+
+def _reasoning_gym() -> Any:
+    """The reasoning_gym package, or one line saying how to install it."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ValueError(f"task.name 'reasoning_gym' needs the reasoning-gym package: {INSTALL}") from None
+    return reasoning_gym
+
+
+def reasoning_gym_version() -> str:
+    """The installed reasoning-gym's version (its distribution's: the module's ``__version__`` lags behind)."""
+    from importlib.metadata import version
+
+    return version("reasoning-gym")
+
+
+def stated_answer(completion: str) -> str | None:
+    """The text after the last ``answer is`` on its line, without markup around it (``**``, quotes, a final
+    period), or None when there is none or it is empty."""
+    found = _ANSWER_IS.findall(completion)
+    if not found:
+        return None
+    answer = found[-1].strip()
+    answer = answer[:-1] if answer.endswith(".") else answer
+    answer = answer.strip().strip("*").strip("`").strip()
+    if len(answer) >= 2 and answer[0] == answer[-1] and answer[0] in "\"'":
+        answer = answer[1:-1].strip()
+    return answer or None
+
+
+def extract(completion: str, answer: str) -> str | None:
+    """The answer in ``completion`` stated in the form ``answer`` names (answer_is, answer_tags, r1_zero)."""
+    if answer == "answer_is":
+        return stated_answer(completion)
+    if answer == "answer_tags":
+        from reasoning_gym.utils import extract_answer
+
+        return extract_answer(completion)
+    ok, stated = parse_r1_zero(completion)
+    return stated if ok else None
+
+
+class GeneratorConfig(TaskSettings):
+    """One reasoning-gym generator of the mix."""
+
+    name: str = Field(description="a reasoning-gym generator, e.g. leg_counting, letter_counting, basic_arithmetic")
+    weight: float = Field(1.0, gt=0, description="its share of the items (weights are normalized)")
+    settings: dict[str, Any] = Field(
+        default_factory=dict, description="the generator's config fields, e.g. {min_words = 1, max_words = 3}"
+    )
+
+
+class ReasoningGymTaskConfig(TaskSettings):
+    """reasoning-gym's procedural generators, graded by their own scorers."""
+
+    name: Literal["reasoning_gym"] = Field("reasoning_gym", description="reasoning-gym's procedural generators")
+    generators: list[GeneratorConfig] = Field(
+        min_length=1, description="[[task.generators]] tables: name, weight, settings"
+    )
+    n_train: int = Field(1000, ge=1, description="training items (drawn with seed)")
+    n_val: int = Field(64, ge=1, description="validation items (drawn with val_seed)")
+    seed: int = Field(0, ge=0, description="the training items' seed")
+    val_seed: int | None = Field(
+        None, ge=0, description="the validation items' seed; None = seed + 1000000 (item ranges never overlap)"
+    )
+    prompt: Literal["chat", "r1_zero"] = Field("chat", description="chat = the tokenizer's chat template; r1_zero")
+    answer: Literal["answer_is", "answer_tags"] = Field(
+        "answer_is",
+        description="chat: how the reply states its answer: 'The answer is X.' or <answer>X</answer> "
+        "(reasoning-gym's convention); r1_zero prompts use the r1_zero tags",
+    )
+    system: str | None = Field(None, description="chat: a system message (None: the template's default, if any)")
+    score_weight: float = Field(
+        0.0, ge=0, description="weight of the generator's score (partial credit) in the RL reward; 0 = logged only"
+    )
+
+    FILES: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def validation_seed(self) -> int:
+        return self.seed + VAL_SEED_OFFSET if self.val_seed is None else self.val_seed
+
+    @model_validator(mode="after")
+    def _known_generators(self) -> ReasoningGymTaskConfig:
+        """Unknown generators, repeated ones, unknown or invalid settings and overlapping seeds, each in one line."""
+        _reasoning_gym()
+        from reasoning_gym.factory import DATASETS
+
+        known = sorted(n for n in DATASETS if n != "composite")
+        names = [g.name for g in self.generators]
+        for i, g in enumerate(self.generators):
+            where = f"task.generators[{i}] ({g.name})"
+            if g.name not in known:
+                raise ValueError(f"{where}: unknown reasoning-gym generator; reasoning-gym has {', '.join(known)}")
+            if names.count(g.name) > 1:
+                raise ValueError(f"{where}: named twice; a generator appears once in the mix (one settings table)")
+            config_cls = DATASETS[g.name][1]
+            allowed = [f.name for f in dataclass_fields(config_cls) if f.name not in CONTROLLED]
+            for key in g.settings:
+                if key in CONTROLLED:
+                    raise ValueError(
+                        f"{where}: settings.{key} is set by the task (task.seed / task.val_seed, task.n_train / "
+                        "task.n_val); remove it"
+                    )
+                if key not in allowed:
+                    raise ValueError(f"{where}: unknown setting {key!r}; {g.name} has {', '.join(allowed)}")
+            try:
+                config = config_cls(**g.settings)
+                if hasattr(config, "validate"):
+                    config.validate()
+            except Exception as err:  # the generators' own checks are asserts, or errors of their own
+                raise ValueError(f"{where}: bad settings {g.settings}: {err or type(err).__name__}") from None
+        if self.prompt == "r1_zero" and self.system is not None:
+            raise ValueError("task.system applies to task.prompt 'chat'; the r1_zero prompt is fixed")
+        self._seeds_apart(len(self.generators))
+        return self
+
+    def _seeds_apart(self, k: int) -> None:
+        """reasoning-gym seeds item i of generator j with seed + j + 1 + i: the two seed ranges must not overlap."""
+        train = (self.seed, self.seed + k + 2 * self.n_train + self.n_val)  # the draws may run past n_train
+        val = (self.validation_seed, self.validation_seed + k + self.n_val)
+        if train[0] <= val[1] and val[0] <= train[1]:
+            raise ValueError(
+                f"task.seed {self.seed} and task.val_seed {self.validation_seed} are too close: reasoning-gym seeds "
+                "item i with seed + i, so validation would repeat training items; leave task.val_seed unset "
+                f"(seed + {VAL_SEED_OFFSET}) or move it past {train[1]}"
+            )
+
+    def nonbinary_rewards(self) -> list[str]:
+        """The score term once weighted: partial credit takes values between 0 and 1, and adds to ``correct``."""
+        return (
+            [f"task.score_weight ({self.score_weight:g}, the generators' partial credit)"] if self.score_weight else []
+        )
+
+    def reward_weights(self) -> dict[str, float]:
+        return {CORRECT: 1.0, SCORE: self.score_weight}
+
+    def prompt_format(self) -> str | None:
+        return self.prompt
+
+    def build(self) -> ReasoningGymTask:
+        return ReasoningGymTask(self)
+
+
+class ReasoningGymTask(Task):
+    """Training and validation items of a reasoning-gym mix, prompts, and the generators' scorers as the grade."""
+
+    def __init__(self, cfg: ReasoningGymTaskConfig):
+        from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
+
+        self.cfg, self.name = cfg, cfg.name
+
+        def mix(seed: int, size: int) -> Any:
+            specs = [DatasetSpec(name=g.name, weight=g.weight, config=dict(g.settings)) for g in cfg.generators]
+            return CompositeDataset(CompositeConfig(size=size, seed=seed, datasets=specs))
+
+        self._val_data = mix(cfg.validation_seed, cfg.n_val)
+        val_entries = [self._val_data[i] for i in range(cfg.n_val)]
+        asked = {e["question"] for e in val_entries}
+        # Drawn past n_train only to replace items that repeat a validation question; the generators take any index.
+        self._train_data = mix(cfg.seed, 2 * cfg.n_train + cfg.n_val)
+        train_entries, self.skipped, index = [], 0, 0
+        while len(train_entries) < cfg.n_train and index < len(self._train_data):
+            entry = self._train_data[index]
+            index += 1
+            if entry["question"] in asked:
+                self.skipped += 1
+            else:
+                train_entries.append(entry)
+        if len(train_entries) < cfg.n_train:
+            raise ValueError(
+                f"reasoning-gym task: only {len(train_entries)} of {index} training items differ from the "
+                f"{cfg.n_val} validation questions: these settings allow too few distinct problems; widen the "
+                "generators' settings or lower task.n_train / task.n_val"
+            )
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._val = [self._example("val", i, e) for i, e in enumerate(val_entries)]
+        self._train = [self._example("train", i, e) for i, e in enumerate(train_entries)]
+        if cfg.prompt == "r1_zero":
+            self._prompts = PromptBuilder("r1_zero", None, cfg.system)
+        else:
+            self._prompts = PromptBuilder("chat", "{question}\n\n" + INSTRUCTIONS[cfg.answer], cfg.system)
+        self.answer_form = "r1_zero" if cfg.prompt == "r1_zero" else cfg.answer
+
+    def _example(self, split: str, index: int, entry: dict[str, Any]) -> Example:
+        """An Example of one reasoning-gym entry (its question stripped of trailing blank lines); the entry itself
+        is kept by id for its generator's scorer, which may read its metadata."""
+        example_id = f"{split}-{index}"
+        self._entries[example_id] = entry
+        source = entry["metadata"]["source_dataset"]
+        return Example(
+            id=example_id, question=entry["question"].strip(), answer=str(entry["answer"]), fields={"generator": source}
+        )
+
+    def train_examples(self) -> list[Example]:
+        return list(self._train)
+
+    def validation_examples(self) -> list[Example]:
+        return list(self._val)
+
+    def bind_tokenizer(self, tokenizer: Any) -> None:
+        self._prompts.bind_tokenizer(tokenizer)
+
+    def prompt(self, example: Example) -> str:
+        return self._prompts.render({"question": example.question})
+
+    def prompt_template(self) -> str:
+        return self._prompts.describe()
+
+    def messages(self, example: Example) -> list[dict[str, str]]:
+        if self.cfg.prompt == "chat":
+            return self._prompts.messages({"question": example.question})
+        return [{"role": "user", "content": self.prompt(example)}]
+
+    def score(self, answer: str | None, example: Example) -> float:
+        """The example's generator's own score of ``answer`` (0.0 to 1.0; None scores 0)."""
+        entry = self._entries[example.id]
+        data = self._train_data if example.id.startswith("train-") else self._val_data
+        return float(data.score_answer(answer, entry))
+
+    def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
+        """``correct`` = the generator's score is 1.0; ``score`` = that score (partial credit); format: an answer
+        stated in the asked form, not truncated."""
+        answer = extract(completion, self.answer_form)
+        if truncated or answer is None:
+            score = 0.0
+        else:
+            score = self.score(answer, example)
+        correct = float(score >= 1.0)
+        return Grade(
+            format_reward=float(answer is not None and not truncated),
+            answer_reward=correct,
+            extracted=answer,
+            components=((CORRECT, correct), (SCORE, score)),
+            total=correct + self.cfg.score_weight * score,
+        )
+
+    def data_fingerprint(self) -> dict[str, Any]:
+        """The generators (names, weights, settings), sizes, seeds, reasoning-gym's version, and SHA-256s of those
+        settings, of the generated items (id, generator, question, answer) and of the prompt."""
+
+        def rows(examples: list[Example]) -> str:
+            return "\n".join(canonical_json([e.id, e.fields["generator"], e.question, e.answer]) for e in examples)
+
+        generators = [g.model_dump() for g in self.cfg.generators]
+        identity = {
+            "reasoning_gym_version": reasoning_gym_version(),
+            "generators": generators,
+            "seed": self.cfg.seed,
+            "val_seed": self.cfg.validation_seed,
+            "prompt": self.cfg.prompt,
+            "answer": self.answer_form,
+            "score_weight": self.cfg.score_weight,
+        }
+        return {
+            "task": self.name,
+            **identity,
+            # what a resume compares (the *_sha256 and *_rows keys): the package's version and every setting too,
+            # since a new reasoning-gym may grade the same items differently
+            "settings_sha256": text_sha256(canonical_json(identity)),
+            "train_rows": len(self._train),
+            "train_skipped_as_validation": self.skipped,
+            "validation_rows": len(self._val),
+            "train_sha256": text_sha256(rows(self._train)),
+            "validation_sha256": text_sha256(rows(self._val)),
+            "prompt_template_sha256": text_sha256(self.prompt_template()),
+        }
