@@ -52,7 +52,7 @@ UNIT_MODULES = frozenset(
     test_packed_linear test_policy test_policy_mask test_precision test_prompt_tokens test_provenance test_report_reward_models
     test_health test_refill test_report_stats test_reward_model test_rollout_hf test_sandbox test_score_norm test_shaping test_shared_prefix
     test_sync_check test_task_members test_tasks test_tinymodel test_tool_protocol test_update test_verifiers test_rollout_correction
-    test_rollout_correction_trl test_trl_loss_types test_objectives_trl
+    test_rollout_correction_trl test_trl_loss_types test_objectives_trl test_reasoning_gym
     test_verl_losses test_advantage_variants test_token_selection test_token_selection_trl test_distillation
 """.split()
 )

@@ -149,7 +149,7 @@ def test_the_fingerprint_is_stable_and_changes_with_every_setting(change):
         ({"generators": [{"name": "gcd", "settings": {"max_value": 1}}]}, "bad settings {'max_value': 1}: max_value"),
         ({"generators": [{"name": "gcd", "settings": {"seed": 3}}]}, "settings.seed is set by the task"),
         ({"generators": [SUMS, SUMS]}, "named twice"),
-        ({"generators": []}, "at least 1 item"),
+        ({"generators": []}, "task.generators is empty: add a [[task.generators]] table"),
         ({"generators": [{"name": "gcd", "weight": 0}]}, "greater than 0"),
         ({"seed": 0, "val_seed": 30}, "too close: reasoning-gym seeds item i with seed + i"),
         ({"prompt": "r1_zero", "system": "Be brief."}, "task.system applies to task.prompt 'chat'"),
@@ -159,3 +159,22 @@ def test_bad_settings_are_refused_in_one_line(change, message):
     with pytest.raises(ValueError) as refused:
         task_of(**change)
     assert message in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
+def test_a_scorer_that_hangs_or_raises_fails_its_terms_within_the_bound_and_the_others_go_on():
+    """The generators' scorers run in killable workers (``grpolab.tasks.sandbox``): a generator of one's own,
+    registered by a module in ``task.imports``, whose scorer hangs on one answer and raises on another."""
+    import time
+
+    task = task_of(generators=[{"name": "grpolab_repeat"}], imports=["rg_generators"], timeout_s=1.0, n_val=4)
+    example = task.validation_examples()[0]
+    items = [(f"The answer is {text}.", example, False) for text in ("hang", "raise", example.answer, "x")]
+    started = time.monotonic()
+    hang, raised, right, wrong = task.grade_batch(items)
+    assert time.monotonic() - started < 30  # the hanging scorer was killed at its bound (1 s), not waited for
+    assert hang.failed == raised.failed == ("correct", "score") and hang.reward == raised.reward == 0.0
+    assert (right.failed, right.answer_reward, wrong.failed, wrong.answer_reward) == ((), 1.0, (), 0.0)
+    fingerprint = task.data_fingerprint()
+    assert fingerprint["imports"]["rg_generators"]["source"].endswith("rg_generators.py")
+    with pytest.raises(ValueError, match="task.imports: 'no_such_module' cannot be imported: ModuleNotFoundError"):
+        task_of(imports=["no_such_module"])

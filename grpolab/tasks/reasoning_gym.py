@@ -28,16 +28,27 @@ reasoning-gym is imported only when such a task is configured (the ``envs`` extr
 
 from __future__ import annotations
 
+import functools
+import importlib
+import json
+import logging
+import math
 import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields as dataclass_fields
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from grpolab.tasks.base import Example, Grade, Task, TaskSettings
-from grpolab.tasks.datasets import canonical_json, text_sha256
+from grpolab.tasks.datasets import canonical_json, file_sha256, text_sha256
 from grpolab.tasks.prompts import PromptBuilder
 from grpolab.tasks.r1_zero import parse_r1_zero
+from grpolab.tasks.sandbox import MAX_WORKERS, WorkerPool
+
+logger = logging.getLogger(__name__)
 
 VAL_SEED_OFFSET = 1_000_000  # the default val_seed - seed: far beyond any item count, so no item is shared
 CONTROLLED = ("seed", "size")  # generator config fields the task sets itself (task.seed / val_seed, n_train / n_val)
@@ -95,7 +106,7 @@ def extract(completion: str, answer: str) -> str | None:
 class GeneratorConfig(TaskSettings):
     """One reasoning-gym generator of the mix."""
 
-    name: str = Field(description="a reasoning-gym generator, e.g. leg_counting, letter_counting, basic_arithmetic")
+    name: str = Field(description="a reasoning-gym generator, e.g. gcd, lcm, letter_counting, chain_sum")
     weight: float = Field(1.0, gt=0, description="its share of the items (weights are normalized)")
     settings: dict[str, Any] = Field(
         default_factory=dict, description="the generator's config fields, e.g. {min_words = 1, max_words = 3}"
@@ -103,11 +114,11 @@ class GeneratorConfig(TaskSettings):
 
 
 class ReasoningGymTaskConfig(TaskSettings):
-    """reasoning-gym's procedural generators, graded by their own scorers."""
+    """Procedural generators of reasoning-gym, graded by their own scorers."""
 
     name: Literal["reasoning_gym"] = Field("reasoning_gym", description="reasoning-gym's procedural generators")
     generators: list[GeneratorConfig] = Field(
-        min_length=1, description="[[task.generators]] tables: name, weight, settings"
+        default_factory=list, description="[[task.generators]] tables: name, weight, settings (at least one)"
     )
     n_train: int = Field(1000, ge=1, description="training items (drawn with seed)")
     n_val: int = Field(64, ge=1, description="validation items (drawn with val_seed)")
@@ -125,6 +136,13 @@ class ReasoningGymTaskConfig(TaskSettings):
     score_weight: float = Field(
         0.0, ge=0, description="weight of the generator's score (partial credit) in the RL reward; 0 = logged only"
     )
+    timeout_s: float = Field(
+        10.0, gt=0, description="time bound of one scorer call (in a killable worker); past it the item scores 0"
+    )
+    imports: list[str] = Field(
+        default_factory=list,
+        description="modules that register generators of your own (reasoning_gym.register_dataset), imported first",
+    )
 
     FILES: ClassVar[tuple[str, ...]] = ()
 
@@ -138,7 +156,18 @@ class ReasoningGymTaskConfig(TaskSettings):
         _reasoning_gym()
         from reasoning_gym.factory import DATASETS
 
+        for module in self.imports:
+            try:
+                importlib.import_module(module)
+            except Exception as err:
+                raise ValueError(f"task.imports: {module!r} cannot be imported: {type(err).__name__}: {err}") from None
+
         known = sorted(n for n in DATASETS if n != "composite")
+        if not self.generators:
+            raise ValueError(
+                "task.generators is empty: add a [[task.generators]] table naming a reasoning-gym generator "
+                '(e.g. name = "gcd", settings = { max_value = 16 })'
+            )
         names = [g.name for g in self.generators]
         for i, g in enumerate(self.generators):
             where = f"task.generators[{i}] ({g.name})"
@@ -194,51 +223,79 @@ class ReasoningGymTaskConfig(TaskSettings):
         return ReasoningGymTask(self)
 
 
+def _mix(spec: dict[str, Any]) -> Any:
+    """reasoning-gym's CompositeDataset of ``spec`` (generators, seed, size, and the modules that register generators
+    of one's own, imported first)."""
+    for module in spec["imports"]:
+        importlib.import_module(module)
+    from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
+
+    specs = [DatasetSpec(name=g["name"], weight=g["weight"], config=dict(g["settings"])) for g in spec["generators"]]
+    return CompositeDataset(CompositeConfig(size=spec["size"], seed=spec["seed"], datasets=specs))
+
+
+@functools.lru_cache(maxsize=8)
+def _mix_of(spec_json: str) -> Any:
+    return _mix(json.loads(spec_json))
+
+
+def score_in_worker(spec: dict[str, Any], index: int, answer: str) -> float:
+    """The score of ``answer`` for item ``index`` of the mix ``spec`` by its generator's own ``score_answer``, run in
+    a killable worker (``grpolab.tasks.sandbox``): the item is generated again there (exactly: seeded), the mix once."""
+    data = _mix_of(canonical_json(spec))
+    return float(data.score_answer(answer, data[index]))
+
+
+_scorers = WorkerPool.shared("grpolab.tasks.reasoning_gym:score_in_worker")
+_reported: set[str] = set()  # the first scorer failure per generator is logged with its reason
+
+
 class ReasoningGymTask(Task):
     """Training and validation items of a reasoning-gym mix, prompts, and the generators' scorers as the grade."""
 
     def __init__(self, cfg: ReasoningGymTaskConfig):
-        from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
-
         self.cfg, self.name = cfg, cfg.name
-
-        def mix(seed: int, size: int) -> Any:
-            specs = [DatasetSpec(name=g.name, weight=g.weight, config=dict(g.settings)) for g in cfg.generators]
-            return CompositeDataset(CompositeConfig(size=size, seed=seed, datasets=specs))
-
-        self._val_data = mix(cfg.validation_seed, cfg.n_val)
-        val_entries = [self._val_data[i] for i in range(cfg.n_val)]
-        asked = {e["question"] for e in val_entries}
-        # Drawn past n_train only to replace items that repeat a validation question; the generators take any index.
-        self._train_data = mix(cfg.seed, 2 * cfg.n_train + cfg.n_val)
+        generators = [g.model_dump() for g in cfg.generators]
+        self._specs = {
+            "val": {"generators": generators, "seed": cfg.validation_seed, "size": cfg.n_val, "imports": cfg.imports},
+            # drawn past n_train only to replace items that repeat a validation question
+            "train": {
+                "generators": generators,
+                "seed": cfg.seed,
+                "size": 2 * cfg.n_train + cfg.n_val,
+                "imports": cfg.imports,
+            },
+        }
+        val_data, train_data = _mix(self._specs["val"]), _mix(self._specs["train"])
+        val_entries = [(i, val_data[i]) for i in range(cfg.n_val)]
+        asked = {e["question"] for _, e in val_entries}
         train_entries, self.skipped, index = [], 0, 0
-        while len(train_entries) < cfg.n_train and index < len(self._train_data):
-            entry = self._train_data[index]
-            index += 1
+        while len(train_entries) < cfg.n_train and index < len(train_data):
+            entry = train_data[index]
             if entry["question"] in asked:
                 self.skipped += 1
             else:
-                train_entries.append(entry)
+                train_entries.append((index, entry))
+            index += 1
         if len(train_entries) < cfg.n_train:
             raise ValueError(
                 f"reasoning-gym task: only {len(train_entries)} of {index} training items differ from the "
                 f"{cfg.n_val} validation questions: these settings allow too few distinct problems; widen the "
                 "generators' settings or lower task.n_train / task.n_val"
             )
-        self._entries: dict[str, dict[str, Any]] = {}
-        self._val = [self._example("val", i, e) for i, e in enumerate(val_entries)]
-        self._train = [self._example("train", i, e) for i, e in enumerate(train_entries)]
+        self._where: dict[str, tuple[str, int]] = {}  # example id -> (split, index in its mix): what the scorer needs
+        self._val = [self._example("val", i, *item) for i, item in enumerate(val_entries)]
+        self._train = [self._example("train", i, *item) for i, item in enumerate(train_entries)]
         if cfg.prompt == "r1_zero":
             self._prompts = PromptBuilder("r1_zero", None, cfg.system)
         else:
             self._prompts = PromptBuilder("chat", "{question}\n\n" + INSTRUCTIONS[cfg.answer], cfg.system)
         self.answer_form = "r1_zero" if cfg.prompt == "r1_zero" else cfg.answer
 
-    def _example(self, split: str, index: int, entry: dict[str, Any]) -> Example:
-        """An Example of one reasoning-gym entry (its question stripped of trailing blank lines); the entry itself
-        is kept by id for its generator's scorer, which may read its metadata."""
-        example_id = f"{split}-{index}"
-        self._entries[example_id] = entry
+    def _example(self, split: str, number: int, index: int, entry: dict[str, Any]) -> Example:
+        """An Example of one reasoning-gym entry (its question stripped of trailing blank lines)."""
+        example_id = f"{split}-{number}"
+        self._where[example_id] = (split, index)
         source = entry["metadata"]["source_dataset"]
         return Example(
             id=example_id, question=entry["question"].strip(), answer=str(entry["answer"]), fields={"generator": source}
@@ -264,20 +321,34 @@ class ReasoningGymTask(Task):
             return self._prompts.messages({"question": example.question})
         return [{"role": "user", "content": self.prompt(example)}]
 
-    def score(self, answer: str | None, example: Example) -> float:
-        """The example's generator's own score of ``answer`` (0.0 to 1.0; None scores 0)."""
-        entry = self._entries[example.id]
-        data = self._train_data if example.id.startswith("train-") else self._val_data
-        return float(data.score_answer(answer, entry))
+    def score(self, answer: str, example: Example) -> float | None:
+        """The example's generator's own score of ``answer`` (0.0 to 1.0), within ``timeout_s``; None when the scorer
+        raised, ran past its bound or gave no number (its first failure per generator is logged)."""
+        split, index = self._where[example.id]
+        reply = _scorers.call([self._specs[split], index, answer], timeout_s=self.cfg.timeout_s)
+        value = reply.value if reply.ok else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        generator = example.fields["generator"]
+        if generator not in _reported:
+            _reported.add(generator)
+            why = reply.error if not reply.ok else f"it returned {value!r}, not a number"
+            logger.warning(
+                "reasoning-gym generator %r: its scorer failed on item %s (it scores 0, counted in "
+                "reward/score_failed; later failures are only counted): %s",
+                generator,
+                example.id,
+                why,
+            )
+        return None
 
     def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
         """``correct`` = the generator's score is 1.0; ``score`` = that score (partial credit); format: an answer
-        stated in the asked form, not truncated."""
+        stated in the asked form, not truncated. A scorer that fails scores 0 on both, named in ``failed``."""
         answer = extract(completion, self.answer_form)
-        if truncated or answer is None:
-            score = 0.0
-        else:
-            score = self.score(answer, example)
+        score = 0.0 if truncated or answer is None else self.score(answer, example)
+        failed = (CORRECT, SCORE) if score is None else ()
+        score = score or 0.0
         correct = float(score >= 1.0)
         return Grade(
             format_reward=float(answer is not None and not truncated),
@@ -285,7 +356,13 @@ class ReasoningGymTask(Task):
             extracted=answer,
             components=((CORRECT, correct), (SCORE, score)),
             total=correct + self.cfg.score_weight * score,
+            failed=failed,
         )
+
+    def grade_batch(self, items: list[tuple[str, Example, bool]]) -> list[Grade]:
+        """``grade`` over (completion, example, truncated) items, several at once (the scorers' worker processes)."""
+        with ThreadPoolExecutor(MAX_WORKERS) as pool:
+            return list(pool.map(lambda item: self.grade(*item), items))
 
     def data_fingerprint(self) -> dict[str, Any]:
         """The generators (names, weights, settings), sizes, seeds, reasoning-gym's version, and SHA-256s of those
@@ -295,9 +372,14 @@ class ReasoningGymTask(Task):
             return "\n".join(canonical_json([e.id, e.fields["generator"], e.question, e.answer]) for e in examples)
 
         generators = [g.model_dump() for g in self.cfg.generators]
+        imports = {}  # a module of one's own: its file and exact text (its generators make the items)
+        for module in self.cfg.imports:
+            source = getattr(sys.modules.get(module), "__file__", None)
+            imports[module] = {"source": source, "source_sha256": file_sha256(Path(source)) if source else None}
         identity = {
             "reasoning_gym_version": reasoning_gym_version(),
             "generators": generators,
+            "imports": imports,
             "seed": self.cfg.seed,
             "val_seed": self.cfg.validation_seed,
             "prompt": self.cfg.prompt,

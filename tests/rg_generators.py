@@ -1,0 +1,42 @@
+"""A reasoning-gym generator of the tests' own, registered with reasoning-gym's ``register_dataset`` (as a user's
+module named in ``task.imports``): items "Repeat N", whose scorer hangs on the answer ``hang`` and raises on
+``raise`` (a scorer that must never stall or end a run)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from random import Random
+from typing import Any
+
+from reasoning_gym import register_dataset
+from reasoning_gym.dataset import ProceduralDataset
+
+
+@dataclass
+class RepeatConfig:
+    high: int = 99
+    seed: int | None = None
+    size: int = 500
+
+    def validate(self) -> None:
+        assert self.high >= 1, "high must be at least 1"
+
+
+class RepeatDataset(ProceduralDataset):
+    def __init__(self, config: RepeatConfig):
+        super().__init__(config=config, seed=config.seed, size=config.size)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        n = Random(self.seed + idx).randint(0, self.config.high)
+        return {"question": f"Repeat {n}.", "answer": str(n), "metadata": {"source_dataset": "grpolab_repeat"}}
+
+    def score_answer(self, answer: str | None, entry: dict[str, Any]) -> float:
+        if answer == "hang":
+            time.sleep(600)
+        if answer == "raise":
+            raise RuntimeError("this scorer raises")
+        return super().score_answer(answer, entry)
+
+
+register_dataset("grpolab_repeat", RepeatDataset, RepeatConfig)
