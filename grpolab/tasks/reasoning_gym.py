@@ -16,7 +16,10 @@ on; the fingerprint records how many were skipped.
 Two terms: ``correct`` (1.0 when the score is 1.0, the task's accuracy, weight 1) and ``score`` (the generator's
 score itself, partial credit included, weight ``score_weight``, 0 by default: logged, not in the RL reward, so the
 RL reward stays binary and every objective applies; set it to train on partial credit too). A truncated completion
-or one without an answer in the asked form scores 0 on both.
+or one without an answer in the asked form scores 0 on both. Each scorer call runs in a killable worker process
+(``grpolab.tasks.sandbox``, the item generated again there) within ``timeout_s``: a scorer that raises or hangs
+scores 0 with both terms failed, never a stalled or ended run; completions are graded several at once.
+``imports`` names modules that register generators of one's own (``reasoning_gym.register_dataset``).
 
 **Prompts.** ``chat`` (the default): the tokenizer's chat template over the question and an instruction saying
 how to answer: ``answer = "answer_is"`` ("End your reply with: The answer is <answer>."; the text after the last
