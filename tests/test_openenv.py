@@ -5,21 +5,23 @@ a step that hangs fails the rollout instead of hanging it."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import socket
-import threading
+import random
 import time
 from pathlib import Path
 
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
+from chat_envs import chatml_model_dir, chatml_tokenizer
+from test_multiturn import ScriptedEngine
+from transformers import AutoModelForCausalLM
 
+from grpolab.models.prompt_tokens import tokenize_prompts
+from grpolab.rollout.base import SamplingParams
+from grpolab.rollout.environment import task_engine
+from grpolab.rollout.hf.engine import HFEngine
 from grpolab.tasks.configs import build_task
 from grpolab.tasks.datasets import file_sha256
-from grpolab.tasks.environment import Endpoint
-from grpolab.tasks.openenv_env import REWARD_TERM, OpenEnvTask
+from grpolab.tasks.openenv_env import REWARD_TERM, ActionRejected, OpenEnvEnvironment, OpenEnvTask, OpenEnvTaskConfig
 
 TESTS = Path(__file__).resolve().parent
 
@@ -48,51 +50,30 @@ def on_path():
 def guess(on_path):
     task = build_task(
         {"name": "openenv", "app": "openenv_envs:GuessEnvironment", "n_train": 3, "n_val": 2, "seed": 5}
-        | {"system": "Play the game.", "max_turns": 3, "step_timeout_s": 2.0}
+        | {"system": "Play the game.", "max_turns": 3, "step_timeout_s": 2.0, "max_reply_tokens": 8}
     )
     assert isinstance(task, OpenEnvTask)
+    task.bind_tokenizer(chatml_tokenizer())
     yield task
     task.environment.close()
 
 
-class ScriptedChat:
-    """A small OpenAI-compatible chat-completions server on 127.0.0.1 whose replies come from ``script(messages)``
-    -> (text, finish_reason); it records each request's messages."""
-
-    def __init__(self, script):
-        self.script, self.requests = script, []
-        app = FastAPI()
-
-        @app.post("/v1/chat/completions")
-        async def complete(request: Request):
-            body = await request.json()
-            self.requests.append(body["messages"])
-            text, finish = self.script(body["messages"])
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-            return {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"], "choices": [choice]}
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        self.endpoint = Endpoint(f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1", "policy", 256)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(5)
+def _guesses(context: str) -> str:
+    """The scripted policy: 1, 2, 3, ... one guess per turn (the turn read from the chat so far)."""
+    return f"{context.count('<|im_start|>assistant')}<|im_end|>"
 
 
-def _rollout(task, example, script):
-    chat = ScriptedChat(script)
+def _generate(task, inner, examples, n=1, budget=200):
+    """``n`` rollouts of each example through grpolab's environment engine and the real endpoint over ``inner``."""
+    tokenizer = task.tokenizer
+    every = task.train_examples() + task.validation_examples()
+    ids = dict(zip([e.id for e in every], tokenize_prompts(tokenizer, [task.prompt(e) for e in every])))
+    engine = task_engine(inner, task, tokenizer, ids, every)
     try:
-        grade = asyncio.run(task.environment.rollout(example, chat.endpoint))
+        groups = engine.generate([ids[e.id] for e in examples], n, SamplingParams(max_new_tokens=budget, seed=3))
     finally:
-        chat.close()
-    return grade, chat.requests
+        engine.endpoint.close()  # not engine.close(): the module's server serves the next test too
+    return groups, ids
 
 
 def test_episodes_are_seeds_read_from_the_real_server(guess):
@@ -109,46 +90,87 @@ def test_episodes_are_seeds_read_from_the_real_server(guess):
     assert fingerprint["train_rows"] == 3 and fingerprint["validation_rows"] == 2
 
 
-def test_a_rollout_steps_the_episode_until_done(guess):
-    """Guesses 1, 2, 3, 4 in turn: the secret of seed 5 is found, the rewards summed, each observation a user turn."""
+def test_a_rollout_steps_the_episode_until_done_its_observations_masked(guess):
+    """The scripted policy guesses 1, 2, 3 through the endpoint: the secret of seed 5 is found on its turn, the
+    reward is the summed step rewards, and the trajectory trains on exactly the policy's tokens: each observation
+    (the chat template's user turn around the environment's hint) is masked out, token by token."""
     example = guess.validation_examples()[0]
-    secret = __import__("random").Random(5).randint(1, 4)
-    replies = iter(["1", "2", "3", "4"])
-    grade, requests = _rollout(guess, example, lambda messages: (next(replies), "stop"))
-    assert len(requests) == min(secret, 3)
-    assert requests[0] == [
-        {"role": "system", "content": "Play the game."},
-        {"role": "user", "content": example.question},
-    ]
-    if secret > 1:
-        assert requests[1][-2:] == [{"role": "assistant", "content": "1"}, {"role": "user", "content": "No, higher."}]
+    secret = random.Random(5).randint(1, 4)
+    tokenizer = guess.tokenizer
+    ((completion,),), ids = _generate(guess, ScriptedEngine(tokenizer, _guesses), [example])
+    grade = completion.grade
+    assert completion.prompt_ids == ids[example.id]  # the task's prompt is the endpoint's first call
+    assert tokenizer.decode(completion.prompt_ids).startswith("<|im_start|>system\nPlay the game.<|im_end|>")
+    turns = min(secret, 3)
+    assert completion.turns == turns
+    expected, mask = [], []
+    for turn in range(1, turns + 1):
+        reply = tokenizer(f"{turn}<|im_end|>", add_special_tokens=False)["input_ids"]
+        expected, mask = expected + reply, mask + [1] * len(reply)
+        if turn < turns:
+            hint = "higher" if turn < secret else "lower"
+            seen = f"\n<|im_start|>user\nNo, {hint}.<|im_end|>\n<|im_start|>assistant\n"
+            observed = tokenizer(seen, add_special_tokens=False)["input_ids"]
+            expected, mask = expected + observed, mask + [0] * len(observed)
+    assert completion.completion_ids == expected and completion.policy_mask == mask
     found = secret <= 3
-    assert grade.answer_reward == float(found) and grade.total == float(found)
+    assert grade.answer_reward == float(found) and grade.reward == float(found)
     assert grade.components == ((REWARD_TERM, float(found)),) and grade.format_reward == 1.0
-    assert grade.extracted.startswith("done" if found else "max_turns")
+    assert grade.extracted.startswith(f"{'done' if found else 'max_turns'} after {turns} turns")
 
 
 def test_end_reasons_max_turns_and_length(guess):
     example = guess.train_examples()[0]
-    grade, requests = _rollout(guess, example, lambda messages: ("banana", "stop"))
-    assert len(requests) == 3 and grade.extracted.startswith("max_turns after 3 turns")
-    assert requests[-1][-1] == {"role": "user", "content": "That is not a number."}
-    assert (grade.reward, grade.answer_reward, grade.format_reward) == (0.0, 0.0, 1.0)
-    grade, requests = _rollout(guess, example, lambda messages: ("1 2 3", "length"))
-    assert len(requests) == 1 and grade.extracted.startswith("length after 1 turns")
-    assert grade.format_reward == 0.0
+    ((completion,),), _ = _generate(guess, ScriptedEngine(guess.tokenizer, lambda c: "banana<|im_end|>"), [example])
+    assert completion.turns == 3 and completion.grade.extracted.startswith("max_turns after 3 turns")
+    assert "That is not a number." in guess.tokenizer.decode(completion.completion_ids)
+    assert (completion.grade.reward, completion.grade.answer_reward, completion.grade.format_reward) == (0, 0, 1)
+    # the first reply is cut at max_reply_tokens (8) and stepped; the second meets the end of the 20-token budget
+    long = ScriptedEngine(guess.tokenizer, lambda c: "1" * 100)
+    ((completion,),), _ = _generate(guess, long, [example], budget=20)
+    assert completion.grade.extracted == "length after 2 turns, last action '11111111'"
+    assert completion.grade.format_reward == 0.0 and completion.truncated
 
 
-def test_a_step_that_hangs_times_out(guess):
-    """The step's answer never comes: the rollout raises within step_timeout_s (the endpoint's wrapper scores it 0
-    with the term ``environment`` failed), and the server still serves the next episode."""
-    example = guess.train_examples()[1]
+def test_a_step_that_hangs_fails_the_rollout_and_the_server_goes_on(guess):
+    """The step's answer never comes: the rollout fails within step_timeout_s (term ``environment``, reward 0,
+    nothing trained), the other rollouts of the call are graded, and the server serves the next episodes."""
+    hang = ScriptedEngine(guess.tokenizer, lambda c: ("hang" if "Game 8" in c else "banana") + "<|im_end|>")
     started = time.monotonic()
-    with pytest.raises(TimeoutError):
-        _rollout(guess, example, lambda messages: ("hang", "stop"))
-    assert time.monotonic() - started < 10
-    grade, _ = _rollout(guess, example, lambda messages: ("banana", "stop"))
-    assert grade.extracted.startswith("max_turns")
+    (hung,), (fine,) = _generate(guess, hang, guess.train_examples()[1:3])[0]
+    assert time.monotonic() - started < 15
+    assert hung.grade.failed == ("environment",) and hung.grade.reward == 0 and hung.num_policy_tokens == 0
+    assert fine.grade.failed == () and fine.grade.extracted.startswith("max_turns")
+
+
+def test_a_real_tiny_model_plays_through_the_endpoint(guess, tmp_path):
+    """A random tiny chat model's replies (at most max_reply_tokens each) are stepped as guesses; whatever it
+    says, every masked span is an observation of the environment's and the rest is what the engine sampled."""
+    model_dir = chatml_model_dir(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = guess.tokenizer
+    groups, _ = _generate(guess, HFEngine(model, tokenizer), guess.validation_examples(), n=2, budget=60)
+    for group in groups:
+        for completion in group:
+            assert completion.grade.failed == () and dict(completion.grade.components).keys() == {REWARD_TERM}
+            assert completion.turns >= 1 and completion.policy_mask[0] == 1
+            spans, span = [], []
+            for token, mask in zip(completion.completion_ids, completion.policy_mask):
+                if mask == 0:
+                    span.append(token)
+                elif span:
+                    spans, span = spans + [tokenizer.decode(span)], []
+            assert len(spans) == completion.turns - 1
+            assert all("<|im_start|>user\n" in s and s.endswith("<|im_start|>assistant\n") for s in spans)
+
+
+def test_a_json_action_is_parsed_or_rejected():
+    env = OpenEnvEnvironment(OpenEnvTaskConfig(app="m:E", action_format="json"))
+    assert env.action('```json\n{"guess": "3"}\n```') == {"guess": "3"}
+    with pytest.raises(ActionRejected, match="not JSON"):
+        env.action("three")
+    with pytest.raises(ActionRejected, match="not an object"):
+        env.action("[3]")
 
 
 def test_settings_are_refused_in_one_line():

@@ -17,7 +17,7 @@ environment says done or ``max_turns`` replies were stepped. Its grade:
 * ``openenv_reward`` (the one reward term, weight 1): the sum of the step rewards, the RL reward;
 * ``answer_reward`` (accuracy): 1 when the episode ended done with a last step reward >= ``success_reward``;
 * ``format_reward``: 1 when every reply became an action the environment accepted (none rejected, none cut
-  at the token budget);
+  at the end of the trajectory's token budget; a reply cut at ``max_reply_tokens`` is stepped as it is);
 * ``extracted``: the end reason (``done``, ``max_turns``, ``invalid_action``, ``length``), the turns taken
   and the last action, for the evaluation records.
 
@@ -221,6 +221,12 @@ class OpenEnvEnvironment(Environment):
             raise ValueError(f"{self.cfg.app}: episode seed {seed} is done at reset; the policy has no turn to take")
         return self.observation_text(result.observation, result.reward, result.done)
 
+    def _cut_at_reply_cap(self, reply: Any) -> bool:
+        """Whether a reply cut at a token limit was cut at ``max_reply_tokens`` (it is stepped as it is), not at the
+        end of the trajectory's budget."""
+        cap, usage = self.cfg.max_reply_tokens, getattr(reply, "usage", None)
+        return bool(cap) and usage is not None and usage.completion_tokens >= cap
+
     def messages(self, first: str) -> list[dict[str, str]]:
         """An episode's first messages: [system], user(first observation)."""
         system = [{"role": "system", "content": self.cfg.system}] if self.cfg.system else []
@@ -238,14 +244,15 @@ class OpenEnvEnvironment(Environment):
                     "environment must open each seed's episode the same way"
                 )
             messages = self.messages(first)
+            cap = {"max_tokens": self.cfg.max_reply_tokens} if self.cfg.max_reply_tokens else {}
             while turns < self.cfg.max_turns:
-                reply = await llm.chat.completions.create(model=endpoint.model, messages=messages)
+                reply = await llm.chat.completions.create(model=endpoint.model, messages=messages, **cap)
                 choice = reply.choices[0]
                 text = choice.message.content or ""
                 messages.append({"role": "assistant", "content": text})
                 turns += 1
-                if choice.finish_reason == "length":
-                    reason = "length"
+                if choice.finish_reason == "length" and not self._cut_at_reply_cap(reply):
+                    reason = "length"  # the trajectory's token budget is spent: no reply can follow
                     break
                 try:
                     action = self.action(text)
@@ -278,6 +285,7 @@ class OpenEnvTask(EnvironmentTask):
     def __init__(self, cfg: OpenEnvTaskConfig):
         self.cfg = cfg
         self.environment = OpenEnvEnvironment(cfg)
+        self.chat_template_kwargs = dict(cfg.chat_template_kwargs)  # the endpoint renders later turns with them
         self.tokenizer: Any = None
         self._episodes: dict[str, list[Example]] | None = None
 
@@ -394,6 +402,9 @@ class OpenEnvTaskConfig(TaskSettings):
     n_val: int = Field(16, ge=1, description="validation episodes (seeds seed .. seed + n_val - 1)")
     seed: int = Field(0, ge=0, description="the first episode seed")
     max_turns: int = Field(8, ge=1, description="policy replies stepped per episode at most")
+    max_reply_tokens: int | None = Field(
+        None, ge=1, description="tokens one reply may take (None: what is left of rollout.max_new_tokens)"
+    )
     success_reward: float = Field(1.0, description="answer_reward is 1 when the last step reward is at least this")
     max_concurrency: int = Field(8, ge=1, description="episodes in flight at once (1 where the env is not concurrent)")
     startup_timeout_s: float = Field(60.0, gt=0, description="seconds the server may take to answer /health")
