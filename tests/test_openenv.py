@@ -5,6 +5,7 @@ a step that hangs fails the rollout instead of hanging it."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -15,6 +16,7 @@ from chat_envs import chatml_model_dir, chatml_tokenizer
 from test_multiturn import ScriptedEngine
 from transformers import AutoModelForCausalLM
 
+from grpolab.commands.cli import main
 from grpolab.models.prompt_tokens import tokenize_prompts
 from grpolab.rollout.base import SamplingParams
 from grpolab.rollout.environment import task_engine
@@ -180,16 +182,6 @@ def test_settings_are_refused_in_one_line():
         build_task({"name": "openenv", "app": "m:E", "observation_field": "a", "observation_template": "{a}"})
 
 
-def test_a_server_that_fails_to_start_is_refused_and_gone(on_path):
-    task = build_task({"name": "openenv", "app": "openenv_envs:NotAnEnvironment"})
-    with pytest.raises(ValueError) as err:
-        task.train_examples()
-    first, *tail = str(err.value).splitlines()
-    assert "OpenEnv server openenv_envs:NotAnEnvironment exited with code 1 before it answered" in first
-    assert any("neither an OpenEnv Environment class nor an ASGI app" in line for line in tail)
-    assert task.environment.server.process is None
-
-
 def test_a_server_that_never_answers_is_stopped(on_path, tmp_path, monkeypatch):
     (tmp_path / "slow_env.py").write_text("import time\ntime.sleep(600)\n")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ['PYTHONPATH']}")
@@ -206,3 +198,62 @@ def test_a_server_that_never_answers_is_stopped(on_path, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"did not answer /health within 1.5 s \(task.startup_timeout_s\)"):
         task.environment.start()
     assert not pids or not _alive(pids[0])
+
+
+def _servers_of(parent: int) -> list[int]:
+    """The pids of the OpenEnv server processes ``parent`` started that still run."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            words = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"grpolab.tasks.openenv_server" in words and str(parent).encode() in words and _alive(int(proc.name)):
+            found.append(int(proc.name))
+    return found
+
+
+def _train_args(model_dir, out, app="openenv_envs:GuessEnvironment"):
+    settings = {
+        "model.path": model_dir,
+        "output_dir": out,
+        "steps": 1,
+        "task.name": "openenv",
+        "task.app": app,
+        "task.n_train": 4,
+        "task.n_val": 2,
+        "task.max_turns": 2,
+        "task.max_reply_tokens": 6,
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 2,
+        "rollout.max_new_tokens": 120,
+        "optim.micro_batch_size": 4,
+        "eval.every": 1,
+    }
+    return ["train"] + [f"--{key}={value}" for key, value in settings.items()]
+
+
+def test_a_training_run_steps_the_server_and_stops_it(on_path, tmp_path):
+    """``grpolab train`` with task.name "openenv" on a tiny chat model: one step of rollouts the server graded, its
+    reward term logged, the environment's identity in the manifest; no server left running after the run."""
+    out, before = tmp_path / "run", _servers_of(os.getpid())  # the module's own server may run
+    assert main(_train_args(chatml_model_dir(tmp_path), out)) == 0
+    assert _servers_of(os.getpid()) == before
+    step = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line][0]
+    assert step[f"reward/{REWARD_TERM}_failed"] == 0 and f"reward/{REWARD_TERM}" in step
+    manifest = json.loads((out / "manifest.json").read_text())
+    environment = manifest["data"]["environment"]
+    assert environment["name"] == "openenv_envs:GuessEnvironment" and environment["version"] == "0.3.0"
+    assert environment["settings"]["max_turns"] == 2
+    records = [json.loads(line) for line in (out / "eval" / "step_000001.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["rewards"].keys() == {REWARD_TERM} for r in records)
+    assert all(r["extracted"].startswith(("max_turns after 2 turns", "done")) for r in records)
+
+
+def test_a_run_whose_server_fails_to_start_is_one_error_and_leaves_nothing(on_path, tmp_path, capsys):
+    out, before = tmp_path / "run", _servers_of(os.getpid())
+    code = main(_train_args(chatml_model_dir(tmp_path), out, app="openenv_envs:NotAnEnvironment"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
+    assert code == 2 and not out.exists() and _servers_of(os.getpid()) == before
+    assert "OpenEnv server openenv_envs:NotAnEnvironment exited with code 1 before it answered" in lines[0]
+    assert any("neither an OpenEnv Environment class nor an ASGI app" in line for line in lines[1:])
