@@ -69,3 +69,14 @@ def test_a_resume_refuses_another_environment(tmp_path):
     check_data(journal, dict(recorded))
     with pytest.raises(ConfigError, match="environment"):
         check_data(journal, {**recorded, "environment": {**recorded["environment"], "version": "2"}})
+
+
+def test_async_rollouts_of_an_environment_at_staleness_0_equal_sync_ones(tmp_path, chat_dir):
+    """The environment drives the engine process of async rollouts as it drives the run's own engine."""
+    runs = {}
+    for mode in ("sync", "async"):
+        out = tmp_path / mode
+        assert train(chat_dir, out, "--rollout.mode", mode, "--rollout.max_staleness", "0") == 0
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        runs[mode] = [json.loads(line)["reward_mean"] for line in lines if "reward_mean" in line]
+    assert runs["async"] == runs["sync"]
