@@ -56,7 +56,6 @@ class EnvironmentEngine:
         self.capabilities = getattr(engine, "capabilities", None)
         self.eos_token_ids = list(getattr(engine, "eos_token_ids", []))
         self.endpoint = PolicyEndpoint(engine, tokenizer, template_kwargs=dict(environment.chat_template_kwargs))
-        self.restarts = 0  # turns dropped because an environment rewrote its history (``Trajectory.restarts``)
         environment.start()
 
     def sync_weights(self, weights: PolicyWeights) -> None:
@@ -83,7 +82,6 @@ class EnvironmentEngine:
                 self._completion(t, p, g)
                 for t, p, g in zip(trajectories, [p for p in prompts for _ in range(n)], grades)
             ]
-        self.restarts += sum(t.restarts for t in trajectories)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     async def _rollouts(self, examples: list[Example], budget: int) -> list[Grade]:
