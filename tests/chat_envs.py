@@ -80,14 +80,14 @@ class EchoGame(Environment):
             if example.question == self.fail_on:
                 raise RuntimeError("the environment broke")
             await asyncio.sleep(self.delay_s)
-            client = endpoint.client()
             messages = [{"role": "user", "content": example.question}]
             replies = []
-            for turn in range(self.turns):
-                out = await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=8)
-                reply = out.choices[0].message.content
-                replies.append(reply)
-                messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"again {turn}"}]
+            async with endpoint.client() as client:
+                for turn in range(self.turns):
+                    out = await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=8)
+                    reply = out.choices[0].message.content
+                    replies.append(reply)
+                    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"again {turn}"}]
             hit = float(example.answer in replies[-1])
             size = min(len(replies[0]), 8) / 8
             return Grade(hit, hit, components=(("hit", hit), ("size", size)), total=hit + 0.5 * size)

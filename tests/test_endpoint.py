@@ -187,3 +187,25 @@ def test_prompts_of_no_example_are_generated_by_the_wrapped_engine(chat_model):
     finally:
         engine.close()
     assert out[0].grade is None and out[0].turns == 1
+
+
+class Broken:
+    """An engine whose generation fails (a died engine process), to see that the failure ends the call."""
+
+    eos_token_ids = [0]
+
+    def generate(self, prompts, n, params):
+        raise RuntimeError("the engine died")
+
+    def close(self):
+        pass
+
+
+def test_an_engine_failure_fails_the_run_not_just_the_rollouts(chat_model):
+    _, tokenizer = chat_model
+    engine = EnvironmentEngine(Broken(), EchoGame(), tokenizer, {(1, 2, 3): Example(id="x", question="q", answer="a")})
+    try:
+        with pytest.raises(RuntimeError, match="the engine died"):
+            engine.generate([[1, 2, 3]], 2, PARAMS)
+    finally:
+        engine.close()
