@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -257,3 +259,25 @@ def test_a_run_whose_server_fails_to_start_is_one_error_and_leaves_nothing(on_pa
     assert code == 2 and not out.exists() and _servers_of(os.getpid()) == before
     assert "OpenEnv server openenv_envs:NotAnEnvironment exited with code 1 before it answered" in lines[0]
     assert any("neither an OpenEnv Environment class nor an ASGI app" in line for line in lines[1:])
+
+
+def test_a_server_whose_parent_is_killed_exits_by_itself(on_path):
+    """The run's process killed outright (no atexit, no close): its server sees its parent gone and exits, removing
+    the temporary folder of its log."""
+    script = (
+        "from grpolab.tasks.openenv_process import ServerProcess\n"
+        "s = ServerProcess('openenv_envs:GuessEnvironment', None, None, 1, 60)\n"
+        "s.start()\nprint(s.pid, s.folder, flush=True)\nimport time; time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        pid, folder = parent.stdout.readline().decode().split()
+        server = int(pid)
+        assert _alive(server)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(server) and not Path(folder).exists()

@@ -4,8 +4,8 @@ It imports ``--app``: an OpenEnv ``Environment`` class (served with openenv-core
 environment per websocket session, at most ``--sessions`` at once; one where the class does not declare
 ``SUPPORTS_CONCURRENT_SESSIONS``) or an ASGI app already built (e.g. ``create_app``'s result), binds a free
 port on 127.0.0.1 itself (no race for the port), writes ``{"port": ..., "sessions": ...}`` to ``--ready``
-and serves until stopped. It exits when its parent process is gone, so that a parent killed without
-cleaning up never leaves it running.
+and serves until stopped. It exits when its parent process is gone (removing the ready file's folder, which
+its parent made for it), so that a parent killed without cleaning up never leaves it running.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -66,10 +67,13 @@ def build_app(app: str, action: str | None, observation: str | None, sessions: i
     return create_app(made, action_cls, observation_cls, max_concurrent_envs=sessions), sessions
 
 
-def _exit_with_parent(parent: int) -> None:
+def _exit_with_parent(parent: int, folder: Path) -> None:
+    """Exits once ``parent`` is gone (it was killed before it could stop this server), removing ``folder`` (the
+    temporary folder it made for this server's ready file and log)."""
     while True:
         time.sleep(PARENT_POLL_S)
         if os.getppid() != parent:
+            shutil.rmtree(folder, ignore_errors=True)
             os._exit(0)
 
 
@@ -82,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready", required=True, help="file to write the port to once listening")
     parser.add_argument("--parent", type=int, default=os.getppid(), help="exit when this process is gone")
     args = parser.parse_args(argv)
-    threading.Thread(target=_exit_with_parent, args=(args.parent,), daemon=True).start()
+    ready = Path(args.ready)
+    threading.Thread(target=_exit_with_parent, args=(args.parent, ready.parent), daemon=True).start()
     # The server never serves openenv's web UI (its parent unsets ENABLE_WEB_INTERFACE): not importing the module
     # that imports gradio saves seconds at every start (openenv's package __init__ does without it).
     sys.modules.setdefault("openenv.core.env_server.web_interface", None)  # type: ignore[arg-type]
@@ -97,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     server = uvicorn.Server(
         uvicorn.Config(app, log_level="warning", ws_ping_interval=None, timeout_graceful_shutdown=1)
     )
-    ready = Path(args.ready)
     partial = ready.with_suffix(".partial")
     partial.write_text(json.dumps({"port": sock.getsockname()[1], "sessions": sessions}))
     partial.replace(ready)  # whole or absent: the parent never reads half a file
