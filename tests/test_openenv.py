@@ -39,19 +39,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def on_path():
-    """``tests/`` on the server subprocess's path (it imports ``openenv_envs``)."""
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), old) if p)
-    yield
-    if old is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = old
-
-
-@pytest.fixture(scope="module")
-def guess(on_path):
+def guess():
     task = build_task(
         {"name": "openenv", "app": "openenv_envs:GuessEnvironment", "n_train": 3, "n_val": 2, "seed": 5}
         | {"system": "Play the game.", "max_turns": 3, "step_timeout_s": 2.0, "max_reply_tokens": 8}
@@ -184,9 +172,9 @@ def test_settings_are_refused_in_one_line():
         build_task({"name": "openenv", "app": "m:E", "observation_field": "a", "observation_template": "{a}"})
 
 
-def test_a_server_that_never_answers_is_stopped(on_path, tmp_path, monkeypatch):
+def test_a_server_that_never_answers_is_stopped(tmp_path, monkeypatch):
     (tmp_path / "slow_env.py").write_text("import time\ntime.sleep(600)\n")
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ['PYTHONPATH']}")
+    monkeypatch.syspath_prepend(tmp_path)  # the server imports what the run imports
     task = build_task({"name": "openenv", "app": "slow_env:Environment", "startup_timeout_s": 1.5})
     server = task.environment.server
     pids = []
@@ -235,7 +223,7 @@ def _train_args(model_dir, out, app="openenv_envs:GuessEnvironment"):
     return ["train"] + [f"--{key}={value}" for key, value in settings.items()]
 
 
-def test_a_training_run_steps_the_server_and_stops_it(on_path, tmp_path):
+def test_a_training_run_steps_the_server_and_stops_it(tmp_path):
     """``grpolab train`` with task.name "openenv" on a tiny chat model: one step of rollouts the server graded, its
     reward term logged, the environment's identity in the manifest; no server left running after the run."""
     out, before = tmp_path / "run", _servers_of(os.getpid())  # the module's own server may run
@@ -252,7 +240,7 @@ def test_a_training_run_steps_the_server_and_stops_it(on_path, tmp_path):
     assert all(r["extracted"].startswith(("max_turns after 2 turns", "done")) for r in records)
 
 
-def test_a_run_whose_server_fails_to_start_is_one_error_and_leaves_nothing(on_path, tmp_path, capsys):
+def test_a_run_whose_server_fails_to_start_is_one_error_and_leaves_nothing(tmp_path, capsys):
     out, before = tmp_path / "run", _servers_of(os.getpid())
     code = main(_train_args(chatml_model_dir(tmp_path), out, app="openenv_envs:NotAnEnvironment"))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
@@ -261,7 +249,7 @@ def test_a_run_whose_server_fails_to_start_is_one_error_and_leaves_nothing(on_pa
     assert any("neither an OpenEnv Environment class nor an ASGI app" in line for line in lines[1:])
 
 
-def test_a_server_whose_parent_is_killed_exits_by_itself(on_path):
+def test_a_server_whose_parent_is_killed_exits_by_itself():
     """The run's process killed outright (no atexit, no close): its server sees its parent gone and exits, removing
     the temporary folder of its log."""
     script = (
@@ -269,7 +257,10 @@ def test_a_server_whose_parent_is_killed_exits_by_itself(on_path):
         "s = ServerProcess('openenv_envs:GuessEnvironment', None, None, 1, 60)\n"
         "s.start()\nprint(s.pid, s.folder, flush=True)\nimport time; time.sleep(600)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # grpolab and tests/
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+    )
     try:
         pid, folder = parent.stdout.readline().decode().split()
         server = int(pid)

@@ -266,7 +266,9 @@ class OpenEnvEnvironment(Environment):
                 if result.done:
                     reason = "done"
                     break
-                messages.append({"role": "user", "content": self.observation_text(result.observation, None, False)})
+                messages.append(
+                    {"role": "user", "content": self.observation_text(result.observation, result.reward, result.done)}
+                )
         success = reason == "done" and last_reward is not None and last_reward >= self.cfg.success_reward
         return Grade(
             format_reward=float(reason in ("done", "max_turns")),

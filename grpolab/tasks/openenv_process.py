@@ -41,6 +41,14 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
     return [line for line in text.splitlines() if line.strip()][-lines:]
 
 
+def child_path() -> str:
+    """The server's PYTHONPATH: grpolab's own root, the working directory and this process's path, so that it imports
+    what this process imports (``task.app``'s module)."""
+    root = str(Path(__file__).resolve().parents[2])
+    inherited = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return os.pathsep.join(dict.fromkeys(p for p in (root, os.getcwd(), *sys.path, *inherited) if p))
+
+
 class ServerProcess:
     """One OpenEnv server subprocess. ``base_url`` (``http://127.0.0.1:PORT``) and ``sessions`` (the episodes it
     serves at once) are known once ``start()`` returns; ``pid`` while it runs."""
@@ -73,6 +81,7 @@ class ServerProcess:
         command += ["--action", self.action] if self.action else []
         command += ["--observation", self.observation] if self.observation else []
         env = {k: v for k, v in os.environ.items() if k != "ENABLE_WEB_INTERFACE"}  # an API server, no web UI
+        env["PYTHONPATH"] = child_path()
         with log.open("wb") as out:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
