@@ -5,6 +5,7 @@ a step that hangs fails the rollout instead of hanging it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -156,7 +157,15 @@ def test_a_real_tiny_model_plays_through_the_endpoint(guess, tmp_path):
             assert all("<|im_start|>user\n" in s and s.endswith("<|im_start|>assistant\n") for s in spans)
 
 
-def test_a_json_action_is_parsed_or_rejected():
+def test_a_json_action_is_parsed_or_rejected(guess):
+    async def step(action):
+        async with guess.environment.client() as env:
+            await env.reset(seed=1)
+            return await env.step(action)
+
+    with pytest.raises(ActionRejected, match="valid string"):  # the real server's validation error: the policy's fault
+        asyncio.run(step({"guess": 3}))
+    assert asyncio.run(step({"guess": "0"})).observation["message"] == "No, higher."
     env = OpenEnvEnvironment(OpenEnvTaskConfig(app="m:E", action_format="json"))
     assert env.action('```json\n{"guess": "3"}\n```') == {"guess": "3"}
     with pytest.raises(ActionRejected, match="not JSON"):

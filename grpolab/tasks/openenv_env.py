@@ -33,7 +33,6 @@ import importlib.util
 import json
 import re
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -48,7 +47,6 @@ from grpolab.tasks.sandbox import IMPORT_PATH
 
 REWARD_TERM = "openenv_reward"
 CLOSE_TIMEOUT_S = 1.0  # a session's close handshake, at most
-END_REASONS = ("done", "max_turns", "invalid_action", "length")
 _FENCE = re.compile(r"^```[\w-]*\n(.*)\n```$", re.DOTALL)
 
 
@@ -99,15 +97,6 @@ def _client_class() -> type:
             await super().disconnect()
 
     return Client
-
-
-@dataclass(frozen=True)
-class Turn:
-    """What an episode's last observation said: its text, the step's reward, and whether the episode ended."""
-
-    text: str
-    reward: float | None
-    done: bool
 
 
 class OpenEnvEnvironment(Environment):
