@@ -52,6 +52,9 @@ def test_an_environment_task_trains_with_its_terms_logged_and_its_identity_in_th
     for record in steps:
         assert {"reward/hit", "reward/size"} <= record.keys() and record.get("reward/environment_failed", 0) == 0
         assert abs(record["reward_mean"] - (record["reward/hit"] + 0.5 * record["reward/size"])) < 1e-6
+        # the environment's message between the two turns is masked out of the loss
+        assert record["tokens/masked_observation"] > 0 and record["metric_tokens"] == record["tokens/policy"]
+        assert record["tokens/policy"] + record["tokens/masked_observation"] == record["response_tokens"]
     items = [json.loads(line) for line in (out / "eval" / "step_000002.jsonl").read_text().splitlines()]
     assert len(items) == 4 and all(item["turns"] == 2 for item in items)
     data = json.loads((out / "manifest.json").read_text())["data"]
