@@ -108,6 +108,7 @@ class OpenEnvEnvironment(Environment):
         self.version = openenv_version()
         self.settings = cfg.model_dump(exclude={"name"})
         self.max_concurrency, self.timeout_s = cfg.max_concurrency, cfg.timeout_s
+        self.chat_template_kwargs = dict(cfg.chat_template_kwargs)  # the endpoint renders every turn with them
         self.server = ServerProcess(cfg.app, cfg.action, cfg.observation, cfg.max_concurrency, cfg.startup_timeout_s)
         self.action_field: str | None = cfg.action_field
         self._client_cls: type | None = None
@@ -276,7 +277,6 @@ class OpenEnvTask(EnvironmentTask):
     def __init__(self, cfg: OpenEnvTaskConfig):
         self.cfg = cfg
         self.environment = OpenEnvEnvironment(cfg)
-        self.chat_template_kwargs = dict(cfg.chat_template_kwargs)  # the endpoint renders later turns with them
         self.tokenizer: Any = None
         self._episodes: dict[str, list[Example]] | None = None
 
