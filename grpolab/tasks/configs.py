@@ -3,8 +3,9 @@
 Each built-in task module declares its settings class (a ``TaskSettings`` with ``name`` as its tag
 and ``build()``); this module registers them. ``task.name`` picks the kind: ``arithmetic`` (built
 in), ``gsm8k``, ``calculator`` (the built-in tool task), ``chat_arithmetic``, ``dataset`` (your own
-data, prompt format and rewards), ``openenv`` (an OpenEnv environment server stepped by multi-turn rollouts), or ``"package.module:Class"``, a task class of your own that follows
-the ``grpolab.tasks.base.Task`` contract (inheriting it, or a plain class with its members) and takes
+data, prompt format and rewards), ``openenv`` (an OpenEnv environment server stepped by multi-turn
+rollouts), or ``"package.module:Class"``, a task class of your own that follows the
+``grpolab.tasks.base.Task`` contract (inheriting it, or a plain class with its members) and takes
 the table's other keys as keyword arguments.
 """
 
