@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -47,6 +48,7 @@ def guess():
     )
     assert isinstance(task, OpenEnvTask)
     task.bind_tokenizer(chatml_tokenizer())
+    task.environment.start()  # started here, it serves every test of the module (reading examples stops no server)
     yield task
     task.environment.close()
 
@@ -232,21 +234,33 @@ def _train_args(model_dir, out, app="openenv_envs:GuessEnvironment"):
     return ["train"] + [f"--{key}={value}" for key, value in settings.items()]
 
 
-def test_a_training_run_steps_the_server_and_stops_it(tmp_path):
+def test_a_training_run_steps_the_server_and_stops_it(tmp_path, monkeypatch, capsys):
     """``grpolab train`` with task.name "openenv" on a tiny chat model: one step of rollouts the server graded, its
-    reward term logged, the environment's identity in the manifest; no server left running after the run."""
+    reward term logged, the environment's identity in the manifest; no server left running after the run. A resume
+    after the environment's source changed is refused, and leaves no server either."""
+    shutil.copy(TESTS / "openenv_envs.py", tmp_path / "guess_game.py")  # an environment module the test may edit
+    monkeypatch.syspath_prepend(tmp_path)
     out, before = tmp_path / "run", _servers_of(os.getpid())  # the module's own server may run
-    assert main(_train_args(chatml_model_dir(tmp_path), out)) == 0
+    assert main(_train_args(chatml_model_dir(tmp_path), out, app="guess_game:GuessEnvironment")) == 0
     assert _servers_of(os.getpid()) == before
     step = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line][0]
     assert step[f"reward/{REWARD_TERM}_failed"] == 0 and f"reward/{REWARD_TERM}" in step
     manifest = json.loads((out / "manifest.json").read_text())
     environment = manifest["data"]["environment"]
-    assert environment["name"] == "openenv_envs:GuessEnvironment" and environment["version"] == "0.3.0"
+    assert environment["name"] == "guess_game:GuessEnvironment" and environment["version"] == "0.3.0"
     assert environment["settings"]["max_turns"] == 2
     records = [json.loads(line) for line in (out / "eval" / "step_000001.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["rewards"].keys() == {REWARD_TERM} for r in records)
     assert all(r["extracted"].startswith(("max_turns after 2 turns", "done")) for r in records)
+
+    with (tmp_path / "guess_game.py").open("a") as module:
+        module.write("# an edit: another environment\n")
+    metrics = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--steps", "2"]) == 2
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
+    assert "the task's data or environment changed since the run started" in line and "app_source_sha256" in line
+    assert (out / "metrics.jsonl").read_text() == metrics and _servers_of(os.getpid()) == before
 
 
 def test_a_run_whose_server_fails_to_start_is_one_error_and_leaves_nothing(tmp_path, capsys):

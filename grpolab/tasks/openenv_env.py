@@ -281,15 +281,21 @@ class OpenEnvTask(EnvironmentTask):
         self._episodes: dict[str, list[Example]] | None = None
 
     def _examples(self) -> dict[str, list[Example]]:
-        """Each split's episodes, their first observations read once (this starts the server)."""
+        """Each split's episodes, their first observations read once (from the server, started for them and stopped
+        after unless it ran already)."""
         if self._episodes is None:
             cfg = self.cfg
             seeds = {
                 "val": list(range(cfg.seed, cfg.seed + cfg.n_val)),
                 "train": list(range(cfg.seed + cfg.n_val, cfg.seed + cfg.n_val + cfg.n_train)),
             }
+            started = not self.environment.server.running
             self.environment.start()
-            openings = run_sync(self._openings([s for split in seeds.values() for s in split]))
+            try:
+                openings = run_sync(self._openings([s for split in seeds.values() for s in split]))
+            finally:
+                if started:  # the rollouts' engine starts it again: nothing runs while nothing uses it
+                    self.environment.close()
             self._episodes = {
                 split: [
                     Example(id=f"{split}-{seed}", question=openings[seed], answer="", fields={"seed": seed})
