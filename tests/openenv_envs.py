@@ -66,5 +66,11 @@ class GuessEnvironment(Environment[GuessAction, GuessObservation, GuessState]):
         return self._state
 
 
+class SoloGuessEnvironment(GuessEnvironment):
+    """Guess-the-number that does not declare concurrent sessions: the server serves one episode at a time."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = False
+
+
 class NotAnEnvironment:
     """Neither an OpenEnv Environment nor an app: the server refuses it at start."""

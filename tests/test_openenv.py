@@ -272,6 +272,16 @@ def test_a_run_whose_server_fails_to_start_is_one_error_and_leaves_nothing(tmp_p
     assert any("neither an OpenEnv Environment class nor an ASGI app" in line for line in lines[1:])
 
 
+def test_an_environment_without_concurrent_sessions_runs_one_episode_at_a_time():
+    task = build_task({"name": "openenv", "app": "openenv_envs:SoloGuessEnvironment", "max_concurrency": 6})
+    try:
+        task.environment.start()
+        assert task.environment.server.sessions == 1 and task.environment.max_concurrency == 1
+    finally:
+        task.environment.close()
+    assert task.environment.server.process is None
+
+
 def test_a_server_whose_parent_is_killed_exits_by_itself():
     """The run's process killed outright (no atexit, no close): its server sees its parent gone and exits, removing
     the temporary folder of its log."""
