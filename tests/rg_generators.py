@@ -1,6 +1,6 @@
 """A reasoning-gym generator of the tests' own, registered with reasoning-gym's ``register_dataset`` (as a user's
 module named in ``task.imports``): items "Repeat N", whose scorer hangs on the answer ``hang`` and raises on
-``raise`` (a scorer that must never stall or end a run)."""
+``raise`` (a scorer that must never stall or end a run), and whose items fail past ``high`` 999,999."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ class RepeatDataset(ProceduralDataset):
         super().__init__(config=config, seed=config.seed, size=config.size)
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
+        if self.config.high >= 10**6:  # a setting its checks let through, refused only when an item is made
+            raise OverflowError("too high to repeat")
         n = Random(self.seed + idx).randint(0, self.config.high)
         return {"question": f"Repeat {n}.", "answer": str(n), "metadata": {"source_dataset": "grpolab_repeat"}}
 

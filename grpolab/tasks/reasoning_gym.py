@@ -269,17 +269,24 @@ class ReasoningGymTask(Task):
                 "imports": cfg.imports,
             },
         }
-        val_data, train_data = _mix(self._specs["val"]), _mix(self._specs["train"])
-        val_entries = [(i, val_data[i]) for i in range(cfg.n_val)]
-        asked = {e["question"] for _, e in val_entries}
-        train_entries, self.skipped, index = [], 0, 0
-        while len(train_entries) < cfg.n_train and index < len(train_data):
-            entry = train_data[index]
-            if entry["question"] in asked:
-                self.skipped += 1
-            else:
-                train_entries.append((index, entry))
-            index += 1
+        try:  # a generator's own failure at these settings (settings its checks let through), in one line
+            val_data, train_data = _mix(self._specs["val"]), _mix(self._specs["train"])
+            val_entries = [(i, val_data[i]) for i in range(cfg.n_val)]
+            asked = {e["question"] for _, e in val_entries}
+            train_entries, self.skipped, index = [], 0, 0
+            while len(train_entries) < cfg.n_train and index < len(train_data):
+                entry = train_data[index]
+                if entry["question"] in asked:
+                    self.skipped += 1
+                else:
+                    train_entries.append((index, entry))
+                index += 1
+        except Exception as err:
+            names = ", ".join(g.name for g in cfg.generators)
+            raise ValueError(
+                f"reasoning-gym task: generating the items of {names} failed: {type(err).__name__}: {err}; "
+                "check the generators' settings"
+            ) from None
         if len(train_entries) < cfg.n_train:
             raise ValueError(
                 f"reasoning-gym task: only {len(train_entries)} of {index} training items differ from the "
