@@ -178,5 +178,10 @@ def test_a_scorer_that_hangs_or_raises_fails_its_terms_within_the_bound_and_the_
     assert fingerprint["imports"]["rg_generators"]["source"].endswith("rg_generators.py")
     with pytest.raises(ValueError, match="task.imports: 'no_such_module' cannot be imported: ModuleNotFoundError"):
         task_of(imports=["no_such_module"])
+    unstable = task_of(
+        generators=[{"name": "grpolab_repeat", "settings": {"per_process": True}}], imports=["rg_generators"]
+    )
+    example = unstable.validation_examples()[0]  # its item comes out otherwise in the scorer's process: not scored
+    assert unstable.grade(f"The answer is {example.answer}.", example, False).failed == ("correct", "score")
     with pytest.raises(ValueError, match="items of grpolab_repeat failed: OverflowError: too high to repeat; check"):
         task_of(generators=[{"name": "grpolab_repeat", "settings": {"high": 10**6}}], imports=["rg_generators"])

@@ -242,11 +242,19 @@ def _mix_of(spec_json: str) -> Any:
     return _mix(json.loads(spec_json))
 
 
-def score_in_worker(spec: dict[str, Any], index: int, answer: str) -> float:
+def score_in_worker(spec: dict[str, Any], index: int, question: str, answer: str) -> float:
     """The score of ``answer`` for item ``index`` of the mix ``spec`` by its generator's own ``score_answer``, run in
-    a killable worker (``grpolab.tasks.sandbox``): the item is generated again there (exactly: seeded), the mix once."""
+    a killable worker (``grpolab.tasks.sandbox``): the item is generated again there (seeded), the mix once; an item
+    that comes out with another question than the trainer's (a generator that depends on the process's hash order)
+    is refused rather than scored."""
     data = _mix_of(canonical_json(spec))
-    return float(data.score_answer(answer, data[index]))
+    entry = data[index]
+    if entry["question"].strip() != question:
+        raise RuntimeError(
+            f"item {index} of the mix came out with another question in the scorer's process: generator "
+            f"{entry['metadata'].get('source_dataset')!r} is not reproducible across processes"
+        )
+    return float(data.score_answer(answer, entry))
 
 
 _scorers = WorkerPool.shared("grpolab.tasks.reasoning_gym:score_in_worker")
@@ -335,7 +343,7 @@ class ReasoningGymTask(Task):
         """The example's generator's own score of ``answer`` (0.0 to 1.0), within ``timeout_s``; None when the scorer
         raised, ran past its bound or gave no number (its first failure per generator is logged)."""
         split, index = self._where[example.id]
-        reply = _scorers.call([self._specs[split], index, answer], timeout_s=self.cfg.timeout_s)
+        reply = _scorers.call([self._specs[split], index, example.question, answer], timeout_s=self.cfg.timeout_s)
         value = reply.value if reply.ok else None
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
