@@ -185,3 +185,12 @@ def test_a_scorer_that_hangs_or_raises_fails_its_terms_within_the_bound_and_the_
     assert unstable.grade(f"The answer is {example.answer}.", example, False).failed == ("correct", "score")
     with pytest.raises(ValueError, match="items of grpolab_repeat failed: OverflowError: too high to repeat; check"):
         task_of(generators=[{"name": "grpolab_repeat", "settings": {"high": 10**6}}], imports=["rg_generators"])
+
+
+def test_a_generator_whose_items_follow_the_hash_order_needs_a_fixed_hash_seed(monkeypatch):
+    word_ladder = [{"name": "word_ladder"}]
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(ValueError, match="word_ladder.*set PYTHONHASHSEED=0"):
+        task_of(generators=word_ladder)
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # a fixed hash seed: the run's processes all draw the same items
+    ReasoningGymTaskConfig(generators=word_ladder)
