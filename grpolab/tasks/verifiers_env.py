@@ -1,0 +1,391 @@
+"""verifiers 0.4 environments as a task: ``task.name = "verifiers"``.
+
+An environment is named the way verifiers itself loads one: ``environment`` is its taskset's id (an
+installed module exporting one ``vf.Taskset`` subclass in ``__all__``, optionally an ``vf.Env`` subclass for
+multi-turn control flow; verifiers' ``resolve_env_config`` / ``load_environment``), ``args`` its taskset's
+config fields, ``env_args`` the env's (its ``id`` to pair a reusable env, its own knobs, its seats' limits).
+``eval_args`` (merged over ``args``) loads the validation split as a second taskset; without it the last
+``validation_size`` tasks are held out.
+
+Each task becomes an ``Example``: id = the task's ``id`` (else its content key), question = its prompt text,
+answer = its ``answer`` field when it has one, fields = its data. A rollout is verifiers' own episode
+(``Env.run_episode``: the env's ``run`` control flow, the seats' turn limits, tool servers, ``@stop`` and
+``@intercept`` hooks, the task's ``@reward`` scoring), with every seat's model client pointed at the
+trajectory's grpolab endpoint. verifiers runs a seat's harness as a program in a sandbox; here every seat runs
+verifiers' ``null`` chat loop in process (``grpolab.tasks.verifiers_harness``), in the ``subprocess`` runtime.
+
+Grading: each ``@reward`` is a term (``Grade.components``, unweighted), the weighted sum the RL reward; the
+correctness (accuracy) is ``answer_term`` (default: the heaviest reward) reaching 1; the format reward is
+``format_term``'s value (default: 1 when the trajectory ended in a reply). A reward that raises is
+``failed`` (the others keep their values); a rollout that fails before scoring fails ``environment``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, JsonValue, field_validator
+
+from grpolab.tasks.base import Example, Grade, TaskSettings
+from grpolab.tasks.datasets import canonical_json, rows_sha256, text_sha256
+from grpolab.tasks.environment import ENVIRONMENT_TERM, Endpoint, Environment, EnvironmentTask
+
+logger = logging.getLogger(__name__)
+API_KEY_VAR = "GRPOLAB_VERIFIERS_API_KEY"  # verifiers reads a client's key from a variable; grpolab's needs none
+IN_PROCESS_HARNESSES = ("null", "bash")  # seat harnesses the in-process chat loop stands in for
+HARNESS_ID = "grpolab_chat"  # the in-process chat loop's harness id, as verifiers loads harnesses
+
+
+class VerifiersError(ValueError):
+    """A verifiers environment that cannot be built or run here, with what to do."""
+
+
+class VerifiersTaskConfig(TaskSettings):
+    """A verifiers 0.4 environment (``pip install 'grpolab[envs]'``): its taskset module and arguments."""
+
+    name: Literal["verifiers"] = "verifiers"
+    environment: str = Field(
+        description="the taskset's id: an installed module exporting one verifiers Taskset (and optionally an Env)"
+    )
+    args: dict[str, JsonValue] = Field(default_factory=dict, description="the taskset's config fields")
+    env_args: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        description="the env's config fields (its id, its knobs, each seat's limits such as agent.max_turns)",
+    )
+    eval_args: dict[str, JsonValue] | None = Field(
+        None, description="taskset fields of the validation split (merged over args); None: hold out validation_size"
+    )
+    validation_size: int = Field(8, ge=1, description="tasks held out from the end when eval_args is not set")
+    n_train: int | None = Field(None, ge=1, description="the first N train tasks (None: all)")
+    n_val: int | None = Field(None, ge=1, description="the first N validation tasks (None: all)")
+    max_tasks: int = Field(100_000, ge=1, description="tasks read from a taskset at most (infinite tasksets)")
+    answer_term: str | None = Field(None, description="the reward term whose value 1 counts as correct")
+    format_term: str | None = Field(None, description="the reward term logged as the format reward")
+    timeout_s: float = Field(300.0, gt=0, description="seconds one rollout may take")
+    max_concurrency: int = Field(8, ge=1, description="rollouts in flight at once")
+
+    @field_validator("environment")
+    @classmethod
+    def _module_name(cls, value: str) -> str:
+        if not value or "." in value or ":" in value:
+            raise ValueError(
+                f"environment {value!r} must be a taskset id: a top-level module name (as verifiers loads it)"
+            )
+        return value
+
+    def nonbinary_rewards(self) -> list[str]:
+        """A verifiers reward may take any value."""
+        return ["task.environment"]
+
+    def reward_weights(self) -> dict[str, float] | None:
+        """The rewards' names and weights are the taskset's, known only once it is built: None."""
+        return None
+
+    def build(self) -> VerifiersTask:
+        return VerifiersTask(self)
+
+
+def import_verifiers() -> Any:
+    """``verifiers.v1``, or a clear error naming the extra."""
+    try:
+        import verifiers.v1 as vf
+    except ImportError as err:
+        raise VerifiersError(
+            f"task.name = 'verifiers' needs the verifiers package ({err}); install it: pip install 'grpolab[envs]'"
+        ) from None
+    return vf
+
+
+def register_harness() -> None:
+    """Makes the in-process chat loop loadable by its id: verifiers imports a harness by a module name
+    (``verifiers.v1.harnesses.<id>``, else ``<id>``); ours lives in grpolab, so it is registered under the
+    first, for this process."""
+    import sys
+
+    from grpolab.tasks import verifiers_harness
+
+    sys.modules.setdefault(f"verifiers.v1.harnesses.{HARNESS_ID}", verifiers_harness)
+
+
+def env_config(settings: VerifiersTaskConfig, taskset_args: Mapping[str, Any]) -> Any:
+    """verifiers' env config for ``settings``: each seat in the subprocess runtime, on the chat loop."""
+    vf = import_verifiers()
+    register_harness()
+    raw: dict[str, Any] = {**settings.env_args, "taskset": {**taskset_args, "id": settings.environment}}
+    try:
+        cls = vf.env_config_type(settings.environment, str(raw.get("id") or ""))
+    except (ImportError, TypeError, AttributeError, ValueError) as err:
+        raise VerifiersError(f"verifiers environment {settings.environment!r}: {err}") from None
+    for seat, field in cls.model_fields.items():
+        default = field.default
+        if not isinstance(default, vf.AgentConfig):
+            continue
+        pinned = default.harness.id if default.harness is not None else None
+        given = dict(raw.get(seat) or {})
+        harness = dict(given.get("harness") or {})
+        if (harness.get("id") or pinned or "null") not in IN_PROCESS_HARNESSES:
+            raise VerifiersError(
+                f"verifiers environment {settings.environment!r}: seat {seat!r} runs harness "
+                f"{harness.get('id') or pinned!r}; grpolab runs every seat as verifiers' chat loop in process "
+                f"(harness 'null'): drop the seat's harness setting"
+            )
+        raw[seat] = {
+            **given,
+            "harness": {**harness, "id": HARNESS_ID},
+            "runtime": {"type": "subprocess"},
+            "network_notice": False,
+        }
+    try:
+        return vf.resolve_env_config(raw)
+    except Exception as err:
+        raise VerifiersError(f"verifiers environment {settings.environment!r}: {err}") from None
+
+
+def load_env(settings: VerifiersTaskConfig, taskset_args: Mapping[str, Any]) -> Any:
+    """The verifiers ``Env`` (its taskset loaded), each seat on the in-process chat loop."""
+    vf = import_verifiers()
+    config = env_config(settings, taskset_args)
+    try:
+        return vf.load_environment(config)
+    except Exception as err:
+        raise VerifiersError(f"verifiers environment {settings.environment!r}: {type(err).__name__}: {err}") from None
+
+
+def read_tasks(env: Any, limit: int) -> list[Any]:
+    """The taskset's tasks, at most ``limit`` (an infinite taskset is cut there)."""
+    tasks = []
+    for task in env.taskset:
+        if len(tasks) == limit:
+            break
+        tasks.append(task)
+    return tasks
+
+
+def task_id(task: Any) -> str:
+    """A task's stable id: its data's ``id``, else its content key."""
+    return str(task.data.id) if task.data.id is not None else task.key[:16]
+
+
+def to_example(task: Any) -> Example:
+    """A verifiers task as a grpolab example (its data as the fields)."""
+    data = task.data.model_dump(mode="json", exclude_none=True)
+    answer = data.get("answer")
+    return Example(
+        id=task_id(task),
+        question=task.data.prompt_text,
+        answer=answer if isinstance(answer, str) else "" if answer is None else canonical_json(answer),
+        fields=data,
+    )
+
+
+class VerifiersEnvironment(Environment):
+    """One verifiers environment: episodes of its tasks through grpolab endpoints, graded by its rubric."""
+
+    def __init__(self, settings: VerifiersTaskConfig, env: Any, tasks: Mapping[str, Any]):
+        import verifiers
+
+        self.cfg, self.env, self.tasks = settings, env, dict(tasks)
+        self.name = settings.environment
+        self.version = verifiers.__version__
+        self.settings = {
+            "environment": settings.environment,
+            "args": settings.args,
+            "env_args": settings.env_args,
+            "eval_args": settings.eval_args,
+            "env_id": env.config.env_id,
+            "env_class": f"{type(env).__module__}.{type(env).__qualname__}",
+        }
+        self.timeout_s = settings.timeout_s
+        # the env's own bound on one episode, where it declares one, caps the run's
+        own = env.config.timeout.episode
+        if own is not None:
+            self.timeout_s = min(self.timeout_s, float(own))
+        self.max_concurrency = settings.max_concurrency
+
+    async def rollout(self, example: Example, endpoint: Endpoint) -> Grade:
+        vf = import_verifiers()
+        task = self.tasks.get(example.id)
+        if task is None:
+            raise VerifiersError(f"example {example.id!r} is not a task of environment {self.name!r}")
+        client = vf.EvalClientConfig(base_url=endpoint.base_url, api_key_var=API_KEY_VAR)
+        ctx = vf.ModelContext(model=endpoint.model, client=client)
+        # Each rollout holds its own serving resources (interception server, shared tool servers): the
+        # rollouts run on the engine's event loop, whose life grpolab's environment wrapper owns.
+        async with self.env.serving():
+            episode = await self.env.run_episode(task, ctx)
+        return await grade_episode(episode, task, self.cfg)
+
+
+def policy_trace(episode: Any) -> Any:
+    """The episode's one trace that called the model (grpolab trains one trajectory per episode)."""
+    called = [t for t in episode.traces if t.num_turns > 0]
+    if len(called) > 1:
+        raise VerifiersError(
+            f"the episode ran {len(called)} seats that called the model; grpolab trains one trajectory per "
+            "rollout: use an environment with one model-driven seat"
+        )
+    return (called or episode.traces or [None])[0]
+
+
+async def grade_episode(episode: Any, task: Any, cfg: VerifiersTaskConfig) -> Grade:
+    """The Grade of a finished episode: its policy trace's rewards as terms (a reward that raised re-run alone
+    to tell it from the others), the weighted sum, the answer and format rewards."""
+    trace = policy_trace(episode)
+    if trace is None or (trace.last_error is not None and not trace.rewards):
+        detail = trace.last_error if trace is not None else (episode.errors[-1] if episode.errors else None)
+        logger.warning("verifiers episode failed before scoring: %s", detail)
+        return Grade(0.0, 0.0, failed=(ENVIRONMENT_TERM,))
+    rewards = {name: r for name, r in trace.rewards.items()}
+    failed: list[str] = []
+    if any(r is None for r in rewards.values()):
+        rewards, failed = await rescore_alone(task, trace, rewards)
+    components = tuple((name, 0.0 if r is None else float(r.score)) for name, r in rewards.items())
+    total = sum(float(r.value) for r in rewards.values() if r is not None)
+    scored = {name: r for name, r in rewards.items() if r is not None}
+    main = cfg.answer_term or (max(scored, key=lambda n: scored[n].weight) if scored else None)
+    if main is not None and main not in rewards:
+        raise VerifiersError(f"answer_term {main!r} is not a reward of environment {cfg.environment!r}: {sorted(rewards)}")
+    answer = 1.0 if main in scored and scored[main].score >= 1.0 else 0.0
+    if cfg.format_term is not None:
+        fmt = scored[cfg.format_term].score if cfg.format_term in scored else 0.0
+    else:
+        fmt = 1.0 if trace.last_reply and trace.ok else 0.0
+    return Grade(float(fmt), answer, extracted=trace.last_reply or None, components=components, total=total,
+                 failed=tuple(failed))
+
+
+async def rescore_alone(task: Any, trace: Any, rewards: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Each unscored reward run alone: verifiers scores a task's rewards together, so one that raises leaves
+    them all unscored. Returns the rewards (the ones that raise still None) and the names that raised."""
+    from verifiers.v1.trace import Reward
+    from verifiers.v1.utils.decorators import invoke
+
+    fns = {fn.__name__: fn for fn in task.hooks("reward")}
+    failed = []
+    for name, value in list(rewards.items()):
+        if value is not None or name not in fns:
+            if value is None:
+                failed.append(name)
+            continue
+        try:
+            result = invoke(fns[name], {"task": trace.task.data, "trace": trace})
+            if asyncio.iscoroutine(result):
+                result = await result
+            rewards[name] = Reward(score=float(result), weight=float(getattr(fns[name], "_vf_weight", 1.0)))
+        except Exception as err:
+            logger.debug("verifiers reward %r raised: %s", name, err)
+            failed.append(name)
+    return rewards, failed
+
+
+class VerifiersTask(EnvironmentTask):
+    """The train and validation tasks of a verifiers environment; prompts are its first model call."""
+
+    def __init__(self, settings: VerifiersTaskConfig):
+        self.cfg = settings
+        self.name = f"verifiers:{settings.environment}"
+        env = load_env(settings, settings.args)
+        train = read_tasks(env, settings.max_tasks)
+        if settings.eval_args is not None:
+            val = read_tasks(load_env(settings, {**settings.args, **settings.eval_args}), settings.max_tasks)
+        else:
+            if len(train) <= settings.validation_size:
+                raise VerifiersError(
+                    f"verifiers environment {settings.environment!r} has {len(train)} tasks: validation_size "
+                    f"{settings.validation_size} leaves none to train on; lower it or set eval_args"
+                )
+            train, val = train[: -settings.validation_size], train[-settings.validation_size :]
+        train, val = train[: settings.n_train], val[: settings.n_val]
+        self._split = {"train": [to_example(t) for t in train], "validation": [to_example(t) for t in val]}
+        tasks: dict[str, Any] = {}
+        for split, items in (("train", train), ("validation", val)):
+            for task in items:
+                key = task_id(task)
+                if key in tasks and tasks[key].key != task.key:
+                    raise VerifiersError(
+                        f"verifiers environment {settings.environment!r}: two tasks have the id {key!r} "
+                        f"({split} split); give each task a unique TaskData.id"
+                    )
+                tasks[key] = task
+        if not self._split["train"] or not self._split["validation"]:
+            raise VerifiersError(f"verifiers environment {settings.environment!r} yielded no train or no validation tasks")
+        for task in tasks.values():
+            if task.data.prompt is None:
+                raise VerifiersError(
+                    f"verifiers environment {settings.environment!r}: task {task_id(task)!r} has no prompt (its "
+                    "env opens the conversation); grpolab needs the task's prompt as the first model call"
+                )
+        self.environment = VerifiersEnvironment(settings, env, tasks)
+        self._tools = {key: tool_schemas_of(t, env) for key, t in tasks.items()}
+        self._tokenizer: Any = None
+
+    def train_examples(self) -> list[Example]:
+        return list(self._split["train"])
+
+    def validation_examples(self) -> list[Example]:
+        return list(self._split["validation"])
+
+    def bind_tokenizer(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def messages(self, example: Example) -> list[dict[str, Any]]:
+        """The first model call's messages: the task's system prompt, then its prompt."""
+        from grpolab.tasks.verifiers_harness import initial_messages
+
+        task = self.environment.tasks[example.id]
+        return initial_messages(task.data.system_prompt, task.data.prompt)
+
+    def tools(self, example: Example) -> list[dict[str, Any]]:
+        """The tool schemas the first model call carries (the task's MCP toolsets, as the chat loop names them)."""
+        return self._tools[example.id]
+
+    def prompt(self, example: Example) -> str:
+        if self._tokenizer is None:
+            raise RuntimeError("VerifiersTask.prompt needs bind_tokenizer(tokenizer) first")
+        tools = self.tools(example)
+        return self._tokenizer.apply_chat_template(
+            self.messages(example), tools=tools or None, add_generation_prompt=True, tokenize=False
+        )
+
+    def prompt_template(self) -> str:
+        return f"verifiers environment {self.cfg.environment}"
+
+    def data_fingerprint(self) -> dict[str, Any]:
+        rows = {split: [e.fields for e in examples] for split, examples in self._split.items()}
+        return {
+            "task": self.name,
+            "environment": self.environment.identity(),
+            "train_rows": len(rows["train"]),
+            "train_sha256": rows_sha256(rows["train"]),
+            "validation_rows": len(rows["validation"]),
+            "validation_sha256": rows_sha256(rows["validation"]),
+            "tools_sha256": text_sha256(canonical_json([self._tools[k] for k in sorted(self._tools)])),
+        }
+
+
+def tool_schemas_of(task: Any, env: Any) -> list[dict[str, Any]]:
+    """The function schemas the chat loop offers for ``task``: the taskset's shared toolsets, then the task's,
+    listed from an in-memory MCP server of each (no server process)."""
+    from grpolab.tasks.verifiers_harness import tool_schemas
+
+    toolsets = [*env.taskset.toolsets(env.taskset.config), *type(task).toolsets(task.config)]
+    schemas: list[dict[str, Any]] = []
+    for toolset in toolsets:
+        if getattr(toolset.config, "url", None):
+            raise VerifiersError(
+                f"toolset {toolset.server_name!r} is a remote server ({toolset.config.url}); grpolab needs the "
+                "tools' schemas before the run: serve it from the environment instead"
+            )
+        from mcp.server.mcpserver import MCPServer
+
+        server = MCPServer(toolset.server_name or type(toolset).__name__)
+        toolset.register(server)
+        # its own event loop in a thread: the task may be built where a loop already runs
+        with ThreadPoolExecutor(1) as pool:
+            listed = pool.submit(asyncio.run, server.list_tools()).result()
+        schemas.extend(tool_schemas(listed, toolset.server_name))
+    return schemas
