@@ -56,6 +56,9 @@ class SamplingParams:
     prompt_offset: the index of the call's first prompt in a larger list the caller split (a
         data-parallel rank's share of a step): engines seed by that global position, so the rows a
         rank samples are those one process sampling the whole list would draw (see each engine).
+    rows: each prompt's global index, in place of ``prompt_offset`` plus its place in the call (requests that
+        each belong to a trajectory of their own, batched as they arrive: ``grpolab.rollout.endpoint``); None:
+        ``prompt_offset`` plus the place.
     """
 
     max_new_tokens: int
@@ -65,6 +68,7 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
     prompt_offset: int = 0
+    rows: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -77,6 +81,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
         if isinstance(self.stop_strings, str) or any(not s for s in self.stop_strings):
             raise ValueError("stop_strings must be a tuple of non-empty strings")
+
+    def prompt_index(self, place: int) -> int:
+        """The global index of the call's prompt at ``place`` (``rows``, or ``prompt_offset`` plus the place)."""
+        return self.rows[place] if self.rows is not None else self.prompt_offset + place
 
     @property
     def greedy(self) -> bool:

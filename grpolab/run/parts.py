@@ -39,8 +39,8 @@ from grpolab.rollout.base import RolloutEngine
 from grpolab.rollout.collect import RolloutCollector
 from grpolab.rollout.engine_process import EngineProcess
 from grpolab.rollout.engines import build_engine, capabilities, check_settings, dtype_name, weight_kind
+from grpolab.rollout.environment import task_engine
 from grpolab.rollout.lockstep import LockstepEngine
-from grpolab.rollout.multiturn import MultiTurnEngine
 from grpolab.rollout.pipeline import AsyncRollouts, RolloutSource, SyncRollouts
 from grpolab.rollout.reward_models import RewardModels
 from grpolab.rollout.sync_check import MIN_NOISE_FLOOR, SyncMonitor
@@ -260,10 +260,18 @@ def prompt_token_ids(
     return {e.id: p for e, p in zip(examples, ids)}
 
 
-def rollout_engine(cfg: RunConfig, setting: Setting, task: Task, policy: Policy, max_model_len: int) -> RolloutEngine:
+def rollout_engine(
+    cfg: RunConfig,
+    setting: Setting,
+    task: Task,
+    policy: Policy,
+    max_model_len: int,
+    prompt_ids: dict[str, list[int]],
+    examples: list[Example],
+) -> RolloutEngine:
     """The engine the config names, with the wrappers the run needs: lock-step decoding over FSDP
-    ranks, multi-turn tool use (observations masked out of the loss). An engine holding its own weights
-    starts from the policy's start files."""
+    ranks, multi-turn tool use or an environment's rollouts (``task_engine``: observations masked out of the
+    loss). An engine holding its own weights starts from the policy's start files."""
     sharded = is_sharded_run(cfg, setting.ranks)
     shares = capabilities(cfg.rollout.engine).shares_training_model
     with setting.reporter.phase(f"start {cfg.rollout.engine} engine", done_note=not shares or None):
@@ -280,10 +288,7 @@ def rollout_engine(cfg: RunConfig, setting: Setting, task: Task, policy: Policy,
         )
         if sharded and shares:  # it generates with the sharded model
             engine = LockstepEngine(engine, setting.ranks, filler=[policy.tokenizer.pad_token_id])
-    toolset = task.toolset
-    if toolset is not None:
-        engine = MultiTurnEngine(engine, toolset, policy.tokenizer)
-    return engine
+    return task_engine(engine, task, policy.tokenizer, prompt_ids, examples)
 
 
 def resolve_auto(cfg: RunConfig, precision: TrainingPrecision, stale: bool = False) -> tuple[RunConfig, dict[str, str]]:
@@ -324,8 +329,8 @@ def rollout_source(
         process = EngineProcess.for_rollout(
             cfg.rollout, policy.model, policy.tokenizer, policy.precision, engine_threads
         )
-    engine = process if task.toolset is None else MultiTurnEngine(process, task.toolset, policy.tokenizer)
     c = collector
+    engine = task_engine(process, task, policy.tokenizer, c.prompt_ids, task.train_examples())
     producer = RolloutCollector(
         engine, task, c.prompts, c.prompt_ids, c.rollout, c.spec, c.seed, c.shaping, c.ranks, c.reward_models
     )
@@ -379,7 +384,7 @@ def build_parts(
     )
     ranks = setting.ranks
     state = RunState(optimizer, prompts, minibatch_gen, sync_monitor, ranks, policy.model, reward_models)
-    engine = rollout_engine(cfg, setting, task, policy, max_model_len)
+    engine = rollout_engine(cfg, setting, task, policy, max_model_len, prompt_ids, task.train_examples() + val_examples)
     collector = RolloutCollector(
         engine, task, prompts, prompt_ids, cfg.rollout, cfg.algorithm, cfg.seed, cfg.reward, ranks, reward_models
     )

@@ -165,7 +165,7 @@ def decode(
     drop_fraction: float = 0.0,
     on_forward: Callable[[list[int], Tensor], None] | None = None,
     seed: int | None = None,
-    first_row: int = 0,
+    first_row: int | Sequence[int] = 0,
     waiting: Waiting | None = None,
     max_rows: int | None = None,
     refill_at: int = 1,
@@ -184,7 +184,8 @@ def decode(
     on_forward: told before each forward the rows it computes and each token's place in its row's
         sequence [A, C] (its position id; -1 on padding), e.g. to record an MoE model's routing.
     seed, first_row: row r's t-th token is sampled with ``grpolab.rollout.hf.draws.uniforms(seed, first_row + r,
-        t)``; seed None: one drawn from torch's global RNG.
+        t)`` (``first_row[r]`` where it is a sequence: each row's global index); seed None: one drawn from torch's
+        global RNG.
     waiting: rows B, B + 1, ... (refill; not with ``synced``). Once ``max_rows`` (default B) less the live rows
         leaves ``refill_at`` free places (or room for every row still waiting), the ended rows leave, the next
         waiting rows join (``Waiting.take``, ``grpolab.rollout.hf.kv_cache.join_rows``), and their prompts' last
@@ -198,6 +199,7 @@ def decode(
     stops = _StopStrings(stop_strings, decode_ids) if stop_strings else None
     if seed is None and temperature != 0:
         seed = int(torch.empty((), dtype=torch.int64).random_())
+    global_row = (lambda r: first_row + r) if isinstance(first_row, int) else first_row.__getitem__
     max_rows = max_rows or batch
     positions = left_padded_positions(attention_mask)
     announce = on_forward or (lambda rows, places: None)
@@ -219,7 +221,7 @@ def decode(
     while True:
         draws = None
         if temperature != 0:
-            draws = uniforms(seed, [first_row + row for row in rows], [len(tokens[row]) for row in rows], device)
+            draws = uniforms(seed, [global_row(row) for row in rows], [len(tokens[row]) for row in rows], device)
         new, logp = sample_step(logits, draws, temperature, top_k, top_p)
         for i, (token, lp, at_eos) in enumerate(zip(new.tolist(), logp.tolist(), torch.isin(new, eos).tolist())):
             if live[i]:

@@ -186,12 +186,9 @@ class HFEngine:
                 if seed is None and not params.greedy:  # one seed for the call, whatever its batches
                     seed = int(torch.empty((), dtype=torch.int64).random_())
                 self.step_rows = []
+                rows = [params.prompt_index(j // n) * n + j % n for j in range(len(flat))]  # global, for seeding
                 for i in range(0, len(flat), span):
-                    out.extend(
-                        self._generate_rows(
-                            model, flat[i : i + span], params, device, seed, params.prompt_offset * n + i
-                        )
-                    )
+                    out.extend(self._generate_rows(model, flat[i : i + span], params, device, seed, rows[i : i + span]))
         finally:
             model.train(was_training)
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -203,10 +200,10 @@ class HFEngine:
         params: SamplingParams,
         device,
         seed: int | None,
-        first_row: int,
+        row_ids: list[int],
     ) -> list[Completion]:
         """Completions of ``prompts`` (one per row), the first ``max_batch_size`` decoded at once and the rest
-        joining as rows end; ``first_row``: the global index of the first (seeding)."""
+        joining as rows end; ``row_ids``: each one's global index (seeding)."""
         capture = None
         if routers(model):
             capture = RoutingCapture(model, len(prompts), max(map(len, prompts)) + params.max_new_tokens, device)
@@ -251,7 +248,7 @@ class HFEngine:
                 if capture is not None
                 else None,
                 seed=seed,
-                first_row=first_row,
+                first_row=row_ids,
                 waiting=_Waiting(prefill, first, len(prompts)) if len(prompts) > first else None,
                 max_rows=self.max_batch_size,
                 refill_at=self.refill_at,

@@ -326,7 +326,7 @@ class VLLMEngine:
             )
         k = 1 if params.greedy else n  # vLLM refuses greedy n > 1: sample once, copy (deterministic)
         requests = [
-            self.sampling_params(params, k, request_seed(params.seed, params.prompt_offset + i, n))
+            self.sampling_params(params, k, request_seed(params.seed, params.prompt_index(i), n))
             for i in range(len(prompts))
         ]
         self._wake()

@@ -1,0 +1,421 @@
+"""An OpenAI-compatible chat-completions endpoint over a rollout engine, on the loopback address.
+
+Environments (verifiers, OpenEnv, agent harnesses) generate by calling a chat-completions client. During an
+environment's rollouts grpolab serves the policy that way: ``POST /t/<trajectory>/v1/chat/completions`` (and
+``GET /t/<trajectory>/v1/models``), one URL prefix per trajectory, so that every call on it is a turn of that
+trajectory.
+
+Token in, token out. The first call's prompt is the tokenizer's chat template over the request's messages
+(``tools`` passed to the template); each later call of the trajectory must extend the previous call's
+messages with the assistant's reply and then new messages (the environment's observations, tool results):
+its prompt is then the previous prompt's tokens, the tokens the engine sampled, the end of the assistant
+turn as the template writes it, and the new messages as the template renders them after an assistant turn.
+Nothing sampled is ever re-tokenised, so the trajectory trains on exactly the engine's tokens; the tokens in
+between are the environment's (``Turn.observation_ids``), masked out of the loss. A call that does not extend
+the previous one (the environment rewrote its history) starts the trajectory anew: its earlier turns are
+dropped from training (``Trajectory.restarts`` counts them).
+
+Sampling is the run's (``SamplingParams`` of the ``serving`` block): temperature, top-p, top-k and seed; a
+request's own sampling arguments are ignored except ``max_tokens`` / ``max_completion_tokens`` and ``stop``.
+A trajectory's turns and the messages between them share one token budget, ``max_new_tokens``. Every request
+is seeded by its trajectory's global index and its turn (``SamplingParams.rows``): what it samples does not
+depend on which other requests shared its batch, or on when they arrived.
+
+Requests arriving together are generated in one engine call (the batcher waits ``linger_s`` after the last
+arrival). Replies carry the completion's token ids (``choices[0].token_ids``, the prompt's as
+``prompt_token_ids``, as vLLM's server does) and, when asked, per-token log-probs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import re
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from grpolab.models.prompt_tokens import tokenize_prompts
+from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
+
+logger = logging.getLogger(__name__)
+TURN_STRIDE = 4096  # a request's seeding row: its trajectory's global index * TURN_STRIDE + its turn
+_SENTINEL = "\u2063grpolab\u2063"  # an assistant content no template alters, to find where the content ends
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class RequestError(ValueError):
+    """A request the endpoint refuses (HTTP 400, the message as the error)."""
+
+
+@dataclass
+class Turn:
+    """One call of a trajectory: its prompt (the tokens before this turn's sample), what was sampled.
+
+    observation_ids: the tokens between the previous turn's sample and this one's (the environment's
+        messages); empty on a trajectory's first turn.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    observation_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Trajectory:
+    """The calls one trajectory made, in order; ``turns`` holds those since its last restart."""
+
+    index: int
+    budget: int
+    turns: list[Turn] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # the last request's
+    restarts: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def used(self, prompt_ids: list[int]) -> int:
+        """Tokens of the budget a prompt of this trajectory has used (all after its first turn's prompt)."""
+        return len(prompt_ids) - len(self.turns[0].prompt_ids) if self.turns else 0
+
+    def completion(self, tokenizer: Any) -> Completion | None:
+        """The trajectory as one trained sequence: the first turn's prompt, then every sample (policy mask 1)
+        and the environment's tokens between them (mask 0, log-prob 0); None without a turn."""
+        turns = list(self.turns)
+        while turns and not turns[-1].completion_ids:  # a last call refused for want of budget samples nothing
+            turns.pop()
+        if not turns:
+            return None
+        ids: list[int] = []
+        logprobs: list[float] = []
+        mask: list[int] = []
+        for turn in turns:
+            ids += turn.observation_ids + turn.completion_ids
+            logprobs += [0.0] * len(turn.observation_ids) + turn.logprobs
+            mask += [0] * len(turn.observation_ids) + [1] * len(turn.completion_ids)
+        finish = "length" if turns[-1].finish_reason == "length" or len(turns) < len(self.turns) else "stop"
+        return Completion(
+            prompt_ids=list(turns[0].prompt_ids),
+            completion_ids=ids,
+            logprobs=logprobs,
+            finish_reason=finish,
+            text=tokenizer.decode(ids, skip_special_tokens=True),
+            policy_mask=mask,
+            turns=len(turns),
+        )
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    row: int
+    done: Future = field(default_factory=Future)
+
+
+class ChatTemplate:
+    """The tokenizer's chat template as the endpoint uses it: whole prompts, the end of an assistant turn, and
+    new messages as they follow an assistant turn."""
+
+    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None):
+        self.tokenizer, self.kwargs = tokenizer, dict(template_kwargs or {})
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
+        text = self.render(base, None, generation_prompt=False)
+        self.turn_end = text[text.rindex(_SENTINEL) + len(_SENTINEL) :]  # e.g. "<|im_end|>\n"
+        self._base = base
+
+    def render(self, messages: list[dict[str, Any]], tools: list | None, generation_prompt: bool) -> str:
+        extra = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **extra, **self.kwargs
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt(self, messages: list[dict[str, Any]], tools: list | None) -> list[int]:
+        """A first call's prompt tokens, as the trainer tokenises a task's prompt (``tokenize_prompts``)."""
+        return tokenize_prompts(self.tokenizer, [self.render(messages, tools, generation_prompt=True)])[0]
+
+    def after_assistant(self, messages: list[dict[str, Any]], tools: list | None, sampled: list[int]) -> list[int]:
+        """The tokens that follow an assistant turn that sampled ``sampled`` when ``messages`` come next: the rest
+        of the turn's end (what the sample did not write of it, e.g. the newline after an EOS), then the messages
+        and the generation prompt."""
+        head = self.render(self._base, tools, generation_prompt=False)
+        whole = self.render(self._base + messages, tools, generation_prompt=True)
+        if not whole.startswith(head):
+            raise RequestError("the chat template renders earlier turns differently once messages follow")
+        end = self.turn_end
+        written = self.tokenizer.decode(sampled[-1:], skip_special_tokens=False) if sampled else ""
+        if written and end.startswith(written):  # the sample ended in the turn's end token (its EOS)
+            end = end[len(written) :]
+        return self.encode(end + whole[len(head) :])
+
+
+def tool_calls(text: str, trajectory: int, turn: int) -> tuple[str, list[dict[str, Any]]]:
+    """The ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of ``text`` as chat-completion tool
+    calls, and the text without them; a block that is not such JSON stays in the text."""
+    calls, kept = [], text
+    for match in _CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+            name, arguments = call["name"], call.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            continue
+        if not isinstance(name, str):
+            continue
+        calls.append(
+            {
+                "id": f"call_{trajectory}_{turn}_{len(calls)}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments)},
+            }
+        )
+        kept = kept.replace(match.group(0), "", 1)
+    return (kept.strip() if calls else text), calls
+
+
+class PolicyEndpoint:
+    """Serves ``engine`` as OpenAI-compatible chat completions on 127.0.0.1 (a free port) until ``close``.
+
+    ``serving(params, count, budget)`` opens ``count`` trajectories sampled with ``params`` (its seed, and its
+    ``prompt_offset`` as the first trajectory's global index); ``base_url(k)`` is trajectory k's URL prefix.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        model_name: str = "policy",
+        template_kwargs: dict[str, Any] | None = None,
+        linger_s: float = 0.005,
+    ):
+        self.engine, self.tokenizer, self.model_name, self.linger_s = engine, tokenizer, model_name, linger_s
+        self.template = ChatTemplate(tokenizer, template_kwargs)
+        self.params: SamplingParams | None = None
+        self.trajectories: dict[int, Trajectory] = {}
+        self.requests: queue.Queue[_Request | None] = queue.Queue()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.threads = [
+            threading.Thread(target=self.server.serve_forever, name="endpoint-http", daemon=True),
+            threading.Thread(target=self._batches, name="endpoint-batcher", daemon=True),
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def base_url(self, trajectory: int) -> str:
+        return f"http://127.0.0.1:{self.port}/t/{trajectory}/v1"
+
+    @contextmanager
+    def serving(self, params: SamplingParams, count: int, budget: int) -> Iterator[list[Trajectory]]:
+        """Trajectories 0..count-1 open for calls (sampled with ``params``, ``budget`` tokens each) inside the
+        block; calls on them afterwards are refused."""
+        self.params = params
+        opened = [Trajectory(params.prompt_offset + k, budget) for k in range(count)]
+        self.trajectories = dict(enumerate(opened))
+        try:
+            yield opened
+        finally:
+            self.trajectories = {}
+
+    def close(self) -> None:
+        """Stop serving (in-flight requests are answered with an error)."""
+        self.server.shutdown()
+        self.server.server_close()
+        self.requests.put(None)
+
+    # ---- one request -------------------------------------------------------------------------------
+    def chat(self, key: int, body: dict[str, Any]) -> dict[str, Any]:
+        """The reply to one chat-completions request of trajectory ``key`` (RequestError: a 400)."""
+        trajectory = self.trajectories.get(key)
+        params = self.params
+        if trajectory is None or params is None:
+            raise RequestError(f"no open trajectory {key}")
+        messages, tools = body.get("messages"), body.get("tools") or None
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise RequestError("messages must be a non-empty list of message objects")
+        if body.get("n", 1) != 1:
+            raise RequestError("n must be 1 (one trajectory per URL)")
+        with trajectory.lock:  # one call of a trajectory at a time
+            prompt_ids, observation = self._prompt(trajectory, messages, tools)
+            left = trajectory.budget - trajectory.used(prompt_ids)
+            asked = body.get("max_completion_tokens") or body.get("max_tokens") or left
+            stop = body.get("stop") or ()
+            stop = (stop,) if isinstance(stop, str) else tuple(stop)
+            turn = len(trajectory.turns)
+            if left <= 0:
+                sample = Completion(prompt_ids, [], [], "length", "")
+            else:
+                request = _Request(
+                    prompt_ids,
+                    min(int(asked), left),
+                    tuple(dict.fromkeys(params.stop_strings + stop)),
+                    trajectory.index * TURN_STRIDE + turn + trajectory.restarts,
+                )
+                self.requests.put(request)
+                sample = request.done.result()
+            trajectory.turns.append(
+                Turn(prompt_ids, sample.completion_ids, sample.logprobs, sample.finish_reason, observation)
+            )
+            trajectory.messages = [dict(m) for m in messages]
+        return self._reply(trajectory.index, turn, prompt_ids, sample, body, tools)
+
+    def _prompt(
+        self, trajectory: Trajectory, messages: list[dict[str, Any]], tools: list | None
+    ) -> tuple[list[int], list[int]]:
+        """This call's prompt tokens and, for a later turn, the environment's tokens it adds."""
+        before = trajectory.messages
+        extends = (
+            trajectory.turns
+            and len(messages) > len(before) + 1
+            and messages[: len(before)] == before
+            and messages[len(before)].get("role") == "assistant"
+        )
+        if extends:
+            last = trajectory.turns[-1]
+            try:
+                observation = self.template.after_assistant(messages[len(before) + 1 :], tools, last.completion_ids)
+            except RequestError:
+                observation = None
+            if observation is not None:
+                return last.prompt_ids + last.completion_ids + observation, observation
+        if trajectory.turns:  # a rewritten history: the trajectory starts again from this call
+            trajectory.restarts += len(trajectory.turns)
+            trajectory.turns = []
+        return self.template.prompt(messages, tools), []
+
+    def _reply(
+        self, index: int, turn: int, prompt_ids: list[int], sample: Completion, body: dict, tools: list | None
+    ) -> dict[str, Any]:
+        text = self.tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
+        content, calls = tool_calls(text, index, turn) if tools else (text, [])
+        finish = "tool_calls" if calls else sample.finish_reason
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "finish_reason": finish,
+            "token_ids": list(sample.completion_ids),
+        }
+        if body.get("logprobs"):
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        "token": self.tokenizer.convert_ids_to_tokens(token),
+                        "logprob": logprob,
+                        "bytes": None,
+                        "top_logprobs": [],
+                    }
+                    for token, logprob in zip(sample.completion_ids, sample.logprobs)
+                ]
+            }
+        return {
+            "id": f"chatcmpl-{index}-{turn}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "prompt_token_ids": list(prompt_ids),
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(sample.completion_ids),
+                "total_tokens": len(prompt_ids) + len(sample.completion_ids),
+            },
+        }
+
+    # ---- batching ----------------------------------------------------------------------------------
+    def _batches(self) -> None:
+        """Generate waiting requests together: those with the same stop strings, after ``linger_s`` of quiet."""
+        pending: list[_Request] = []
+        while True:
+            try:
+                item = self.requests.get(timeout=None if not pending else self.linger_s)
+            except queue.Empty:
+                item = ...
+            if item is None:
+                for request in pending:
+                    request.done.set_exception(RequestError("the endpoint closed"))
+                return
+            if item is not ...:
+                pending.append(item)
+                continue
+            stop = pending[0].stop
+            batch = [r for r in pending if r.stop == stop]
+            pending = [r for r in pending if r.stop != stop]
+            self._generate(batch)
+
+    def _generate(self, batch: list[_Request]) -> None:
+        params = replace(
+            self.params,
+            max_new_tokens=max(r.max_new_tokens for r in batch),
+            stop_strings=batch[0].stop,
+            rows=tuple(r.row for r in batch),
+            prompt_offset=0,
+        )
+        try:
+            out = self.engine.generate([r.prompt_ids for r in batch], 1, params)
+        except Exception as err:  # every waiting call fails; the environment's rollouts see the error
+            logger.warning("the endpoint's engine call failed: %s: %s", type(err).__name__, err)
+            for request in batch:
+                request.done.set_exception(err)
+            return
+        for request, (sample,) in zip(batch, out):
+            cut = request.max_new_tokens
+            if len(sample.completion_ids) > cut:  # a longer budget was shared with the batch: cut at its own
+                ids, logprobs = sample.completion_ids[:cut], sample.logprobs[:cut]
+                sample = replace(sample, completion_ids=ids, logprobs=logprobs, finish_reason="length")
+            request.done.set_result(sample)
+
+
+def _handler(endpoint: PolicyEndpoint) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
+            logger.debug("endpoint: " + format, *args)
+
+        def _send(self, status: int, payload: dict[str, Any]) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _route(self) -> tuple[int, str] | None:
+            match = re.fullmatch(r"/t/(\d+)/v1/(chat/completions|models)/?", self.path.split("?")[0])
+            return (int(match.group(1)), match.group(2)) if match else None
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            route = self._route()
+            if route is None or route[1] != "models":
+                return self._send(404, {"error": {"message": f"no route {self.path}"}})
+            model = {"id": endpoint.model_name, "object": "model", "owned_by": "grpolab"}
+            self._send(200, {"object": "list", "data": [model]})
+
+        def do_POST(self) -> None:  # noqa: N802
+            route = self._route()
+            if route is None or route[1] != "chat/completions":
+                return self._send(404, {"error": {"message": f"no route {self.path}"}})
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if body.get("stream"):
+                    raise RequestError("streaming is not served: call without stream")
+                self._send(200, endpoint.chat(route[0], body))
+            except (RequestError, ValueError) as err:
+                self._send(400, {"error": {"message": str(err), "type": "invalid_request_error"}})
+            except Exception as err:  # the engine failed: the environment's call fails, the run does not
+                self._send(500, {"error": {"message": f"{type(err).__name__}: {err}"}})
+
+    return Handler

@@ -1,0 +1,189 @@
+"""The OpenAI-compatible endpoint over the rollout engine, and environment-driven rollouts
+(``grpolab.rollout.endpoint``, ``grpolab.rollout.environment``), called with the real ``openai`` client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import replace
+
+import openai
+import pytest
+from chat_envs import EchoGame, chatml_model_dir
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpolab.rollout.base import SamplingParams
+from grpolab.rollout.endpoint import TURN_STRIDE, PolicyEndpoint, tool_calls
+from grpolab.rollout.environment import EnvironmentEngine
+from grpolab.rollout.hf.engine import HFEngine
+from grpolab.tasks.base import Example
+
+PARAMS = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    path = chatml_model_dir(tmp_path_factory.mktemp("endpoint"))
+    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture
+def endpoint(chat_model):
+    model, tokenizer = chat_model
+    served = PolicyEndpoint(HFEngine(model, tokenizer), tokenizer)
+    yield served
+    served.close()
+
+
+def ask(endpoint, key, messages, **extra):
+    client = openai.OpenAI(base_url=endpoint.base_url(key), api_key="x", max_retries=0)
+    return client.chat.completions.create(model="policy", messages=messages, **extra)
+
+
+def test_a_first_call_samples_the_chat_templates_prompt_as_the_engine_would(endpoint, chat_model):
+    model, tokenizer = chat_model
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say a"}]
+    with endpoint.serving(PARAMS, 2, 24) as trajectories:
+        reply = ask(endpoint, 1, messages, logprobs=True)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    extra = reply.model_extra
+    assert extra["prompt_token_ids"] == list(prompt)
+    turn = trajectories[1].turns[0]
+    assert turn.prompt_ids == list(prompt) and reply.choices[0].token_ids == turn.completion_ids
+    assert reply.choices[0].message.content == tokenizer.decode(turn.completion_ids, skip_special_tokens=True)
+    assert [t.logprob for t in reply.choices[0].logprobs.content] == turn.logprobs
+    # the engine called directly, with the row the endpoint seeds trajectory 1's first turn with
+    direct = HFEngine(model, tokenizer).generate([list(prompt)], 1, replace(PARAMS, rows=(1 * TURN_STRIDE,)))[0][0]
+    assert direct.completion_ids == turn.completion_ids and direct.logprobs == turn.logprobs
+    assert not trajectories[0].turns
+
+
+def test_a_later_turn_continues_the_sampled_tokens_and_masks_only_the_environments(endpoint, chat_model):
+    _, tokenizer = chat_model
+    first = [{"role": "user", "content": "say b"}]
+    with endpoint.serving(PARAMS, 1, 200) as (trajectory,):
+        reply = ask(endpoint, 0, first)
+        history = first + [{"role": "assistant", "content": reply.choices[0].message.content}]
+        ask(endpoint, 0, history + [{"role": "user", "content": "again"}])
+    one, two = trajectory.turns
+    assert two.prompt_ids[: len(one.prompt_ids) + len(one.completion_ids)] == one.prompt_ids + one.completion_ids
+    assert two.prompt_ids[len(one.prompt_ids) + len(one.completion_ids) :] == two.observation_ids
+    # the environment's tokens: the rest of the assistant turn's end, then its message and the generation prompt
+    observed = tokenizer.decode(two.observation_ids, skip_special_tokens=False)
+    ended = one.completion_ids[-1] == tokenizer.eos_token_id
+    assert observed == ("" if ended else "<|im_end|>") + "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    completion = trajectory.completion(tokenizer)
+    expected_ids = one.completion_ids + two.observation_ids + two.completion_ids
+    assert completion.prompt_ids == one.prompt_ids and completion.completion_ids == expected_ids
+    # token by token: 1 exactly on what the engine sampled, 0 (log-prob 0) exactly on the environment's tokens
+    assert completion.policy_mask == [1] * len(one.completion_ids) + [0] * len(two.observation_ids) + [1] * len(
+        two.completion_ids
+    )
+    assert completion.logprobs == one.logprobs + [0.0] * len(two.observation_ids) + two.logprobs
+    assert completion.turns == 2
+
+
+def test_samples_do_not_depend_on_the_batch_they_were_generated_in(endpoint):
+    messages = [[{"role": "user", "content": f"say {c}"}] for c in "abcd"]
+    with endpoint.serving(PARAMS, 4, 24):
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda k: ask(endpoint, k, messages[k]).choices[0].token_ids, range(4)))
+    with endpoint.serving(PARAMS, 4, 24):
+        alone = [ask(endpoint, k, messages[k]).choices[0].token_ids for k in (3, 1, 0, 2)]
+    assert together == [alone[2], alone[1], alone[3], alone[0]]
+
+
+def test_a_rewritten_history_restarts_the_trajectory(endpoint):
+    with endpoint.serving(PARAMS, 1, 200) as (trajectory,):
+        ask(endpoint, 0, [{"role": "user", "content": "say c"}])
+        ask(endpoint, 0, [{"role": "user", "content": "something else"}])
+    assert trajectory.restarts == 1 and len(trajectory.turns) == 1
+
+
+def test_the_budget_spans_the_whole_trajectory(endpoint):
+    with endpoint.serving(PARAMS, 1, 30) as (trajectory,):
+        first = ask(endpoint, 0, [{"role": "user", "content": "a"}], max_tokens=50)
+        assert len(first.choices[0].token_ids) <= 30
+        history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": first.choices[0].message.content}]
+        second = ask(endpoint, 0, history + [{"role": "user", "content": "a much longer observation than the budget"}])
+    assert second.choices[0].finish_reason == "length" and second.choices[0].token_ids == []
+    completion = trajectory.completion(endpoint.tokenizer)
+    assert completion.truncated and completion.turns == 1  # the refused turn added nothing to train
+
+
+def test_bad_requests_get_one_clear_error(endpoint):
+    with endpoint.serving(PARAMS, 1, 30):
+        with pytest.raises(openai.BadRequestError, match="no open trajectory 5"):
+            ask(endpoint, 5, [{"role": "user", "content": "a"}])
+        with pytest.raises(openai.BadRequestError, match="messages must be"):
+            ask(endpoint, 0, [])
+    with pytest.raises(openai.BadRequestError, match="no open trajectory 0"):
+        ask(endpoint, 0, [{"role": "user", "content": "a"}])
+
+
+def test_tool_calls_in_the_text_become_chat_completion_tool_calls():
+    text = 'let me see <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> <tool_call>nope</tool_call>'
+    content, calls = tool_calls(text, 3, 1)
+    assert content == "let me see  <tool_call>nope</tool_call>"
+    assert calls == [{"id": "call_3_1_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]
+    assert tool_calls("plain", 0, 0) == ("plain", [])
+
+
+def _engine(chat_model, game):
+    model, tokenizer = chat_model
+    examples = [Example(id=f"e{i}", question=f"say {c}", answer=c) for i, c in enumerate("abcdef")]
+    prompts = {
+        e.id: tokenizer.apply_chat_template(
+            [{"role": "user", "content": e.question}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for e in examples
+    }
+    engine = EnvironmentEngine(HFEngine(model, tokenizer), game, tokenizer, {tuple(prompts[e.id]): e for e in examples})
+    return engine, [list(prompts[e.id]) for e in examples]
+
+
+def test_environment_rollouts_are_graded_by_the_environment_and_run_concurrently(chat_model):
+    game = EchoGame(delay_s=0.2)
+    game.max_concurrency = 3
+    engine, prompts = _engine(chat_model, game)
+    try:
+        groups = engine.generate(prompts[:3], 2, replace(PARAMS, max_new_tokens=80))
+    finally:
+        engine.close()
+    assert game.started == 1 and game.closed == 1 and game.peak == 3
+    for group in groups:
+        for completion in group:
+            assert completion.turns == 2 and dict(completion.grade.components).keys() == {"hit", "size"}
+            assert 0 in completion.policy_mask and completion.policy_mask[0] == 1
+    # the same call again samples the same trajectories: seeded by trajectory and turn, not by arrival
+    engine2, _ = _engine(chat_model, EchoGame())
+    try:
+        again = engine2.generate(prompts[:3], 2, replace(PARAMS, max_new_tokens=80))
+    finally:
+        engine2.close()
+    assert [[c.completion_ids for c in g] for g in again] == [[c.completion_ids for c in g] for g in groups]
+
+
+def test_a_failing_or_hanging_rollout_scores_zero_as_failed_and_trains_nothing(chat_model):
+    game = EchoGame(fail_on="say b", timeout_s=5.0)
+    engine, prompts = _engine(chat_model, game)
+    hung = EchoGame(delay_s=30, timeout_s=0.5)
+    engine_hung, _ = _engine(chat_model, hung)
+    try:
+        failed, ok = engine.generate(prompts[1:3], 1, replace(PARAMS, max_new_tokens=60))
+        (timed_out,) = engine_hung.generate(prompts[:1], 1, PARAMS)
+    finally:
+        engine.close()
+        engine_hung.close()
+    for (completion,) in (failed, timed_out):
+        assert completion.grade.failed == ("environment",) and completion.grade.reward == 0
+        assert completion.policy_mask == [0] and completion.num_policy_tokens == 0
+    assert ok[0].grade.failed == () and ok[0].turns == 2
+
+
+def test_prompts_of_no_example_are_generated_by_the_wrapped_engine(chat_model):
+    engine, _ = _engine(chat_model, EchoGame())
+    try:
+        (out,) = engine.generate([[5, 6, 7]], 1, PARAMS)
+    finally:
+        engine.close()
+    assert out[0].grade is None and out[0].turns == 1
