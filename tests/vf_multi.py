@@ -2,11 +2,13 @@
 game whose environment answers between the model's turns (an ``Env`` driving its seat's interaction).
 
 The model guesses a digit; the environment replies "higher" / "lower" / "correct" as a user turn, for up to
-``rounds`` guesses. Rewards: ``solved`` (1.0), ``quick`` (0.5: fewer guesses score more).
+``rounds`` guesses. Rewards: ``solved`` (1.0), ``quick`` (0.5: fewer guesses score more), ``guessed`` (0.1: replies that name a
+digit).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import verifiers.v1 as vf
@@ -30,6 +32,12 @@ class GuessTask(vf.Task[GuessData, vf.State, vf.TaskConfig]):
     @vf.reward(weight=0.5)
     async def quick(self, trace: vf.Trace) -> float:
         return 1.0 / max(1, len(_replies(trace)))
+
+    @vf.reward(weight=0.1)
+    async def guessed(self, trace: vf.Trace) -> float:
+        """The share of replies that name a digit."""
+        replies = _replies(trace)
+        return sum(_digit(r) is not None for r in replies) / max(1, len(replies))
 
 
 def _replies(trace: vf.Trace) -> list[str]:
@@ -63,10 +71,12 @@ class GuessTaskset(vf.Taskset[GuessTask, GuessConfig]):
 class GuessEnvConfig(vf.EnvConfig):
     agent: vf.AgentConfig = vf.AgentConfig()
     rounds: int = 3
+    hang_s: float = 0.0  # seconds the env waits before its first turn (a hanging environment)
 
 
 class GuessEnv(vf.Env[GuessEnvConfig]):
     async def run(self, task, agents):
+        await asyncio.sleep(self.config.hang_s)
         async with agents.agent.interaction(task) as game:
             segment = await game.turn()
             for _ in range(self.config.rounds - 1):

@@ -1,0 +1,288 @@
+"""verifiers 0.4 environments as a task (``task.name = "verifiers"``, ``grpolab.tasks.verifiers_env``): environments
+written in verifiers' own API (``vf_single``, ``vf_multi``, ``vf_tools`` in this folder), their rollouts run by
+verifiers through grpolab's endpoint (``grpolab.rollout.environment``) over a tiny real model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from chat_envs import chatml_model_dir
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpolab.config import load_config
+from grpolab.rollout.base import Completion, SamplingParams
+from grpolab.rollout.environment import EnvironmentEngine
+from grpolab.rollout.hf.engine import HFEngine
+from grpolab.tasks import build_task
+from grpolab.tasks.verifiers_env import VerifiersError, VerifiersTaskConfig
+
+pytest.importorskip("verifiers.v1")
+PARAMS = SamplingParams(max_new_tokens=90, temperature=1.0, seed=5)
+TURN = {"agent": {"sampling": {"max_tokens": 10}}}  # each model turn's cap (the seat's own sampling setting)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    path = chatml_model_dir(tmp_path_factory.mktemp("vf"))
+    return path, AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+def verifiers_task(tokenizer, **settings):
+    task = VerifiersTaskConfig(**settings).build()
+    task.bind_tokenizer(tokenizer)
+    return task
+
+
+def prompt_ids(task, tokenizer, examples):
+    return [tokenizer(task.prompt(e), add_special_tokens=False)["input_ids"] for e in examples]
+
+
+def environment_engine(engine, task, tokenizer, examples):
+    """The run's environment engine for ``task`` (its examples found by their prompts' tokens), and a list that
+    receives each call's trajectories as the endpoint recorded them."""
+    ids = prompt_ids(task, tokenizer, examples)
+    wrapped = EnvironmentEngine(engine, task.environment, tokenizer, {tuple(p): e for p, e in zip(ids, examples)})
+    recorded: list = []
+    serving = wrapped.endpoint.serving
+
+    def recording(*args, **kwargs):  # the endpoint's own context, its trajectories kept for the checks
+        context = serving(*args, **kwargs)
+        trajectories = context.__enter__()
+        recorded.append(trajectories)
+
+        class Held:
+            def __enter__(self):
+                return trajectories
+
+            def __exit__(self, *exc):
+                return context.__exit__(*exc)
+
+        return Held()
+
+    wrapped.endpoint.serving = recording
+    return wrapped, ids, recorded
+
+
+class ScriptedEngine:
+    """An engine that writes a fixed reply to each prompt (``reply(prompt text) -> text``) then EOS, log-prob 0:
+    the endpoint and verifiers run for real, only the sampler is scripted (a tool call a random model would
+    never write)."""
+
+    def __init__(self, tokenizer, reply):
+        self.tokenizer, self.reply = tokenizer, reply
+        self.eos_token_ids = [tokenizer.eos_token_id]
+
+    def generate(self, prompts, n, params):
+        out = []
+        for prompt in prompts:
+            text = self.reply(self.tokenizer.decode(prompt, skip_special_tokens=False))
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: params.max_new_tokens - 1]
+            ids = ids + [self.tokenizer.eos_token_id]
+            out.append([Completion(list(prompt), ids, [0.0] * len(ids), "stop", text) for _ in range(n)])
+        return out
+
+    def sync_weights(self, weights):
+        pass
+
+    def close(self):
+        pass
+
+
+# ---- settings, data, errors ---------------------------------------------------------------------------
+def test_a_taskset_becomes_train_and_validation_examples_with_stable_ids_and_a_fingerprint():
+    task = VerifiersTaskConfig(environment="vf_single", args={"size": 10}, validation_size=3).build()
+    train, val = task.train_examples(), task.validation_examples()
+    assert [e.id for e in train] == [f"sum-{i}" for i in range(7)] and [e.id for e in val] == ["sum-7", "sum-8", "sum-9"]
+    assert train[1].question == "7 + 4" and train[1].answer == "11" and train[1].fields["system_prompt"]
+    again = VerifiersTaskConfig(environment="vf_single", args={"size": 10}, validation_size=3).build()
+    assert again.data_fingerprint() == task.data_fingerprint()
+    fingerprint = task.data_fingerprint()
+    assert fingerprint["environment"]["name"] == "vf_single" and fingerprint["environment"]["version"] == "0.4.0"
+    assert fingerprint["environment"]["settings"]["args"] == {"size": 10} and fingerprint["train_rows"] == 7
+    other = VerifiersTaskConfig(environment="vf_single", args={"size": 10, "offset": 1}, validation_size=3).build()
+    assert other.data_fingerprint()["train_sha256"] != fingerprint["train_sha256"]
+    # the validation split as its own taskset: the taskset's arguments, updated
+    split = VerifiersTaskConfig(environment="vf_single", args={"size": 6}, eval_args={"offset": 50, "size": 2}).build()
+    assert len(split.train_examples()) == 6 and [e.id for e in split.validation_examples()] == ["sum-50", "sum-51"]
+    # a [task] table names it
+    built = build_task({"name": "verifiers", "environment": "vf_single"})
+    assert built.name == "verifiers:vf_single" and built.environment.timeout_s == 300.0
+
+
+def test_bad_environments_are_refused_with_what_to_do():
+    with pytest.raises(ValueError, match="top-level module name"):
+        VerifiersTaskConfig(environment="tests.vf_single")
+    with pytest.raises(VerifiersError, match="not found"):
+        VerifiersTaskConfig(environment="no_such_env_module").build()
+    with pytest.raises(VerifiersError, match="unique TaskData.id|validation_size 20"):
+        VerifiersTaskConfig(environment="vf_single", validation_size=20).build()
+    with pytest.raises(VerifiersError, match="harness 'codex'.*drop the seat's harness"):
+        VerifiersTaskConfig(environment="vf_single", env_args={"agent": {"harness": {"id": "codex"}}}).build()
+    with pytest.raises(VerifiersError, match="size"):
+        VerifiersTaskConfig(environment="vf_single", args={"size": "many"}).build()
+
+
+# ---- rollouts through the endpoint --------------------------------------------------------------------
+def test_single_turn_rewards_are_terms_with_their_weights_and_a_raising_reward_fails_alone(chat_model):
+    _, _, tokenizer = chat_model
+    task = verifiers_task(tokenizer, environment="vf_single", args={"size": 10}, validation_size=2)
+    examples = task.train_examples()[:4]  # "0 + 1", "7 + 4" (its faulty reward raises), "4 + 7", "1 + 0"
+
+    def reply(prompt):  # the right sum for the first two, a wrong one unformatted for the rest
+        question = prompt.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
+        a, b = int(question[0]), int(question[-1])
+        return f"<answer>{a + b}</answer>" if question in ("0 + 1", "7 + 4") else "9"
+
+    engine, ids, recorded = environment_engine(ScriptedEngine(tokenizer, reply), task, tokenizer, examples)
+    try:
+        groups = engine.generate(ids, 1, PARAMS)
+    finally:
+        engine.close()
+    grades = [g[0].grade for g in groups]
+    assert [dict(g.components) for g in grades] == [
+        {"correct": 1.0, "formatted": 1.0, "faulty": 1.0},
+        {"correct": 1.0, "formatted": 1.0, "faulty": 0.0},
+        {"correct": 0.0, "formatted": 0.0, "faulty": 1.0},
+        {"correct": 0.0, "formatted": 0.0, "faulty": 1.0},
+    ]
+    assert [g.total for g in grades] == [1.25, 1.25, 0.0, 0.0]  # correct x 1 + formatted x 0.25 + faulty x 0
+    assert [g.failed for g in grades] == [(), ("faulty",), (), ()]
+    assert [g.answer_reward for g in grades] == [1.0, 1.0, 0.0, 0.0]  # the heaviest reward is the correctness
+    for (completion,), prompt, trajectory in zip(groups, ids, recorded[0]):
+        assert trajectory.turns[0].prompt_ids == prompt  # the task's prompt is the first call's
+        assert completion.policy_mask == [1] * len(completion.completion_ids) and completion.turns == 1
+
+
+def test_multi_turn_observations_are_masked_token_by_token(chat_model):
+    _, model, tokenizer = chat_model
+    from vf_multi import _digit, feedback
+
+    task = verifiers_task(tokenizer, environment="vf_multi", env_args=TURN, validation_size=2)
+    examples = task.train_examples()[:3]
+    engine, ids, recorded = environment_engine(HFEngine(model, tokenizer), task, tokenizer, examples)
+    try:
+        groups = engine.generate(ids, 2, PARAMS)
+    finally:
+        engine.close()
+    turn_end = "<|im_end|>"
+    multi = 0
+    for (example, group), trajectories in zip(zip(examples, groups), [recorded[0][i : i + 2] for i in (0, 2, 4)]):
+        for completion, trajectory in zip(group, trajectories):
+            turns = list(trajectory.turns)
+            while turns and not turns[-1].completion_ids:  # a last call refused for want of budget trains nothing
+                turns.pop()
+            assert trajectory.restarts == 0 and completion.turns == len(turns) >= 1
+            ids_, mask = [], []
+            for k, turn in enumerate(turns):
+                ids_ += turn.observation_ids + turn.completion_ids
+                mask += [0] * len(turn.observation_ids) + [1] * len(turn.completion_ids)
+                if k:  # the environment's message: the feedback on the previous guess, as the template renders it
+                    sampled = tokenizer.decode(turns[k - 1].completion_ids, skip_special_tokens=False)
+                    guess = _digit(tokenizer.decode(turns[k - 1].completion_ids, skip_special_tokens=True))
+                    tail = f"\n<|im_start|>user\n{feedback(guess, example.answer)}{turn_end}\n<|im_start|>assistant\n"
+                    observed = tokenizer.decode(turn.observation_ids, skip_special_tokens=False)
+                    # before it, what the sample left unwritten of its turn's end (nothing after an EOS)
+                    assert observed.endswith(tail) and (sampled + observed[: -len(tail)]).endswith(turn_end)
+            assert completion.completion_ids == ids_ and completion.policy_mask == mask
+            assert completion.logprobs == [lp for t in turns for lp in [0.0] * len(t.observation_ids) + t.logprobs]
+            multi += len(turns) > 1
+            terms = dict(completion.grade.components)
+            assert terms.keys() == {"solved", "quick", "guessed"} and terms["quick"] == 1 / len(trajectory.turns)
+            assert completion.grade.total == pytest.approx(terms["solved"] + 0.5 * terms["quick"] + 0.1 * terms["guessed"])
+    assert multi >= 3  # most games went on past the first guess
+
+
+def test_a_tool_environment_offers_its_tool_and_the_tool_result_is_masked(chat_model, monkeypatch):
+    _, _, tokenizer = chat_model
+    tests_dir = str(__import__("pathlib").Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)  # verifiers serves the toolset as `python -m vf_tools`
+    task = verifiers_task(tokenizer, environment="vf_tools", validation_size=2)
+    (example,) = task.train_examples()[:1]  # "What is 10 + 20?"
+    assert [t["function"]["name"] for t in task.tools(example)] == ["calc_add"]
+    assert task.tools(example)[0]["function"]["parameters"]["required"] == ["a", "b"]
+
+    def reply(prompt):
+        if "<|im_start|>tool\n" in prompt:
+            return "It is " + prompt.split("<|im_start|>tool\n")[-1].split("<|im_end|>")[0]
+        return '<tool_call>{"name": "calc_add", "arguments": {"a": 10, "b": 20}}</tool_call>'
+
+    engine, ids, recorded = environment_engine(ScriptedEngine(tokenizer, reply), task, tokenizer, [example])
+    try:
+        ((completion,),) = engine.generate(ids, 1, replace(PARAMS, max_new_tokens=200))
+    finally:
+        engine.close()
+    (trajectory,) = recorded[0]
+    assert completion.grade.components == (("correct", 1.0),) and completion.grade.failed == ()
+    one, two = trajectory.turns
+    observed = tokenizer.decode(two.observation_ids, skip_special_tokens=False)
+    assert observed == "\n<|im_start|>tool\n30<|im_end|>\n<|im_start|>assistant\n"  # the tool's result, masked
+    assert completion.policy_mask == [1] * len(one.completion_ids) + [0] * len(two.observation_ids) + [1] * len(
+        two.completion_ids
+    )
+    assert tokenizer.decode(two.completion_ids, skip_special_tokens=True) == "It is 30"
+
+
+def test_a_hanging_environment_times_out_as_failed_and_the_others_go_on(chat_model):
+    _, model, tokenizer = chat_model
+    hung = verifiers_task(tokenizer, environment="vf_multi", env_args={**TURN, "hang_s": 30}, timeout_s=1.0)
+    fine = verifiers_task(tokenizer, environment="vf_multi", env_args=TURN)
+    engine, ids, _ = environment_engine(HFEngine(model, tokenizer), hung, tokenizer, hung.train_examples()[:1])
+    try:
+        ((timed_out,),) = engine.generate(ids, 1, PARAMS)
+    finally:
+        engine.close()
+    assert timed_out.grade.failed == ("environment",) and timed_out.grade.reward == 0
+    assert timed_out.policy_mask == [0]
+    engine, ids, _ = environment_engine(HFEngine(model, tokenizer), fine, tokenizer, fine.train_examples()[:1])
+    try:
+        ((ok,),) = engine.generate(ids, 1, PARAMS)
+    finally:
+        engine.close()
+    assert ok.grade.failed == () and ok.num_policy_tokens > 0
+
+
+# ---- a training step ------------------------------------------------------------------------------------
+def test_a_multi_turn_environment_trains_a_step_on_its_sampled_tokens_only(chat_model, tmp_path):
+    from grpolab.learning.batching import collate
+    from grpolab.run.step import rl_step
+    from grpolab.run.trainer import Trainer
+
+    path, _, tokenizer = chat_model
+    cfg = load_config(
+        None,
+        {
+            "model.path": str(path),
+            "output_dir": str(tmp_path / "run"),
+            "steps": 1,
+            "task.name": "verifiers",
+            "task.environment": "vf_multi",
+            "task.env_args": TURN,
+            "task.validation_size": 2,
+            "rollout.prompts_per_step": 2,
+            "rollout.group_size": 4,
+            "rollout.max_new_tokens": 60,
+            "optim.lr": 1e-2,
+        },
+    )
+    trainer = Trainer(cfg)
+    try:
+        before = [p.detach().clone() for p in trainer.parts.policy.model.parameters()]
+        seen = []
+        record = rl_step(trainer.parts, 1, on_rollout=seen.append)
+        after = list(trainer.parts.policy.model.parameters())
+    finally:
+        trainer.close()
+    completions = seen[0].flat()
+    batch = collate(completions, tokenizer.pad_token_id)
+    for row, completion in enumerate(completions):
+        start = len(completion.prompt_ids)
+        span = batch.response_mask[row, start : start + len(completion.completion_ids)]
+        assert span.tolist() == [float(m) for m in completion.policy_mask]  # token by token: sampled 1, env 0
+        assert batch.response_mask[row, :start].sum() == 0
+    observed = sum(len(c.policy_mask) - sum(c.policy_mask) for c in completions)
+    assert observed > 0 and record["tokens/masked_observation"] == observed
+    assert record["tokens/policy"] == sum(sum(c.policy_mask) for c in completions)
+    assert {"reward/solved", "reward/quick", "reward/guessed"} <= record.keys() and record["actual_updates"] == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))  # the step updated the policy
