@@ -58,6 +58,7 @@ def built_in_tasks(tmp_path: Path) -> dict[str, Task]:
             "n_val": 2,
         },
         "dataset": {"train": str(rows), "validation_size": 2},
+        "verifiers": {"environment": "vf_single", "validation_size": 2},  # a verifiers environment (tests/vf_single.py)
     }
     assert set(settings) == set(BUILT_IN)
     return {name: build_task({"name": name, **values}) for name, values in settings.items()}

@@ -94,7 +94,11 @@ class ScriptedEngine:
 def test_a_taskset_becomes_train_and_validation_examples_with_stable_ids_and_a_fingerprint():
     task = VerifiersTaskConfig(environment="vf_single", args={"size": 10}, validation_size=3).build()
     train, val = task.train_examples(), task.validation_examples()
-    assert [e.id for e in train] == [f"sum-{i}" for i in range(7)] and [e.id for e in val] == ["sum-7", "sum-8", "sum-9"]
+    assert [e.id for e in train] == [f"sum-{i}" for i in range(7)] and [e.id for e in val] == [
+        "sum-7",
+        "sum-8",
+        "sum-9",
+    ]
     assert train[1].question == "7 + 4" and train[1].answer == "11" and train[1].fields["system_prompt"]
     again = VerifiersTaskConfig(environment="vf_single", args={"size": 10}, validation_size=3).build()
     assert again.data_fingerprint() == task.data_fingerprint()
@@ -108,7 +112,7 @@ def test_a_taskset_becomes_train_and_validation_examples_with_stable_ids_and_a_f
     assert len(split.train_examples()) == 6 and [e.id for e in split.validation_examples()] == ["sum-50", "sum-51"]
     # a [task] table names it
     built = build_task({"name": "verifiers", "environment": "vf_single"})
-    assert built.name == "verifiers:vf_single" and built.environment.timeout_s == 300.0
+    assert built.name == "verifiers" and built.environment.name == "vf_single" and built.environment.timeout_s == 300.0
 
 
 def test_bad_environments_are_refused_with_what_to_do():
@@ -190,7 +194,9 @@ def test_multi_turn_observations_are_masked_token_by_token(chat_model):
             multi += len(turns) > 1
             terms = dict(completion.grade.components)
             assert terms.keys() == {"solved", "quick", "guessed"} and terms["quick"] == 1 / len(trajectory.turns)
-            assert completion.grade.total == pytest.approx(terms["solved"] + 0.5 * terms["quick"] + 0.1 * terms["guessed"])
+            assert completion.grade.total == pytest.approx(
+                terms["solved"] + 0.5 * terms["quick"] + 0.1 * terms["guessed"]
+            )
     assert multi >= 3  # most games went on past the first guess
 
 

@@ -62,8 +62,12 @@ class GuessTaskset(vf.Taskset[GuessTask, GuessConfig]):
     def load(self):
         for i in range(self.config.size):
             yield GuessTask(
-                GuessData(id=f"guess-{i}", prompt=f"Game {i}: your first guess?", answer=str((i * 7 + 3) % 10),
-                          system_prompt=SYSTEM),
+                GuessData(
+                    id=f"guess-{i}",
+                    prompt=f"Game {i}: your first guess?",
+                    answer=str((i * 7 + 3) % 10),
+                    system_prompt=SYSTEM,
+                ),
                 self.config.task,
             )
 

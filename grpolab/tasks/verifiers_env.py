@@ -26,7 +26,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field, JsonValue, field_validator
 
@@ -47,7 +47,7 @@ class VerifiersError(ValueError):
 class VerifiersTaskConfig(TaskSettings):
     """A verifiers 0.4 environment (``pip install 'grpolab[envs]'``): its taskset module and arguments."""
 
-    name: Literal["verifiers"] = "verifiers"
+    name: Literal["verifiers"] = Field("verifiers", description="a verifiers 0.4 environment (the [envs] extra)")
     environment: str = Field(
         description="the taskset's id: an installed module exporting one verifiers Taskset (and optionally an Env)"
     )
@@ -248,14 +248,17 @@ async def grade_episode(episode: Any, task: Any, cfg: VerifiersTaskConfig) -> Gr
     scored = {name: r for name, r in rewards.items() if r is not None}
     main = cfg.answer_term or (max(scored, key=lambda n: scored[n].weight) if scored else None)
     if main is not None and main not in rewards:
-        raise VerifiersError(f"answer_term {main!r} is not a reward of environment {cfg.environment!r}: {sorted(rewards)}")
+        raise VerifiersError(
+            f"answer_term {main!r} is not a reward of environment {cfg.environment!r}: {sorted(rewards)}"
+        )
     answer = 1.0 if main in scored and scored[main].score >= 1.0 else 0.0
     if cfg.format_term is not None:
         fmt = scored[cfg.format_term].score if cfg.format_term in scored else 0.0
     else:
         fmt = 1.0 if trace.last_reply and trace.ok else 0.0
-    return Grade(float(fmt), answer, extracted=trace.last_reply or None, components=components, total=total,
-                 failed=tuple(failed))
+    return Grade(
+        float(fmt), answer, extracted=trace.last_reply or None, components=components, total=total, failed=tuple(failed)
+    )
 
 
 async def rescore_alone(task: Any, trace: Any, rewards: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -287,7 +290,7 @@ class VerifiersTask(EnvironmentTask):
 
     def __init__(self, settings: VerifiersTaskConfig):
         self.cfg = settings
-        self.name = f"verifiers:{settings.environment}"
+        self.name = "verifiers"
         env = load_env(settings, settings.args)
         train = read_tasks(env, settings.max_tasks)
         if settings.eval_args is not None:
@@ -312,7 +315,9 @@ class VerifiersTask(EnvironmentTask):
                     )
                 tasks[key] = task
         if not self._split["train"] or not self._split["validation"]:
-            raise VerifiersError(f"verifiers environment {settings.environment!r} yielded no train or no validation tasks")
+            raise VerifiersError(
+                f"verifiers environment {settings.environment!r} yielded no train or no validation tasks"
+            )
         for task in tasks.values():
             if task.data.prompt is None:
                 raise VerifiersError(
