@@ -131,7 +131,9 @@ def test_bad_environments_are_refused_with_what_to_do():
 # ---- rollouts through the endpoint --------------------------------------------------------------------
 def test_single_turn_rewards_are_terms_with_their_weights_and_a_raising_reward_fails_alone(chat_model):
     _, _, tokenizer = chat_model
-    task = verifiers_task(tokenizer, environment="vf_single", args={"size": 10}, validation_size=2)
+    task = verifiers_task(
+        tokenizer, environment="vf_single", args={"size": 10}, validation_size=2, format_term="formatted"
+    )
     examples = task.train_examples()[:4]  # "0 + 1", "7 + 4" (its faulty reward raises), "4 + 7", "1 + 0"
 
     def reply(prompt):  # the right sum for the first two, a wrong one unformatted for the rest
@@ -154,6 +156,7 @@ def test_single_turn_rewards_are_terms_with_their_weights_and_a_raising_reward_f
     assert [g.total for g in grades] == [1.25, 1.25, 0.0, 0.0]  # correct x 1 + formatted x 0.25 + faulty x 0
     assert [g.failed for g in grades] == [(), ("faulty",), (), ()]
     assert [g.answer_reward for g in grades] == [1.0, 1.0, 0.0, 0.0]  # the heaviest reward is the correctness
+    assert [g.format_reward for g in grades] == [1.0, 1.0, 0.0, 0.0]  # format_term's value
     for (completion,), prompt, trajectory in zip(groups, ids, recorded[0]):
         assert trajectory.turns[0].prompt_ids == prompt  # the task's prompt is the first call's
         assert completion.policy_mask == [1] * len(completion.completion_ids) and completion.turns == 1
@@ -292,3 +295,10 @@ def test_a_multi_turn_environment_trains_a_step_on_its_sampled_tokens_only(chat_
     assert record["tokens/policy"] == sum(sum(c.policy_mask) for c in completions)
     assert {"reward/solved", "reward/quick", "reward/guessed"} <= record.keys() and record["actual_updates"] == 1
     assert any(not torch.equal(a, b) for a, b in zip(before, after))  # the step updated the policy
+
+
+def test_the_reward_terms_and_weights_are_the_environments_and_named_terms_must_exist():
+    task = VerifiersTaskConfig(environment="vf_single", answer_term="formatted").build()
+    assert task.reward_weights() == {"correct": 1.0, "faulty": 0.0, "formatted": 0.25}
+    with pytest.raises(VerifiersError, match="task.format_term 'shape' is not a reward.*correct, faulty, formatted"):
+        VerifiersTaskConfig(environment="vf_single", format_term="shape").build()

@@ -325,8 +325,20 @@ class VerifiersTask(EnvironmentTask):
                     "env opens the conversation); grpolab needs the task's prompt as the first model call"
                 )
         self.environment = VerifiersEnvironment(settings, env, tasks)
+        self._weights = reward_functions(next(iter(tasks.values())))
+        for setting in ("answer_term", "format_term"):
+            term = getattr(settings, setting)
+            if term is not None and term not in self._weights:
+                raise VerifiersError(
+                    f"task.{setting} {term!r} is not a reward of environment {settings.environment!r}: choose one "
+                    f"of {', '.join(self._weights) or '(none)'}"
+                )
         self._tools = {key: tool_schemas_of(t, env) for key, t in tasks.items()}
         self._tokenizer: Any = None
+
+    def reward_weights(self) -> dict[str, float]:
+        """The environment's reward terms and their weights (its tasks' ``@reward`` functions and judges)."""
+        return dict(self._weights)
 
     def train_examples(self) -> list[Example]:
         return list(self._split["train"])
@@ -370,6 +382,14 @@ class VerifiersTask(EnvironmentTask):
             "validation_sha256": rows_sha256(rows["validation"]),
             "tools_sha256": text_sha256(canonical_json([self._tools[k] for k in sorted(self._tools)])),
         }
+
+
+def reward_functions(task: Any) -> dict[str, float]:
+    """Each reward term of a verifiers task and its weight: its ``@reward`` functions (config-plugged ones
+    included) and its judges, in verifiers' order."""
+    weights = {fn.__name__: float(getattr(fn, "_vf_weight", 1.0)) for fn in task.hooks("reward")}
+    weights.update({judge.reward_name: float(judge.config.weight) for judge in task.plugged_judges()})
+    return weights
 
 
 def tool_schemas_of(task: Any, env: Any) -> list[dict[str, Any]]:
