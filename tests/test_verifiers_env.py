@@ -4,7 +4,9 @@ verifiers through grpolab's endpoint (``grpolab.rollout.environment``) over a ti
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,10 +205,19 @@ def test_multi_turn_observations_are_masked_token_by_token(chat_model):
     assert multi >= 3  # most games went on past the first guess
 
 
-def test_a_tool_environment_offers_its_tool_and_the_tool_result_is_masked(chat_model, monkeypatch):
+@pytest.fixture
+def tool_servers(monkeypatch):
+    """verifiers serves a toolset as ``python -m MODULE`` (this folder on its path) and leaves the port file its
+    server wrote in /tmp: the ones this test made are removed."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    before = set(Path("/tmp").glob("vf-port-*"))
+    yield
+    for leftover in set(Path("/tmp").glob("vf-port-*")) - before:
+        leftover.unlink(missing_ok=True)
+
+
+def test_a_tool_environment_offers_its_tool_and_the_tool_result_is_masked(chat_model, tool_servers):
     _, _, tokenizer = chat_model
-    tests_dir = str(__import__("pathlib").Path(__file__).parent)
-    monkeypatch.setenv("PYTHONPATH", tests_dir)  # verifiers serves the toolset as `python -m vf_tools`
     task = verifiers_task(tokenizer, environment="vf_tools", validation_size=2)
     (example,) = task.train_examples()[:1]  # "What is 10 + 20?"
     assert [t["function"]["name"] for t in task.tools(example)] == ["calc_add"]
