@@ -166,9 +166,10 @@ def test_single_turn_rewards_are_terms_with_their_weights_and_a_raising_reward_f
 
 def test_multi_turn_observations_are_masked_token_by_token(chat_model):
     _, model, tokenizer = chat_model
-    from vf_multi import _digit, feedback
+    from vf_multi import GuessEnv, _digit, feedback
 
-    task = verifiers_task(tokenizer, environment="vf_multi", env_args=TURN, validation_size=2)
+    task = verifiers_task(tokenizer, environment="vf_multi", env_args=TURN, validation_size=2, max_concurrency=4)
+    GuessEnv.peak = 0
     examples = task.train_examples()[:3]
     engine, ids, recorded = environment_engine(HFEngine(model, tokenizer), task, tokenizer, examples)
     try:
@@ -203,6 +204,7 @@ def test_multi_turn_observations_are_masked_token_by_token(chat_model):
                 terms["solved"] + 0.5 * terms["quick"] + 0.1 * terms["guessed"]
             )
     assert multi >= 3  # most games went on past the first guess
+    assert GuessEnv.peak == 4  # the six games ran four at a time (max_concurrency)
 
 
 @pytest.fixture

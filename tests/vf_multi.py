@@ -79,7 +79,17 @@ class GuessEnvConfig(vf.EnvConfig):
 
 
 class GuessEnv(vf.Env[GuessEnvConfig]):
+    in_flight = peak = 0  # episodes running at once (class-wide: the tests read the peak)
+
     async def run(self, task, agents):
+        GuessEnv.in_flight += 1
+        GuessEnv.peak = max(GuessEnv.peak, GuessEnv.in_flight)
+        try:
+            await self._play(task, agents)
+        finally:
+            GuessEnv.in_flight -= 1
+
+    async def _play(self, task, agents):
         await asyncio.sleep(self.config.hang_s)
         async with agents.agent.interaction(task) as game:
             segment = await game.turn()

@@ -23,6 +23,7 @@ correctness (accuracy) is ``answer_term`` (default: the heaviest reward) reachin
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -213,10 +214,12 @@ class VerifiersEnvironment(Environment):
             raise VerifiersError(f"example {example.id!r} is not a task of environment {self.name!r}")
         client = vf.EvalClientConfig(base_url=endpoint.base_url, api_key_var=API_KEY_VAR)
         ctx = vf.ModelContext(model=endpoint.model, client=client)
-        # Each rollout holds its own serving resources (interception server, shared tool servers): the
-        # rollouts run on the engine's event loop, whose life grpolab's environment wrapper owns.
-        async with self.env.serving():
-            episode = await self.env.run_episode(task, ctx)
+        # Each rollout holds its own serving resources (interception server, shared tool servers): the rollouts
+        # run on an event loop that lives for one generation call. verifiers keeps them on the env object while
+        # serving, so each rollout serves a shallow copy of it: concurrent rollouts never share or close another's.
+        env = copy.copy(self.env)
+        async with env.serving():
+            episode = await env.run_episode(task, ctx)
         return await grade_episode(episode, task, self.cfg)
 
 
