@@ -5,6 +5,7 @@ verifiers through grpolab's endpoint (``grpolab.rollout.environment``) over a ti
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -126,8 +127,18 @@ def test_bad_environments_are_refused_with_what_to_do():
         VerifiersTaskConfig(environment="vf_single", validation_size=20).build()
     with pytest.raises(VerifiersError, match="harness 'codex'.*drop the seat's harness"):
         VerifiersTaskConfig(environment="vf_single", env_args={"agent": {"harness": {"id": "codex"}}}).build()
-    with pytest.raises(VerifiersError, match="size"):
+    with pytest.raises(
+        VerifiersError, match=r"^verifiers environment 'vf_single': task.args.size: Input should be a valid"
+    ):
         VerifiersTaskConfig(environment="vf_single", args={"size": "many"}).build()
+    with pytest.raises(VerifiersError, match="task.env_args.agent.max_turns"):
+        VerifiersTaskConfig(environment="vf_single", env_args={"agent": {"max_turns": "x"}}).build()
+
+
+def test_without_verifiers_installed_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if the package were absent
+    with pytest.raises(VerifiersError, match=r"pip install 'grpolab\[envs\]'"):
+        VerifiersTaskConfig(environment="vf_single").build()
 
 
 # ---- rollouts through the endpoint --------------------------------------------------------------------

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from pydantic import Field, JsonValue, field_validator
+from pydantic import Field, JsonValue, ValidationError, field_validator
 
 from grpolab.tasks.base import Example, Grade, TaskSettings
 from grpolab.tasks.datasets import canonical_json, rows_sha256, text_sha256
@@ -142,8 +142,20 @@ def env_config(settings: VerifiersTaskConfig, taskset_args: Mapping[str, Any]) -
         }
     try:
         return vf.resolve_env_config(raw)
+    except ValidationError as err:
+        raise VerifiersError(f"verifiers environment {settings.environment!r}: {settings_error(err)}") from None
     except Exception as err:
         raise VerifiersError(f"verifiers environment {settings.environment!r}: {err}") from None
+
+
+def settings_error(err: ValidationError) -> str:
+    """verifiers' refusal of the settings, on one line, each field named as grpolab's settings name it."""
+
+    def where(loc: tuple) -> str:
+        path = ".".join(str(part) for part in loc)
+        return f"task.args.{path[len('taskset.') :]}" if path.startswith("taskset.") else f"task.env_args.{path}"
+
+    return "; ".join(f"{where(e['loc'])}: {e['msg']}" for e in err.errors())
 
 
 def load_env(settings: VerifiersTaskConfig, taskset_args: Mapping[str, Any]) -> Any:
