@@ -108,6 +108,8 @@ def test_a_taskset_becomes_train_and_validation_examples_with_stable_ids_and_a_f
     fingerprint = task.data_fingerprint()
     assert fingerprint["environment"]["name"] == "vf_single" and fingerprint["environment"]["version"] == "0.4.0"
     assert fingerprint["environment"]["settings"]["args"] == {"size": 10} and fingerprint["train_rows"] == 7
+    (source,) = fingerprint["sources"]  # the environment's code, by file and SHA-256
+    assert source["module"] == "vf_single" and source["file"].endswith("vf_single.py") and len(source["sha256"]) == 64
     other = VerifiersTaskConfig(environment="vf_single", args={"size": 10, "offset": 1}, validation_size=3).build()
     assert other.data_fingerprint()["train_sha256"] != fingerprint["train_sha256"]
     # the validation split as its own taskset: the taskset's arguments, updated

@@ -25,14 +25,16 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import sys
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, JsonValue, ValidationError, field_validator
 
 from grpolab.tasks.base import Example, Grade, TaskSettings
-from grpolab.tasks.datasets import canonical_json, rows_sha256, text_sha256
+from grpolab.tasks.datasets import canonical_json, file_sha256, rows_sha256, text_sha256
 from grpolab.tasks.environment import ENVIRONMENT_TERM, Endpoint, Environment, EnvironmentTask
 
 logger = logging.getLogger(__name__)
@@ -105,8 +107,6 @@ def register_harness() -> None:
     """Makes the in-process chat loop loadable by its id: verifiers imports a harness by a module name
     (``verifiers.v1.harnesses.<id>``, else ``<id>``); ours lives in grpolab, so it is registered under the
     first, for this process."""
-    import sys
-
     from grpolab.tasks import verifiers_harness
 
     sys.modules.setdefault(f"verifiers.v1.harnesses.{HARNESS_ID}", verifiers_harness)
@@ -289,11 +289,15 @@ async def rescore_alone(task: Any, trace: Any, rewards: dict[str, Any]) -> tuple
             if value is None:
                 failed.append(name)
             continue
+        weight = float(getattr(fns[name], "_vf_weight", 1.0))
         try:
             result = invoke(fns[name], {"task": trace.task.data, "trace": trace})
             if asyncio.iscoroutine(result):
                 result = await result
-            rewards[name] = Reward(score=float(result), weight=float(getattr(fns[name], "_vf_weight", 1.0)))
+            scores = dict(result) if isinstance(result, Mapping) else {name: result}  # keyed scores: one term each
+            if name not in scores:
+                del rewards[name]
+            rewards.update({key: Reward(score=float(value), weight=weight) for key, value in scores.items()})
         except Exception as err:
             logger.debug("verifiers reward %r raised: %s", name, err)
             failed.append(name)
@@ -396,7 +400,20 @@ class VerifiersTask(EnvironmentTask):
             "validation_rows": len(rows["validation"]),
             "validation_sha256": rows_sha256(rows["validation"]),
             "tools_sha256": text_sha256(canonical_json([self._tools[k] for k in sorted(self._tools)])),
+            "sources": module_sources(self.environment.env),
         }
+
+
+def module_sources(env: Any) -> list[dict[str, str]]:
+    """The files of the environment's own code (its taskset's and env's modules, verifiers' built-ins left out)
+    and their SHA-256s: a resume refuses an environment whose code changed."""
+    names = dict.fromkeys(type(obj).__module__ for obj in (env.taskset, env))
+    sources = []
+    for name in names:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path and not name.startswith("verifiers."):
+            sources.append({"module": name, "file": path, "sha256": file_sha256(Path(path))})
+    return sources
 
 
 def reward_functions(task: Any) -> dict[str, float]:

@@ -83,8 +83,6 @@ class InProcessChatHarness(NullHarness):
                 tools, dispatch, servers = (
                     await connect_mcp({"mcpServers": servers_cfg}, stack) if servers_cfg else ([], {}, {})
                 )
-                if self.config.disabled_tools:
-                    tools = [t for t in tools if t["function"]["name"] not in self.config.disabled_tools]
                 while True:
                     kwargs: dict[str, Any] = {"model": ctx.model, "messages": messages}
                     if tools:
