@@ -32,16 +32,17 @@ def chatml_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def chatml_model_dir(root: Path, seed: int = 0) -> Path:
-    """A tiny random Llama with ``chatml_tokenizer`` (EOS ``<|im_end|>``), saved under ``root``."""
+def chatml_model_dir(root: Path, seed: int = 0, vllm: bool = False) -> Path:
+    """A tiny random Llama with ``chatml_tokenizer`` (EOS ``<|im_end|>``), saved under ``root``; ``vllm``: with
+    head_dim 32, which vLLM's CPU attention takes (8 it does not)."""
     tokenizer = chatml_tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
+        hidden_size=64 if vllm else 32,
         intermediate_size=64,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=2 if vllm else 4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
         pad_token_id=tokenizer.pad_token_id,
@@ -49,7 +50,7 @@ def chatml_model_dir(root: Path, seed: int = 0) -> Path:
         bos_token_id=None,
         initializer_range=0.3,
     )
-    path = root / "chatml"
+    path = root / ("chatml_vllm" if vllm else "chatml")
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -80,14 +81,14 @@ class EchoGame(Environment):
             if example.question == self.fail_on:
                 raise RuntimeError("the environment broke")
             await asyncio.sleep(self.delay_s)
-            client = endpoint.client()
             messages = [{"role": "user", "content": example.question}]
             replies = []
-            for turn in range(self.turns):
-                out = await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=8)
-                reply = out.choices[0].message.content
-                replies.append(reply)
-                messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"again {turn}"}]
+            async with endpoint.client() as client:
+                for turn in range(self.turns):
+                    out = await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=8)
+                    reply = out.choices[0].message.content
+                    replies.append(reply)
+                    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"again {turn}"}]
             hit = float(example.answer in replies[-1])
             size = min(len(replies[0]), 8) / 8
             return Grade(hit, hit, components=(("hit", hit), ("size", size)), total=hit + 0.5 * size)

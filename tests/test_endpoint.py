@@ -4,17 +4,22 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from dataclasses import replace
 
 import openai
 import pytest
+import torch
 from chat_envs import EchoGame, chatml_model_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from grpolab.learning.batching import collate
+from grpolab.models.logprobs import token_logprobs
 from grpolab.rollout.base import SamplingParams
 from grpolab.rollout.endpoint import TURN_STRIDE, PolicyEndpoint, tool_calls
 from grpolab.rollout.environment import EnvironmentEngine
 from grpolab.rollout.hf.engine import HFEngine
+from grpolab.rollout.sync_check import verify_weight_sync
 from grpolab.tasks.base import Example
 
 PARAMS = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11)
@@ -187,3 +192,78 @@ def test_prompts_of_no_example_are_generated_by_the_wrapped_engine(chat_model):
     finally:
         engine.close()
     assert out[0].grade is None and out[0].turns == 1
+
+
+class Broken:
+    """An engine whose generation fails (a died engine process), to see that the failure ends the call."""
+
+    eos_token_ids = [0]
+
+    def generate(self, prompts, n, params):
+        raise RuntimeError("the engine died")
+
+    def close(self):
+        pass
+
+
+def test_an_engine_failure_fails_the_run_not_just_the_rollouts(chat_model):
+    _, tokenizer = chat_model
+    engine = EnvironmentEngine(Broken(), EchoGame(), tokenizer, {(1, 2, 3): Example(id="x", question="q", answer="a")})
+    try:
+        with pytest.raises(RuntimeError, match="the engine died"):
+            engine.generate([[1, 2, 3]], 2, PARAMS)
+    finally:
+        engine.close()
+
+
+def _trainer_agrees(chat_dir, groups):
+    """The trainer's log-probs of every trajectory's sampled tokens equal the engine's (the sync check's test),
+    and the masked tokens are exactly the environment's."""
+    completions = [c for group in groups for c in group]
+    batch = collate(completions, AutoTokenizer.from_pretrained(chat_dir).pad_token_id)
+    observed = sum(len(c.completion_ids) - c.num_policy_tokens for c in completions)
+    assert batch.token_counts()["tokens/masked_observation"] == observed > 0
+    model = AutoModelForCausalLM.from_pretrained(chat_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        trainer = token_logprobs(model, batch.input_ids, batch.attention_mask).logprobs
+    check = verify_weight_sync(
+        batch.engine_logprobs, trainer, batch.response_mask, max_abs_diff=1e-3, mean_abs_diff=1e-4
+    )
+    assert check.num_tokens == batch.num_response_tokens
+
+
+def _rollouts(engine, tokenizer):
+    examples = [Example(id=f"e{i}", question=f"say {c}", answer=c) for i, c in enumerate("abc")]
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": e.question}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for e in examples
+    ]
+    wrapped = EnvironmentEngine(engine, EchoGame(), tokenizer, {tuple(p): e for p, e in zip(prompts, examples)})
+    try:
+        return wrapped.generate(prompts, 2, replace(PARAMS, max_new_tokens=60))
+    finally:
+        wrapped.close()
+
+
+def test_the_trainer_reproduces_the_engines_logprobs_of_environment_trajectories(tmp_path):
+    chat_dir = chatml_model_dir(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(chat_dir)
+    model = AutoModelForCausalLM.from_pretrained(chat_dir, dtype=torch.float32)
+    _trainer_agrees(chat_dir, _rollouts(HFEngine(model, tokenizer), tokenizer))
+
+
+@pytest.mark.slow  # ~30 s (a vLLM engine); default tier: the same check over the hf engine (the endpoint serves any
+# engine) and test_rollout_vllm.py's vLLM log-probs
+def test_the_trainer_reproduces_vllms_logprobs_of_environment_trajectories(tmp_path):
+    pytest.importorskip("vllm")
+    from grpolab.rollout.vllm.engine import VLLMEngine
+
+    chat_dir = chatml_model_dir(tmp_path, vllm=True)
+    tokenizer = AutoTokenizer.from_pretrained(chat_dir)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    engine = VLLMEngine(chat_dir, tokenizer, dtype="float32", seed=0, max_model_len=256, enforce_eager=True)
+    _trainer_agrees(chat_dir, _rollouts(engine, tokenizer))

@@ -201,6 +201,8 @@ class PolicyEndpoint:
         self.template = ChatTemplate(tokenizer, template_kwargs)
         self.params: SamplingParams | None = None
         self.trajectories: dict[int, Trajectory] = {}
+        self.warned = False  # about a rewritten history
+        self.engine_error: Exception | None = None  # the first engine failure while serving
         self.requests: queue.Queue[_Request | None] = queue.Queue()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
@@ -218,14 +220,16 @@ class PolicyEndpoint:
     @contextmanager
     def serving(self, params: SamplingParams, count: int, budget: int) -> Iterator[list[Trajectory]]:
         """Trajectories 0..count-1 open for calls (sampled with ``params``, ``budget`` tokens each) inside the
-        block; calls on them afterwards are refused."""
-        self.params = params
+        block; calls on them afterwards are refused. The engine's first failure inside it is raised at its end."""
+        self.params, self.engine_error = params, None
         opened = [Trajectory(params.prompt_offset + k, budget) for k in range(count)]
         self.trajectories = dict(enumerate(opened))
         try:
             yield opened
         finally:
             self.trajectories = {}
+        if self.engine_error is not None:  # an engine that failed fails the run, not just the rollouts
+            raise self.engine_error
 
     def close(self) -> None:
         """Stop serving (in-flight requests are answered with an error)."""
@@ -289,6 +293,12 @@ class PolicyEndpoint:
             if observation is not None:
                 return last.prompt_ids + last.completion_ids + observation, observation
         if trajectory.turns:  # a rewritten history: the trajectory starts again from this call
+            if not self.warned:
+                self.warned = True
+                logger.warning(
+                    "an environment's call did not extend its trajectory's previous call (a rewritten history): the "
+                    "trajectory starts again from it and its earlier turns are not trained (said once)"
+                )
             trajectory.restarts += len(trajectory.turns)
             trajectory.turns = []
         return self.template.prompt(messages, tools), []
@@ -365,8 +375,8 @@ class PolicyEndpoint:
         )
         try:
             out = self.engine.generate([r.prompt_ids for r in batch], 1, params)
-        except Exception as err:  # every waiting call fails; the environment's rollouts see the error
-            logger.warning("the endpoint's engine call failed: %s: %s", type(err).__name__, err)
+        except Exception as err:  # every waiting call fails, and the caller of ``serving`` raises it afterwards
+            self.engine_error = self.engine_error or err
             for request in batch:
                 request.done.set_exception(err)
             return

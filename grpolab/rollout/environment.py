@@ -19,7 +19,7 @@ from grpolab.models.weights import PolicyWeights
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
 from grpolab.rollout.endpoint import PolicyEndpoint, Trajectory
 from grpolab.rollout.multiturn import MultiTurnEngine
-from grpolab.tasks.base import Example, Grade
+from grpolab.tasks.base import Example, Grade, Task
 from grpolab.tasks.environment import ENVIRONMENT_TERM, Endpoint, Environment
 
 logger = logging.getLogger(__name__)
@@ -27,15 +27,13 @@ __all__ = ["EnvironmentEngine", "task_engine"]
 
 
 def task_engine(
-    engine: RolloutEngine, task: Any, tokenizer: Any, prompt_ids: dict[str, list[int]], examples: list[Example]
+    engine: RolloutEngine, task: Task, tokenizer: Any, prompt_ids: dict[str, list[int]], examples: list[Example]
 ) -> RolloutEngine:
     """``engine`` with what ``task`` needs around it: its environment's rollouts (``EnvironmentEngine``, finding
     ``examples`` by their ``prompt_ids``), its tools' multi-turn loop (``MultiTurnEngine``), or nothing."""
     if task.environment is not None:
         by_prompt = {tuple(prompt_ids[e.id]): e for e in reversed(examples)}  # equal prompts: the first example
-        return EnvironmentEngine(
-            engine, task.environment, tokenizer, by_prompt, getattr(task, "chat_template_kwargs", None)
-        )
+        return EnvironmentEngine(engine, task.environment, tokenizer, by_prompt)
     if task.toolset is not None:
         return MultiTurnEngine(engine, task.toolset, tokenizer)
     return engine
@@ -53,13 +51,11 @@ class EnvironmentEngine:
         environment: Environment,
         tokenizer: Any,
         examples: dict[tuple[int, ...], Example],
-        template_kwargs: dict[str, Any] | None = None,
     ):
         self.engine, self.environment, self.tokenizer, self.examples = engine, environment, tokenizer, examples
         self.capabilities = getattr(engine, "capabilities", None)
         self.eos_token_ids = list(getattr(engine, "eos_token_ids", []))
-        self.endpoint = PolicyEndpoint(engine, tokenizer, template_kwargs=template_kwargs)
-        self.restarts = 0  # turns dropped because an environment rewrote its history (``Trajectory.restarts``)
+        self.endpoint = PolicyEndpoint(engine, tokenizer, template_kwargs=dict(environment.chat_template_kwargs))
         environment.start()
 
     def sync_weights(self, weights: PolicyWeights) -> None:
@@ -86,7 +82,6 @@ class EnvironmentEngine:
                 self._completion(t, p, g)
                 for t, p, g in zip(trajectories, [p for p in prompts for _ in range(n)], grades)
             ]
-        self.restarts += sum(t.restarts for t in trajectories)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     async def _rollouts(self, examples: list[Example], budget: int) -> list[Grade]:

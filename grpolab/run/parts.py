@@ -52,8 +52,8 @@ from grpolab.tasks.stream import PromptStream
 from grpolab.tools.protocol import Toolset
 
 FSDP_TOOLS = (
-    "dist.strategy 'fsdp' with rollout.engine 'hf' cannot use tools (every rank must take the same number "
-    "of generation steps on the sharded model); use rollout.engine 'vllm' or dist.strategy 'ddp'"
+    "dist.strategy 'fsdp' with rollout.engine 'hf' cannot use tools or an environment (every rank must take the "
+    "same number of generation steps on the sharded model); use rollout.engine 'vllm' or dist.strategy 'ddp'"
 )
 
 
@@ -173,7 +173,7 @@ def prepare_policy(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Pa
     ranks, reporter, device = setting.ranks, setting.reporter, setting.device
     sharded = is_sharded_run(cfg, ranks)
     shares = capabilities(cfg.rollout.engine).shares_training_model  # a sharded model generates in lockstep
-    if sharded and shares and task.toolset is not None:
+    if sharded and shares and (task.toolset is not None or task.environment is not None):
         raise ValueError(FSDP_TOOLS)
     start = _checkpoint_path(cfg.model.path)
     if start is not None:  # another run's checkpoint (a suite's init_from): every file it lists checks out first

@@ -178,14 +178,15 @@ def check_model_commit(cfg: RunConfig, journal: RunJournal) -> None:
 
 
 def check_data(journal: RunJournal, fingerprint: dict[str, Any] | None) -> None:
-    """The task's rows and prompt (their counts and SHA-256s) must be those the run started with."""
+    """The task's rows and prompt (their counts and SHA-256s), and its environment (name, version, settings), must
+    be those the run started with."""
     recorded = journal.data.get("data")
     if recorded is None or fingerprint is None:
         return
-    keys = lambda d: {k: v for k, v in d.items() if k.endswith(("_sha256", "_rows"))}  # noqa: E731
+    keys = lambda d: {k: v for k, v in d.items() if k.endswith(("_sha256", "_rows")) or k == "environment"}  # noqa: E731
     diff = first_difference(keys(recorded), keys(fingerprint))
     if diff is not None:
         raise ConfigError(
-            f"the task's data changed since the run started ({journal.run_dir / MANIFEST}): {diff}; "
+            f"the task's data or environment changed since the run started ({journal.run_dir / MANIFEST}): {diff}; "
             "a resumed run trains on the same data"
         )

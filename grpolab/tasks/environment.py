@@ -16,12 +16,21 @@ the term ``environment`` failed: never a hang, never a crash.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from grpolab.tasks.base import Example, Grade, Task
+from grpolab.tasks.datasets import text_sha256
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` as JSON writes and reads it back (tuples become lists, other objects their ``str``), so that a
+    recorded identity compares equal to a rebuilt one."""
+    return json.loads(json.dumps(value, default=str))
+
 
 ENVIRONMENT_TERM = "environment"  # the failed term of a rollout that raised or timed out
 
@@ -42,7 +51,8 @@ class Endpoint:
     api_key: str = "grpolab"
 
     def client(self, timeout: float = 600.0) -> Any:
-        """An ``openai.AsyncOpenAI`` client of this endpoint (no retries: a failed call fails the rollout)."""
+        """An ``openai.AsyncOpenAI`` client of this endpoint (no retries: a failed call fails the rollout); use it as
+        ``async with endpoint.client() as client:`` so that it closes within the rollout's event loop."""
         import openai
 
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=timeout)
@@ -57,6 +67,7 @@ class Environment(ABC):
         settings: the arguments it was built with, for the manifest (JSON values).
         max_concurrency: rollouts in flight at once.
         timeout_s: wall-clock seconds one rollout may take.
+        chat_template_kwargs: keyword arguments of the endpoint's chat template (e.g. ``enable_thinking``).
     """
 
     name: str
@@ -64,6 +75,7 @@ class Environment(ABC):
     settings: Mapping[str, Any] = {}
     max_concurrency: int = 8
     timeout_s: float = 300.0
+    chat_template_kwargs: Mapping[str, Any] = {}
 
     def start(self) -> None:
         """Starts what the rollouts need (a server process); called before the first rollout, may be called
@@ -90,6 +102,16 @@ class EnvironmentTask(Task):
     """
 
     environment: Environment
+
+    def data_fingerprint(self) -> dict[str, Any]:
+        """The environment's identity (checked on resume) and the examples' counts and SHA-256s (ids, questions,
+        answers)."""
+        splits = {"train": self.train_examples(), "validation": self.validation_examples()}
+        out: dict[str, Any] = {"environment": json_safe(self.environment.identity())}
+        for split, examples in splits.items():
+            out[f"{split}_rows"] = len(examples)
+            out[f"{split}_sha256"] = text_sha256(json.dumps([[e.id, e.question, e.answer] for e in examples]))
+        return out
 
     def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
         """An environment grades its own rollouts (``Completion.grade``); a completion it never saw scores 0,
