@@ -35,7 +35,7 @@ from pydantic import Field, JsonValue, ValidationError, field_validator
 
 from grpolab.tasks.base import Example, Grade, TaskSettings
 from grpolab.tasks.datasets import canonical_json, file_sha256, rows_sha256, text_sha256
-from grpolab.tasks.environment import ENVIRONMENT_TERM, Endpoint, Environment, EnvironmentTask
+from grpolab.tasks.environment import ENVIRONMENT_TERM, Endpoint, Environment, EnvironmentTask, json_safe
 
 logger = logging.getLogger(__name__)
 API_KEY_VAR = "GRPOLAB_VERIFIERS_API_KEY"  # verifiers reads a client's key from a variable; grpolab's needs none
@@ -394,7 +394,7 @@ class VerifiersTask(EnvironmentTask):
         rows = {split: [e.fields for e in examples] for split, examples in self._split.items()}
         return {
             "task": self.name,
-            "environment": self.environment.identity(),
+            "environment": json_safe(self.environment.identity()),
             "train_rows": len(rows["train"]),
             "train_sha256": rows_sha256(rows["train"]),
             "validation_rows": len(rows["validation"]),
