@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from chat_envs import chatml_model_dir
+from chat_envs import CHATML, chatml_model_dir, chatml_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.config import load_config
@@ -231,32 +231,40 @@ def tool_servers(monkeypatch):
         leftover.unlink(missing_ok=True)
 
 
-def test_a_tool_environment_offers_its_tool_and_the_tool_result_is_masked(chat_model, tool_servers):
-    _, _, tokenizer = chat_model
-    task = verifiers_task(tokenizer, environment="vf_tools", validation_size=2)
+def test_a_tool_environment_offers_its_tool_and_its_results_and_turns_are_masked(tool_servers):
+    tokenizer = chatml_tokenizer()
+    tokenizer.chat_template = (
+        "{%- if tools %}{{- '<|im_start|>tools\\n' + (tools | tojson) + '<|im_end|>\\n' }}{%- endif %}" + CHATML
+    )
+    task = verifiers_task(tokenizer, environment="vf_tools", env_args={"followups": 1}, validation_size=2)
     (example,) = task.train_examples()[:1]  # "What is 10 + 20?"
     assert [t["function"]["name"] for t in task.tools(example)] == ["calc_add"]
     assert task.tools(example)[0]["function"]["parameters"]["required"] == ["a", "b"]
 
-    def reply(prompt):
-        if "<|im_start|>tool\n" in prompt:
-            return "It is " + prompt.split("<|im_start|>tool\n")[-1].split("<|im_end|>")[0]
+    def reply(prompt):  # a tool call, then the tool's result as the answer; again when asked again
+        last = prompt.split("<|im_start|>")[-2]
+        if last.startswith("tool\n"):
+            return "It is " + last[len("tool\n") :].split("<|im_end|>")[0]
         return '<tool_call>{"name": "calc_add", "arguments": {"a": 10, "b": 20}}</tool_call>'
 
     engine, ids, recorded = environment_engine(ScriptedEngine(tokenizer, reply), task, tokenizer, [example])
     try:
-        ((completion,),) = engine.generate(ids, 1, replace(PARAMS, max_new_tokens=200))
+        ((completion,),) = engine.generate(ids, 1, replace(PARAMS, max_new_tokens=400))
     finally:
         engine.close()
     (trajectory,) = recorded[0]
     assert completion.grade.components == (("correct", 1.0),) and completion.grade.failed == ()
-    one, two = trajectory.turns
-    observed = tokenizer.decode(two.observation_ids, skip_special_tokens=False)
-    assert observed == "\n<|im_start|>tool\n30<|im_end|>\n<|im_start|>assistant\n"  # the tool's result, masked
-    assert completion.policy_mask == [1] * len(one.completion_ids) + [0] * len(two.observation_ids) + [1] * len(
-        two.completion_ids
-    )
-    assert tokenizer.decode(two.completion_ids, skip_special_tokens=True) == "It is 30"
+    # call, answer, call, answer: one trajectory (the env's replayed conversation extends it exactly)
+    assert trajectory.restarts == 0 and completion.turns == len(trajectory.turns) == 4
+    said = [tokenizer.decode(t.observation_ids, skip_special_tokens=False) for t in trajectory.turns]
+    tool, user = "\n<|im_start|>tool\n30<|im_end|>\n<|im_start|>assistant\n", "\n<|im_start|>user\nagain, please"
+    assert said == ["", tool, user + "<|im_end|>\n<|im_start|>assistant\n", tool]  # the tool's result, the env's turn
+    assert completion.policy_mask == [
+        m for t in trajectory.turns for m in [0] * len(t.observation_ids) + [1] * len(t.completion_ids)
+    ]
+    assert tokenizer.decode(trajectory.turns[-1].completion_ids, skip_special_tokens=True) == "It is 30"
+    assert trajectory.turns[0].prompt_ids == ids[0]  # the prompt, tool schema included, is the first call's
+    assert '"name": "calc_add"' in task.prompt(example)
 
 
 def test_a_hanging_environment_times_out_as_failed_and_the_others_go_on(chat_model):

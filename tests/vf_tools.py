@@ -1,5 +1,6 @@
 """A tool verifiers 0.4 environment in verifiers' own API (``task.environment = "vf_tools"``): the model may call
-an ``add`` tool (an MCP ``Toolset`` served per rollout) before answering. Reward: ``correct`` (1.0).
+an ``add`` tool (an MCP ``Toolset`` served per rollout) before answering; with ``followups`` the env asks again
+after each answer (tool calls within the env's turns). Reward: ``correct`` (1.0).
 
 Run as a module, it serves the toolset (verifiers starts its tool servers as ``python -m MODULE``).
 """
@@ -43,7 +44,22 @@ class AddTaskset(vf.Taskset[AddTask, vf.TasksetConfig]):
             yield AddTask(AddData(id=f"add-{i}", prompt=f"What is {a} + {b}?", answer=str(a + b), system_prompt=SYSTEM))
 
 
-__all__ = ["AddTaskset"]
+class AddEnvConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig()
+    followups: int = 0  # user turns after the first answer ("again, please"), each answered with the tool again
+
+
+class AddEnv(vf.Env[AddEnvConfig]):
+    async def run(self, task, agents):
+        async with agents.agent.interaction(task) as chat:
+            segment = await chat.turn()
+            for _ in range(self.config.followups):
+                if segment.terminated:
+                    break
+                segment = await chat.turn("again, please")
+
+
+__all__ = ["AddEnv", "AddTaskset"]
 
 if __name__ == "__main__":
     Calc.run()

@@ -15,7 +15,7 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 from verifiers.v1.clients import ModelContext
-from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.dialects.chat import message_to_wire, parse_message
 from verifiers.v1.harnesses.null.harness import NullHarness
 from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
 from verifiers.v1.runtimes import ProgramResult, Runtime
@@ -25,30 +25,45 @@ from verifiers.v1.trace import Trace
 __all__ = ["InProcessChatHarness"]
 
 
+def wire(message: Any) -> dict[str, Any]:
+    """A message (a chat dict or a verifiers message) as verifiers writes it on the wire when it replays a
+    conversation (``Harness.resume``): every call of a trajectory then extends the previous one exactly (the
+    endpoint compares them), within a segment and across the env's turns."""
+    return message_to_wire(parse_message(message) if isinstance(message, dict) else message)
+
+
 def initial_messages(system_prompt: str | None, prompt: Any) -> list[dict[str, Any]]:
     """The first call's messages (wire dicts): the system prompt, then the prompt (a string: one user turn)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
     if isinstance(prompt, str):
         messages.append({"role": "user", "content": prompt})
     elif prompt is not None:
-        messages.extend(message_to_wire(m) if not isinstance(m, dict) else m for m in prompt)
-    return messages
+        messages.extend(prompt)
+    return [wire(m) for m in messages]
 
 
 def tool_schemas(tools: list[Any], server: str) -> list[dict[str, Any]]:
     """OpenAI function schemas of MCP ``tools`` (``mcp.types.Tool``) of the server named ``server``, named as
-    verifiers' chat program names them (``{server}_{tool}``)."""
+    verifiers' chat program names them (``{server}_{tool}``), keys sorted (``canonical``)."""
     return [
-        {
-            "type": "function",
-            "function": {
-                "name": f"{server}_{t.name}" if server else t.name,
-                "description": t.description or "",
-                "parameters": t.input_schema,
-            },
-        }
+        canonical(
+            {
+                "type": "function",
+                "function": {
+                    "name": f"{server}_{t.name}" if server else t.name,
+                    "description": t.description or "",
+                    "parameters": t.input_schema,
+                },
+            }
+        )
         for t in tools
     ]
+
+
+def canonical(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with its keys sorted at every level: a chat template renders a schema in its keys' order, and a
+    schema listed from an in-memory server and one received from a served one order them differently."""
+    return json.loads(json.dumps(schema, sort_keys=True))
 
 
 class InProcessChatHarness(NullHarness):
@@ -83,13 +98,14 @@ class InProcessChatHarness(NullHarness):
                 tools, dispatch, servers = (
                     await connect_mcp({"mcpServers": servers_cfg}, stack) if servers_cfg else ([], {}, {})
                 )
+                tools = [canonical(t) for t in tools]  # as the task's prompt renders them
                 while True:
                     kwargs: dict[str, Any] = {"model": ctx.model, "messages": messages}
                     if tools:
                         kwargs["tools"] = tools
                     completion = await client.chat.completions.create(**kwargs)
                     message = completion.choices[0].message
-                    messages.append(message.model_dump(exclude_none=True))
+                    messages.append(wire(message.model_dump(exclude_none=True)))
                     if not message.tool_calls:
                         break
                     for call in message.tool_calls:
