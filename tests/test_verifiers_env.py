@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,25 +48,23 @@ def environment_engine(engine, task, tokenizer, examples):
     receives each call's trajectories as the endpoint recorded them."""
     ids = prompt_ids(task, tokenizer, examples)
     wrapped = EnvironmentEngine(engine, task.environment, tokenizer, {tuple(p): e for p, e in zip(ids, examples)})
+    return wrapped, ids, recording(wrapped)
+
+
+def recording(wrapped):
+    """A list that receives the trajectories of each generation call of ``wrapped`` (an ``EnvironmentEngine``), as
+    its endpoint recorded them (its own ``serving`` context, observed)."""
     recorded: list = []
     serving = wrapped.endpoint.serving
 
-    def recording(*args, **kwargs):  # the endpoint's own context, its trajectories kept for the checks
-        context = serving(*args, **kwargs)
-        trajectories = context.__enter__()
-        recorded.append(trajectories)
+    @contextmanager
+    def observed(*args, **kwargs):
+        with serving(*args, **kwargs) as trajectories:
+            recorded.append(trajectories)
+            yield trajectories
 
-        class Held:
-            def __enter__(self):
-                return trajectories
-
-            def __exit__(self, *exc):
-                return context.__exit__(*exc)
-
-        return Held()
-
-    wrapped.endpoint.serving = recording
-    return wrapped, ids, recorded
+    wrapped.endpoint.serving = observed
+    return recorded
 
 
 class ScriptedEngine:
@@ -311,6 +310,7 @@ def test_a_multi_turn_environment_trains_a_step_on_its_sampled_tokens_only(chat_
     )
     trainer = Trainer(cfg)
     try:
+        recorded = recording(trainer.parts.collector.engine)  # the run's own environment engine
         before = [p.detach().clone() for p in trainer.parts.policy.model.parameters()]
         seen = []
         record = rl_step(trainer.parts, 1, on_rollout=seen.append)
@@ -318,12 +318,18 @@ def test_a_multi_turn_environment_trains_a_step_on_its_sampled_tokens_only(chat_
     finally:
         trainer.close()
     completions = seen[0].flat()
+    (trajectories,) = recorded  # the step's one generation call
+    assert len(trajectories) == len(completions) == 8
     batch = collate(completions, tokenizer.pad_token_id)
-    for row, completion in enumerate(completions):
-        start = len(completion.prompt_ids)
-        span = batch.response_mask[row, start : start + len(completion.completion_ids)]
-        assert span.tolist() == [float(m) for m in completion.policy_mask]  # token by token: sampled 1, env 0
-        assert batch.response_mask[row, :start].sum() == 0
+    for row, (completion, trajectory) in enumerate(zip(completions, trajectories)):
+        turns = [t for t in trajectory.turns if t.completion_ids]  # a call refused for want of budget adds nothing
+        assert trajectory.restarts == 0 and completion.prompt_ids == turns[0].prompt_ids
+        start, ids = len(completion.prompt_ids), [i for t in turns for i in t.observation_ids + t.completion_ids]
+        assert batch.input_ids[row, start : start + len(ids)].tolist() == ids  # the trained tokens: the endpoint's
+        # token by token: 1 exactly on what the engine sampled, 0 exactly on the environment's messages
+        sampled = [m for t in turns for m in [0.0] * len(t.observation_ids) + [1.0] * len(t.completion_ids)]
+        assert batch.response_mask[row, start : start + len(ids)].tolist() == sampled
+        assert batch.response_mask[row, :start].sum() == 0 and batch.response_mask[row, start + len(ids) :].sum() == 0
     observed = sum(len(c.policy_mask) - sum(c.policy_mask) for c in completions)
     assert observed > 0 and record["tokens/masked_observation"] == observed
     assert record["tokens/policy"] == sum(sum(c.policy_mask) for c in completions)
