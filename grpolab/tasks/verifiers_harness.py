@@ -109,9 +109,8 @@ class InProcessChatHarness(NullHarness):
                     if not message.tool_calls:
                         break
                     for call in message.tool_calls:
-                        messages.append(
-                            await self._tool_result(call, dispatch, servers, gate, tool_interception_url, secret)
-                        )
+                        result = await self._tool_result(call, dispatch, servers, gate, tool_interception_url, secret)
+                        messages.append(wire(result))
         except openai.APIError as err:
             # A refused turn (a limit, a @stop) or a failed model call ends the program; verifiers reads a
             # stopped trace's non-zero exit as expected, any other as the harness failing.
