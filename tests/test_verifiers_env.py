@@ -266,22 +266,23 @@ def test_a_tool_environment_offers_its_tool_and_its_results_and_turns_are_masked
     assert '"name": "calc_add"' in task.prompt(example)
 
 
-def test_a_hanging_environment_times_out_as_failed_and_the_others_go_on(chat_model):
+def test_a_hanging_or_failing_environment_fails_its_rollout_and_the_others_go_on(chat_model):
     _, model, tokenizer = chat_model
     hung = verifiers_task(tokenizer, environment="vf_multi", env_args={**TURN, "hang_s": 30}, timeout_s=1.0)
+    broken = verifiers_task(tokenizer, environment="vf_multi", env_args={**TURN, "broken": True})
     fine = verifiers_task(tokenizer, environment="vf_multi", env_args=TURN)
-    engine, ids, _ = environment_engine(HFEngine(model, tokenizer), hung, tokenizer, hung.train_examples()[:1])
-    try:
-        ((timed_out,),) = engine.generate(ids, 1, PARAMS)
-    finally:
-        engine.close()
-    assert timed_out.grade.failed == ("environment",) and timed_out.grade.reward == 0
-    assert timed_out.policy_mask == [0]
-    engine, ids, _ = environment_engine(HFEngine(model, tokenizer), fine, tokenizer, fine.train_examples()[:1])
-    try:
-        ((ok,),) = engine.generate(ids, 1, PARAMS)
-    finally:
-        engine.close()
+    out = []
+    for task in (hung, broken, fine):
+        engine, ids, _ = environment_engine(HFEngine(model, tokenizer), task, tokenizer, task.train_examples()[:1])
+        try:
+            ((completion,),) = engine.generate(ids, 1, PARAMS)
+        finally:
+            engine.close()
+        out.append(completion)
+    timed_out, failed, ok = out
+    for completion in (timed_out, failed):  # past timeout_s, or the env's run raised: 0, and nothing trained
+        assert completion.grade.failed == ("environment",) and completion.grade.reward == 0
+        assert completion.policy_mask == [0]
     assert ok.grade.failed == () and ok.num_policy_tokens > 0
 
 

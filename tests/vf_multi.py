@@ -76,6 +76,7 @@ class GuessEnvConfig(vf.EnvConfig):
     agent: vf.AgentConfig = vf.AgentConfig()
     rounds: int = 3
     hang_s: float = 0.0  # seconds the env waits before its first turn (a hanging environment)
+    broken: bool = False  # the env raises after the first turn (a failing environment)
 
 
 class GuessEnv(vf.Env[GuessEnvConfig]):
@@ -93,6 +94,8 @@ class GuessEnv(vf.Env[GuessEnvConfig]):
         await asyncio.sleep(self.config.hang_s)
         async with agents.agent.interaction(task) as game:
             segment = await game.turn()
+            if self.config.broken:
+                raise RuntimeError("the game broke")
             for _ in range(self.config.rounds - 1):
                 if segment.terminated:
                     break

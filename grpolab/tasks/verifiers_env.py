@@ -250,9 +250,11 @@ async def grade_episode(episode: Any, task: Any, cfg: VerifiersTaskConfig) -> Gr
     """The Grade of a finished episode: its policy trace's rewards as terms (a reward that raised re-run alone
     to tell it from the others), the weighted sum, the answer and format rewards."""
     trace = policy_trace(episode)
-    if trace is None or (trace.last_error is not None and not trace.rewards):
-        detail = trace.last_error if trace is not None else (episode.errors[-1] if episode.errors else None)
-        logger.warning("verifiers episode failed before scoring: %s", detail)
+    if episode.errors or trace is None or (trace.last_error is not None and not trace.rewards):
+        # the env's own hooks failed (the episode is no result, as verifiers' resume counts it), or the rollout
+        # failed before scoring; a reward that raised fails only its term (below)
+        why = episode.errors[-1] if episode.errors else trace.last_error if trace is not None else "no trace"
+        logger.warning("verifiers episode failed: %s", getattr(why, "message", why))
         return Grade(0.0, 0.0, failed=(ENVIRONMENT_TERM,))
     rewards = {name: r for name, r in trace.rewards.items()}
     failed: list[str] = []
