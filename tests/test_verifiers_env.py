@@ -4,6 +4,7 @@ verifiers through grpolab's endpoint (``grpolab.rollout.environment``) over a ti
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from contextlib import contextmanager
@@ -117,6 +118,24 @@ def test_a_taskset_becomes_train_and_validation_examples_with_stable_ids_and_a_f
     # a [task] table names it
     built = build_task({"name": "verifiers", "environment": "vf_single"})
     assert built.name == "verifiers" and built.environment.name == "vf_single" and built.environment.timeout_s == 300.0
+
+
+def test_a_resume_refuses_the_environment_once_its_code_changed(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from grpolab.config import ConfigError
+    from grpolab.run.resume import check_data
+
+    module = tmp_path / "vf_edited.py"  # an environment of the user's, edited between the start and the resume
+    module.write_text((Path(__file__).parent / "vf_single.py").read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    started = VerifiersTaskConfig(environment="vf_edited").build().data_fingerprint()
+    journal = SimpleNamespace(data={"data": json.loads(json.dumps(started))}, run_dir=tmp_path)
+    check_data(journal, VerifiersTaskConfig(environment="vf_edited").build().data_fingerprint())  # the same: goes on
+    module.write_text(module.read_text().replace("weight=0.25", "weight=0.5"))
+    monkeypatch.delitem(sys.modules, "vf_edited")
+    with pytest.raises(ConfigError, match="sources_sha256"):
+        check_data(journal, VerifiersTaskConfig(environment="vf_edited").build().data_fingerprint())
 
 
 def test_bad_environments_are_refused_with_what_to_do():

@@ -402,7 +402,8 @@ class VerifiersTask(EnvironmentTask):
             "validation_rows": len(rows["validation"]),
             "validation_sha256": rows_sha256(rows["validation"]),
             "tools_sha256": text_sha256(canonical_json([self._tools[k] for k in sorted(self._tools)])),
-            "sources": module_sources(self.environment.env),
+            "sources": (sources := module_sources(self.environment.env)),
+            "sources_sha256": text_sha256(canonical_json([source["sha256"] for source in sources])),
         }
 
 
