@@ -354,7 +354,15 @@ class VerifiersTask(EnvironmentTask):
                     f"task.{setting} {term!r} is not a reward of environment {settings.environment!r}: choose one "
                     f"of {', '.join(self._weights) or '(none)'}"
                 )
-        self._tools = {key: tool_schemas_of(t, env) for key, t in tasks.items()}
+        # a task's tools come from its class and config (``Task.toolsets`` is a classmethod): listed once for each
+        listed: dict[tuple[type, str], list[dict[str, Any]]] = {}
+        self._tools: dict[str, list[dict[str, Any]]] = {}
+        for key, task in tasks.items():
+            kind = (type(task), task.config.model_dump_json())
+            if kind not in listed:
+                listed[kind] = tool_schemas_of(task, env)
+            self._tools[key] = listed[kind]
+        self._tool_sets = list(listed.values())
         self._tokenizer: Any = None
 
     def reward_weights(self) -> dict[str, float]:
@@ -401,7 +409,7 @@ class VerifiersTask(EnvironmentTask):
             "train_sha256": rows_sha256(rows["train"]),
             "validation_rows": len(rows["validation"]),
             "validation_sha256": rows_sha256(rows["validation"]),
-            "tools_sha256": text_sha256(canonical_json([self._tools[k] for k in sorted(self._tools)])),
+            "tools_sha256": text_sha256(canonical_json(self._tool_sets)),
             "sources": (sources := module_sources(self.environment.env)),
             "sources_sha256": text_sha256(canonical_json([source["sha256"] for source in sources])),
         }
