@@ -141,12 +141,15 @@ def test_a_resume_refuses_the_environment_once_its_code_changed(tmp_path, monkey
 def test_bad_environments_are_refused_with_what_to_do():
     with pytest.raises(ValueError, match="top-level module name"):
         VerifiersTaskConfig(environment="tests.vf_single")
+    assert VerifiersTaskConfig(environment="someone/vf_single@0.1.2").environment == "someone/vf_single@0.1.2"
     with pytest.raises(VerifiersError, match="not found"):
         VerifiersTaskConfig(environment="no_such_env_module").build()
     with pytest.raises(VerifiersError, match="unique TaskData.id|validation_size 20"):
         VerifiersTaskConfig(environment="vf_single", validation_size=20).build()
-    with pytest.raises(VerifiersError, match="harness 'codex'.*drop the seat's harness"):
-        VerifiersTaskConfig(environment="vf_single", env_args={"agent": {"harness": {"id": "codex"}}}).build()
+    for harness in ("codex", "bash"):  # an agent program, a shell tool: not the chat loop grpolab runs
+        with pytest.raises(VerifiersError, match=f"harness '{harness}'.*drop the seat's harness"):
+            VerifiersTaskConfig(environment="vf_single", env_args={"agent": {"harness": {"id": harness}}}).build()
+    VerifiersTaskConfig(environment="vf_single", env_args={"agent": {"harness": {"id": "null"}}}).build()
     with pytest.raises(
         VerifiersError, match=r"^verifiers environment 'vf_single': task.args.size: Input should be a valid"
     ):

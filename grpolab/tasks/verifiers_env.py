@@ -39,7 +39,7 @@ from grpolab.tasks.environment import ENVIRONMENT_TERM, Endpoint, Environment, E
 
 logger = logging.getLogger(__name__)
 API_KEY_VAR = "GRPOLAB_VERIFIERS_API_KEY"  # verifiers reads a client's key from a variable; grpolab's needs none
-IN_PROCESS_HARNESSES = ("null", "bash")  # seat harnesses the in-process chat loop stands in for
+IN_PROCESS_HARNESSES = ("null",)  # the harness the in-process chat loop stands in for (and a seat pinning none)
 HARNESS_ID = "grpolab_chat"  # the in-process chat loop's harness id, as verifiers loads harnesses
 
 
@@ -74,9 +74,11 @@ class VerifiersTaskConfig(TaskSettings):
     @field_validator("environment")
     @classmethod
     def _module_name(cls, value: str) -> str:
-        if not value or "." in value or ":" in value:
+        module = value.rsplit("/", 1)[-1].split("@", 1)[0]  # a hub id owner/name@version imports as name
+        if not module or "." in module or ":" in module:
             raise ValueError(
-                f"environment {value!r} must be a taskset id: a top-level module name (as verifiers loads it)"
+                f"environment {value!r} must be a taskset id: a top-level module name, as verifiers loads it "
+                "(e.g. 'my_env' for a module my_env.py on the path or an installed package)"
             )
         return value
 
