@@ -267,3 +267,10 @@ def test_the_trainer_reproduces_vllms_logprobs_of_environment_trajectories(tmp_p
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     engine = VLLMEngine(chat_dir, tokenizer, dtype="float32", seed=0, max_model_len=256, enforce_eager=True)
     _trainer_agrees(chat_dir, _rollouts(engine, tokenizer))
+
+
+def test_a_turn_cut_at_its_own_max_tokens_does_not_truncate_the_trajectory(endpoint):
+    with endpoint.serving(PARAMS, 1, 100) as (trajectory,):
+        reply = ask(endpoint, 0, [{"role": "user", "content": "a"}], max_tokens=3)
+    assert len(reply.choices[0].token_ids) <= 3
+    assert not trajectory.completion(endpoint.tokenizer).truncated

@@ -99,7 +99,9 @@ class Trajectory:
             ids += turn.observation_ids + turn.completion_ids
             logprobs += [0.0] * len(turn.observation_ids) + turn.logprobs
             mask += [0] * len(turn.observation_ids) + [1] * len(turn.completion_ids)
-        finish = "length" if turns[-1].finish_reason == "length" or len(turns) < len(self.turns) else "stop"
+        # truncated: the trajectory's budget ran out (a turn cut at its own max_tokens is not)
+        exhausted = self.used(turns[-1].prompt_ids) + len(turns[-1].completion_ids) >= self.budget
+        finish = "length" if exhausted or len(turns) < len(self.turns) else "stop"
         return Completion(
             prompt_ids=list(turns[0].prompt_ids),
             completion_ids=ids,
