@@ -450,6 +450,12 @@ def tool_schemas_of(task: Any, env: Any) -> list[dict[str, Any]]:
                 f"toolset {toolset.server_name!r} is a remote server ({toolset.config.url}); grpolab needs the "
                 "tools' schemas before the run: serve it from the environment instead"
             )
+        runtime = getattr(getattr(toolset.config, "runtime", None), "type", "subprocess")
+        if runtime != "subprocess":
+            raise VerifiersError(
+                f"toolset {toolset.server_name!r} runs in a {runtime!r} runtime; grpolab serves tool servers as "
+                "local subprocesses: leave the toolset's runtime unset"
+            )
         from mcp.server.mcpserver import MCPServer
 
         server = MCPServer(toolset.server_name or type(toolset).__name__)
