@@ -150,6 +150,8 @@ def test_bad_environments_are_refused_with_what_to_do():
         with pytest.raises(VerifiersError, match=f"harness '{harness}'.*drop the seat's harness"):
             VerifiersTaskConfig(environment="vf_single", env_args={"agent": {"harness": {"id": harness}}}).build()
     VerifiersTaskConfig(environment="vf_single", env_args={"agent": {"harness": {"id": "null"}}}).build()
+    with pytest.raises(VerifiersError, match=r"2 seats \(assistant, user\).*one trajectory per rollout"):
+        VerifiersTaskConfig(environment="vf_single", env_args={"id": "user-sim"}).build()  # verifiers' modeled user
     with pytest.raises(
         VerifiersError, match=r"^verifiers environment 'vf_single': task.args.size: Input should be a valid"
     ):

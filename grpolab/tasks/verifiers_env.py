@@ -123,10 +123,14 @@ def env_config(settings: VerifiersTaskConfig, taskset_args: Mapping[str, Any]) -
         cls = vf.env_config_type(settings.environment, str(raw.get("id") or ""))
     except (ImportError, TypeError, AttributeError, ValueError) as err:
         raise VerifiersError(f"verifiers environment {settings.environment!r}: {err}") from None
-    for seat, field in cls.model_fields.items():
-        default = field.default
-        if not isinstance(default, vf.AgentConfig):
-            continue
+    seats = [seat for seat, field in cls.model_fields.items() if isinstance(field.default, vf.AgentConfig)]
+    if len(seats) > 1:
+        raise VerifiersError(
+            f"verifiers environment {settings.environment!r}: its env {cls.__name__} has {len(seats)} seats "
+            f"({', '.join(seats)}); grpolab trains one trajectory per rollout: use an env with one seat"
+        )
+    for seat in seats:
+        default = cls.model_fields[seat].default
         pinned = default.harness.id if default.harness is not None else None
         given = dict(raw.get(seat) or {})
         harness = dict(given.get("harness") or {})
