@@ -59,6 +59,7 @@ def built_in_tasks(tmp_path: Path) -> dict[str, Task]:
         },
         "dataset": {"train": str(rows), "validation_size": 2},
         "openenv": {"app": "openenv_envs:GuessEnvironment"},
+        "verifiers": {"environment": "vf_single", "validation_size": 2},  # a verifiers environment (tests/vf_single.py)
     }
     assert set(settings) == set(BUILT_IN)
     return {name: build_task({"name": name, **values}) for name, values in settings.items()}

@@ -4,9 +4,9 @@ Each built-in task module declares its settings class (a ``TaskSettings`` with `
 and ``build()``); this module registers them. ``task.name`` picks the kind: ``arithmetic`` (built
 in), ``gsm8k``, ``calculator`` (the built-in tool task), ``chat_arithmetic``, ``dataset`` (your own
 data, prompt format and rewards), ``openenv`` (an OpenEnv environment server stepped by multi-turn
-rollouts), or ``"package.module:Class"``, a task class of your own that follows the
-``grpolab.tasks.base.Task`` contract (inheriting it, or a plain class with its members) and takes
-the table's other keys as keyword arguments.
+rollouts), ``verifiers`` (a verifiers 0.4 environment), or ``"package.module:Class"``, a task class of your
+own that follows the ``grpolab.tasks.base.Task`` contract (inheriting it, or a plain class with its members)
+and takes the table's other keys as keyword arguments.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from grpolab.tasks.dataset import DatasetTaskConfig
 from grpolab.tasks.gsm8k import GSM8KTaskConfig
 from grpolab.tasks.openenv_env import OpenEnvTaskConfig
 from grpolab.tasks.sandbox import IMPORT_PATH, resolve
+from grpolab.tasks.verifiers_env import VerifiersTaskConfig
 
 SETTINGS: tuple[type[TaskSettings], ...] = (
     ArithmeticTaskConfig,
@@ -32,6 +33,7 @@ SETTINGS: tuple[type[TaskSettings], ...] = (
     ChatArithmeticTaskConfig,
     DatasetTaskConfig,
     OpenEnvTaskConfig,
+    VerifiersTaskConfig,
 )
 """The built-in kinds, registered: each class's ``name`` default is its tag."""
 
