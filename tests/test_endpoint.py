@@ -274,3 +274,21 @@ def test_a_turn_cut_at_its_own_max_tokens_does_not_truncate_the_trajectory(endpo
         reply = ask(endpoint, 0, [{"role": "user", "content": "a"}], max_tokens=3)
     assert len(reply.choices[0].token_ids) <= 3
     assert not trajectory.completion(endpoint.tokenizer).truncated
+
+
+def test_a_sample_ending_in_the_turn_ends_first_character_still_gets_the_whole_end_token(chat_model):
+    """Only the turn end's own token counts as written: a sample ending in a literal "<" does not."""
+    from grpolab.rollout.endpoint import ChatTemplate
+
+    _, tokenizer = chat_model
+    template = ChatTemplate(tokenizer)
+    new = [{"role": "user", "content": "x"}]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    literal = tokenizer("<", add_special_tokens=False)["input_ids"]
+    after_eos = template.after_assistant(new, None, [5, eos])
+    after_literal = template.after_assistant(new, None, [5, *literal])
+    assert after_literal == [eos] + after_eos
+    assert (
+        tokenizer.decode(after_eos, skip_special_tokens=False)
+        == "\n<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
+    )

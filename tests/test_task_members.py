@@ -59,6 +59,7 @@ def built_in_tasks(tmp_path: Path) -> dict[str, Task]:
         },
         "dataset": {"train": str(rows), "validation_size": 2},
         "openenv": {"app": "openenv_envs:GuessEnvironment"},
+        "verifiers": {"environment": "vf_single", "validation_size": 2},  # a verifiers environment (tests/vf_single.py)
         "reasoning_gym": {"generators": [{"name": "gcd"}], "n_train": 4, "n_val": 2, "prompt": "r1_zero"},
     }
     assert set(settings) == set(BUILT_IN)

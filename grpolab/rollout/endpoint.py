@@ -155,9 +155,9 @@ class ChatTemplate:
         if not whole.startswith(head):
             raise RequestError("the chat template renders earlier turns differently once messages follow")
         end = self.turn_end
-        written = self.tokenizer.decode(sampled[-1:], skip_special_tokens=False) if sampled else ""
-        if written and end.startswith(written):  # the sample ended in the turn's end token (its EOS)
-            end = end[len(written) :]
+        first = self.encode(end)[:1]
+        if sampled and sampled[-1:] == first:  # the sample wrote the turn end's first token (its EOS): not again
+            end = end[len(self.tokenizer.decode(first, skip_special_tokens=False)) :]
         return self.encode(end + whole[len(head) :])
 
 

@@ -4,9 +4,10 @@ Each built-in task module declares its settings class (a ``TaskSettings`` with `
 and ``build()``); this module registers them. ``task.name`` picks the kind: ``arithmetic`` (built
 in), ``gsm8k``, ``calculator`` (the built-in tool task), ``chat_arithmetic``, ``dataset`` (your own
 data, prompt format and rewards), ``openenv`` (an OpenEnv environment server stepped by multi-turn
-rollouts), ``reasoning_gym`` (reasoning-gym's procedural generators), or ``"package.module:Class"``, a task
-class of your own that follows the ``grpolab.tasks.base.Task`` contract (inheriting it, or a plain class with
-its members) and takes the table's other keys as keyword arguments.
+rollouts), ``verifiers`` (a verifiers 0.4 environment), ``reasoning_gym`` (reasoning-gym's procedural
+generators), or ``"package.module:Class"``, a task class of your own that follows the
+``grpolab.tasks.base.Task`` contract (inheriting it, or a plain class with its members) and takes the table's
+other keys as keyword arguments.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from grpolab.tasks.gsm8k import GSM8KTaskConfig
 from grpolab.tasks.openenv_env import OpenEnvTaskConfig
 from grpolab.tasks.reasoning_gym import ReasoningGymTaskConfig
 from grpolab.tasks.sandbox import IMPORT_PATH, resolve
+from grpolab.tasks.verifiers_env import VerifiersTaskConfig
 
 SETTINGS: tuple[type[TaskSettings], ...] = (
     ArithmeticTaskConfig,
@@ -33,6 +35,7 @@ SETTINGS: tuple[type[TaskSettings], ...] = (
     ChatArithmeticTaskConfig,
     DatasetTaskConfig,
     OpenEnvTaskConfig,
+    VerifiersTaskConfig,
     ReasoningGymTaskConfig,
 )
 """The built-in kinds, registered: each class's ``name`` default is its tag."""
