@@ -126,7 +126,7 @@ class GeneratorConfig(TaskSettings):
 class ReasoningGymTaskConfig(TaskSettings):
     """Procedural generators of reasoning-gym, graded by their own scorers."""
 
-    name: Literal["reasoning_gym"] = Field("reasoning_gym", description="reasoning-gym's procedural generators")
+    name: Literal["reasoning_gym"] = Field("reasoning_gym", description="procedural generators of reasoning-gym")
     generators: list[GeneratorConfig] = Field(
         default_factory=list, description="[[task.generators]] tables: name, weight, settings (at least one)"
     )
