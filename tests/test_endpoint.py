@@ -292,3 +292,17 @@ def test_a_sample_ending_in_the_turn_ends_first_character_still_gets_the_whole_e
         tokenizer.decode(after_eos, skip_special_tokens=False)
         == "\n<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_a_ranks_share_samples_what_one_process_samples_for_those_prompts(chat_model):
+    """Data parallel: a rank's call (its prompts, ``prompt_offset`` its first one's index) samples the trajectories
+    one process calling with every prompt samples for them."""
+    engine, prompts = _engine(chat_model, EchoGame())
+    try:
+        params = replace(PARAMS, max_new_tokens=40)
+        whole = engine.generate(prompts[:3], 2, params)
+        share = engine.generate(prompts[1:3], 2, replace(params, prompt_offset=1))
+    finally:
+        engine.close()
+    ids = lambda groups: [[c.completion_ids for c in group] for group in groups]  # noqa: E731
+    assert ids(share) == ids(whole[1:]) and ids(whole[:1]) != ids(whole[1:2])

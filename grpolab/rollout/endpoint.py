@@ -187,8 +187,8 @@ def tool_calls(text: str, trajectory: int, turn: int) -> tuple[str, list[dict[st
 class PolicyEndpoint:
     """Serves ``engine`` as OpenAI-compatible chat completions on 127.0.0.1 (a free port) until ``close``.
 
-    ``serving(params, count, budget)`` opens ``count`` trajectories sampled with ``params`` (its seed, and its
-    ``prompt_offset`` as the first trajectory's global index); ``base_url(k)`` is trajectory k's URL prefix.
+    ``serving(params, count, budget, first_index)`` opens ``count`` trajectories sampled with ``params`` (its seed),
+    the first seeded as global trajectory ``first_index``; ``base_url(k)`` is trajectory k's URL prefix.
     """
 
     def __init__(
@@ -220,11 +220,14 @@ class PolicyEndpoint:
         return f"http://127.0.0.1:{self.port}/t/{trajectory}/v1"
 
     @contextmanager
-    def serving(self, params: SamplingParams, count: int, budget: int) -> Iterator[list[Trajectory]]:
-        """Trajectories 0..count-1 open for calls (sampled with ``params``, ``budget`` tokens each) inside the
-        block; calls on them afterwards are refused. The engine's first failure inside it is raised at its end."""
+    def serving(
+        self, params: SamplingParams, count: int, budget: int, first_index: int = 0
+    ) -> Iterator[list[Trajectory]]:
+        """Trajectories 0..count-1 open for calls (sampled with ``params``, ``budget`` tokens each, seeded as the
+        global trajectories ``first_index`` + k) inside the block; calls on them afterwards are refused. The
+        engine's first failure inside it is raised at its end."""
         self.params, self.engine_error = params, None
-        opened = [Trajectory(params.prompt_offset + k, budget) for k in range(count)]
+        opened = [Trajectory(first_index + k, budget) for k in range(count)]
         self.trajectories = dict(enumerate(opened))
         try:
             yield opened

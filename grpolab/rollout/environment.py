@@ -76,7 +76,9 @@ class EnvironmentEngine:
         if not all(examples):
             raise ValueError("a call mixes prompts of examples with prompts of none: generate them apart")
         count = len(prompts) * n
-        with self.endpoint.serving(params, count, params.max_new_tokens) as trajectories:
+        # trajectory j of prompt i is the global row (prompt_offset + i) * n + j, as engines seed samples
+        first = params.prompt_index(0) * n
+        with self.endpoint.serving(params, count, params.max_new_tokens, first) as trajectories:
             grades = asyncio.run(self._rollouts([e for e in examples for _ in range(n)], params.max_new_tokens))
             flat = [
                 self._completion(t, p, g)
