@@ -325,6 +325,6 @@ def test_changed_data_is_refused_naming_the_hash(warm_model_dir, tmp_path, capsy
     before = tree(run)
     assert main(["train", "--resume", str(run)]) == 2
     (line,) = error_lines(capsys)
-    assert "the task's data changed since the run started" in line and "_sha256 is" in line
+    assert "the task's data or environment changed since the run started" in line and "_sha256 is" in line
     assert tree(run) == before
     assert load_run_config(run).steps == 4
