@@ -142,3 +142,16 @@ def test_maxrl_run_refuses_a_user_function_reward_outside_zero_one(tmp_path, war
     err = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
     assert code == 2 and len(err) == 1, err
     assert "penalty -0.5" in err[0] and "{0, 1}" in err[0], err
+
+
+@pytest.mark.parametrize(
+    "task,named",
+    [
+        ({"task.name": "openenv", "task.app": "openenv_envs:GuessEnvironment"}, "task.app (openenv_envs:Guess"),
+        ({"task.name": "verifiers", "task.environment": "vf_single"}, "task.environment"),
+    ],
+)
+def test_maxrl_refuses_environments_whose_rewards_take_any_value(task, named):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"algo": "maxrl", "model.path": "model", **task})
+    assert len(str(err.value).splitlines()) == 1 and named in str(err.value), str(err.value)

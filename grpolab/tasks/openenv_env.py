@@ -425,6 +425,10 @@ class OpenEnvTaskConfig(TaskSettings):
             raise ValueError("task.action_field applies to action_format 'text' only")
         return self
 
+    def nonbinary_rewards(self) -> list[str]:
+        """An environment's step rewards, summed over an episode, may take any value."""
+        return [f"task.app ({self.app}: the environment's step rewards, summed)"]
+
     def reward_weights(self) -> dict[str, float]:
         """One term: the episode's summed step rewards."""
         return {REWARD_TERM: 1.0}
