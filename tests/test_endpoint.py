@@ -306,3 +306,13 @@ def test_a_ranks_share_samples_what_one_process_samples_for_those_prompts(chat_m
         engine.close()
     ids = lambda groups: [[c.completion_ids for c in group] for group in groups]  # noqa: E731
     assert ids(share) == ids(whole[1:]) and ids(whole[:1]) != ids(whole[1:2])
+
+
+def test_a_missing_environment_package_is_one_line_naming_the_extra():
+    from grpolab.tasks.environment import import_extra, installed_version
+
+    with pytest.raises(ValueError, match=r"^task.name 'openenv' needs no-such-dist: pip install 'grpolab\[envs\]'$"):
+        installed_version("no-such-dist", "openenv")
+    with pytest.raises(ValueError, match=r"^task.name 'x' needs no_such_module \(.*\): pip install 'grpolab\[envs\]'$"):
+        import_extra("no_such_module", "x")
+    assert installed_version("openai", "x").startswith("2.")

@@ -33,6 +33,28 @@ def json_safe(value: Any) -> Any:
 
 
 ENVIRONMENT_TERM = "environment"  # the failed term of a rollout that raised or timed out
+ENVS_EXTRA = "pip install 'grpolab[envs]'"  # the extra that holds the environments' packages
+
+
+def installed_version(distribution: str, task_name: str) -> str:
+    """``distribution``'s installed version (what a manifest records), or one line naming the extra; reads the
+    package metadata only, so nothing heavy is imported."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        raise ValueError(f"task.name '{task_name}' needs {distribution}: {ENVS_EXTRA}") from None
+
+
+def import_extra(module: str, task_name: str, error: type[ValueError] = ValueError) -> Any:
+    """``module`` imported, or ``error`` in one line naming the extra."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise error(f"task.name '{task_name}' needs {module.split('.')[0]} ({err}): {ENVS_EXTRA}") from None
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from pydantic import Field, field_validator, model_validator
 
 from grpolab.tasks.base import Example, Grade, TaskSettings
 from grpolab.tasks.datasets import canonical_json, file_sha256, text_sha256
-from grpolab.tasks.environment import Endpoint, Environment, EnvironmentTask
+from grpolab.tasks.environment import Endpoint, Environment, EnvironmentTask, installed_version
 from grpolab.tasks.openenv_process import ServerProcess
 from grpolab.tasks.prompts import fill_template, template_fields
 from grpolab.tasks.sandbox import IMPORT_PATH
@@ -48,18 +48,6 @@ from grpolab.tasks.sandbox import IMPORT_PATH
 REWARD_TERM = "openenv_reward"
 CLOSE_TIMEOUT_S = 1.0  # a session's close handshake, at most
 _FENCE = re.compile(r"^```[\w-]*\n(.*)\n```$", re.DOTALL)
-
-
-def openenv_version() -> str:
-    """openenv-core's version (the manifest's environment version); a clear error when it is not installed."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("openenv-core")
-    except metadata.PackageNotFoundError:
-        raise ValueError(
-            "task.name 'openenv' needs openenv-core: pip install 'grpolab[envs]' (or openenv-core==0.3.0)"
-        ) from None
 
 
 def run_sync(coroutine: Coroutine) -> Any:
@@ -105,7 +93,7 @@ class OpenEnvEnvironment(Environment):
     def __init__(self, cfg: OpenEnvTaskConfig):
         self.cfg = cfg
         self.name = cfg.app
-        self.version = openenv_version()
+        self.version = installed_version("openenv-core", "openenv")
         self.settings = cfg.model_dump(exclude={"name"})
         self.max_concurrency, self.timeout_s = cfg.max_concurrency, cfg.timeout_s
         self.chat_template_kwargs = dict(cfg.chat_template_kwargs)  # the endpoint renders every turn with them
@@ -437,5 +425,5 @@ class OpenEnvTaskConfig(TaskSettings):
         return "chat"
 
     def build(self) -> OpenEnvTask:
-        openenv_version()  # refused up front when openenv-core is missing
+        installed_version("openenv-core", "openenv")  # refused up front when openenv-core is missing
         return OpenEnvTask(self)

@@ -48,6 +48,7 @@ from pydantic import Field, model_validator
 
 from grpolab.tasks.base import Example, Grade, Task, TaskSettings
 from grpolab.tasks.datasets import canonical_json, file_sha256, text_sha256
+from grpolab.tasks.environment import import_extra, installed_version
 from grpolab.tasks.prompts import PromptBuilder
 from grpolab.tasks.r1_zero import parse_r1_zero
 from grpolab.tasks.sandbox import MAX_WORKERS, WorkerPool
@@ -68,23 +69,16 @@ HASH_ORDER_DEPENDENT = frozenset(
 )
 CORRECT, SCORE = "correct", "score"  # the grade's components (reward/<name> in the metrics)
 _ANSWER_IS = re.compile(r"answer is:?[ \t]*(.*?)[ \t]*$", re.IGNORECASE | re.MULTILINE)
-INSTALL = "pip install -e '.[envs]' (reasoning-gym)"
 
 
 def _reasoning_gym() -> Any:
     """The reasoning_gym package, or one line saying how to install it."""
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise ValueError(f"task.name 'reasoning_gym' needs the reasoning-gym package: {INSTALL}") from None
-    return reasoning_gym
+    return import_extra("reasoning_gym", "reasoning_gym")
 
 
 def reasoning_gym_version() -> str:
     """The installed reasoning-gym's version (its distribution's: the module's ``__version__`` lags behind)."""
-    from importlib.metadata import version
-
-    return version("reasoning-gym")
+    return installed_version("reasoning-gym", "reasoning_gym")
 
 
 def stated_answer(completion: str) -> str | None:

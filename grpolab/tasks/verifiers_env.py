@@ -35,7 +35,15 @@ from pydantic import Field, JsonValue, ValidationError, field_validator
 
 from grpolab.tasks.base import Example, Grade, TaskSettings
 from grpolab.tasks.datasets import canonical_json, file_sha256, rows_sha256, text_sha256
-from grpolab.tasks.environment import ENVIRONMENT_TERM, Endpoint, Environment, EnvironmentTask, json_safe
+from grpolab.tasks.environment import (
+    ENVIRONMENT_TERM,
+    Endpoint,
+    Environment,
+    EnvironmentTask,
+    import_extra,
+    installed_version,
+    json_safe,
+)
 
 logger = logging.getLogger(__name__)
 API_KEY_VAR = "GRPOLAB_VERIFIERS_API_KEY"  # verifiers reads a client's key from a variable; grpolab's needs none
@@ -96,13 +104,7 @@ class VerifiersTaskConfig(TaskSettings):
 
 def import_verifiers() -> Any:
     """``verifiers.v1``, or a clear error naming the extra."""
-    try:
-        import verifiers.v1 as vf
-    except ImportError as err:
-        raise VerifiersError(
-            f"task.name = 'verifiers' needs the verifiers package ({err}); install it: pip install 'grpolab[envs]'"
-        ) from None
-    return vf
+    return import_extra("verifiers.v1", "verifiers", VerifiersError)
 
 
 def register_harness() -> None:
@@ -205,11 +207,9 @@ class VerifiersEnvironment(Environment):
     """One verifiers environment: episodes of its tasks through grpolab endpoints, graded by its rubric."""
 
     def __init__(self, settings: VerifiersTaskConfig, env: Any, tasks: Mapping[str, Any]):
-        import verifiers
-
         self.cfg, self.env, self.tasks = settings, env, dict(tasks)
         self.name = settings.environment
-        self.version = verifiers.__version__
+        self.version = installed_version("verifiers", "verifiers")
         self.settings = {
             "environment": settings.environment,
             "args": settings.args,
@@ -262,7 +262,7 @@ async def grade_episode(episode: Any, task: Any, cfg: VerifiersTaskConfig) -> Gr
         why = episode.errors[-1] if episode.errors else trace.last_error if trace is not None else "no trace"
         logger.warning("verifiers episode failed: %s", getattr(why, "message", why))
         return Grade(0.0, 0.0, failed=(ENVIRONMENT_TERM,))
-    rewards = {name: r for name, r in trace.rewards.items()}
+    rewards = dict(trace.rewards)
     failed: list[str] = []
     if any(r is None for r in rewards.values()):
         rewards, failed = await rescore_alone(task, trace, rewards)
