@@ -168,14 +168,13 @@ def test_bad_reward_model_config_is_one_line_before_anything_is_written(
         assert not out.exists()
 
 
-def test_the_readme_example_parses(reward_model_dir, tmp_path):
-    """The README's reward-model TOML, with its paths pointed at real files, is a valid config."""
+def test_the_docs_example_parses(reward_model_dir, tmp_path):
+    """docs/reward-models.md's TOML example, with its paths pointed at real files, is a valid config."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Learned rewards")[1]
-    example = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "reward-models.md").read_text()
+    example = re.search(r"```toml\n(.*?)```", page, re.S).group(1)
     (tmp_path / "train.jsonl").write_text(
         "".join(
             json.dumps({"question": f"{a}+{b}", "answer": a + b}) + "\n" for a in range(1, 10) for b in range(1, 10)
