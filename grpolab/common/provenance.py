@@ -8,7 +8,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-import grpolab
+from grpolab.common.version import PACKAGE_DIR
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what changes this project's CPU speed and rounding
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # either one: the CPU multiplies bf16 natively
@@ -18,7 +18,7 @@ def code_commit(source: Path | None = None) -> str | None:
     """The commit (12 hex digits) of the git checkout holding ``source`` (default: grpolab's own folder),
     with ``+dirty`` when tracked files differ from it; None outside a git checkout (an installed wheel, a
     suite's snapshot of the code) or without git."""
-    folder = str(source or Path(grpolab.__file__).resolve().parent)
+    folder = str(source or PACKAGE_DIR)
 
     def git(*args: str) -> subprocess.CompletedProcess | None:
         try:

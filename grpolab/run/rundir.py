@@ -24,6 +24,7 @@ class RunDirError(FileExistsError):
 LOCK_FILE = ".grpolab.lock"  # the file grpolab.run.lock locks
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"  # grpolab.run.journal's
+INPUTS_DIR = "inputs"  # what the Python API was given as objects (rows, a loaded model), written before the start
 
 
 def wall_seconds(run_dir: Path) -> float | None:
@@ -50,8 +51,9 @@ def said_warnings(run_dir: Path) -> list[dict[str, Any]]:
 def start_leftovers(run_dir: Path) -> list[Path] | None:
     """What a new run stopped before it wrote its config leaves in ``run_dir``: its lock file and a temp file of
     config.json (an empty list for an empty directory); None when ``run_dir`` holds anything else. Such a
-    directory takes a new run (the lock decides whether its first start is still alive)."""
-    found = list(run_dir.iterdir())
+    directory takes a new run (the lock decides whether its first start is still alive). The ``inputs`` folder
+    the Python API writes before a start (``grpolab.commands.api``) is the run's own, not a leftover."""
+    found = [p for p in run_dir.iterdir() if p.name != INPUTS_DIR]
     if all(p.name == LOCK_FILE or p.name.startswith(f".{CONFIG_FILE}-") for p in found):
         return found
     return None

@@ -21,8 +21,8 @@ import transformers
 from rich.console import Console
 from rich.table import Table
 
-import grpolab
 from grpolab.common.progress import Reporter, format_seconds
+from grpolab.common.version import PACKAGE_DIR, VERSION
 from grpolab.config import RunConfig
 from grpolab.models.loading import model_record
 from grpolab.models.teacher import check_teacher_record
@@ -190,8 +190,8 @@ class Trainer:
         """What manifest.json records about a new run's start (``RunJournal`` adds the config and sessions)."""
         parts, threads = self.parts, self.parts.setting.threads
         return {
-            "grpolab": grpolab.__version__,
-            "grpolab_source": str(Path(grpolab.__file__).resolve().parent),
+            "grpolab": VERSION,
+            "grpolab_source": str(PACKAGE_DIR),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": platform.python_version(),

@@ -44,8 +44,8 @@ from grpolab.tasks.reward_model_spec import (
     reward_model_name,
     reward_model_spec,
 )
-from grpolab.tasks.rewards import VERIFIERS, RewardSet, Sample, reward_term
-from grpolab.tasks.sandbox import IMPORT_PATH, MAX_WORKERS
+from grpolab.tasks.rewards import VERIFIERS, RewardSet, Sample, check_function_name, reward_term
+from grpolab.tasks.sandbox import IMPORT_PATH, MAX_WORKERS, is_pickled, pickled_callable, target_label
 from grpolab.tools.protocol import ToolsConfig
 
 
@@ -273,8 +273,8 @@ class RewardConfig(TaskSettings):
     """One weighted reward function (``grpolab.tasks.rewards``)."""
 
     function: str = Field(
-        description="a verifier (numeric, math, exact, regex), 'package.module:function', or "
-        "'model:DIR', a reward model (grpolab.tasks.reward_model_spec; its options there)"
+        description="a verifier (numeric, math, exact, regex), 'package.module:function' (from Python: the "
+        "function itself, pickled by value), or 'model:DIR', a reward model (grpolab.tasks.reward_model_spec; its options there)"
     )
     name: str | None = Field(None, description="label in the metrics (reward/<name>); default: the function's name")
     weight: float = Field(1.0, description="its weight in the RL reward (0 = logged only)")
@@ -290,17 +290,25 @@ class RewardConfig(TaskSettings):
             return self.name
         if is_model_reward(self.function):
             return reward_model_name(self.function)
-        return self.function.rpartition(":")[2]
+        return target_label(self.function)
+
+    @field_validator("function", mode="before")
+    @classmethod
+    def _pickle_callable(cls, value: Any) -> Any:
+        """A Python function (from ``grpolab.train(rewards=[f])`` or a config dict) travels pickled by value."""
+        return pickled_callable(value) if callable(value) else value
 
     @field_validator("function")
     @classmethod
     def _known(cls, value: str) -> str:
-        if value not in VERIFIERS and not IMPORT_PATH.fullmatch(value) and not is_model_reward(value):
+        if value in VERIFIERS or is_model_reward(value):
+            return value
+        if not IMPORT_PATH.fullmatch(value) and not is_pickled(value):
             raise ValueError(
                 f"unknown reward function {value!r}; use a verifier ({', '.join(VERIFIERS)}), "
-                f"'package.module:function' or '{MODEL_PREFIX}DIR'"
+                f"'package.module:function', a Python function or '{MODEL_PREFIX}DIR'"
             )
-        return value
+        return check_function_name(value)
 
     @model_validator(mode="after")
     def _model_options(self) -> RewardConfig:

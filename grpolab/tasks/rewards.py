@@ -12,7 +12,10 @@ answer and give 1.0 or 0.0 (0.0 when no answer was found or the completion was t
   expression. ``ignore_case``; ``timeout_s`` bounds the match (in a killable worker: the ``regex``
   package's own timeout misses some runaway searches).
 
-A user function is named ``"package.module:function"`` and has this signature::
+A user function is named ``"package.module:function"``, or given as the function itself from Python
+(``grpolab.train(rewards=[f])``, or ``function = f`` in a config dict: pickled by value with cloudpickle,
+``grpolab.tasks.sandbox.pickled_callable``, so a function of a script's ``__main__``, a notebook cell or a
+lambda works), and has this signature::
 
     def my_reward(completion: str, answer: str, **info) -> float
 
@@ -39,7 +42,7 @@ from typing import Any
 import regex
 
 from grpolab.tasks.answers import answers_match
-from grpolab.tasks.sandbox import IMPORT_PATH, WorkerPool, WorkerStartError, resolve
+from grpolab.tasks.sandbox import IMPORT_PATH, WorkerPool, WorkerStartError, is_pickled, resolve, target_label
 
 logger = logging.getLogger(__name__)
 
@@ -119,20 +122,36 @@ class Sample:
     fields: Mapping[str, Any] = field(default_factory=dict)
 
 
+def check_function_name(target: str) -> str:
+    """A user function's target as a config gives it: ``package.module:function`` or a pickled callable; a
+    function of ``__main__`` is refused (the worker processes it runs in have another ``__main__``)."""
+    if is_pickled(target):
+        return target
+    if not IMPORT_PATH.fullmatch(target):
+        raise ValueError(
+            f"reward function {target!r}: expected a verifier ({', '.join(VERIFIERS)}) or 'package.module:function'"
+        )
+    if target.partition(":")[0] == "__main__":
+        raise ValueError(
+            f"reward function {target!r}: a function of a script's or notebook's __main__ cannot be imported by "
+            "the worker processes rewards run in; pass the function itself (grpolab.train(rewards=[f])) or "
+            "move it into a module"
+        )
+    return target
+
+
 class UserFunction:
-    """A ``module:function`` reward, called in worker processes with a time bound."""
+    """A ``module:function`` reward (or a pickled callable), called in worker processes with a time bound."""
 
     def __init__(self, target: str, options: dict[str, Any], timeout_s: float):
-        if not IMPORT_PATH.fullmatch(target):
-            raise ValueError(
-                f"reward function {target!r}: expected a verifier ({', '.join(VERIFIERS)}) or 'package.module:function'"
-            )
+        check_function_name(target)
+        label = target_label(target) if is_pickled(target) else repr(target)
         try:
             function = resolve(target)
         except Exception as err:
-            raise ValueError(f"reward function {target!r} cannot be imported: {type(err).__name__}: {err}") from None
+            raise ValueError(f"reward function {label} cannot be loaded: {type(err).__name__}: {err}") from None
         if not callable(function):
-            raise ValueError(f"reward function {target!r} is not callable")
+            raise ValueError(f"reward function {label} is not callable")
         try:
             parameters = inspect.signature(function).parameters.values()
         except (TypeError, ValueError):
@@ -142,10 +161,14 @@ class UserFunction:
         self.keys = INFO_KEYS if takes_all else tuple(k for k in INFO_KEYS if k in declared)
         unknown = set(options) - declared - set(INFO_KEYS)
         if unknown and not takes_all:
-            raise ValueError(f"reward function {target!r} takes no option(s) {', '.join(sorted(unknown))}")
+            raise ValueError(f"reward function {label} takes no option(s) {', '.join(sorted(unknown))}")
         self.target, self.options, self.timeout_s = target, options, timeout_s
         self.pool = WorkerPool.shared(target)
         self.start_error: str | None = None  # a worker could not import it: every call fails at once
+        try:  # a worker that cannot load it is one error now, before the run starts, not a zero per sample
+            self.pool.check()
+        except WorkerStartError as err:
+            raise ValueError(f"reward function {label}: {err}") from None
 
     def __call__(self, sample: Sample) -> tuple[float, str | None]:
         """(value, None) or (0.0, why it failed)."""
@@ -179,7 +202,7 @@ def reward_term(
     function: str, name: str | None, weight: float, options: dict[str, Any], timeout_s: float | None
 ) -> RewardTerm:
     """A term from its config: a verifier name or a ``module:function``."""
-    label = name or function.rpartition(":")[2]
+    label = name or target_label(function)
     if function in VERIFIERS:
         if timeout_s is not None:
             options = {**options, "timeout_s": timeout_s}

@@ -1,6 +1,6 @@
 """Calling a function in a killable child process, with a deadline: for graders that must never hang.
 
-``WorkerPool("package.module:function")`` starts ``python -c ...`` children (no ``multiprocessing``,
+``WorkerPool("package.module:function")`` (or a callable pickled by value, ``pickled_callable``) starts ``python -c ...`` children (no ``multiprocessing``,
 so no ``__main__`` guard is needed and nothing of the parent, torch threads included, is forked)
 that import the function once and then serve calls as JSON lines. A call:
 
@@ -56,15 +56,61 @@ class _SoftTimeout(BaseException):
 
 
 IMPORT_PATH = re.compile(r"[\w.]+:[\w.]+")  # "package.module:attribute"
+PICKLED = "pickle:"  # "pickle:QUALNAME:BASE64": a callable pickled by value (``pickled_callable``)
+MAX_PICKLED_BYTES = 8 * 2**20
+
+
+def is_pickled(target: str) -> bool:
+    return target.startswith(PICKLED)
+
+
+def target_label(target: str) -> str:
+    """A short name for a target: the function's name (``module:function`` -> ``function``; a pickled lambda:
+    ``lambda``)."""
+    name = target.split(":")[1] if is_pickled(target) else target.rpartition(":")[2]
+    return name.rpartition(".")[2].strip("<>") or "function"
+
+
+def pickled_callable(function: Any) -> str:
+    """``function`` as a target string that worker processes can load: pickled by value with cloudpickle, so a
+    function of a script's ``__main__``, a notebook cell or a lambda travels with the code it closes over
+    (functions of importable modules travel by reference). Raises ValueError, with why, for one that cannot be
+    pickled (it closes over a lock, a file, a model ...) or is larger than ``MAX_PICKLED_BYTES``."""
+    import base64
+
+    import cloudpickle
+
+    qualname = getattr(function, "__qualname__", type(function).__qualname__)
+    name = f"{getattr(function, '__module__', None) or '?'}.{qualname}".replace(":", ".")
+    try:
+        data = cloudpickle.dumps(function)
+    except Exception as err:
+        raise ValueError(
+            f"function {name} cannot be sent to the worker processes it runs in: pickling it failed "
+            f"({type(err).__name__}: {err}); define what it needs inside it or at a module's top level"
+        ) from None
+    if len(data) > MAX_PICKLED_BYTES:
+        raise ValueError(
+            f"function {name} pickles to {len(data) / 2**20:.1f} MiB (it closes over large objects): load them "
+            f"inside the function, or from a module, instead (at most {MAX_PICKLED_BYTES // 2**20} MiB)"
+        )
+    return f"{PICKLED}{name}:{base64.b64encode(data).decode('ascii')}"
 
 
 def resolve(target: str) -> Any:
-    """The object named ``"package.module:attribute"``, imported with the working directory on the path."""
+    """The object named ``"package.module:attribute"`` (imported with the working directory on the path), or a
+    callable pickled by ``pickled_callable``."""
     import importlib
 
-    module_name, _, attribute = target.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
+    if is_pickled(target):
+        import base64
+
+        import cloudpickle
+
+        return cloudpickle.loads(base64.b64decode(target.rpartition(":")[2], validate=True))
+    module_name, _, attribute = target.partition(":")
     module = importlib.import_module(module_name)
     for part in attribute.split("."):
         module = getattr(module, part)
@@ -76,7 +122,8 @@ def _encode(value: Any) -> bytes:
 
 
 def serve(target: str) -> None:
-    """Child loop: import ``target``, then answer ``[args, kwargs, soft_s]`` lines with reply lines."""
+    """Child loop: import ``target`` (``-``: the first line of standard input names it), then answer ``[args,
+    kwargs, soft_s]`` lines with reply lines."""
 
     def on_alarm(signum: int, frame: object) -> None:
         raise _SoftTimeout
@@ -84,7 +131,7 @@ def serve(target: str) -> None:
     channel = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # stray prints must not corrupt the protocol
     try:
-        function = resolve(target)
+        function = resolve(sys.stdin.buffer.readline().decode().strip() if target == "-" else target)
     except BaseException:
         channel.write(_encode({"start_error": traceback.format_exc()}))
         return
@@ -119,18 +166,32 @@ class _Worker:
     """One child process serving ``target``, used by one thread at a time."""
 
     def __init__(self, target: str) -> None:
+        pickled = is_pickled(target)  # sent on standard input: a pickle may be longer than an argument can be
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from grpolab.tasks.sandbox import serve; serve(sys.argv[1])", target],
+            [
+                sys.executable,
+                "-c",
+                "import sys; from grpolab.tasks.sandbox import serve; serve(sys.argv[1])",
+                "-" if pickled else target,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=_child_env(),
             start_new_session=True,
         )
+        if pickled:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(target.encode() + b"\n")
+                self.proc.stdin.flush()
+            except OSError:
+                pass  # the child died at once: its reply below says so
         first = self._read(STARTUP_TIMEOUT_S)
         if first != "ready":
             self.close()
             detail = first.get("start_error") if isinstance(first, dict) else "no reply"
-            raise WorkerStartError(f"{target}: could not be loaded in a worker process:\n{detail}")
+            name = target.split(":")[1] if pickled else target
+            raise WorkerStartError(f"{name}: could not be loaded in a worker process:\n{detail}")
 
     def _read(self, timeout_s: float) -> Any:
         """The next JSON line; None past the deadline; "died" when the child's output ended or was garbled."""
@@ -185,6 +246,21 @@ class WorkerPool:
         if target not in cls._shared:
             cls._shared[target] = cls(target)
         return cls._shared[target]
+
+    def check(self) -> None:
+        """Start one child now (kept idle for the first call): raises ``WorkerStartError``, its message one line
+        ending with the child's error, when a child cannot load the target."""
+        with self.lock:
+            if self.idle:
+                return
+        try:
+            worker = _Worker(self.target)
+        except WorkerStartError as err:
+            head, _, detail = str(err).partition("\n")
+            last = detail.strip().splitlines()[-1] if detail.strip() else "no reply"
+            raise WorkerStartError(f"{head.rstrip(':')} ({last})") from None
+        with self.lock:
+            self.idle.append(worker)
 
     def call(self, args: list, kwargs: dict | None = None, timeout_s: float = 5.0) -> Reply:
         """``target(*args, **kwargs)`` in a child, within ``timeout_s`` (plus a child's start-up when one

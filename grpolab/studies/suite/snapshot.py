@@ -13,8 +13,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import grpolab
 from grpolab.common.progress import Reporter
+from grpolab.common.version import PACKAGE_DIR, VERSION
 from grpolab.config import RunConfig
 from grpolab.tasks.base import Example
 from grpolab.tasks.configs import build_task
@@ -98,11 +98,11 @@ def hash_reward_model(path: str | Path, reporter: Reporter) -> dict[str, str]:
 def snapshot_code(folder: Path) -> dict[str, Any]:
     """A copy of the installed package's source under ``folder/grpolab`` (PYTHONPATH=folder), with the
     SHA-256 of each file (``files``) and of the whole tree (``sha256``)."""
-    source = Path(grpolab.__file__).resolve().parent
+    source = PACKAGE_DIR
     shutil.copytree(source, folder / "grpolab", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     files = tree_files(folder / "grpolab")
     return {
-        "version": grpolab.__version__,
+        "version": VERSION,
         "source": str(source),
         "git": git_state(source),
         "sha256": tree_sha256(files),
