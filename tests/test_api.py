@@ -196,3 +196,22 @@ def test_import_grpolab_is_light_and_exports_typed_names():
     for name in ("train", "resume", "Result", "RunConfig", "load_config", "ConfigError"):
         assert getattr(grpolab, name).__doc__, name
     assert grpolab.train.__annotations__["return"] == "Result"
+
+
+def test_a_chat_prompt_run_resumes(warm_model_dir, tmp_path):
+    """A chat-template prompt's fingerprint holds the tokenizer's template: a resume compares it once the
+    tokenizer is loaded (it refused every such resume as 'the task's data changed' before)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "chat_model"
+    shutil.copytree(warm_model_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"
+    tokenizer.save_pretrained(model_dir)
+    chat = {**SETTINGS, "task": {"prompt": {"format": "chat", "answer": "answer_tags"}}}
+    first = grpolab.train(
+        model=model_dir, dataset=TRAIN, eval_dataset=VAL, output_dir=str(tmp_path / "run"), rewards=["numeric"], **chat
+    )
+    assert grpolab.resume(first.run_dir, steps=3).summary["sessions"] == 2

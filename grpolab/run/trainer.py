@@ -88,11 +88,11 @@ class Trainer:
         self.run_dir, self.resumed_from = self.ranks.run_on_main(lambda: self._run_dir(resume))
         self.ranks.run_on_main(lambda: check_trackers(cfg.log))  # a missing package: one line, nothing moved
         task, val_examples = load_task(cfg, self.reporter)
-        if resume:
+        self.parts = build_parts(cfg, setting, task, val_examples, self.resumed_from)
+        if resume:  # once the parts are built: a chat prompt's fingerprint holds the tokenizer's chat template
             self.ranks.run_on_main(
                 lambda: self.plan.journal is None or check_data(self.plan.journal, task.data_fingerprint())
             )
-        self.parts = build_parts(cfg, setting, task, val_examples, self.resumed_from)
         self.cfg, self.spec = self.parts.cfg, self.parts.spec  # "auto" settings resolved: config.json records them
         if resume:  # a resumed run keeps its teacher: another is refused before anything moves
             self.ranks.run_on_main(
