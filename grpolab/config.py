@@ -17,9 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from grpolab.common.fields import FieldDoc, unknown_field, walk
 from grpolab.common.validation import describe_validation_error
-from grpolab.models.precision import PrecisionName
-from grpolab.models.teacher import TeacherConfig, check_teacher_setting
-from grpolab.models.tinymodel import WarmStartSettings
+from grpolab.models.settings import PrecisionName, TeacherConfig, WarmStartSettings, check_teacher_setting
 from grpolab.objectives.algorithms import AlgorithmSpec, translate_old_spelling
 from grpolab.objectives.presets import PRESETS, get_algorithm
 from grpolab.tasks.configs import TASK_KINDS, TINY_MODEL_TASKS, ArithmeticTaskConfig, TaskConfig

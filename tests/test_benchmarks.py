@@ -298,3 +298,13 @@ def test_demo_outcome_tables_each_gain_with_its_paired_ci_and_lists_refusals(war
     assert sorted(p.name for p in out.iterdir()) == ["grpo-hf-w0-s0"]  # a refused demo leaves nothing
     with pytest.raises(SystemExit):  # an existing folder is never written into
         demo_outcome.main(["--algos", "grpo", "--out", str(out)])
+
+
+def test_cli_startup_times_every_command_beside_the_interpreter(capsys):
+    import cli_startup
+
+    assert cli_startup.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    for label in ("python -c pass", "grpolab --help", "grpolab train --help", "grpolab config --config configs/"):
+        assert any(line.startswith(label) for line in out.splitlines()), label
+    assert "--optim.lrr 1 (refused)" in out and "grpolab algorithms" in out and "target: each grpolab command" in out

@@ -710,6 +710,6 @@ def test_a_granite_moe_run_is_refused_in_one_line_before_its_run_dir(tmp_path, t
 
 def test_every_moe_arch_a_warm_start_builds_is_a_tested_router_family():
     from grpolab.models.routing import ROUTED_FAMILIES
-    from grpolab.models.tinymodel import MOE_ARCHS
+    from grpolab.models.settings import MOE_ARCHS
 
     assert set(MOE_ARCHS) <= set(ROUTED_FAMILIES)

@@ -74,7 +74,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
 
 class _Parser(argparse.ArgumentParser):
     """A sub-command's parser; one that takes config fields (``lists_fields``) ends its help with every field,
-    built only when the help is asked for (reading the config's models imports the model code)."""
+    built only when the help is asked for."""
 
     lists_fields = False
 
@@ -340,11 +340,8 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
             soft_wrap=True,
         )
         return 0
-    from transformers.utils import logging as hf_logging
-
     from grpolab.config import ConfigError, load_config, load_run_config
 
-    hf_logging.disable_progress_bar()
     resume = getattr(args, "resume", None)
     if resume and args.config:
         raise ConfigError("--resume takes the run's own config; drop --config")
@@ -368,6 +365,9 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
 
         sys.stdout.write(config_toml(cfg, args.all))  # not through rich: [model] is not markup
         return 0
+    from transformers.utils import logging as hf_logging  # here: reading and printing a config loads no model code
+
+    hf_logging.disable_progress_bar()
     if args.command == "probe":
         from grpolab.commands.probe import run_probe
         from grpolab.common.progress import Reporter
@@ -463,12 +463,13 @@ def main(argv: list[str] | None = None) -> int:
         if _Interrupts.received:  # an engine process died of the same Ctrl-C
             console.print("[red]interrupted[/red]")
             return 130
-        from grpolab.objectives.losses import NonFiniteError  # here, so that report and compare never load torch
-        from grpolab.rollout.engine_process import EngineDied
-        from grpolab.rollout.sync_check import WeightSyncError
+        if not isinstance(err, (OSError, ValueError)):  # a refused setting imports no torch to say so
+            from grpolab.objectives.losses import NonFiniteError  # here, so that report and compare never load torch
+            from grpolab.rollout.engine_process import EngineDied
+            from grpolab.rollout.sync_check import WeightSyncError
 
-        if not isinstance(err, (OSError, ValueError, NonFiniteError, WeightSyncError, EngineDied)):
-            raise
+            if not isinstance(err, (NonFiniteError, WeightSyncError, EngineDied)):
+                raise
         for line in (os_error_line(err) if isinstance(err, OSError) else str(err)).splitlines():
             console.print(f"[red]error:[/red] {escape(line)}", highlight=False, soft_wrap=True)
         return 2

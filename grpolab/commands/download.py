@@ -13,7 +13,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from grpolab.common.progress import Reporter
-from grpolab.models.hub import has_hub_id_form, resolve
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv")
 
@@ -30,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_download(args: argparse.Namespace, console: Console) -> int:
     """Each id into the cache, one line each; 2 when any failed (an id not of the form org/name: before any)."""
+    from grpolab.models.hub import has_hub_id_form, resolve  # here: every other command's parser skips the hub client
+
     bad = [i for i in args.ids if not has_hub_id_form(i)]
     if bad:
         raise ValueError(f"not a hub id of the form org/name: {', '.join(bad)}")

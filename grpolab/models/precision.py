@@ -21,11 +21,8 @@ import contextlib
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-
-PrecisionName = Literal["fp32_master", "bf16_compensated", "bf16"]
 
 # bytes per parameter: weights + gradients + optimizer state (+ compensation)
 BYTES_PER_PARAMETER: dict[str, dict[str, int]] = {

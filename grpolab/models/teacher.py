@@ -12,56 +12,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from grpolab.common.progress import Reporter
 from grpolab.models.loading import DTYPES, check_model_spec, load_policy, model_record, resolve_model_dir
-from grpolab.objectives.algorithms import AlgorithmSpec
+from grpolab.models.settings import TeacherConfig
 from grpolab.tasks.base import Task
 from grpolab.tasks.folder_hash import model_bytes, model_files, tree_sha256
 
 # the prompt formats a tokenizer's chat template never renders (any other may: its template must then match)
 TEMPLATE_FREE_FORMATS = ("r1_zero", "template")
-
-
-class TeacherConfig(BaseModel):
-    """``[teacher]``: the frozen model on-policy distillation learns from."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    path: str | None = Field(
-        None,
-        description="on-policy distillation's frozen teacher (algorithm opd): a local Hugging Face model folder, a "
-        "hub id org/name or gguf:FILE, with the policy's tokenizer; None = no teacher",
-    )
-    revision: str | None = Field(None, description="with a hub id: its branch, tag or commit (default main)")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="the teacher's weights; auto = the policy's compute dtype"
-    )
-
-
-def check_teacher_setting(spec: AlgorithmSpec, teacher: TeacherConfig, group_size: int) -> None:
-    """One line for a distillation objective without a teacher, a teacher no objective reads, and a group of one
-    where the task advantage (its group baseline) still counts."""
-    if spec.needs_teacher and teacher.path is None:
-        raise ValueError(
-            f"algorithm {spec.name} (teacher_kl_coef {spec.teacher_kl_coef:g}) needs a teacher: set teacher.path "
-            "(--teacher.path DIR, a hub id org/name or gguf:FILE with the policy's tokenizer)"
-        )
-    if teacher.path is not None and not spec.needs_teacher:
-        raise ValueError(
-            f"teacher.path {teacher.path}: algorithm {spec.name} does not read a teacher (teacher_kl_coef 0); "
-            "use --algo opd or set algorithm.teacher_kl_coef, or drop teacher.path"
-        )
-    if spec.needs_teacher and spec.reward_coef and spec.baseline == "mean" and group_size < 2:
-        raise ValueError(
-            f"rollout.group_size 1 with reward_coef {spec.reward_coef:g} and the group-mean baseline: every task "
-            "advantage would be 0; use group_size >= 2, or reward_coef 0 (pure distillation)"
-        )
 
 
 def check_teacher_tokenizer(student: Any, teacher: Any, name: str, chat_prompts: bool) -> None:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoConfig,
@@ -31,6 +30,7 @@ from transformers import (
 
 from grpolab.common.progress import Reporter
 from grpolab.models.cached_folder import cached_folder
+from grpolab.models.settings import MOE_FIELDS, WarmStartSettings
 from grpolab.tasks.base import Task
 
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
@@ -77,11 +77,6 @@ def build_tokenizer(
         clean_up_tokenization_spaces=False,
         model_max_length=512,
     )
-
-
-# the MoE model types a warm start can build, and the name of their expert-count field
-MOE_ARCHS = {"qwen3_moe": "num_experts", "olmoe": "num_experts", "mixtral": "num_local_experts"}
-MOE_FIELDS = ("num_experts", "experts_per_token", "moe_intermediate_size")
 
 
 def model_config(
@@ -149,69 +144,6 @@ def build_model(
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
-
-
-class WarmStartSettings(BaseModel):
-    """Tokenizer, model size and supervised warm-start recipe (all part of the cache key)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    seed: int = 0
-    vocab_size: int = 512
-    max_token_length: int | None = None
-    arch: str = "llama"
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    intermediate_size: int = 512
-    # untied input/output embeddings and 200 steps: 19% greedy accuracy to start (34-40% with seeds 1, 2),
-    # and GRPO then reaches 95-97% in 100 demo steps (benchmarks/demo_outcome.py; tied + 250 steps
-    # plateaued at 65-78% in an earlier measurement)
-    tie_word_embeddings: bool = False
-    # a Mixture-of-Experts MLP in every layer (arch "qwen3_moe", "olmoe" or "mixtral"): num_experts experts of
-    # moe_intermediate_size (None: intermediate_size), experts_per_token routed per token; 0 = dense
-    num_experts: int = Field(default=0, ge=0)
-    experts_per_token: int = Field(default=2, ge=1)
-    moe_intermediate_size: int | None = Field(default=None, ge=1)
-    steps: int = Field(default=200, ge=0)
-    batch_size: int = Field(default=64, ge=1)
-    lr: float = 3e-3
-    warmup_steps: int = Field(default=10, ge=0)
-    final_lr_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
-    weight_decay: float = 0.0
-    max_examples: int | None = Field(default=None, description="use only the first N solved examples")
-
-    @model_validator(mode="after")
-    def _experts_fit(self) -> WarmStartSettings:
-        if self.num_experts and self.experts_per_token > self.num_experts:
-            raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
-        if bool(self.num_experts) != (self.arch in MOE_ARCHS):
-            raise ValueError(
-                f"num_experts > 0 goes with a Mixture-of-Experts arch ({', '.join(MOE_ARCHS)}), "
-                f"got arch {self.arch!r} and num_experts {self.num_experts}"
-            )
-        return self
-
-    def shape(self) -> dict[str, Any]:
-        """The config fields of the model's size (``build_model``'s keyword arguments)."""
-        out = {
-            "hidden_size": self.hidden_size,
-            "num_layers": self.num_layers,
-            "num_heads": self.num_heads,
-            "intermediate_size": self.intermediate_size,
-            "tie_word_embeddings": self.tie_word_embeddings,
-        }
-        if self.num_experts:
-            out["experts"] = {
-                MOE_ARCHS[self.arch]: self.num_experts,
-                "num_experts_per_tok": self.experts_per_token,
-                **(
-                    {"moe_intermediate_size": self.moe_intermediate_size or self.intermediate_size}
-                    if self.arch == "qwen3_moe"
-                    else {}
-                ),
-            }
-        return out
 
 
 def warm_start_settings(task: Task, changes: dict[str, Any] | None = None) -> WarmStartSettings:

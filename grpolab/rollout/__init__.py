@@ -1,7 +1,7 @@
 """Rollout: sampling completions from the policy and grading them. The engine contract (``base``), the
-engines by name (``engines``: ``hf/``, ``vllm/``), wrappers over any engine (``lockstep`` under FSDP,
-``multiturn`` for tools), collecting a rollout batch (``collect``), evaluation (``evaluation``) and the
-per-step check that engine and trainer log-probs agree (``sync_check``).
+engines by name (``engines``: ``hf/``, ``vllm/``; what each can do: ``capabilities``), wrappers over any
+engine (``lockstep`` under FSDP, ``multiturn`` for tools), collecting a rollout batch (``collect``), evaluation
+(``evaluation``) and the per-step check that engine and trainer log-probs agree (``sync_check``).
 
 May import: ``grpolab.config`` and every layer below it.
 """

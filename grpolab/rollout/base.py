@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from torch import Tensor
-
-from grpolab.models.weights import PolicyWeights
 from grpolab.tasks.base import Grade
+
+if TYPE_CHECKING:  # annotations only: the contract (and the engines' capabilities) load without torch
+    from torch import Tensor
+
+    from grpolab.models.weights import PolicyWeights
 
 __all__ = [
     "SamplingParams",

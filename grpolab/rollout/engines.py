@@ -11,19 +11,18 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from grpolab.config import ConfigError, RolloutConfig, RunConfig
-from grpolab.models.lora import trains_tied_head
-from grpolab.models.precision import TrainingPrecision
-from grpolab.models.routing import routers
-from grpolab.models.weights import WeightKind
 from grpolab.rollout.base import EngineCapabilities, RolloutEngine
-from grpolab.rollout.hf.engine import HFEngine
-from grpolab.rollout.vllm.engine import VLLM_CAPABILITIES
+from grpolab.rollout.capabilities import HF_CAPABILITIES, VLLM_CAPABILITIES
+
+if TYPE_CHECKING:  # the registry and check_settings load without torch; a factory imports its engine's code
+    import torch
+    from torch import nn
+
+    from grpolab.models.precision import TrainingPrecision
+    from grpolab.models.weights import WeightKind
 
 VLLM_MISSING = (
     "rollout.engine 'vllm' needs vLLM in this environment (GPU: pip install 'grpolab[vllm]'; "
@@ -224,12 +223,14 @@ def _vllm_record(cfg: RolloutConfig) -> dict[str, Any]:
     return record
 
 
-@register_engine("hf", HFEngine.capabilities)
+@register_engine("hf", HF_CAPABILITIES)
 def hf_engine(r: EngineRequest) -> RolloutEngine:
     """Generates with the training model under the trainer's compute context (autocast), or, where the weights
     are float32 masters of a bf16 compute dtype, with its own bf16 copy that each sync refreshes
     (``grpolab.rollout.hf.engine_weights``); on a model FSDP shards (``sharded``) in synced decoding, without the
     shared prefill (it calls the backbone apart), under autocast."""
+    from grpolab.rollout.hf.engine import HFEngine
+
     device = next(r.model.parameters()).device
     return HFEngine(
         r.model,
@@ -259,6 +260,9 @@ def vllm_engine(r: EngineRequest) -> RolloutEngine:
     and ``rollout.vllm.lora_sync = "adapter"`` it serves the base with vLLM's LoRA, and the syncs move only the
     adapter. A tied model whose head LoRA trains in full (``modules_to_save``) is served untied (``VLLMEngine``'s
     ``untie_head``)."""
+    from grpolab.models.lora import trains_tied_head
+    from grpolab.models.routing import routers
+
     if routers(r.model) and next(r.model.parameters()).device.type == "cpu":
         raise ValueError(VLLM_CPU_MOE)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO/WARNING lines would bury the run's output

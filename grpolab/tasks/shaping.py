@@ -14,20 +14,27 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from grpolab.tasks.base import Grade
+
+if TYPE_CHECKING:
+    import torch
 
 SHAPING_TERMS = ("truncation_penalty", "overlong_penalty")  # component names; they never fail
 
 
 def truncation_penalty(truncated: torch.Tensor, penalty: float) -> torch.Tensor:
     """[N] bool -> [N] float: ``-penalty`` where truncated, else 0."""
+    import torch  # here: the config reads SHAPING_TERMS without torch
+
     return -penalty * truncated.to(torch.float64)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
     """[N] completion lengths (tokens) -> [N] float64 penalties in [-factor, 0] (see the module docstring)."""
+    import torch
+
     if buffer <= 0:
         return torch.zeros(lengths.shape, dtype=torch.float64)
     expected = max_len - buffer
@@ -47,6 +54,8 @@ def shape_rewards(
     """``grades`` with the enabled length terms added to their RL reward as named components."""
     if penalty == 0 and buffer == 0:
         return grades
+    import torch
+
     terms = []
     if penalty:
         terms.append((SHAPING_TERMS[0], truncation_penalty(torch.tensor(truncated), penalty)))

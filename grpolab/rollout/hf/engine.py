@@ -51,7 +51,8 @@ from torch import nn
 from grpolab.models.logprobs import backbone_and_head
 from grpolab.models.routing import routers
 from grpolab.models.weights import PolicyWeights
-from grpolab.rollout.base import Completion, EngineCapabilities, SamplingParams, collect_eos_ids
+from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
+from grpolab.rollout.capabilities import HF_CAPABILITIES
 from grpolab.rollout.hf.decode import decode
 from grpolab.rollout.hf.engine_weights import ComputeCopy, CopyMode, engine_weights
 from grpolab.rollout.hf.grouped_attention import grouped_kv_attention
@@ -93,16 +94,7 @@ class HFEngine:
     refill keeps the batch full.
     """
 
-    capabilities = EngineCapabilities(
-        shares_training_model=True,
-        max_temperature=None,
-        truncated_sampling=True,
-        graceful_stop=True,
-        records_routing=True,
-        serves_adapters=False,
-        batch_refill=True,
-        bounded_batch=True,
-    )
+    capabilities = HF_CAPABILITIES
 
     def __init__(
         self,

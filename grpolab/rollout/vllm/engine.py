@@ -39,25 +39,11 @@ from torch import nn
 
 from grpolab.models.routing import routers
 from grpolab.models.weights import PolicyWeights
-from grpolab.rollout.base import Completion, EngineCapabilities, SamplingParams, collect_eos_ids, let_an_interrupt_land
+from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids, let_an_interrupt_land
+from grpolab.rollout.capabilities import VLLM_CAPABILITIES, VLLM_MAX_TEMPERATURE
 
 __all__ = ["VLLM_CAPABILITIES", "VLLM_MAX_TEMPERATURE", "VLLMEngine", "request_seed", "save_weights"]
 
-VLLM_MAX_TEMPERATURE = 2.0
-"""Highest sampling temperature vLLM accepts: above it ``SamplingParams._verify_args``
-(vllm/sampling_params.py, vLLM 0.32) raises ``VLLMValidationError`` (not a ValueError) "temperature
-must be in [0, 2], got ..."."""
-VLLM_CAPABILITIES = EngineCapabilities(
-    shares_training_model=False,
-    max_temperature=VLLM_MAX_TEMPERATURE,
-    truncated_sampling=False,  # it reports log-probs renormalised over the truncated set
-    graceful_stop=False,  # its engine processes share the terminal's process group and die of the same Ctrl-C
-    records_routing=False,
-    serves_adapters=True,
-    batch_refill=False,
-    bounded_batch=False,
-)
-"""What vLLM can do, in this process or under another interpreter (``VLLMSubprocessEngine``)."""
 
 logger = logging.getLogger(__name__)
 WeightSync = Literal["auto", "file", "cuda_ipc"]

@@ -9,7 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from grpolab.config import RunConfig
 from grpolab.models.hub import cached_folder, is_hub_id
-from grpolab.models.tinymodel import WarmStartSettings, settings_config
+from grpolab.models.settings import WarmStartSettings
+from grpolab.models.tinymodel import settings_config
 
 OPTIMIZER_BYTES = 8  # AdamW's two float32 moments per parameter
 
