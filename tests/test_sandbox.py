@@ -68,3 +68,23 @@ def test_worker_processes_start_without_torch():
         check=True,
     )
     assert out.stdout.strip() == "False"
+
+
+def test_a_pickled_closure_larger_than_an_argument_runs_in_a_worker():
+    """A function pickled by value (a closure over 600 kB of data: longer than one command-line argument may be)
+    reaches its worker on standard input and runs there; one over the size bound, or one that cannot be pickled,
+    is refused with why; a worker that cannot load the pickle is one start error."""
+    from grpolab.tasks.sandbox import MAX_PICKLED_BYTES, pickled_callable
+
+    table = "x" * 600_000
+    target = pickled_callable(lambda key: len(table) + key)
+    assert len(target) > 2**17
+    assert WorkerPool(target).call([1]).value == 600_001
+    huge = bytes(MAX_PICKLED_BYTES + 1)
+    with pytest.raises(ValueError, match="pickles to 8.0 MiB"):
+        pickled_callable(lambda: len(huge))
+    lock = threading.Lock()
+    with pytest.raises(ValueError, match="cannot be sent to the worker processes"):
+        pickled_callable(lambda: lock.locked())
+    with pytest.raises(WorkerStartError, match="could not be loaded"):
+        WorkerPool("pickle:broken:bm90IGEgcGlja2xl").check()
