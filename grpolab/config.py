@@ -392,6 +392,9 @@ class DistConfig(_Section):
 
 
 class RunConfig(_Section):
+    """A run's settings, section by section as in the TOML files (``grpolab train --help`` lists every field);
+    ``load_config`` reads a file with overrides, ``validate_config`` a nested dict."""
+
     seed: int = Field(
         0,
         ge=0,
@@ -689,20 +692,23 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Read ``path`` (TOML, or a run's config.json), apply dotted ``overrides``, validate. Raises ConfigError with one line per problem."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}: not valid JSON ({err})") from None
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    data = read_config_file(Path(path)) if path is not None else {}
     for dotted, value in (overrides or {}).items():
         apply_override(data, ALIASES.get(dotted, dotted), value)
     return validate_config(data)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The nested settings of a TOML file (or a run's config.json), not validated yet; ConfigError when it is
+    missing or unreadable."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        return json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML ({err})") from None
 
 
 def validate_config(data: dict[str, Any]) -> RunConfig:
