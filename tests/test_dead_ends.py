@@ -240,19 +240,20 @@ def test_a_sigterm_well_after_the_stop_request_ends_a_step_that_cannot_end(monke
     import signal
     from types import SimpleNamespace
 
-    from grpolab.commands import cli
+    from grpolab.commands import interrupts
+    from grpolab.commands.interrupts import Interrupts
     from grpolab.run.stop import StopRequest
 
     clock = SimpleNamespace(now=100.0)
-    monkeypatch.setattr(cli, "time", SimpleNamespace(monotonic=lambda: clock.now))
-    monkeypatch.setattr(cli._Interrupts, "stop", StopRequest(armed=True))
-    cli._Interrupts.handler(signal.SIGTERM, None)
-    assert cli._Interrupts.stop.requested  # the first asks for a stop after the step
+    monkeypatch.setattr(interrupts, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    monkeypatch.setattr(Interrupts, "stop", StopRequest(armed=True))
+    Interrupts.handler(signal.SIGTERM, None)
+    assert Interrupts.stop.requested  # the first asks for a stop after the step
     clock.now += 1.0
-    cli._Interrupts.handler(signal.SIGTERM, None)  # the same request, passed on twice
+    Interrupts.handler(signal.SIGTERM, None)  # the same request, passed on twice
     clock.now += 10.0
     with pytest.raises(KeyboardInterrupt):
-        cli._Interrupts.handler(signal.SIGTERM, None)
+        Interrupts.handler(signal.SIGTERM, None)
 
 
 # ---- one-line refusals ------------------------------------------------------------------------------------

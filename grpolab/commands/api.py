@@ -24,8 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import signal
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,29 +183,15 @@ def _run(cfg: RunConfig, console: Console | None, resume: bool) -> Result:
     a checkpoint, a second one at once."""
     from transformers.utils import logging as hf_logging
 
-    from grpolab.commands.cli import _Interrupts
+    from grpolab.commands.interrupts import stopping_on_signals
     from grpolab.rollout.engines import check_settings
     from grpolab.run.trainer import train as run_training
 
     hf_logging.disable_progress_bar()
     check_settings(cfg)
-    _Interrupts.received, _Interrupts.stop = False, _new_stop()
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = (
-        {sig: signal.signal(sig, _Interrupts.handler) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
-    )
-    try:
-        summary = run_training(cfg, console, resume=resume, stop=_Interrupts.stop)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with stopping_on_signals() as stop:
+        summary = run_training(cfg, console, resume=resume, stop=stop)
     return Result(Path(cfg.output_dir), summary)
-
-
-def _new_stop():
-    from grpolab.run.stop import StopRequest
-
-    return StopRequest()
 
 
 def _config_data(config: str | Path | Mapping[str, Any] | RunConfig | None) -> dict[str, Any]:

@@ -11,16 +11,15 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import sys
-import time
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 
+from grpolab.commands.interrupts import Interrupts, stopping_on_signals
 from grpolab.objectives.presets import PRESETS
-from grpolab.run.stop import RunStopped, StopRequest
+from grpolab.run.stop import RunStopped
 
 
 def print_algorithms(console: Console) -> None:
@@ -391,39 +390,8 @@ def run_command(args: argparse.Namespace, extra: list[str], console: Console) ->
         from grpolab.common.progress import Reporter
 
         print_demo_plan(cfg, Reporter(console))
-    train(cfg, console, resume=bool(resume), stop=_Interrupts.stop)
+    train(cfg, console, resume=bool(resume), stop=Interrupts.stop)
     return 0
-
-
-class _Interrupts:
-    """SIGINT / SIGTERM are remembered. While the training loop runs, the first one asks it to stop after
-    the current step with a resumable checkpoint; otherwise (or the second time) they raise
-    KeyboardInterrupt. vLLM's engine processes share the terminal's process group, die of the same
-    Ctrl-C, and the library may catch the trainer's own KeyboardInterrupt while it raises an engine
-    error instead; the run is still an interrupted one. A SIGTERM within ``REPEATED_SIGTERM_S`` of the
-    stop's request changes nothing (torchrun's agent and a Slurm cancel may both pass one on); a later
-    one ends the run at once, like a second Ctrl-C: a step that cannot end (a stuck engine, a reward
-    function that never returns) must not make a run deaf to ``kill``, ``timeout`` or a suite's stop."""
-
-    received = False
-    stop = StopRequest()
-
-    @classmethod
-    def handler(cls, signum: int, frame: Any) -> None:
-        cls.received = True
-        if cls.stop.armed and not cls.stop.requested:
-            cls.stop.requested, cls.stop.requested_at = True, time.monotonic()
-            return
-        if (
-            cls.stop.armed
-            and signum == signal.SIGTERM
-            and time.monotonic() - cls.stop.requested_at < REPEATED_SIGTERM_S
-        ):
-            return
-        raise KeyboardInterrupt
-
-
-REPEATED_SIGTERM_S = 5.0  # SIGTERMs this close to the first are one request passed on twice
 
 
 def os_error_line(err: OSError) -> str:
@@ -449,10 +417,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         print_algorithms(console)
         return 0
-    _Interrupts.received, _Interrupts.stop = False, StopRequest()
-    previous = {sig: signal.signal(sig, _Interrupts.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return run_command(args, extra, console)
+        with stopping_on_signals():
+            return run_command(args, extra, console)
     except RunStopped as stopped:
         console.print(f"[red]interrupted:[/red] {stopped}", highlight=False, soft_wrap=True)
         return 130
@@ -460,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[red]interrupted[/red]")
         return 130
     except Exception as err:
-        if _Interrupts.received:  # an engine process died of the same Ctrl-C
+        if Interrupts.received:  # an engine process died of the same Ctrl-C
             console.print("[red]interrupted[/red]")
             return 130
         if not isinstance(err, (OSError, ValueError)):  # a refused setting imports no torch to say so
@@ -473,9 +440,6 @@ def main(argv: list[str] | None = None) -> int:
         for line in (os_error_line(err) if isinstance(err, OSError) else str(err)).splitlines():
             console.print(f"[red]error:[/red] {escape(line)}", highlight=False, soft_wrap=True)
         return 2
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
