@@ -658,10 +658,13 @@ def config_fields() -> tuple[FieldDoc, ...]:
 
 def unknown_field_line(loc: tuple[str | int, ...], value: Any, names: list[str] | None = None) -> str:
     """One line for a key the config does not have, with the closest dotted name (or short name) it may have
-    meant: 'optim.lrr: unknown field; did you mean optim.lr?' (``grpolab.common.fields.unknown_field``)."""
+    meant: 'optim.lrr: unknown field; did you mean optim.lr?' (``grpolab.common.fields.unknown_field``); a TRL name
+    gets its grpolab name ('learning_rate: unknown field; did you mean optim.lr? ...', ``grpolab.common.peer_names``)."""
+    from grpolab.common.peer_names import PEER_NAMES
+
     if names is not None:
         return unknown_field(loc, value, names)
-    return unknown_field(loc, value, [f.name for f in config_fields()], ALIASES)
+    return unknown_field(loc, value, [f.name for f in config_fields()], ALIASES, PEER_NAMES)
 
 
 def parse_value(text: str) -> Any:

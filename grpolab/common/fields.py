@@ -171,16 +171,55 @@ def _leaves(value: Any, name: str) -> list[str]:
     return [name]
 
 
+PeerNames = Mapping[str, Mapping[str, tuple[str | None, str]]]
+"""Other frameworks' setting names, by framework: name (or ``name=value``) -> (the field that corresponds, or
+None; a note on how it differs or what comes closest). ``grpolab.common.peer_names`` holds them."""
+
+
+def _value_key(value: Any) -> str | None:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return value.lower() if isinstance(value, str) else None
+
+
+def peer_line(name: str, value: Any, peers: PeerNames) -> str | None:
+    """The line for ``name`` (a dotted key; its last part is looked up) when it is another framework's setting:
+    'learning_rate: unknown field; did you mean optim.lr? (TRL's learning_rate; ...)', or, with no
+    counterpart, what comes closest; None when no framework has that name."""
+    leaf = name.rpartition(".")[2]
+    value_key = _value_key(value)
+    for framework, names in peers.items():
+        entry = (names.get(f"{leaf}={value_key}") if value_key is not None else None) or names.get(leaf)
+        if entry is None:
+            continue
+        field, note = entry
+        if field is None:
+            return f"{name}: unknown field; {framework}'s {leaf} has no grpolab equivalent: {note}"
+        return f"{name}: unknown field; did you mean {field}? ({framework}'s {leaf}{f'; {note}' if note else ''})"
+    return None
+
+
 def unknown_field(
-    loc: tuple[str | int, ...], value: Any, known: list[str], aliases: Mapping[str, str] | None = None
+    loc: tuple[str | int, ...],
+    value: Any,
+    known: list[str],
+    aliases: Mapping[str, str] | None = None,
+    peers: PeerNames | None = None,
 ) -> str:
     """One line for a key at ``loc`` that a settings model does not have, with the closest of the ``known``
     dotted names (or, for a top-level key, of the short ``aliases``) it may have meant: 'optim.lrr: unknown
     field; did you mean optim.lr?'. A mistyped section holding one field is named with that field ('optimm.lr',
-    not 'optimm')."""
+    not 'optimm'). Another framework's name (``peers``, e.g. TRL's ``learning_rate``, also under a grpolab
+    section: ``optim.learning_rate``) gets its grpolab name first (``peer_line``)."""
     aliases = aliases or {}
     name = _dotted(loc)
     leaves = _leaves(value, name)
+    if peers:
+        line = peer_line(name, value, peers)
+        if line is None and len(leaves) == 1 and leaves[0] != name:
+            line = peer_line(leaves[0], None, peers)
+        if line is not None:
+            return line
     if len(leaves) == 1 and suggest(leaves[0], known):
         name = leaves[0]
     match = suggest(name, [*known, *(aliases if "." not in name else ())])
