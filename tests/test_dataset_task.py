@@ -90,6 +90,7 @@ def test_seeded_split_first_n_and_ids(tmp_path):
 
 
 def test_parquet_and_jsonl_give_the_same_examples_and_fingerprint(tmp_path):
+    pytest.importorskip("pyarrow", reason="parquet files need pyarrow: pip install 'grpolab[parquet]'")
     import pyarrow as pa
     import pyarrow.parquet as pq
 

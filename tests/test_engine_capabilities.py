@@ -186,7 +186,10 @@ def test_engines_a_bench_cannot_run_are_named_with_why(monkeypatch):
     setting the engine refuses (check_settings' own words), or the engine missing from this interpreter (vLLM
     not importable, as an interpreter without the package sees it)."""
     assert engine_choices(load_config(None, {"vllm_python": "/opt/py/bin/python"})) == (["hf", "vllm"], {})
-    usable, skipped = engine_choices(load_config(None, {"model": "like:qwen3-0.6b"}))
+    # vLLM in another interpreter, so that the refusal is the setting's wherever vLLM is installed or not
+    usable, skipped = engine_choices(
+        load_config(None, {"model": "like:qwen3-0.6b", "vllm_python": "/opt/py/bin/python"})
+    )
     assert usable == ["hf"] and skipped == {
         "vllm": "a like:NAME model has random weights and no weight files for vLLM to load; use rollout.engine 'hf'"
     }

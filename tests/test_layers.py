@@ -16,6 +16,8 @@ import pytest
 
 import grpolab
 
+pytest.importorskip("importlinter", reason="the contracts run import-linter, a test tool: pip install 'grpolab[test]'")
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(grpolab.__file__).resolve().parent
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("ruff", reason="the style checks run ruff, a test tool: pip install 'grpolab[test]'")
+
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = ("grpolab", "tests", "benchmarks")
 

@@ -11,6 +11,8 @@ from grpolab.tasks import build_task
 from grpolab.tasks.configs import BUILT_IN
 from grpolab.tasks.reasoning_gym import ReasoningGymTaskConfig, reasoning_gym_version, stated_answer
 
+pytest.importorskip("reasoning_gym", reason="the task runs the real package: pip install 'grpolab[envs]'")
+
 SUMS = {"name": "chain_sum", "settings": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}
 LETTERS = {"name": "letter_counting", "weight": 3.0, "settings": {"min_words": 1, "max_words": 3}}
 BASE = {"name": "reasoning_gym", "generators": [SUMS, LETTERS], "n_train": 40, "n_val": 12}

@@ -29,12 +29,13 @@ from huggingface_hub.utils import validate_repo_id as _validate_repo_id
 
 from grpolab.common.progress import Reporter
 
-try:  # a snapshot an interrupted download left: named by the tested huggingface_hub (2.4), whole to older ones
+try:  # a snapshot an interrupted download left: huggingface_hub 2.x names it (from the listing it keeps of a
+    # download); 1.x (the one beside transformers 5.17) keeps no listing and returns such a snapshot as whole
     from huggingface_hub.errors import IncompleteSnapshotError
 except ImportError:
 
     class IncompleteSnapshotError(LocalEntryNotFoundError):  # type: ignore[no-redef]
-        """Never raised by this huggingface_hub."""
+        """Never raised by this huggingface_hub (1.x)."""
 
 
 DEFAULT_REVISION = "main"
