@@ -165,7 +165,7 @@ def _class_fields(path: Path, classes: set[str]) -> tuple[set[str], dict[str, st
     return names, helps
 
 
-def test_every_trl_name_of_the_map_is_a_grpo_config_field_of_trl_1_16():
+def test_every_trl_name_of_the_map_is_a_grpo_config_field_or_trl_grpo_flag_of_trl_1_16():
     """Read from the installed sources (no import: TRL pulls in transformers' trainer), so a TRL that renames a
     field, or a loss type the map does not word, fails here."""
     from grpolab.common.peer_names import OLDER_TRL_NAMES, TRL_GRPO
@@ -182,10 +182,13 @@ def test_every_trl_name_of_the_map_is_a_grpo_config_field_of_trl_1_16():
     training, _ = _class_fields(
         Path(transformers.submodule_search_locations[0]) / "training_args.py", {"TrainingArguments"}
     )
-    grpo_config = own | base | training
+    model_config, _ = _class_fields(trl_dir / "trainer" / "model_config.py", {"ModelConfig"})
+    script, _ = _class_fields(trl_dir / "scripts" / "grpo.py", {"GRPOScriptArguments"})
+    script_base, _ = _class_fields(trl_dir / "scripts" / "utils.py", {"ScriptArguments"})
+    grpo_config = own | base | training | model_config | script | script_base  # and the trl grpo command's flags
     assert {"num_generations", "loss_type", "learning_rate", "per_device_train_batch_size"} <= grpo_config
     plain = {name.partition("=")[0] for name in TRL_GRPO}
-    assert sorted(plain - grpo_config - OLDER_TRL_NAMES) == [], "names that are not GRPOConfig fields"
+    assert sorted(plain - grpo_config - OLDER_TRL_NAMES) == [], "names that are neither GRPOConfig fields nor flags"
     assert sorted(OLDER_TRL_NAMES & grpo_config) == [], "names said to be missing from TRL 1.16"
     loss_types = re.findall(r"'(\w+)'", helps["loss_type"].split("Supported values are")[1].split(".")[0])
     assert set(loss_types) == {"grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"}

@@ -1,7 +1,9 @@
 """Other frameworks' setting names and the grpolab settings that correspond, for the line an unknown field gets.
 
 ``TRL_GRPO``: TRL 1.16's ``GRPOConfig`` (``trl/trainer/grpo_config.py``) and the ``TrainingArguments`` fields it
-inherits (``transformers/training_args.py``, through ``trl/trainer/base_config.py``). Each TRL name maps to
+inherits (``transformers/training_args.py``, through ``trl/trainer/base_config.py``), and the flags its ``trl grpo``
+command adds (``ModelConfig`` in ``trl/trainer/model_config.py``; ``GRPOScriptArguments`` and ``ScriptArguments`` in
+``trl/scripts/grpo.py`` and ``trl/scripts/utils.py``). Each TRL name maps to
 ``(grpolab field, note)``: the field is a dotted config name, or None where nothing corresponds; the note, when
 not empty, says how the meaning differs (or, without a field, what comes closest). A key ``name=value`` words
 one value of a field (``loss_type=dapo``): it is looked up before the plain name. ``OLDER_TRL_NAMES`` are names
@@ -197,6 +199,29 @@ TRL_GRPO: dict[str, tuple[str | None, str]] = {
     "save_total_limit": ("checkpoint.keep_last", ""),
     "resume_from_checkpoint": (None, "grpolab train --resume RUN_DIR continues a run from its newest checkpoint"),
     "data_seed": ("seed", "one seed for the whole run; a task's own data seed is task.seed or task.split_seed"),
+    # the trl grpo command's model and data flags
+    "model_name_or_path": ("model.path", "--model: a hub id, a folder or gguf:FILE"),
+    "model_revision": ("model.revision", ""),
+    "dtype": ("model.dtype", "'auto', 'float32' or 'bfloat16'"),
+    "attn_implementation": (None, "SDPA, unless the model needs another kernel to compute as designed"),
+    "use_peft": ("model.lora", "setting any of its fields turns LoRA on, e.g. --model.lora.rank 16"),
+    "lora_r": ("model.lora.rank", ""),
+    "lora_alpha": ("model.lora.alpha", ""),
+    "lora_dropout": ("model.lora.dropout", ""),
+    "lora_target_modules": ("model.lora.target_modules", ""),
+    "lora_modules_to_save": ("model.lora.modules_to_save", ""),
+    "load_in_4bit": (None, "no quantized training"),
+    "load_in_8bit": (None, "no quantized training"),
+    "dataset_name": ("task.train", "with --task dataset: hub:NAME[:CONFIG]:SPLIT, or a .jsonl / .parquet file"),
+    "dataset_config": ("task.train", "hub:NAME:CONFIG:SPLIT"),
+    "dataset_train_split": ("task.train", "hub:NAME[:CONFIG]:SPLIT"),
+    "dataset_test_split": ("task.validation", "hub:NAME[:CONFIG]:SPLIT"),
+    "reward_funcs": (
+        "task.rewards",
+        "[{function = 'my_lib.rewards:custom_reward'}] (a colon before the function), or a verifier: numeric, "
+        "math, exact, regex",
+    ),
+    "reward_model_name_or_path": ("task.rewards", "[{function = 'model:DIR'}]"),
 }
 
 OLDER_TRL_NAMES = frozenset({"max_prompt_length", "warmup_ratio"})
