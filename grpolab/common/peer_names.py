@@ -7,7 +7,7 @@ command adds (``ModelConfig`` in ``trl/trainer/model_config.py``; ``GRPOScriptAr
 ``(grpolab field, note)``: the field is a dotted config name, or None where nothing corresponds; the note, when
 not empty, says how the meaning differs (or, without a field, what comes closest). A key ``name=value`` words
 one value of a field (``loss_type=dapo``): it is looked up before the plain name. ``OLDER_TRL_NAMES`` are names
-users bring from other TRL or transformers versions that 1.16's ``GRPOConfig`` does not have.
+users bring from other TRL or transformers versions, which TRL 1.16 (beside transformers 5.19) does not have.
 
 ``grpolab.common.fields.unknown_field`` turns an entry into 'learning_rate: unknown field; did you mean optim.lr?
 (TRL's learning_rate; ...)'; docs/from-trl.md is the long form of this table.
@@ -168,7 +168,7 @@ TRL_GRPO: dict[str, tuple[str | None, str]] = {
     "lr_scheduler_type": (None, NO_SCHEDULE),
     "lr_scheduler_kwargs": (None, NO_SCHEDULE),
     "warmup_steps": (None, NO_SCHEDULE),
-    "warmup_ratio": (None, f"not a field of TRL 1.16's GRPOConfig; {NO_SCHEDULE}"),
+    "warmup_ratio": (None, NO_SCHEDULE),
     "weight_decay": ("optim.weight_decay", ""),
     "adam_beta1": ("optim.betas", "a pair, e.g. --optim.betas '[0.9, 0.999]'; (0.9, 0.95) by default here"),
     "adam_beta2": ("optim.betas", "a pair, e.g. --optim.betas '[0.9, 0.999]'; (0.9, 0.95) by default here"),
