@@ -30,6 +30,9 @@ def run_as_threads(world: int, fn: Callable[[int], T], timeout: float = 120.0) -
     store = dist.HashStore()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     _install_threaded_pg()
+    installed = dist.distributed_c10d._world
+    if not hasattr(installed, "comms"):  # torch 2.11's threaded world lacks the list destroy_process_group reads
+        installed.comms = []
 
     def rank_main(rank: int) -> None:
         dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
