@@ -46,7 +46,8 @@ def test_bad_engine_input_is_one_line_and_leaves_no_run_dir(warm_model_dir, tmp_
     assert "no such interpreter" in capsys.readouterr().out
     if not HAS_VLLM:
         assert main([*base, "--engine", "vllm"]) == 2
-        assert "needs vLLM" in capsys.readouterr().out
+        said = capsys.readouterr().out  # the one line naming vLLM's extra
+        assert said.startswith("error: ") and "vLLM" in said and "pip install 'grpolab[vllm]'" in said
     assert not out.exists()
 
 
