@@ -149,7 +149,8 @@ class UserFunction:
         try:
             function = resolve(target)
         except Exception as err:
-            raise ValueError(f"reward function {label} cannot be loaded: {type(err).__name__}: {err}") from None
+            how = "loaded" if is_pickled(target) else "imported"
+            raise ValueError(f"reward function {label} cannot be {how}: {type(err).__name__}: {err}") from None
         if not callable(function):
             raise ValueError(f"reward function {label} is not callable")
         try:
