@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import quick_settings
 
 import grpolab
 from grpolab.commands.cli import main
@@ -23,17 +24,14 @@ _rng = random.Random(0)
 ROWS = [{"question": f"{a}+{b}", "answer": str(a + b)} for a in range(1, 10) for b in range(1, 10)]
 _rng.shuffle(ROWS)
 TRAIN, VAL = ROWS[:60], ROWS[60:76]
-SETTINGS = {
-    "steps": 2,
+SETTINGS = {  # conftest's quick run (its batch shape, steps, evaluation and checkpoints) on rows of the same sums
+    **{
+        k: v
+        for k, v in quick_settings("", "").items()
+        if k.split(".")[0] in ("steps", "rollout", "optim", "eval", "checkpoint")
+    },
     "threads": 1,
     "task": {"prompt": {"format": "r1_zero"}},
-    "rollout.prompts_per_step": 4,
-    "rollout.group_size": 8,
-    "rollout.max_new_tokens": 40,
-    "optim.micro_batch_size": 16,
-    "optim.lr": 1e-3,
-    "eval.every": 2,
-    "checkpoint.every": 2,
 }
 
 SCRIPT = """

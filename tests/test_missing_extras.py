@@ -108,8 +108,9 @@ def test_a_missing_package_is_one_line_naming_its_install(case, folders, monkeyp
     not_here = [m for m in PRESENT.get(case, []) if importlib.util.find_spec(m) is None]
     if not_here:
         pytest.skip(f"the line of this case takes {', '.join(not_here)} to be installed")
-    for name in absent:
-        monkeypatch.setitem(sys.modules, name, None)
+    for name in absent:  # the package and its submodules an earlier test imported: all of it gone
+        for loaded in [m for m in sys.modules if m == name or m.startswith(f"{name}.")] or [name]:
+            monkeypatch.setitem(sys.modules, loaded, None)
     args = [fill(a, folders) for a in args]
     assert main(["train", *args, "--steps", "1", "--output-dir", str(folders["run"])]) == 2
     line = one_error(capsys)
