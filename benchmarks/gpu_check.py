@@ -56,6 +56,7 @@ CARRIED = (
     "latex2sympy2_extended",
     "antlr4-python3-runtime",
     "torch-optimi",
+    "cloudpickle",  # reward functions given from Python (grpolab.train(rewards=[f]))
 )
 
 
