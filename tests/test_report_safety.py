@@ -301,3 +301,10 @@ def test_the_2x2_uses_the_common_step_on_shared_items(tmp_path):
     text = (root / "report" / "report.md").read_text()
     assert "none x seq: e*" in text and "At step 10" in text and "over the 20 items" in text
     assert "e last evaluated at step 10 of 50" in text
+
+
+@pytest.mark.parametrize("name", ["summary.json", "config.json", "manifest.json"])  # manifest: the run journal's
+def test_an_unreadable_json_file_is_one_error_line_naming_it(folder, capsys, name):
+    (folder / "a" / name).write_text("" if name != "config.json" else '{"seed": 0, "ste')  # empty, torn
+    out = refused(folder, capsys)
+    assert str(folder / "a" / name) in out, out

@@ -5,7 +5,6 @@ and the 2x2 pool runs only at a common step on shared items (``common``), and sa
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import asdict
 from typing import Any
@@ -17,6 +16,7 @@ from grpolab.objectives.stats import holm, interaction, mcnemar_exact, paired_di
 from grpolab.run.health import HealthSettings, run_warnings
 from grpolab.run.rundir import MANIFEST_FILE, wall_seconds
 from grpolab.studies.report.common import Common, align, at_common_step, progress, steps_done  # noqa: F401 (align: re-exported)
+from grpolab.studies.report.folder import read_json
 from grpolab.studies.report.reward_models import reward_models
 from grpolab.studies.report.runs import Outcomes, Run, outcomes, pair
 
@@ -76,7 +76,7 @@ def provenance_of(run: Run) -> dict[str, Any]:
     path = run.path / MANIFEST_FILE
     if not path.is_file():
         return {}
-    manifest = json.loads(path.read_text())
+    manifest = read_json(path)
     places = []
     for session in manifest.get("sessions") or [{}]:
         where = session.get("where") or {}

@@ -15,6 +15,15 @@ class ReportError(ValueError):
     """The directory holds nothing a report can be made of, or its report folder is not the report's own."""
 
 
+def read_json(path: Path):
+    """The JSON document in ``path``; ReportError naming the file when it cannot be read or parsed (an empty
+    or torn file included)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ReportError(f"{path}: cannot read it as JSON ({err})") from None
+
+
 REPORT_DIR = "report"
 MARKER = ".grpolab-report"
 MARKER_KIND = "grpolab report"

@@ -13,7 +13,7 @@ import numpy as np
 
 from grpolab.run.rundir import JsonLines, eval_record_steps, eval_records_path, read_json_lines
 from grpolab.studies.manifest import MANIFEST, SuiteManifest, pid_alive
-from grpolab.studies.report.folder import ReportError, is_report
+from grpolab.studies.report.folder import ReportError, is_report, read_json
 
 NOT_TRAINING = ("seed", "output_dir", "eval", "checkpoint", "warn", "log", "log_every", "threads")
 
@@ -35,7 +35,7 @@ class Run:
     def config(self) -> dict[str, Any]:
         for path in (self.path / "config.json", self.config_file):
             if path is not None and path.is_file():
-                return json.loads(path.read_text())
+                return read_json(path)
         return {}
 
     @cached_property
@@ -50,7 +50,7 @@ class Run:
     @cached_property
     def summary(self) -> dict[str, Any] | None:
         path = self.path / "summary.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        return read_json(path) if path.is_file() else None
 
     @property
     def train(self) -> list[dict[str, Any]]:
