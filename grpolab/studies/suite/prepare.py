@@ -23,7 +23,13 @@ from grpolab.run.rundir import RunDirError
 from grpolab.studies.manifest import MANIFEST, PREPARING, RunRecord, SuiteManifest
 from grpolab.studies.suite.launch import LAUNCHERS, suite_launcher
 from grpolab.studies.suite.placement import parse_devices
-from grpolab.studies.suite.snapshot import hash_reward_model, snapshot_code, snapshot_data, task_key
+from grpolab.studies.suite.snapshot import (
+    check_package_links,
+    hash_reward_model,
+    snapshot_code,
+    snapshot_data,
+    task_key,
+)
 from grpolab.studies.suite.spec import SuiteRun, SuiteSpec, load_suite, resolve_runs
 from grpolab.tasks.folder_hash import tree_sha256
 
@@ -70,6 +76,7 @@ def prepare_suite(
     if dry_run:
         print_plan(spec, configs, root, console, where)
         return None
+    check_package_links()  # before anything is written: a snapshot would copy in what a link leads to
     for run in spec.runs:  # a start model that cannot load is refused now, not hours into the queue
         if run.init_from is None:
             check_model_spec(configs[run.name].model.path, configs[run.name].model.revision)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -95,10 +96,36 @@ def hash_reward_model(path: str | Path, reporter: Reporter) -> dict[str, str]:
         return model_files(folder, on_file=advance)
 
 
-def snapshot_code(folder: Path) -> dict[str, Any]:
-    """A copy of the installed package's source under ``folder/grpolab`` (PYTHONPATH=folder), with the
-    SHA-256 of each file (``files``) and of the whole tree (``sha256``)."""
-    source = PACKAGE_DIR
+class SnapshotLinkError(ValueError):
+    """The package source holds a link to something outside it."""
+
+
+def check_package_links(source: Path | None = None) -> None:
+    """Refuse (SnapshotLinkError, one line naming the link and its target) a symbolic link under the package
+    source that leads out of it: the snapshot would copy in a folder or file that is not the package's, and
+    recording it as the package's code would be a lie; skipping it would leave a snapshot unlike the package
+    the runs were checked against. Links that stay inside the package are copied as what they point at."""
+    source = Path(source or PACKAGE_DIR)
+    root = source.resolve()
+    for dirpath, dirnames, filenames in os.walk(source):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(dirnames + filenames):
+            path = Path(dirpath) / name
+            if path.is_symlink() and not path.resolve().is_relative_to(root):
+                raise SnapshotLinkError(
+                    f"the package source has a link leading out of it: {path} -> {os.readlink(path)} "
+                    f"({path.resolve()}); a suite's code snapshot holds only the package's own files "
+                    "(replace the link with the files it points at, or remove it)"
+                )
+
+
+def snapshot_code(folder: Path, source: Path | None = None) -> dict[str, Any]:
+    """A copy of the installed package's source (``source``: another package folder) under
+    ``folder/grpolab`` (PYTHONPATH=folder), with the SHA-256 of each file (``files``) and of the whole tree
+    (``sha256``). A link leading out of the package is refused before anything is copied
+    (``check_package_links``)."""
+    source = Path(source or PACKAGE_DIR)
+    check_package_links(source)
     shutil.copytree(source, folder / "grpolab", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     files = tree_files(folder / "grpolab")
     return {
