@@ -468,7 +468,7 @@ class RunConfig(_Section):
         for rule in (
             self._algorithm_sets_the_group_size,
             self._batch_splits_into_steps,
-            self._mean_normalizer_has_binary_rewards,
+            self._normalizer_has_its_reward_range,
             self._group_baseline_has_a_group,
             self._decoupled_terms_are_known,
             lambda: check_teacher_setting(self.algorithm, self.teacher, self.rollout.group_size),
@@ -539,27 +539,36 @@ class RunConfig(_Section):
                 f"optimizer steps (algorithm {spec.name})"
             )
 
-    def _mean_normalizer_has_binary_rewards(self) -> None:
-        """MaxRL's (r - mean) / mean: its sign flips with a negative group mean; BNPO's p is a success rate."""
+    def _normalizer_has_its_reward_range(self) -> None:
+        """MaxRL's (r - mean) / mean: well defined for rewards >= 0, its sign flips with a negative group mean;
+        BNPO's p is the success rate of rewards in {0, 1} (its paper's setting: the Beta models that probability)."""
         spec = self.algorithm
-        if spec.normalizer in ("mean", "beta_density"):
-            shaping = [
-                f"reward.{name} {value:g}"
-                for name, value in (
-                    ("truncation_penalty", self.reward.truncation_penalty),
-                    ("overlong_buffer", self.reward.overlong_buffer),
-                )
-                if value
-            ]
-            nonbinary = shaping + self.task.nonbinary_rewards()
-            why = "its advantage (r - mean) / mean changes sign when a group's mean is negative"
-            why = why if spec.normalizer == "mean" else "BNPO's group mean is a success rate, fitted by a Beta"
-            if nonbinary:
+        if spec.normalizer not in ("mean", "beta_density"):
+            return
+        shaping = [
+            f"reward.{name} {value:g}"
+            for name, value in (
+                ("truncation_penalty", self.reward.truncation_penalty),
+                ("overlong_buffer", self.reward.overlong_buffer),
+            )
+            if value
+        ]
+        if spec.normalizer == "mean":
+            negative = [f"{term}, a penalty," for term in shaping] + self.task.negative_rewards()
+            if negative:
                 raise ValueError(
-                    f"algorithm {spec.name} (normalizer '{spec.normalizer}') needs RL rewards in {{0, 1}} ({why}): "
-                    f"{nonbinary[0]} can give other values; for such rewards use another "
-                    "normalizer (e.g. --algo grpo or dr_grpo)"
+                    f"algorithm {spec.name} (normalizer 'mean') needs RL rewards >= 0 (its advantage "
+                    f"(r - mean) / mean changes sign when a group's mean is negative): {negative[0]} can give "
+                    "negative values; for such rewards use another normalizer (e.g. --algo grpo or dr_grpo)"
                 )
+            return
+        nonbinary = shaping + self.task.nonbinary_rewards()
+        if nonbinary:
+            raise ValueError(
+                f"algorithm {spec.name} (normalizer '{spec.normalizer}') needs RL rewards in {{0, 1}} (BNPO's group "
+                f"mean is a success rate, fitted by a Beta): {nonbinary[0]} can give other values; for such rewards "
+                "use another normalizer (e.g. --algo grpo or dr_grpo)"
+            )
 
     def _group_baseline_has_a_group(self) -> None:
         spec = self.algorithm

@@ -59,3 +59,8 @@ def echo(*args, **kwargs):
     if kwargs.get("opaque"):
         return object()
     return [list(args), kwargs]
+
+
+def format_credit(completion: str, answer: str, extracted: str | None) -> float:
+    """Partial credit: 0.5 for a completion whose answer could be extracted (a right format), else 0."""
+    return 0.5 if extracted is not None else 0.0

@@ -18,8 +18,8 @@ def test_matches_reference(baseline, normalizer):
     g = torch.Generator().manual_seed(0)
     rewards = torch.rand(5, 8, generator=g, dtype=torch.float64).round(decimals=1)
     rewards[1] = 0.5  # an all-equal group
-    if normalizer == "mean":  # MaxRL is defined for rewards in {0, 1}
-        rewards = (rewards >= 0.5).double()
+    rewards[2, :3] = 0.0  # MaxRL takes partial credit (rewards >= 0); a group of mean 0 gets 0
+    rewards[3] = 0.0
     got = group_advantages(rewards, baseline, normalizer)
     want = torch.tensor(reference_advantages(rewards.tolist(), baseline, normalizer), dtype=torch.float64)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
@@ -27,7 +27,7 @@ def test_matches_reference(baseline, normalizer):
 
 @pytest.mark.parametrize("normalizer", ["std", "mean", "none"])
 def test_all_equal_group_gets_exactly_zero(normalizer):
-    level = 1.0 if normalizer == "mean" else 0.1  # MaxRL is defined for rewards in {0, 1}
+    level = 0.1
     rewards = torch.tensor([[level] * 7, [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     adv = group_advantages(rewards, "mean", normalizer)
     assert (adv[0] == 0).all()
@@ -73,7 +73,6 @@ def test_metrics_count_zero_advantage_groups():
 )
 def test_property_reference_and_finiteness(b, g, seed, combo, levels):
     gen = torch.Generator().manual_seed(seed)
-    levels = 1 if combo[1] == "mean" else levels  # MaxRL is defined for rewards in {0, 1}
     rewards = torch.randint(0, levels + 1, (b, g), generator=gen).double() / levels
     adv = group_advantages(rewards, *combo)
     assert torch.isfinite(adv).all()

@@ -287,7 +287,7 @@ def test_demo_outcome_tables_each_gain_with_its_paired_ci_and_lists_refusals(war
 
     out = tmp_path / "runs"
     extra = f"--model {warm_model_dir} --steps 2 --eval.every 2 --threads 1 --rollout.prompts_per_step 2"
-    extra += " --reward.truncation_penalty 0.5"  # refused by maxrl (its advantage needs rewards in {0, 1})
+    extra += " --reward.truncation_penalty 0.5"  # refused by maxrl (its advantage needs rewards >= 0)
     assert demo_outcome.main(["--algos", "grpo", "maxrl", "--extra", extra, "--out", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     grpo = next(line for line in lines if line.startswith("grpo "))

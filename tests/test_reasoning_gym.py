@@ -90,7 +90,7 @@ def test_reward_terms_weights_and_binary_rewards():
     assert settings.reward_weights() == {"correct": 1.0, "score": 0.0} and settings.nonbinary_rewards() == []
     weighted = settings.model_copy(update={"score_weight": 0.5})
     assert weighted.reward_weights() == {"correct": 1.0, "score": 0.5}
-    assert "task.score_weight" in weighted.nonbinary_rewards()[0]  # MaxRL and BNPO refuse it up front
+    assert "task.score_weight" in weighted.nonbinary_rewards()[0]  # BNPO refuses it up front (MaxRL takes it: >= 0)
     assert BUILT_IN["reasoning_gym"] is ReasoningGymTaskConfig
 
 

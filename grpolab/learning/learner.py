@@ -144,18 +144,18 @@ class BatchForward:
         return out
 
 
-def refuse_nonbinary_rewards(rollout: RolloutBatch) -> None:
-    """MaxRL's advantage (normalizer 'mean') is defined for RL rewards in {0, 1}: refuse, in one line naming its
-    reward terms, the first other reward (the config refuses the settings known to give one; a user function or
-    task class shows its values only here)."""
+def refuse_negative_rewards(rollout: RolloutBatch) -> None:
+    """MaxRL's advantage (normalizer 'mean') is defined for RL rewards >= 0 (partial credit included): refuse, in
+    one line naming its reward terms, the first negative reward (the config refuses the settings known to give one;
+    a user function, task class or environment shows its values only here)."""
     for example, grades in zip(rollout.examples, rollout.grades):
         for j, grade in enumerate(grades):
-            if grade.reward not in (0.0, 1.0):
+            if grade.reward < 0:
                 terms = ", ".join(f"{n} {v:g}" for n, v in grade.components) or f"answer_reward {grade.answer_reward:g}"
                 raise ValueError(
-                    f"normalizer 'mean' (MaxRL) needs RL rewards in {{0, 1}}: example {example.id} "
+                    f"normalizer 'mean' (MaxRL) needs RL rewards >= 0: example {example.id} "
                     f"sample {j} got {grade.reward:g} (its reward terms: {terms}), and (r - mean) / mean "
-                    "changes sign when a group's mean is negative; make that term 0 or 1, or use "
+                    "changes sign when a group's mean is negative; make that term non-negative, or use "
                     "another normalizer (e.g. --algo grpo)"
                 )
 
@@ -291,7 +291,7 @@ class PolicyLearner:
     def advantages(self, rollout: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(rewards, advantages) [B, G] of every group of ``rollout``."""
         if self.spec.normalizer == "mean":
-            refuse_nonbinary_rewards(rollout)
+            refuse_negative_rewards(rollout)
         rewards = rollout.rewards()
         if self.spec.multi_objective_aggregation == "sum_then_normalize":
             advantages = batch_advantages(self.spec, rewards)

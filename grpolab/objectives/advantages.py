@@ -17,8 +17,9 @@ def group_advantages(rewards: Tensor, baseline: str, normalizer: str, eps: float
     rewards: [B, G]. Returns [B, G] in the rewards' dtype.
     baseline:   "mean" -> r - mean_i ; "none" -> r
     normalizer: "std"  -> / (unbiased std_i + eps)
-                "mean" -> / (mean_i + eps), and 0 for a group whose mean is 0 (MaxRL); defined for
-                          rewards in {0, 1} only (with a negative mean the sign flips): others raise
+                "mean" -> / (mean_i + eps), and 0 for a group whose mean is 0 (MaxRL); defined for any
+                          rewards >= 0, partial credit included (with a negative mean the sign flips): a
+                          negative reward raises
                 "batch_std" -> / (unbiased std of all B x G rewards + eps) (Lite PPO: the batch's scale, the
                           group's mean; the batch must be the whole, global rollout batch)
                 "none" -> unchanged
@@ -34,11 +35,11 @@ def group_advantages(rewards: Tensor, baseline: str, normalizer: str, eps: float
     if normalizer == "std" and group_size < 2:
         raise ValueError("normalizer 'std' needs a group size of at least 2")
     if normalizer == "mean":
-        outside = ((rewards != 0) & (rewards != 1)).nonzero()
-        if len(outside):
-            b, g = outside[0].tolist()
+        negative = (rewards < 0).nonzero()
+        if len(negative):
+            b, g = negative[0].tolist()
             raise ValueError(
-                f"normalizer 'mean' (MaxRL) needs rewards in {{0, 1}}: group {b} sample {g} has "
+                f"normalizer 'mean' (MaxRL) needs rewards >= 0: group {b} sample {g} has "
                 f"{rewards[b, g].item():g} (the advantage (r - mean) / mean changes sign when a "
                 "group's mean is negative)"
             )

@@ -217,8 +217,15 @@ class TaskSettings(BaseModel):
 
     def nonbinary_rewards(self) -> list[str]:
         """The terms of the RL reward these settings say can take values other than 0 and 1, each named by its
-        setting (an objective defined for rewards in {0, 1} refuses them up front). The built-in tasks' reward
-        is their correctness: none."""
+        setting (BNPO, defined for rewards in {0, 1}, refuses them up front). The built-in tasks' reward is their
+        correctness: none."""
+        return []
+
+    def negative_rewards(self) -> list[str]:
+        """The terms of the RL reward these settings say can be negative, each named by its setting (MaxRL, defined
+        for rewards >= 0, refuses them up front; a term whose range only shows when it runs, a user function or an
+        environment's reward, is checked on the actual rewards). The built-in tasks' reward is their correctness:
+        none."""
         return []
 
     def reward_weights(self) -> dict[str, float] | None:

@@ -391,6 +391,17 @@ class DatasetTaskConfig(TaskSettings):
             )
         return terms
 
+    def negative_rewards(self) -> list[str]:
+        """Reward models (a score of either sign, clipped or not) and terms of negative weight; a user function's
+        values are known only when it runs."""
+        terms = []
+        for i, r in enumerate(self.rewards):
+            if is_model_reward(r.function) and r.weight != 0:
+                terms.append(f"task.rewards[{i}] ({r.function}), a reward model's score,")
+            elif r.weight < 0:
+                terms.append(f"task.rewards[{i}] ({r.name or r.function}, weight {r.weight:g})")
+        return terms
+
     def clipped_reward_models(self) -> list[str]:
         return [r.term_name for r in self.rewards if is_model_reward(r.function) and r.options.get("clip") is not None]
 
