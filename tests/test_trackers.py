@@ -325,3 +325,27 @@ def test_wandb_goes_online_only_when_set_up(tmp_path):
     netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "x" * 40 + "\n")  # what wandb login writes
     assert choose_mode(none) == (None, "wandb login")
     assert choose_mode({**none, "WANDB_BASE_URL": "https://wandb.example.org"})[0] == "offline"  # another host
+
+
+def test_an_unwritable_trackio_directory_is_one_line_before_anything_moves(warm_model_dir, tmp_path):
+    """Trackio only warns that it failed to flush and the run would end 0 with every Trackio metric lost: the
+    directory (``TRACKIO_DIR``, read by Trackio when imported: a process of its own) is checked first. Under a
+    regular file, so that no user (root included) can write it."""
+    import subprocess
+
+    (tmp_path / "a-file").write_text("")
+    folder = tmp_path / "a-file" / "trackio"
+    run = tmp_path / "run"
+    args = [f"--{k}={v}" for k, v in {**train_overrides(warm_model_dir, run), "log.trackers": "trackio"}.items()]
+    done = subprocess.run(
+        [sys.executable, "-m", "grpolab.commands.cli", "train", *args],
+        env={**os.environ, "TRACKIO_DIR": str(folder), "COLUMNS": "400"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out
+    assert out.count("error:") == 1 and "Traceback" not in out, out
+    assert f"log.trackers trackio: its directory {folder} cannot be written" in " ".join(out.split()), out
+    assert not run.exists()

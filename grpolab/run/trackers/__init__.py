@@ -10,16 +10,19 @@ from typing import Any
 from grpolab.config import LogConfig
 from grpolab.run.trackers.base import Tracker, Trackers, require
 from grpolab.run.trackers.tensorboard_tracker import TensorBoardTracker
-from grpolab.run.trackers.trackio_tracker import TrackioTracker
+from grpolab.run.trackers.trackio_tracker import TrackioTracker, check_trackio_dir
 from grpolab.run.trackers.wandb_tracker import WandbTracker, new_run_id
 
 __all__ = ["Trackers", "check_trackers", "identities", "open_trackers"]
 
 
 def check_trackers(settings: LogConfig) -> None:
-    """One line for a tracker whose package is missing (before anything on disk moves)."""
+    """One line for a tracker whose package is missing, or whose directory cannot be written (Trackio's), before
+    anything on disk moves."""
     for name in settings.trackers:
         require(name)
+        if name == "trackio":
+            check_trackio_dir()
 
 
 def identities(settings: LogConfig, run_dir: Path, previous: dict[str, Any] | None) -> dict[str, Any]:

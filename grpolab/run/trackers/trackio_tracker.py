@@ -5,9 +5,31 @@ from __future__ import annotations
 
 import contextlib
 import io
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from grpolab.run.trackers.base import require
+
+
+def check_trackio_dir() -> None:
+    """Refuse, in one line naming it, a Trackio directory this process cannot write (Trackio would only warn
+    that it failed to flush, and every Trackio metric of the run would be lost). The directory is Trackio's own
+    choice, read once when it is imported: ``TRACKIO_DIR``, else ``trackio`` in the Hugging Face home. Its
+    local database is written in Space mode too (the logs waiting to be sent). Creating the directory is what
+    Trackio would do first; the probe file goes at once."""
+    from trackio.utils import TRACKIO_DIR
+
+    folder = Path(TRACKIO_DIR)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder, prefix=".grpolab-write-check-"):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"log.trackers trackio: its directory {folder} cannot be written ({err.strerror or err}); "
+            "set TRACKIO_DIR to a writable folder"
+        ) from None
 
 
 class TrackioTracker:
