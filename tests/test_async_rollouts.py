@@ -165,3 +165,53 @@ def test_async_refuses_what_it_cannot_run_in_one_line(warm_model_dir, tmp_path, 
     assert main(["train", *args]) == 2
     out = capsys.readouterr().out
     assert refusal in out and not (tmp_path / "run").exists()
+
+
+LEARNER_KILLED_MID_GENERATION = """
+import os, signal, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from grpolab.config import RolloutConfig
+from grpolab.models.precision import TrainingPrecision
+from grpolab.rollout.base import SamplingParams
+from grpolab.rollout.engine_process import EngineProcess
+
+if __name__ == "__main__":
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+    tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+    precision = TrainingPrecision("float32", torch.float32, torch.float32)
+    engine = EngineProcess.for_rollout(RolloutConfig(), model, tokenizer, precision, threads=1)
+    prompts, params = [tokenizer("1 + 2 =")["input_ids"]] * 8, SamplingParams(max_new_tokens=64, seed=0)
+    engine.generate(prompts, 4, params)  # the engine process is up and answering
+    engine.conn.send((0, prompts, 4, params))  # its reply will find no learner
+    print(f"engine {engine.pid}", flush=True)
+    print("learner killed", file=sys.stderr, flush=True)  # what follows is the engine process's
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_an_engine_process_whose_learner_is_killed_exits_quietly(warm_model_dir, tmp_path):
+    """The learner SIGKILLed while its engine process generates: the engine's reply meets a closed pipe and it
+    ends without a traceback (its output shares the learner's: read to the end, once both have exited)."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "learner.py"
+    script.write_text(LEARNER_KILLED_MID_GENERATION)
+    done = subprocess.run(
+        [sys.executable, str(script), str(warm_model_dir)], capture_output=True, text=True, timeout=300
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == -signal.SIGKILL and "engine " in done.stdout, out
+    pid = int(done.stdout.split("engine ")[1].split()[0])
+    for _ in range(100):  # the engine process is gone too (it ends when its pipe closes)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the engine process {pid} outlived its learner")
+    assert "Traceback" not in out and "BrokenPipeError" not in out, out
+    assert len(done.stderr.split("learner killed", 1)[1].strip().splitlines()) <= 1, out

@@ -11,8 +11,8 @@ generation.
 Requests and replies go over one pipe, one request at a time (completions, MoE routing records included,
 travel back through torch's shared-memory pickling). An engine process that dies is noticed within a
 second of the parent waiting on it (``EngineDied``: one line, the run stops with its last checkpoint). The
-engine process ignores SIGINT (the parent decides how a Ctrl-C stops the run) and ends when its pipe
-closes, so a parent killed outright leaves no engine behind.
+engine process ignores SIGINT (the parent decides how a Ctrl-C stops the run) and ends, quietly, when its pipe
+closes (a reply that finds it closed included), so a parent killed outright leaves no engine behind.
 """
 
 from __future__ import annotations
@@ -119,7 +119,10 @@ def _serve(
             reply = ("ok", engine.generate(prompts, n, sampling))
         except Exception:
             reply = ("error", traceback.format_exc())
-        conn.send(reply)
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, ConnectionResetError):  # the learner is gone (killed): no one to answer
+            return
 
 
 class EngineProcess:
