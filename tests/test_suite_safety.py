@@ -384,6 +384,24 @@ def test_a_run_ended_by_a_signal_from_outside_is_stopped_and_any_other_end_faile
     assert record.state == state and record.reason.startswith(reason), record.reason
 
 
+def test_the_suite_page_records_a_kill_from_outside_as_the_suite_does(tmp_path):
+    """docs/suites-and-resume.md says what a run killed from outside becomes: SIGKILL a failure, in the words of
+    its record; SIGTERM a stop."""
+    text = " ".join((ROOT / "docs" / "suites-and-resume.md").read_text().split())
+    cfg = load_config(None, {"steps": 3})
+    records = {}
+    for exit_code in (-signal.SIGKILL, -signal.SIGTERM):
+        record = RunRecord(name="a", run_dir=str(tmp_path / "a"), config_file="a.json", config_sha256="")
+        (tmp_path / "a").mkdir(exist_ok=True)
+        classify(Flight(record, cfg, job=None), tmp_path / "a.log", exit_code)
+        records[exit_code] = record
+    killed = records[-signal.SIGKILL]
+    assert f"`{killed.state} ({killed.reason})`" in text
+    assert "SIGKILL: `kill -9`" in text and "is a failure the suite reports" in text
+    assert records[-signal.SIGTERM].state == "stopped" and "(SIGTERM or SIGINT: a plain `kill`" in text
+    assert "is `stopped`, not failed" not in text
+
+
 @pytest.mark.parametrize("target", ["missing", "empty", "not_json", "not_a_manifest"])
 def test_resume_of_a_bad_target_is_one_error_line_and_moves_nothing(target, tmp_path, capsys):
     folder = tmp_path / "suite"
