@@ -5,7 +5,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
+import json
 import os
+import random
 from dataclasses import replace
 
 import pytest
@@ -16,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpolab.learning.batching import collate
 from grpolab.models.logprobs import token_logprobs
 from grpolab.rollout.base import SamplingParams
-from grpolab.rollout.endpoint import TURN_STRIDE, PolicyEndpoint, tool_calls
+from grpolab.rollout.endpoint import TURN_STRIDE, PolicyEndpoint, RequestError, _Request, tool_calls
 from grpolab.rollout.environment import EnvironmentEngine
 from grpolab.rollout.hf.engine import HFEngine
 from grpolab.rollout.sync_check import verify_weight_sync
@@ -51,9 +54,29 @@ def endpoint(chat_model):
     served.close()
 
 
-def ask(endpoint, key, messages, **extra):
-    client = openai.OpenAI(base_url=endpoint.base_url(key), api_key="x", max_retries=0)
-    return client.chat.completions.create(model="policy", messages=messages, **extra)
+def ask(endpoint, key, messages, api_key=None, model="policy", **extra):
+    api_key = endpoint.api_key if api_key is None else api_key
+    client = openai.OpenAI(base_url=endpoint.base_url(key), api_key=api_key, max_retries=0, timeout=20)
+    return client.chat.completions.create(model=model, messages=messages, **extra)
+
+
+def post(endpoint, path, body=None, headers=None, raw=None):
+    """A raw HTTP request (what an openai client would never send): its status and its JSON reply."""
+    conn = http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=20)
+    try:
+        data = raw if raw is not None else json.dumps(body).encode()
+        sent = {"Authorization": f"Bearer {endpoint.api_key}", "Content-Type": "application/json"}
+        sent.update(headers or {})
+        conn.putrequest("POST", path)
+        for name, value in sent.items():
+            conn.putheader(name, value)
+        if "Content-Length" not in sent:
+            conn.putheader("Content-Length", str(len(data)))
+        conn.endheaders(data if "Content-Length" not in sent else None)
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        conn.close()
 
 
 def test_a_first_call_samples_the_chat_templates_prompt_as_the_engine_would(endpoint, chat_model):
@@ -129,12 +152,114 @@ def test_the_budget_spans_the_whole_trajectory(endpoint):
 
 def test_bad_requests_get_one_clear_error(endpoint):
     with endpoint.serving(PARAMS, 1, 30):
-        with pytest.raises(openai.BadRequestError, match="no open trajectory 5"):
+        with pytest.raises(openai.NotFoundError, match="no open trajectory 5"):
             ask(endpoint, 5, [{"role": "user", "content": "a"}])
         with pytest.raises(openai.BadRequestError, match="messages must be"):
             ask(endpoint, 0, [])
-    with pytest.raises(openai.BadRequestError, match="no open trajectory 0"):
+    with pytest.raises(openai.NotFoundError, match="no open trajectory 0"):
         ask(endpoint, 0, [{"role": "user", "content": "a"}])
+
+
+SAY = [{"role": "user", "content": "say a"}]
+GOOD = {"model": "policy", "messages": SAY, "max_tokens": 8}
+BAD = [  # (a request's body or raw bytes, extra headers; the status it gets)
+    ({**GOOD, "max_tokens": -5}, {}, 400),
+    ({**GOOD, "max_tokens": 0}, {}, 400),
+    ({**GOOD, "max_completion_tokens": 2.5}, {}, 400),
+    ({**GOOD, "stop": [""]}, {}, 400),
+    ({**GOOD, "stop": ""}, {}, 400),
+    ({**GOOD, "stop": [3]}, {}, 400),
+    ({**GOOD, "n": 2}, {}, 400),
+    ({**GOOD, "stream": True}, {}, 400),
+    ({**GOOD, "messages": [{"role": "user", "content": {"x": 1}}]}, {}, 400),
+    ({**GOOD, "messages": "say a"}, {}, 400),
+    ({**GOOD, "tools": "calc"}, {}, 400),
+    ({**GOOD, "model": "gpt-9"}, {}, 404),
+    ({k: v for k, v in GOOD.items() if k != "model"}, {}, 400),
+    ([GOOD], {}, 400),
+    (b"{not json", {}, 400),
+    (b"\xff\xfe", {}, 400),
+    (b"[" * 100_000, {}, 400),
+    (b"", {"Content-Length": "99999999999"}, 413),
+    (b"", {"Content-Length": "-1"}, 400),
+    (GOOD, {"Authorization": "Bearer wrong"}, 401),
+    (GOOD, {"Authorization": ""}, 401),
+]
+
+
+def _bad(endpoint, k, body, headers):
+    raw = body if isinstance(body, bytes) else None
+    return post(endpoint, f"/t/{k}/v1/chat/completions", body, headers, raw)
+
+
+def test_each_bad_request_gets_its_status_and_the_endpoint_still_answers_as_before(endpoint):
+    with endpoint.serving(PARAMS, 1, 30):
+        before = ask(endpoint, 0, SAY, max_tokens=8).choices[0].token_ids
+    with endpoint.serving(PARAMS, 2, 30) as trajectories:
+        for body, headers, status in BAD:
+            got, reply = _bad(endpoint, 0, body, headers)
+            assert (got, body, headers) == (status, body, headers) and reply["error"]["message"]
+        assert _bad(endpoint, 7, GOOD, {})[0] == 404  # no such trajectory
+        assert post(endpoint, "/t/0/v1/completions", GOOD)[0] == 404  # no such route
+        assert not trajectories[0].turns and not trajectories[0].restarts  # a refused request changes nothing
+        after = ask(endpoint, 0, SAY, max_tokens=8).choices[0].token_ids
+    assert after == before and after
+
+
+def test_a_wrong_or_missing_key_gets_401_and_nothing_is_generated(endpoint):
+    calls = []
+    generate = endpoint.engine.generate
+    endpoint.engine.generate = lambda *a: calls.append(a) or generate(*a)
+    with endpoint.serving(PARAMS, 1, 30) as (trajectory,):
+        with pytest.raises(openai.AuthenticationError):
+            ask(endpoint, 0, SAY, api_key="grpolab")
+        assert _bad(endpoint, 0, GOOD, {"Authorization": f"Basic {endpoint.api_key}"})[0] == 401
+        conn = http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=20)
+        conn.request("GET", "/t/0/v1/models")  # no key: the model list is refused too
+        assert conn.getresponse().status == 401
+        conn.close()
+        assert not calls and not trajectory.turns
+        ask(endpoint, 0, SAY, max_tokens=4)
+    assert len(calls) == 1 and len(trajectory.turns) == 1
+    assert (
+        len(endpoint.api_key) >= 32 and PolicyEndpoint(endpoint.engine, endpoint.tokenizer).api_key != endpoint.api_key
+    )
+
+
+def test_the_batcher_survives_a_call_it_cannot_sample(endpoint):
+    """Past the checks (a request made inside): the call fails alone and the batcher goes on."""
+    with endpoint.serving(PARAMS, 1, 30):
+        before = ask(endpoint, 0, SAY, max_tokens=8).choices[0].token_ids
+    with endpoint.serving(PARAMS, 1, 30):
+        broken = _Request([1, 2, 3], -5, ("",), 0)
+        endpoint.requests.put(broken)
+        with pytest.raises(RequestError, match="max_new_tokens"):
+            broken.done.result(timeout=20)
+        assert ask(endpoint, 0, SAY, max_tokens=8).choices[0].token_ids == before
+
+
+def test_many_concurrent_good_and_bad_requests_each_get_their_own_answer(endpoint):
+    """Good calls on their own trajectories among bad calls on any, from many threads: every good one samples what
+    it samples alone, every bad one gets its status."""
+    count = 25
+    messages = [[{"role": "user", "content": f"say {k}"}] for k in range(count)]
+    with endpoint.serving(PARAMS, count, 30):
+        alone = [ask(endpoint, k, messages[k], max_tokens=6).choices[0].token_ids for k in range(count)]
+    jobs = [("good", k) for k in range(count)] + [("bad", i % len(BAD)) for i in range(7 * count)]
+    random.Random(0).shuffle(jobs)
+
+    def run(job):
+        kind, i = job
+        if kind == "good":
+            return ask(endpoint, i, messages[i], max_tokens=6).choices[0].token_ids
+        body, headers, _ = BAD[i]
+        return _bad(endpoint, i % count, body, headers)[0]
+
+    with endpoint.serving(PARAMS, count, 30):
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(run, jobs))
+    for (kind, i), answer in zip(jobs, got):
+        assert answer == (alone[i] if kind == "good" else BAD[i][2])
 
 
 def test_tool_calls_in_the_text_become_chat_completion_tool_calls():

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import logging
+from types import SimpleNamespace
 
 import pytest
 from chat_envs import chatml_model_dir
@@ -44,9 +46,17 @@ def train(chat_dir, out, *extra):
     )
 
 
-def test_an_environment_task_trains_with_its_terms_logged_and_its_identity_in_the_manifest(tmp_path, chat_dir):
+def test_an_environment_task_trains_with_its_terms_logged_and_its_identity_in_the_manifest(
+    tmp_path, chat_dir, monkeypatch, caplog
+):
+    key = "endpoint-key-" + "k" * 30  # the endpoint's random key, known here: the rollouts send it, no file holds it
+    monkeypatch.setattr("grpolab.rollout.endpoint.secrets", SimpleNamespace(token_urlsafe=lambda n: key))
     out = tmp_path / "run"
-    assert train(chat_dir, out) == 0
+    with caplog.at_level(logging.DEBUG):
+        assert train(chat_dir, out) == 0
+    assert key not in caplog.text
+    for path in out.rglob("*"):
+        assert not path.is_file() or key.encode() not in path.read_bytes(), path
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line]
     assert len(steps) == 2
     for record in steps:
@@ -63,8 +73,6 @@ def test_an_environment_task_trains_with_its_terms_logged_and_its_identity_in_th
 
 
 def test_a_resume_refuses_another_environment(tmp_path):
-    from types import SimpleNamespace
-
     from grpolab.config import ConfigError
 
     recorded = {"environment": {"name": "echo-game", "version": "1", "settings": {"turns": 2}}, "train_rows": 8}

@@ -21,9 +21,17 @@ A trajectory's turns and the messages between them share one token budget, ``max
 is seeded by its trajectory's global index and its turn (``SamplingParams.rows``): what it samples does not
 depend on which other requests shared its batch, or on when they arrived.
 
+Every request must carry the endpoint's key (``api_key``: random, one per endpoint, never logged) as
+``Authorization: Bearer KEY`` and name the endpoint's model; it is checked whole before anything is generated.
+Errors are OpenAI-style JSON (``{"error": {"message", "type", "code"}}``): 401 without the right key, 413 for a
+body over ``max_body_bytes`` (from its ``Content-Length``, before reading it), 404 for an unknown route,
+trajectory or model, 400 for anything else the request gets wrong (its reason as the message), 500 when the
+engine fails. A refused request changes nothing of its trajectory.
+
 Requests arriving together are generated in one engine call (the batcher waits ``linger_s`` after the last
-arrival). Replies carry the completion's token ids (``choices[0].token_ids``, the prompt's as
-``prompt_token_ids``, as vLLM's server does) and, when asked, per-token log-probs.
+arrival); a failure inside a batch fails the calls it concerns, never the batcher. Replies carry the
+completion's token ids (``choices[0].token_ids``, the prompt's as ``prompt_token_ids``, as vLLM's server does)
+and, when asked, per-token log-probs.
 """
 
 from __future__ import annotations
@@ -32,12 +40,14 @@ import json
 import logging
 import queue
 import re
+import secrets
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from hmac import compare_digest
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -48,10 +58,65 @@ logger = logging.getLogger(__name__)
 TURN_STRIDE = 4096  # a request's seeding row: its trajectory's global index * TURN_STRIDE + its turn
 _SENTINEL = "\u2063grpolab\u2063"  # an assistant content no template alters, to find where the content ends
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+MAX_BODY_BYTES = 32 << 20  # a request body's largest size (checked from its Content-Length)
+MAX_STOPS = 16  # stop strings one request may add
 
 
 class RequestError(ValueError):
-    """A request the endpoint refuses (HTTP 400, the message as the error)."""
+    """A request the endpoint refuses: its HTTP status (400 unless said), the message as the error."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.code = status, kind, code
+
+    def payload(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": None, "code": self.code}}
+
+
+def _positive_int(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestError(f"{name} must be an integer >= 1, got {json.dumps(value)[:64]}")
+    return value
+
+
+def check_request(body: Any, model_name: str) -> tuple[list[dict[str, Any]], list | None, int | None, tuple[str, ...]]:
+    """A chat-completions body checked whole (RequestError: why not): its messages, tools, max tokens and stop
+    strings."""
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model must be a non-empty string")
+    if model != model_name:
+        raise RequestError(
+            f"the model {model[:64]!r} does not exist: this endpoint serves {model_name!r}", 404, code="model_not_found"
+        )
+    if body.get("stream"):
+        raise RequestError("streaming is not served: call without stream")
+    if body.get("n") not in (None, 1):
+        raise RequestError("n must be 1 (one trajectory per URL)")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise RequestError("messages must be a non-empty list of message objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str):
+            raise RequestError(f"messages[{i}].role must be a string")
+        if not isinstance(message.get("content"), (str, list, type(None))):
+            raise RequestError(f"messages[{i}].content must be a string, a list of parts or null")
+    tools = body.get("tools") or None
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise RequestError("tools must be a list of tool objects")
+    if not isinstance(body.get("logprobs", False), (bool, type(None))):
+        raise RequestError("logprobs must be a boolean")
+    asked = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings")
+    return messages, tools, asked, tuple(stop)
 
 
 @dataclass
@@ -185,7 +250,8 @@ def tool_calls(text: str, trajectory: int, turn: int) -> tuple[str, list[dict[st
 
 
 class PolicyEndpoint:
-    """Serves ``engine`` as OpenAI-compatible chat completions on 127.0.0.1 (a free port) until ``close``.
+    """Serves ``engine`` as OpenAI-compatible chat completions on 127.0.0.1 (a free port) until ``close``, to
+    clients sending ``api_key`` (a random key of this endpoint's own).
 
     ``serving(params, count, budget, first_index)`` opens ``count`` trajectories sampled with ``params`` (its seed),
     the first seeded as global trajectory ``first_index``; ``base_url(k)`` is trajectory k's URL prefix.
@@ -198,15 +264,18 @@ class PolicyEndpoint:
         model_name: str = "policy",
         template_kwargs: dict[str, Any] | None = None,
         linger_s: float = 0.005,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ):
         self.engine, self.tokenizer, self.model_name, self.linger_s = engine, tokenizer, model_name, linger_s
+        self.max_body_bytes = max_body_bytes
+        self.api_key = secrets.token_urlsafe(32)  # what a client must send (``Endpoint.api_key``); never logged
         self.template = ChatTemplate(tokenizer, template_kwargs)
         self.params: SamplingParams | None = None
         self.trajectories: dict[int, Trajectory] = {}
         self.warned = False  # about a rewritten history
         self.engine_error: Exception | None = None  # the first engine failure while serving
         self.requests: queue.Queue[_Request | None] = queue.Queue()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.server = _Server(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.threads = [
@@ -243,30 +312,23 @@ class PolicyEndpoint:
         self.requests.put(None)
 
     # ---- one request -------------------------------------------------------------------------------
-    def chat(self, key: int, body: dict[str, Any]) -> dict[str, Any]:
-        """The reply to one chat-completions request of trajectory ``key`` (RequestError: a 400)."""
+    def chat(self, key: int, body: Any) -> dict[str, Any]:
+        """The reply to one chat-completions request of trajectory ``key`` (RequestError: refused, nothing done)."""
+        messages, tools, asked, stop = check_request(body, self.model_name)
         trajectory = self.trajectories.get(key)
         params = self.params
         if trajectory is None or params is None:
-            raise RequestError(f"no open trajectory {key}")
-        messages, tools = body.get("messages"), body.get("tools") or None
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise RequestError("messages must be a non-empty list of message objects")
-        if body.get("n", 1) != 1:
-            raise RequestError("n must be 1 (one trajectory per URL)")
+            raise RequestError(f"no open trajectory {key}", 404, code="not_found")
         with trajectory.lock:  # one call of a trajectory at a time
             prompt_ids, observation = self._prompt(trajectory, messages, tools)
             left = trajectory.budget - trajectory.used(prompt_ids)
-            asked = body.get("max_completion_tokens") or body.get("max_tokens") or left
-            stop = body.get("stop") or ()
-            stop = (stop,) if isinstance(stop, str) else tuple(stop)
             turn = len(trajectory.turns)
             if left <= 0:
                 sample = Completion(prompt_ids, [], [], "length", "")
             else:
                 request = _Request(
                     prompt_ids,
-                    min(int(asked), left),
+                    min(asked or left, left),
                     tuple(dict.fromkeys(params.stop_strings + stop)),
                     trajectory.index * TURN_STRIDE + turn + trajectory.restarts,
                 )
@@ -297,6 +359,10 @@ class PolicyEndpoint:
                 observation = None
             if observation is not None:
                 return last.prompt_ids + last.completion_ids + observation, observation
+        try:
+            prompt_ids = self.template.prompt(messages, tools)
+        except Exception as err:  # the request's messages or tools, not the endpoint: refused before any change
+            raise RequestError(f"the chat template cannot render the messages: {type(err).__name__}: {err}") from None
         if trajectory.turns:  # a rewritten history: the trajectory starts again from this call
             if not self.warned:
                 self.warned = True
@@ -306,7 +372,7 @@ class PolicyEndpoint:
                 )
             trajectory.restarts += len(trajectory.turns)
             trajectory.turns = []
-        return self.template.prompt(messages, tools), []
+        return prompt_ids, []
 
     def _reply(
         self, index: int, turn: int, prompt_ids: list[int], sample: Completion, body: dict, tools: list | None
@@ -368,9 +434,26 @@ class PolicyEndpoint:
             stop = pending[0].stop
             batch = [r for r in pending if r.stop == stop]
             pending = [r for r in pending if r.stop != stop]
-            self._generate(batch)
+            try:
+                self._generate(batch)
+            except Exception as err:  # a fault of the batch's calls (never the batcher's): they fail, others go on
+                logger.exception("endpoint: a batch of %d calls failed", len(batch))
+                for request in batch:
+                    if not request.done.done():
+                        request.done.set_exception(err)
 
     def _generate(self, batch: list[_Request]) -> None:
+        kept = []
+        for request in batch:  # each call's own settings first: one that cannot be sampled fails alone
+            try:
+                replace(self.params, max_new_tokens=request.max_new_tokens, stop_strings=request.stop)
+            except Exception as err:
+                request.done.set_exception(RequestError(str(err)))
+            else:
+                kept.append(request)
+        if not kept:
+            return
+        batch = kept
         params = replace(
             self.params,
             max_new_tokens=max(r.max_new_tokens for r in batch),
@@ -393,6 +476,13 @@ class PolicyEndpoint:
             request.done.set_result(sample)
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 256  # many environments' calls may connect at once
+
+    def handle_error(self, request: Any, client_address: Any) -> None:  # a client gone mid-reply: not the server's
+        logger.debug("endpoint: a connection failed", exc_info=True)
+
+
 def _handler(endpoint: PolicyEndpoint) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -405,32 +495,68 @@ def _handler(endpoint: PolicyEndpoint) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:  # a body left unread: the connection cannot carry another request
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
-        def _route(self) -> tuple[int, str] | None:
-            match = re.fullmatch(r"/t/(\d+)/v1/(chat/completions|models)/?", self.path.split("?")[0])
-            return (int(match.group(1)), match.group(2)) if match else None
+        def _route(self) -> tuple[int, str]:
+            match = re.fullmatch(r"/t/(\d{1,18})/v1/(chat/completions|models)/?", self.path.split("?")[0])
+            if match is None:
+                raise RequestError(f"no route {self.path[:200]}", 404, code="not_found")
+            return int(match.group(1)), match.group(2)
+
+        def _authorize(self) -> None:
+            scheme, _, key = (self.headers.get("Authorization") or "").partition(" ")
+            if scheme.lower() != "bearer" or not compare_digest(key.strip().encode(), endpoint.api_key.encode()):
+                raise RequestError(
+                    "a missing or wrong API key (Authorization: Bearer KEY)",
+                    401,
+                    "authentication_error",
+                    "invalid_api_key",
+                )
+
+        def _read(self) -> bytes:
+            """The request's body, its size checked from its Content-Length before it is read."""
+            if self.headers.get("Transfer-Encoding"):
+                raise RequestError("a chunked body is not read: send a Content-Length")
+            length = self.headers.get("Content-Length", "0").strip()
+            if not length.isdigit():
+                raise RequestError(f"Content-Length must be a non-negative integer, got {length[:32]!r}")
+            if int(length) > endpoint.max_body_bytes:
+                raise RequestError(
+                    f"a body of {length[:32]} bytes is over the endpoint's {endpoint.max_body_bytes}", 413
+                )
+            return self.rfile.read(int(length))
+
+        def _serve(self, post: bool) -> None:
+            unread = post  # a body left unread: the connection closes after the reply
+            try:
+                data = self._read() if post else b""
+                unread = False
+                key, what = self._route()
+                self._authorize()
+                if what != ("chat/completions" if post else "models"):
+                    raise RequestError(f"no route {self.command} {self.path[:200]}", 404, code="not_found")
+                if not post:
+                    model = {"id": endpoint.model_name, "object": "model", "owned_by": "grpolab"}
+                    return self._send(200, {"object": "list", "data": [model]})
+                try:
+                    body = json.loads(data) if data else None
+                except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+                    raise RequestError(f"the body is not JSON: {type(err).__name__}: {err}"[:300]) from None
+                self._send(200, endpoint.chat(key, body))
+            except RequestError as err:
+                self.close_connection = self.close_connection or unread
+                self._send(err.status, err.payload())
+            except Exception as err:  # the engine failed: the environment's call fails, the run does not
+                self.close_connection = self.close_connection or unread
+                self._send(500, {"error": {"message": f"{type(err).__name__}: {err}", "type": "server_error"}})
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            route = self._route()
-            if route is None or route[1] != "models":
-                return self._send(404, {"error": {"message": f"no route {self.path}"}})
-            model = {"id": endpoint.model_name, "object": "model", "owned_by": "grpolab"}
-            self._send(200, {"object": "list", "data": [model]})
+            self._serve(post=False)
 
         def do_POST(self) -> None:  # noqa: N802
-            route = self._route()
-            if route is None or route[1] != "chat/completions":
-                return self._send(404, {"error": {"message": f"no route {self.path}"}})
-            try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                if body.get("stream"):
-                    raise RequestError("streaming is not served: call without stream")
-                self._send(200, endpoint.chat(route[0], body))
-            except (RequestError, ValueError) as err:
-                self._send(400, {"error": {"message": str(err), "type": "invalid_request_error"}})
-            except Exception as err:  # the engine failed: the environment's call fails, the run does not
-                self._send(500, {"error": {"message": f"{type(err).__name__}: {err}"}})
+            self._serve(post=True)
 
     return Handler

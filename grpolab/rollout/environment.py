@@ -91,7 +91,7 @@ class EnvironmentEngine:
         env = self.environment
 
         async def one(k: int, example: Example) -> Grade:
-            endpoint = Endpoint(self.endpoint.base_url(k), self.endpoint.model_name, budget)
+            endpoint = Endpoint(self.endpoint.base_url(k), self.endpoint.model_name, budget, self.endpoint.api_key)
             async with gate:
                 try:
                     return await asyncio.wait_for(env.rollout(example, endpoint), env.timeout_s)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from grpolab.common.extras import require
@@ -66,12 +66,14 @@ class Endpoint:
     model: the model name the server answers to.
     max_tokens: the trajectory's token budget (``rollout.max_new_tokens``: its turns and the messages put
         between them, together).
+    api_key: the key the server requires (``Authorization: Bearer KEY``), random for each run: keep it out of
+        logs and files.
     """
 
     base_url: str
     model: str
     max_tokens: int
-    api_key: str = "grpolab"
+    api_key: str = field(default="", repr=False)
 
     def client(self, timeout: float = 600.0) -> Any:
         """An ``openai.AsyncOpenAI`` client of this endpoint (no retries: a failed call fails the rollout); use it as
@@ -79,7 +81,9 @@ class Endpoint:
         require("an environment's endpoint client", "openai")
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=timeout)
+        return openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=self.api_key or "none", max_retries=0, timeout=timeout
+        )
 
 
 class Environment(ABC):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 import sys
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +47,7 @@ from grpolab.tasks.environment import (
 )
 
 logger = logging.getLogger(__name__)
-API_KEY_VAR = "GRPOLAB_VERIFIERS_API_KEY"  # verifiers reads a client's key from a variable; grpolab's needs none
+API_KEY_VAR = "GRPOLAB_VERIFIERS_API_KEY"  # verifiers reads a client's key from this variable (the endpoint's key)
 IN_PROCESS_HARNESSES = ("null",)  # the harness the in-process chat loop stands in for (and a seat pinning none)
 HARNESS_ID = "grpolab_chat"  # the in-process chat loop's harness id, as verifiers loads harnesses
 
@@ -230,6 +231,7 @@ class VerifiersEnvironment(Environment):
         task = self.tasks.get(example.id)
         if task is None:
             raise VerifiersError(f"example {example.id!r} is not a task of environment {self.name!r}")
+        os.environ[API_KEY_VAR] = endpoint.api_key  # verifiers reads it when it calls the endpoint, never stores it
         client = vf.EvalClientConfig(base_url=endpoint.base_url, api_key_var=API_KEY_VAR)
         ctx = vf.ModelContext(model=endpoint.model, client=client)
         # Each rollout holds its own serving resources (interception server, shared tool servers): the rollouts
