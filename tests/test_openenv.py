@@ -263,6 +263,25 @@ def test_a_training_run_steps_the_server_and_stops_it(tmp_path, monkeypatch, cap
     assert (out / "metrics.jsonl").read_text() == metrics and _servers_of(os.getpid()) == before
 
 
+def test_a_server_that_exits_mid_run_stops_the_run_in_one_line_with_its_resume_command(tmp_path, monkeypatch, capsys):
+    """The server process dies at its first episode step: the rollouts' failures are not scored as zeros for the
+    rest of the run (which then ended 'done', exit 0): the run stops with one line naming the server's exit and
+    how to resume, and no server is left."""
+    (tmp_path / "dying_game.py").write_text(
+        "import os\nfrom openenv_envs import GuessEnvironment\n\n\n"
+        "class DyingEnvironment(GuessEnvironment):\n"
+        "    def step(self, action, timeout_s=None, **kwargs):\n"
+        "        os._exit(3)\n"
+    )
+    monkeypatch.syspath_prepend(tmp_path)
+    out, before = tmp_path / "run", _servers_of(os.getpid())
+    assert main(_train_args(chatml_model_dir(tmp_path), out, app="dying_game:DyingEnvironment")) == 2
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
+    assert "the OpenEnv server of dying_game:DyingEnvironment" in line and "exited with code 3 mid-run" in line
+    assert f"grpolab train --resume {out}" in line
+    assert _servers_of(os.getpid()) == before
+
+
 def test_a_run_whose_server_fails_to_start_is_one_error_and_leaves_nothing(tmp_path, capsys):
     out, before = tmp_path / "run", _servers_of(os.getpid())
     code = main(_train_args(chatml_model_dir(tmp_path), out, app="openenv_envs:NotAnEnvironment"))

@@ -5,7 +5,9 @@ generating through its own trajectory of a ``PolicyEndpoint`` over the wrapped e
 most ``environment.max_concurrency`` at once, each within ``environment.timeout_s``), and returns each as the
 ``Completion`` the endpoint recorded, with the environment's grade in ``Completion.grade``. A rollout that
 raised or timed out scores 0 with the term ``environment`` failed; one that never called the model trains
-nothing (its one token has policy mask 0). A prompt of no example (e.g. the sync check's probes) is generated
+nothing (its one token has policy mask 0). When rollouts failed because the environment itself is gone
+(``Environment.check_alive``: its server exited), the call raises ``EngineDied``: the run stops in one line with
+its resume command. A prompt of no example (e.g. the sync check's probes) is generated
 by the wrapped engine as it is.
 """
 
@@ -18,9 +20,10 @@ from typing import Any
 from grpolab.models.weights import PolicyWeights
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
 from grpolab.rollout.endpoint import PolicyEndpoint, Trajectory
+from grpolab.rollout.engine_process import EngineDied
 from grpolab.rollout.multiturn import MultiTurnEngine
 from grpolab.tasks.base import Example, Grade, Task
-from grpolab.tasks.environment import ENVIRONMENT_TERM, Endpoint, Environment
+from grpolab.tasks.environment import ENVIRONMENT_TERM, Endpoint, Environment, EnvironmentDied
 
 logger = logging.getLogger(__name__)
 __all__ = ["EnvironmentEngine", "task_engine"]
@@ -80,6 +83,11 @@ class EnvironmentEngine:
         first = params.prompt_index(0) * n
         with self.endpoint.serving(params, count, params.max_new_tokens, first) as trajectories:
             grades = asyncio.run(self._rollouts([e for e in examples for _ in range(n)], params.max_new_tokens))
+            if any(ENVIRONMENT_TERM in g.failed for g in grades):
+                try:
+                    self.environment.check_alive()
+                except EnvironmentDied as died:  # no later rollout can succeed: the run stops, resumably
+                    raise EngineDied(str(died)) from None
             flat = [
                 self._completion(t, p, g)
                 for t, p, g in zip(trajectories, [p for p in prompts for _ in range(n)], grades)

@@ -58,6 +58,10 @@ def import_extra(module: str, task_name: str, error: type[ValueError] = ValueErr
         raise error(f"task.name '{task_name}' needs {module.split('.')[0]} ({err}): {ENVS_EXTRA}") from None
 
 
+class EnvironmentDied(RuntimeError):
+    """What an environment's rollouts need is gone (its server exited): no later rollout can succeed."""
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """Where one trajectory generates: an OpenAI-compatible server on the loopback address.
@@ -111,6 +115,11 @@ class Environment(ABC):
 
     def close(self) -> None:
         """Stops what ``start`` started; may be called more than once."""
+
+    def check_alive(self) -> None:
+        """Raises ``EnvironmentDied`` when what ``start`` started is gone (a server process that exited): called when
+        rollouts failed, so that a dead environment stops the run instead of failing every later rollout. Default:
+        nothing to check."""
 
     @abstractmethod
     async def rollout(self, example: Example, endpoint: Endpoint) -> Grade:

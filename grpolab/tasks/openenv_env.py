@@ -40,8 +40,8 @@ from pydantic import Field, field_validator, model_validator
 
 from grpolab.tasks.base import Example, Grade, TaskSettings
 from grpolab.tasks.datasets import canonical_json, file_sha256, text_sha256
-from grpolab.tasks.environment import Endpoint, Environment, EnvironmentTask, installed_version
-from grpolab.tasks.openenv_process import ServerProcess
+from grpolab.tasks.environment import Endpoint, Environment, EnvironmentDied, EnvironmentTask, installed_version
+from grpolab.tasks.openenv_process import ServerProcess, log_tail
 from grpolab.tasks.prompts import fill_template, template_fields
 from grpolab.tasks.sandbox import IMPORT_PATH
 
@@ -118,6 +118,16 @@ class OpenEnvEnvironment(Environment):
 
     def close(self) -> None:
         self.server.stop()
+
+    def check_alive(self) -> None:
+        """``EnvironmentDied`` once the server started has exited (every later episode would fail to connect)."""
+        if self.server.process is not None and not self.server.running:
+            code = self.server.process.returncode
+            last = (log_tail(self.server.folder / "server.log", 1) if self.server.folder else []) or ["(no output)"]
+            raise EnvironmentDied(
+                f"the OpenEnv server of {self.cfg.app} (pid {self.server.pid}) exited with code {code} mid-run; "
+                f"its log's last line: {last[-1]}"
+            )
 
     def _action_field(self, schema: dict[str, Any]) -> str | None:
         """The action field a text reply fills: ``action_field``, or the action's one required field."""
