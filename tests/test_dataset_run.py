@@ -236,30 +236,22 @@ def test_the_step_line_says_when_rewards_failed():
     assert "failures" not in vital_signs({**record, "reward/faulty_failed": 0}, 10, 7.0)
 
 
+def sums_config(tmp_path, model_dir, rewards: list[dict], **overrides):
+    """conftest's quick run on a dataset task of the 81 one-digit sums in a JSONL file (8 held out), r1_zero
+    prompts, with ``rewards`` and ``overrides``."""
+    rows = [{"problem": f"{a}+{b}", "result": a + b} for a in range(1, 10) for b in range(1, 10)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    quick = {k: v for k, v in quick_settings(model_dir, tmp_path / "run").items() if not k.startswith("task.")}
+    task = {"name": "dataset", "train": str(tmp_path / "train.jsonl"), "validation_size": 8}
+    task |= {"question_field": "problem", "answer_field": "result", "prompt.format": "r1_zero", "rewards": rewards}
+    return load_config(None, {**quick, **{f"task.{k}": v for k, v in task.items()}, **overrides})
+
+
 def test_gdpo_trains_a_dataset_task_on_its_named_reward_terms(tmp_path, warm_model_dir):
     """A real rollout of a dataset task with two weighted terms and overlong shaping: the learner's advantages are
     the reference's on the grades' own components (the config's term names are the grades')."""
-    rows = [{"problem": f"{a}+{b}", "result": a + b} for a in range(1, 10) for b in range(1, 10)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    quick = {k: v for k, v in quick_settings(warm_model_dir, tmp_path / "run").items() if not k.startswith("task.")}
-    cfg = load_config(
-        None,
-        {
-            **quick,
-            "algo": "gdpo",
-            "task.name": "dataset",
-            "task.train": str(tmp_path / "train.jsonl"),
-            "task.validation_size": 8,
-            "task.question_field": "problem",
-            "task.answer_field": "result",
-            "task.prompt.format": "r1_zero",
-            "task.rewards": [
-                {"function": "numeric", "name": "correct"},
-                {"function": "reward_fns:brevity", "weight": 0.1},
-            ],
-            "reward.overlong_buffer": 8,
-        },
-    )
+    rewards = [{"function": "numeric", "name": "correct"}, {"function": "reward_fns:brevity", "weight": 0.1}]
+    cfg = sums_config(tmp_path, warm_model_dir, rewards, algo="gdpo", **{"reward.overlong_buffer": 8})
     assert cfg.reward_weights() == {"correct": 1.0, "brevity": 0.1, "overlong_penalty": 1.0}
     trainer = Trainer(cfg)
     try:

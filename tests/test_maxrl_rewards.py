@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import quick_settings
+from test_dataset_run import sums_config
 
 from grpolab.commands.cli import main
 from grpolab.config import ConfigError, load_config
@@ -132,26 +132,8 @@ def test_bnpo_still_needs_zero_one_rewards(rewards, named):
 def test_maxrl_trains_on_partial_credit_rewards(tmp_path, warm_model_dir):
     """A real rollout of a dataset task with a 0.5 format credit: the learner's advantages are the float64
     reference's on the actual rewards, some of them partial, and an update runs."""
-    rows = [{"problem": f"{a}+{b}", "result": a + b} for a in range(1, 10) for b in range(1, 10)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    quick = {k: v for k, v in quick_settings(warm_model_dir, tmp_path / "run").items() if not k.startswith("task.")}
-    cfg = load_config(
-        None,
-        {
-            **quick,
-            "algo": "maxrl",
-            "task.name": "dataset",
-            "task.train": str(tmp_path / "train.jsonl"),
-            "task.validation_size": 8,
-            "task.question_field": "problem",
-            "task.answer_field": "result",
-            "task.prompt.format": "r1_zero",
-            "task.rewards": [
-                {"function": "numeric", "name": "correct"},
-                {"function": "reward_fns:format_credit", "name": "format"},
-            ],
-        },
-    )
+    rewards = [{"function": "numeric", "name": "correct"}, {"function": "reward_fns:format_credit", "name": "format"}]
+    cfg = sums_config(tmp_path, warm_model_dir, rewards, algo="maxrl")
     trainer = Trainer(cfg)
     try:
         rollout = trainer.parts.collector.collect(1)
