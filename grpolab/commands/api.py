@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grpolab.config import ALIASES, ConfigError, RunConfig, apply_override, load_run_config, validate_config
+from grpolab.config import (
+    ALIASES,
+    ConfigError,
+    RunConfig,
+    apply_override,
+    load_run_config,
+    read_config_file,
+    validate_config,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -202,8 +210,6 @@ def _config_data(config: str | Path | Mapping[str, Any] | RunConfig | None) -> d
         return config.model_dump(mode="json")
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
-    from grpolab.config import read_config_file
-
     return read_config_file(Path(config))
 
 
