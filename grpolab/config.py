@@ -202,6 +202,15 @@ class RolloutConfig(_Section):
         description="one log line when a step's sync margin (its "
         "|diff| over the stop limit, logged as sync/margin) passes this; 1 = never",
     )
+    max_failure_rate: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="stop the run (resumably, one line naming the kind and the first error) when more than this "
+        "fraction of a step's samples failed (a rollout, environment, endpoint call or reward function; a failed "
+        "sample never trains). 0.5 sits well above the 5-15% of failed episodes open-instruct reports as normal "
+        "and stops a run whose failures are systematic (a broken reward function fails every sample); 1 = never",
+    )
 
     @model_validator(mode="after")
     def _untruncated_sampling(self) -> RolloutConfig:

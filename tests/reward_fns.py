@@ -64,3 +64,18 @@ def echo(*args, **kwargs):
 def format_credit(completion: str, answer: str, extracted: str | None) -> float:
     """Partial credit: 0.5 for a completion whose answer could be extracted (a right format), else 0."""
     return 0.5 if extracted is not None else 0.0
+
+
+def flaky(completion: str, answer: str, extracted: str | None) -> float:
+    """1.0 when the extracted answer is the gold, but raises on about one completion in five (chosen by its text's
+    hash, so a completion always fails or never): a grader service that drops some calls."""
+    import hashlib
+
+    if int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 5 == 0:
+        raise ConnectionError("the grader service dropped the call")
+    return float(extracted == answer)
+
+
+def always_fails(completion: str, answer: str) -> float:
+    """Raises on every call (a grader whose service is gone)."""
+    raise ConnectionError("the grader service is unreachable")

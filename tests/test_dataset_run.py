@@ -57,6 +57,7 @@ overlong_buffer = 8
 prompts_per_step = 4
 group_size = 8
 max_new_tokens = 40
+max_failure_rate = 1.0
 
 [optim]
 micro_batch_size = 16
@@ -96,9 +97,12 @@ def test_rl_run_from_toml_on_a_jsonl_with_user_reward_functions(tmp_path, warm_m
     stream = PromptStream(task.train_examples(), cfg.seed)
     for record in steps:
         drawn = stream.take(4)  # the run's prompts, replayed: faulty fails on ids ending in 0-5
-        assert record["reward/faulty_failed"] == 8 * sum(e.id[-1] in "012345" for e in drawn)
+        failing = 8 * sum(e.id[-1] in "012345" for e in drawn)
+        assert record["reward/faulty_failed"] == record["rollout/failed/reward"] == record["rollout/failed"] == failing
         assert record["reward/correct_failed"] == record["reward/brevity_failed"] == 0
-        assert record["accuracy"] == record["reward/correct"]  # the first reward is the correctness
+        assert 0 < failing < 32  # the steps below have samples that failed and samples that did not
+        # over the samples that did not fail: the first reward is the correctness
+        assert record["accuracy"] == record["reward/correct"]
         shaped = record["reward/correct"] + 0.1 * record["reward/brevity"] + record["reward/overlong_penalty"]
         assert abs(record["reward_mean"] - shaped) < 1e-6  # reward_mean is a float32 mean
         assert -1.0 <= record["reward/overlong_penalty"] <= 0.0
@@ -137,11 +141,14 @@ def test_a_task_class_whose_grader_raises_does_not_end_the_run(tmp_path, warm_mo
             "24",
             "--optim.micro_batch_size",
             "8",
+            "--rollout.max_failure_rate",
+            "1",
         ]
     )
     assert code == 0
     step = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line][0]
     assert step["reward/grade_failed"] >= 1  # completions with '</answer>' made the user's grader raise
+    assert step["rollout/failed/reward"] == step["reward/grade_failed"]  # failed samples, not zeros
     assert json.loads((out / "config.json").read_text())["task"] == {
         "name": "custom_task:CountdownTask",
         "n": 16,
@@ -220,7 +227,7 @@ def test_the_built_in_task_and_the_same_rows_as_a_dataset_task_train_identically
     assert items(tmp_path / "a") == items(tmp_path / "b")
 
 
-def test_the_step_line_says_when_rewards_failed():
+def test_the_step_line_says_when_samples_failed():
     from grpolab.run.step import vital_signs
 
     record = {
@@ -229,11 +236,13 @@ def test_the_step_line_says_when_rewards_failed():
         "accuracy": 0.5,
         "advantage_std": 1.0,
         "time/step": 1.0,
-        "reward/correct_failed": 0,
-        "reward/faulty_failed": 12,
+        "rollout/failed": 13,
+        "rollout/failed/reward": 12,
+        "rollout/failed/timeout": 1,
+        "rollout/failed/endpoint": 0,
     }
-    assert "reward failures 12  1.0 s/step" in vital_signs(record, 10, 7.0)
-    assert "failures" not in vital_signs({**record, "reward/faulty_failed": 0}, 10, 7.0)
+    assert "failed 13 (reward 12, timeout 1)  1.0 s/step" in vital_signs(record, 10, 7.0)
+    assert "failed" not in vital_signs({**record, "rollout/failed": 0}, 10, 7.0)
 
 
 def sums_config(tmp_path, model_dir, rewards: list[dict], **overrides):

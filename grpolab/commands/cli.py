@@ -433,9 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(err, (OSError, ValueError)):  # a refused setting imports no torch to say so
             from grpolab.objectives.losses import NonFiniteError  # here, so that report and compare never load torch
             from grpolab.rollout.engine_process import EngineDied
+            from grpolab.rollout.failures import TooManyFailures
             from grpolab.rollout.sync_check import WeightSyncError
 
-            if not isinstance(err, (NonFiniteError, WeightSyncError, EngineDied)):
+            if not isinstance(err, (NonFiniteError, WeightSyncError, EngineDied, TooManyFailures)):
                 raise
         for line in (os_error_line(err) if isinstance(err, OSError) else str(err)).splitlines():
             console.print(f"[red]error:[/red] {escape(line)}", highlight=False, soft_wrap=True)

@@ -150,7 +150,7 @@ def refuse_negative_rewards(rollout: RolloutBatch) -> None:
     a user function, task class or environment shows its values only here)."""
     for example, grades in zip(rollout.examples, rollout.grades):
         for j, grade in enumerate(grades):
-            if grade.reward < 0:
+            if grade.ok and grade.reward < 0:
                 terms = ", ".join(f"{n} {v:g}" for n, v in grade.components) or f"answer_reward {grade.answer_reward:g}"
                 raise ValueError(
                     f"normalizer 'mean' (MaxRL) needs RL rewards >= 0: example {example.id} "
@@ -253,6 +253,9 @@ class PolicyLearner:
         rewards, advantages, part = self.global_advantages(rollout)
         mine = [c for group in part.of(rollout.completions) for c in group]
         batch = collate(mine, self.pad_token_id).to(self.device)
+        valid = rollout.valid()
+        if not bool(valid.all()):  # a failed sample trains no token and counts in no denominator
+            batch.response_mask[~part.of(valid).flatten().to(self.device)] = 0
         forward, routing = self.forward(batch), self.routing(batch, mine)
         old = self.old_logprobs(forward, routing)
         # a stale batch was sampled by an older policy: its difference is the policy's drift, not the sync's
@@ -275,7 +278,7 @@ class PolicyLearner:
         self.updates["attempted"] += result.attempted
         self.updates["actual"] += result.actual
         return {
-            **advantage_metrics(rewards, advantages),
+            **advantage_metrics(rewards, advantages, valid),
             **result.metrics(),
             **sync.metrics,
             **self.lockstep.sum_counts(batch.token_counts()),
@@ -292,9 +295,10 @@ class PolicyLearner:
         """(rewards, advantages) [B, G] of every group of ``rollout``."""
         if self.spec.normalizer == "mean":
             refuse_negative_rewards(rollout)
-        rewards = rollout.rewards()
+        rewards, valid = rollout.rewards(), rollout.valid()
+        valid = None if bool(valid.all()) else valid  # a failed sample takes no part (its advantage is 0)
         if self.spec.multi_objective_aggregation == "sum_then_normalize":
-            advantages = batch_advantages(self.spec, rewards)
+            advantages = batch_advantages(self.spec, rewards, valid=valid)
         else:
             weights = self.cfg.reward_weights()  # GDPO: each term apart (the config refused unknown weights)
             if weights is None:
@@ -302,9 +306,9 @@ class PolicyLearner:
                     f"algorithm {self.spec.name} needs the reward terms' weights; the task does not say them"
                 )
             terms = rollout.reward_terms(list(weights))
-            advantages = batch_advantages(self.spec, rewards, terms, torch.tensor(list(weights.values())))
+            advantages = batch_advantages(self.spec, rewards, terms, torch.tensor(list(weights.values())), valid)
         if self.spec.valid_rescale:  # GPG's alpha over the whole rollout batch (every rank's groups)
-            advantages = advantages * valid_sample_scale(rewards)
+            advantages = advantages * valid_sample_scale(rewards, valid)
         return rewards, advantages
 
     def old_logprobs(self, forward: BatchForward, routing: DenseRouting) -> torch.Tensor | None:

@@ -18,12 +18,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpolab.objectives.advantages import group_advantages
+from grpolab.objectives.advantages import group_advantages, min_valid_samples
 from grpolab.objectives.algorithms import AlgorithmSpec
 
 
-def decoupled_advantages(terms: Tensor, weights: Tensor, baseline: str, normalizer: str, eps: float) -> Tensor:
-    """GDPO's advantages. ``terms``: [B, G, K] unweighted reward terms, ``weights``: [K]. Returns [B, G] in the
+def decoupled_advantages(
+    terms: Tensor, weights: Tensor, baseline: str, normalizer: str, eps: float, valid: Tensor | None = None
+) -> Tensor:
+    """GDPO's advantages. ``terms``: [B, G, K] unweighted reward terms, ``weights``: [K], ``valid``: [B, G] bool
+    (None: all; ``grpolab.objectives.advantages``: a failed sample takes no part and gets 0). Returns [B, G] in the
     terms' dtype.
 
     Each term is a group advantage of its own (``group_advantages`` with ``baseline`` and ``normalizer``: a
@@ -37,22 +40,32 @@ def decoupled_advantages(terms: Tensor, weights: Tensor, baseline: str, normaliz
     if terms.numel() // terms.shape[2] < 2:
         raise ValueError("decoupled advantages need a batch of at least 2 samples")
     per_term = torch.stack(
-        [group_advantages(terms[:, :, k], baseline, normalizer, eps) for k in range(terms.shape[2])], dim=2
+        [group_advantages(terms[:, :, k], baseline, normalizer, eps, valid) for k in range(terms.shape[2])], dim=2
     )
     summed = (per_term * weights.to(terms.dtype)).sum(dim=2)  # [B, G]
-    whitened = (summed - summed.mean()) / (summed.std(unbiased=True) + eps)
     silent = (summed == 0).all(dim=1, keepdim=True)
-    return torch.where(silent, torch.zeros_like(whitened), whitened)
+    if valid is None:
+        whitened = (summed - summed.mean()) / (summed.std(unbiased=True) + eps)
+        return torch.where(silent, torch.zeros_like(whitened), whitened)
+    used = valid & (valid.sum(dim=1, keepdim=True) >= min_valid_samples(baseline, normalizer))
+    if int(used.sum()) < 2:  # no two samples to whiten over: no contrast
+        return torch.zeros_like(summed)
+    whitened = (summed - summed[used].mean()) / (summed[used].std(unbiased=True) + eps)
+    return torch.where(silent | ~used, torch.zeros_like(whitened), whitened)
 
 
 def batch_advantages(
-    spec: AlgorithmSpec, rewards: Tensor, terms: Tensor | None = None, weights: Tensor | None = None
+    spec: AlgorithmSpec,
+    rewards: Tensor,
+    terms: Tensor | None = None,
+    weights: Tensor | None = None,
+    valid: Tensor | None = None,
 ) -> Tensor:
     """[B, G] advantages of a whole rollout batch as ``spec`` forms them: of the summed RL reward ``rewards``
     [B, G] (``multi_objective_aggregation`` "sum_then_normalize"), or of its terms ``terms`` [B, G, K] weighted
-    by ``weights`` [K] ("normalize_then_sum", GDPO)."""
+    by ``weights`` [K] ("normalize_then_sum", GDPO); over the ``valid`` [B, G] samples only (None: all)."""
     if spec.multi_objective_aggregation == "sum_then_normalize":
-        return group_advantages(rewards, spec.baseline, spec.normalizer, spec.adv_eps)
+        return group_advantages(rewards, spec.baseline, spec.normalizer, spec.adv_eps, valid)
     if terms is None or weights is None:
         raise ValueError("multi_objective_aggregation 'normalize_then_sum' needs the reward terms and their weights")
-    return decoupled_advantages(terms, weights, spec.baseline, spec.normalizer, spec.adv_eps)
+    return decoupled_advantages(terms, weights, spec.baseline, spec.normalizer, spec.adv_eps, valid)

@@ -84,7 +84,8 @@ def step_denominators(
 ) -> Denominators:
     """Denominators for an optimizer step over the sequences of ``response_mask`` [n, T].
 
-    Count every sequence of the step, including those later pruned for zero advantage.
+    Count every sequence of the step that has a trained token, including those later pruned for zero advantage
+    (a row with none, a failed sample's or a rollout's that never called the model, counts in no denominator).
     sequence, sequence_sum -> n; token -> total response tokens; constant -> Z (spec.loss_denominator, else
     n x max_new_tokens: independent of response lengths). Under data parallelism ``reduce`` sums the
     counts over the ranks (``grpolab.parallel.ranks``), so each rank divides by the global step's.
@@ -94,7 +95,8 @@ def step_denominators(
         if advantages is None:
             raise ValueError("filter_zero_advantages: the step's denominators need its advantages")
         response_mask = response_mask[advantages != 0]
-    counts = torch.tensor([float(response_mask.shape[0]), float(response_mask.sum().item())], dtype=torch.float64)
+    per_row = response_mask.sum(dim=1)
+    counts = torch.stack([(per_row > 0).sum().to(torch.float64), per_row.sum().to(torch.float64)]).cpu()
     if reduce is not None:
         counts = reduce(counts)
     n_seqs, n_tokens = max(int(counts[0]), 1), max(float(counts[1]), 1.0)  # a filtered step may count none

@@ -141,11 +141,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def pass_at_k_curve(n: int, correct: list[int]) -> dict[int, float]:
+def pass_at_k_curve(n: int, correct: list[int], samples: list[int] | None = None) -> dict[int, float]:
     """Mean unbiased pass@k over items (``correct``: correct samples of n per item) for k = 1, 2, 4, ...
-    up to n, n included."""
+    up to n, n included. ``samples``: each item's own sample count where some failed (None: n each); pass@k is
+    then over the items with at least k."""
+    samples = samples if samples is not None else [n] * len(correct)
     ks = sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
-    return {k: float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks}
+    curve = {}
+    for k in ks:
+        estimates = [pass_at_k(m, c, k) for m, c in zip(samples, correct) if m >= k]
+        curve[k] = float(np.mean(estimates)) if estimates else float("nan")
+    return curve
 
 
 def holm(p_values: list[float]) -> list[float]:

@@ -12,11 +12,17 @@ from torch import Tensor
 from grpolab.objectives.advantages import informative_groups
 
 
-def valid_sample_scale(rewards: Tensor) -> Tensor:
+def valid_sample_scale(rewards: Tensor, valid: Tensor | None = None) -> Tensor:
     """alpha = B / B_valid as a 0-dim tensor in the rewards' dtype, for rewards [groups, G].
 
     B_valid counts the samples of groups whose rewards are not all equal; a batch without such a group
-    gets 1 (its advantages are all 0 anyway).
+    gets 1 (its advantages are all 0 anyway). With ``valid`` [groups, G] bool (samples whose rollout and reward
+    succeeded), B counts the valid samples (the failed ones count in no denominator) and B_valid the valid
+    samples of the informative groups.
     """
-    valid = int(informative_groups(rewards).sum())
-    return torch.tensor(rewards.shape[0] / valid if valid else 1.0, dtype=rewards.dtype)
+    if valid is None:
+        informative = int(informative_groups(rewards).sum())
+        return torch.tensor(rewards.shape[0] / informative if informative else 1.0, dtype=rewards.dtype)
+    counted = int(valid.sum())
+    informative = int((valid & informative_groups(rewards, valid)[:, None]).sum())
+    return torch.tensor(counted / informative if informative else 1.0, dtype=rewards.dtype)

@@ -39,8 +39,13 @@ class RolloutBatch:
     staleness: int = 0  # versions between the policy that sampled it and the one it trains (rollout.pipeline)
 
     def rewards(self) -> torch.Tensor:
-        """[B, G] float32."""
+        """[B, G] float32 (a failed sample's is meaningless: see ``valid``)."""
         return torch.tensor([[g.reward for g in group] for group in self.grades], dtype=torch.float32)
+
+    def valid(self) -> torch.Tensor:
+        """[B, G] bool: the samples whose rollout and reward succeeded (``Grade.ok``); the others take no part in
+        the advantages or the loss."""
+        return torch.tensor([[g.ok for g in group] for group in self.grades], dtype=torch.bool)
 
     def reward_terms(self, names: list[str]) -> torch.Tensor:
         """[B, G, K] float32: each grade's unweighted component ``names[k]`` (``ANSWER_TERM``: the answer reward
@@ -65,9 +70,12 @@ class RolloutBatch:
 
 def kept_groups(grades: list[list[Grade]], on: str) -> torch.Tensor:
     """[B] bool: the groups dynamic sampling keeps. ``on`` "correct": 0 < #correct < G (the groups whose
-    correctness, ``answer_reward``, is not all equal); "reward": the groups whose RL rewards are not all equal."""
+    correctness, ``answer_reward``, is not all equal); "reward": the groups whose RL rewards are not all equal;
+    both over each group's valid samples (a failed one's reward is unknown)."""
     value = (lambda g: g.answer_reward) if on == "correct" else (lambda g: g.reward)
-    return informative_groups(torch.tensor([[value(g) for g in group] for group in grades], dtype=torch.float64))
+    values = torch.tensor([[value(g) for g in group] for group in grades], dtype=torch.float64)
+    valid = torch.tensor([[g.ok for g in group] for group in grades], dtype=torch.bool)
+    return informative_groups(values, None if bool(valid.all()) else valid)
 
 
 class RolloutCollector:

@@ -144,6 +144,7 @@ class Trajectory:
     messages: list[dict[str, Any]] = field(default_factory=list)  # the last request's
     restarts: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    error: str | None = None  # the first call of it the endpoint refused or failed: why (its rollout's failure)
 
     def used(self, prompt_ids: list[int]) -> int:
         """Tokens of the budget a prompt of this trajectory has used (all after its first turn's prompt)."""
@@ -314,8 +315,16 @@ class PolicyEndpoint:
     # ---- one request -------------------------------------------------------------------------------
     def chat(self, key: int, body: Any) -> dict[str, Any]:
         """The reply to one chat-completions request of trajectory ``key`` (RequestError: refused, nothing done)."""
-        messages, tools, asked, stop = check_request(body, self.model_name)
         trajectory = self.trajectories.get(key)
+        try:
+            return self._chat(key, trajectory, body)
+        except Exception as err:
+            if trajectory is not None and trajectory.error is None:
+                trajectory.error = f"the endpoint answered a call with {type(err).__name__}: {err}"
+            raise
+
+    def _chat(self, key: int, trajectory: Trajectory | None, body: Any) -> dict[str, Any]:
+        messages, tools, asked, stop = check_request(body, self.model_name)
         params = self.params
         if trajectory is None or params is None:
             raise RequestError(f"no open trajectory {key}", 404, code="not_found")

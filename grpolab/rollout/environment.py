@@ -4,7 +4,8 @@
 generating through its own trajectory of a ``PolicyEndpoint`` over the wrapped engine, all concurrently (at
 most ``environment.max_concurrency`` at once, each within ``environment.timeout_s``), and returns each as the
 ``Completion`` the endpoint recorded, with the environment's grade in ``Completion.grade``. A rollout that
-raised or timed out scores 0 with the term ``environment`` failed; one that never called the model trains
+raised or timed out is a failed sample (``Grade.failure``: "timeout", "endpoint" where a call of it was refused
+or failed, else "environment"), kept out of the advantages and the loss; one that never called the model trains
 nothing (its one token has policy mask 0). When rollouts failed because the environment itself is gone
 (``Environment.check_alive``: its server exited), the call raises ``EngineDied``: the run stops in one line with
 its resume command. A prompt of no example (e.g. the sync check's probes) is generated
@@ -82,8 +83,10 @@ class EnvironmentEngine:
         # trajectory j of prompt i is the global row (prompt_offset + i) * n + j, as engines seed samples
         first = params.prompt_index(0) * n
         with self.endpoint.serving(params, count, params.max_new_tokens, first) as trajectories:
-            grades = asyncio.run(self._rollouts([e for e in examples for _ in range(n)], params.max_new_tokens))
-            if any(ENVIRONMENT_TERM in g.failed for g in grades):
+            grades = asyncio.run(
+                self._rollouts([e for e in examples for _ in range(n)], params.max_new_tokens, trajectories)
+            )
+            if any(not g.ok and g.failure != "reward" for g in grades):
                 try:
                     self.environment.check_alive()
                 except EnvironmentDied as died:  # no later rollout can succeed: the run stops, resumably
@@ -94,7 +97,7 @@ class EnvironmentEngine:
             ]
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    async def _rollouts(self, examples: list[Example], budget: int) -> list[Grade]:
+    async def _rollouts(self, examples: list[Example], budget: int, trajectories: list[Trajectory]) -> list[Grade]:
         gate = asyncio.Semaphore(max(1, self.environment.max_concurrency))
         env = self.environment
 
@@ -104,16 +107,21 @@ class EnvironmentEngine:
                 try:
                     return await asyncio.wait_for(env.rollout(example, endpoint), env.timeout_s)
                 except Exception as err:  # TimeoutError included: the rollout fails, the run goes on
-                    why = f"timed out after {env.timeout_s:g} s" if isinstance(err, TimeoutError) else repr(err)
+                    if isinstance(err, TimeoutError):
+                        kind, why = "timeout", f"timed out after {env.timeout_s:g} s"
+                    elif trajectories[k].error is not None:
+                        kind, why = "endpoint", f"{trajectories[k].error} (the environment raised {err!r})"
+                    else:
+                        kind, why = "environment", repr(err)
                     logger.warning("environment %s: rollout of %s failed: %s", env.name, example.id, why)
-                    return Grade(0.0, 0.0, failed=(ENVIRONMENT_TERM,))
+                    return Grade.failed_as(kind, f"environment {env.name}: {why}", (ENVIRONMENT_TERM,))
 
         return await asyncio.gather(*(one(k, e) for k, e in enumerate(examples)))
 
     def _completion(self, trajectory: Trajectory, prompt: list[int], grade: Grade) -> Completion:
         """The trajectory's recorded completion with ``grade``. A rollout that failed (a call of it may still be in
         flight) or never called the model trains nothing: one token, policy mask 0."""
-        failed = ENVIRONMENT_TERM in grade.failed
+        failed = not grade.ok and grade.failure != "reward"  # the rollout itself failed
         completion = None if failed else trajectory.completion(self.tokenizer)
         if completion is None:
             filler = self.eos_token_ids[:1] or [self.tokenizer.eos_token_id]

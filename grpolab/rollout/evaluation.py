@@ -1,5 +1,9 @@
 """Validation: greedy accuracy, format rate, length, sampled pass@k (unbiased estimator), and one
-record per item so that two runs on the same frozen items can be compared item by item."""
+record per item so that two runs on the same frozen items can be compared item by item.
+
+An item whose rollout or reward failed (``Grade.ok`` False) has an unknown outcome, not a wrong one: its record
+says ``failed`` (the kind) and ``error``, the accuracy and format rate are over the items that did not fail, and
+``val/failed`` (``val/failed/<kind>``) counts the others; the report leaves them out of the pairing."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from typing import Any
 from grpolab.objectives.stats import pass_at_k
 from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
+from grpolab.rollout.failures import failure_counts
 from grpolab.rollout.multiturn import tool_metrics
 from grpolab.rollout.reward_models import RewardModels
 from grpolab.tasks.base import Example, Grade, Task, grade_safely
@@ -56,6 +61,7 @@ def item_record(task: Task, example: Example, completion: Completion, grade: Gra
         "length": len(completion.completion_ids),
         "truncated": completion.truncated,
         **({"rewards": dict(grade.components)} if grade.components else {}),
+        **({"failed": grade.failure, "error": grade.error} if not grade.ok else {}),
         **(
             {"turns": completion.turns, "tool_calls": completion.tool_calls}
             if completion.turns > 1 or completion.tool_calls
@@ -98,7 +104,7 @@ def evaluate(
     score the greedy completions: their raw scores in the records and ``val/reward_model/...`` metrics.
 
     Returns (metrics, one ``item_record`` per example, with ``pass_n`` / ``pass_correct``: the sampled
-    count and how many were correct, when ``pass_k`` is set).
+    count (less its failed samples) and how many were correct, when ``pass_k`` is set).
     """
     step = chunk or max(1, len(prompt_ids))
     share = ranks.share_chunks(len(prompt_ids), step)
@@ -110,24 +116,29 @@ def evaluate(
         if on_items is not None and part:
             on_items(len(part))
     grades = [g[0] for g in grade_completions(task, examples[share.start : share.stop], completions, reward_models)]
-    correct = [None] * len(completions)
+    correct = [None] * len(completions)  # per item: (samples that did not fail, correct ones) when pass_k
     if pass_k:
         sampled = engine.generate(
             prompt_ids[share.start : share.stop], pass_n, replace(sampling, seed=seed, prompt_offset=share.start)
         )
         correct = [
-            sum(g.answer_reward > 0 for g in group)
+            (sum(g.ok for g in group), sum(g.ok and g.answer_reward > 0 for g in group))
             for group in grade_completions(task, examples[share.start : share.stop], sampled)
         ]
     if ranks.parallel:
         completions, grades, correct = map(list, zip(*ranks.concat(list(zip(completions, grades, correct)))))
     records = [item_record(task, ex, c[0], g) for ex, c, g in zip(examples, completions, grades)]
+    valid = [g for g in grades if g.ok] or [Grade(float("nan"), float("nan"))]  # every item failed: unknown
     out = {
-        "val/accuracy": mean(g.answer_reward for g in grades),
-        "val/format_rate": mean(g.format_reward for g in grades),
+        "val/accuracy": mean(g.answer_reward for g in valid),
+        "val/format_rate": mean(g.format_reward for g in valid),
         "val/completion_len_mean": mean(len(c[0].completion_ids) for c in completions),
         "val/truncation_rate": mean(c[0].truncated for c in completions),
     }
+    failed = failure_counts(grades)
+    if failed:
+        out["val/failed"] = sum(failed.values())
+        out.update({f"val/failed/{kind}": n for kind, n in failed.items()})
     if reward_models is not None:
         out.update(reward_models.metrics(grades, prefix="val/"))
     if measure is not None:
@@ -135,8 +146,9 @@ def evaluate(
     if task.toolset is not None:
         out.update(tool_metrics([c[0] for c in completions], [g.answer_reward > 0 for g in grades], prefix="val/tool/"))
     if pass_k:
-        for k in pass_k:
-            out[f"val/pass@{k}"] = mean(pass_at_k(pass_n, c, k) for c in correct)
-        for record, c in zip(records, correct):
-            record.update(pass_n=pass_n, pass_correct=c)
+        for k in pass_k:  # over the items with at least k samples that did not fail (NaN: none)
+            estimates = [pass_at_k(n, c, k) for n, c in correct if n >= k]
+            out[f"val/pass@{k}"] = mean(estimates) if estimates else float("nan")
+        for record, (n, c) in zip(records, correct):
+            record.update(pass_n=n, pass_correct=c)
     return out, records

@@ -9,6 +9,7 @@ from typing import Any
 
 from grpolab.common.progress import format_seconds
 from grpolab.rollout.collect import RolloutBatch
+from grpolab.rollout.failures import FAILED, check_failure_rate, failure_metrics
 from grpolab.rollout.multiturn import tool_metrics
 from grpolab.rollout.pipeline import staleness_metrics
 from grpolab.run.parts import RunParts
@@ -28,6 +29,8 @@ def rl_step(
     t0 = time.perf_counter()
     status("generate")
     rollout = parts.rollouts.batch(step)  # 1. rollout + 2. reward (generated now, or ahead when async)
+    grades = [g for group in rollout.grades for g in group]
+    check_failure_rate(grades, parts.cfg.rollout.max_failure_rate, step)  # before the update: resumable
     t1 = time.perf_counter()
     status("update")
     metrics = parts.learner.learn(rollout)  # 3. group advantages + 4. policy update
@@ -38,13 +41,13 @@ def rl_step(
     parts.rollouts.publish(parts.sync_source(), step)  # 5. sync the new weights to the engine
     t3 = time.perf_counter()
     flat = rollout.flat()
-    grades = [g for group in rollout.grades for g in group]
+    valid = [g for g in grades if g.ok]  # a failed sample's rewards are unknown
     tokens = sum(len(c.completion_ids) for c in flat)
     record = {
         "step": step,
         **metrics,
-        "accuracy": mean(g.answer_reward for g in grades),
-        "format_rate": mean(g.format_reward for g in grades),
+        "accuracy": mean(g.answer_reward for g in valid) if valid else float("nan"),
+        "format_rate": mean(g.format_reward for g in valid) if valid else float("nan"),
         "response_tokens": tokens,
         "completion_len_mean": tokens / len(flat),
         "truncation_rate": mean(c.truncated for c in flat),
@@ -58,6 +61,7 @@ def rl_step(
         "time/step": t3 - t0,
         "tokens_per_s": tokens / rollout.seconds["generate"],
         **reward_components(grades),
+        **failure_metrics(grades),
     }
     if parts.rollouts.max_staleness:  # async: how stale the batch was, and how long the learner waited for it
         record.update(staleness_metrics(rollout, step, parts.rollouts.max_staleness))
@@ -72,8 +76,9 @@ def rl_step(
 def completion_rows(parts: RunParts, rollout: RolloutBatch, limit: int) -> tuple[list[str], list[list[Any]]]:
     """(columns, rows): a table of the step's sampled completions for the trackers, one row per completion of
     its first prompt groups (whole groups, at most ``limit`` rows but at least one group): the group, prompt,
-    completion, RL reward and advantage, answer and format rewards, each reward term, length, truncation, and the
-    policy version that sampled it."""
+    completion, RL reward and advantage, answer and format rewards, each reward term, length, truncation, the
+    policy version that sampled it, and its failure kind (empty when it did not fail: then its rewards are
+    unknown, and its advantage 0)."""
     _, advantages = parts.learner.advantages(rollout)  # [B, G]: what the update used (recomputed, exact)
     group_size = max(len(group) for group in rollout.completions)
     groups = max(1, limit // group_size)
@@ -81,7 +86,7 @@ def completion_rows(parts: RunParts, rollout: RolloutBatch, limit: int) -> tuple
         dict.fromkeys(name for group in rollout.grades[:groups] for grade in group for name, _ in grade.components)
     )
     columns = ["group", "prompt", "completion", "reward", "advantage", "answer_reward", "format_reward"]
-    columns += [f"reward/{name}" for name in terms] + ["length", "truncated", "policy_version"]
+    columns += [f"reward/{name}" for name in terms] + ["length", "truncated", "policy_version", "failed"]
     rows = []
     for i, (example, completions, grades) in enumerate(
         zip(rollout.examples[:groups], rollout.completions[:groups], rollout.grades[:groups])
@@ -93,17 +98,19 @@ def completion_rows(parts: RunParts, rollout: RolloutBatch, limit: int) -> tuple
                 [i, prompt, completion.text, grade.reward, float(advantages[i, j]), grade.answer_reward]
                 + [grade.format_reward, *(values.get(name) for name in terms)]
                 + [len(completion.completion_ids), completion.truncated, completion.policy_version]
+                + [grade.failure or ""]
             )
     return columns, rows
 
 
 def reward_components(grades: list[Grade]) -> dict[str, float]:
     """``reward/<name>``: the mean unweighted value of each named reward term (a task's reward functions,
-    length shaping), and ``reward/<name>_failed``: how many samples that term failed on (scored 0)."""
+    length shaping) over the samples that did not fail, and ``reward/<name>_failed``: how many samples that term
+    failed on."""
     values: dict[str, list[float]] = {}
     failed: dict[str, int] = {}
     for grade in grades:
-        for name, value in grade.components:
+        for name, value in grade.components if grade.ok else ():
             values.setdefault(name, []).append(value)
         for name in grade.failed:
             failed[name] = failed.get(name, 0) + 1
@@ -151,7 +158,7 @@ def vital_signs(record: dict[str, Any], steps: int, seconds_left: float) -> str:
         )
     if "tool/call_rate" in record:
         parts.insert(-3, f"tool calls {record['tool/call_rate']:.2f} (errors {record['tool/errors']})")
-    failed = sum(v for k, v in record.items() if k.startswith("reward/") and k.endswith("_failed"))
-    if failed:
-        parts.insert(-2, f"reward failures {failed}")
+    if record.get(FAILED):
+        kinds = ", ".join(f"{k.rsplit('/', 1)[1]} {v}" for k, v in record.items() if k.startswith(f"{FAILED}/") and v)
+        parts.insert(-2, f"failed {record[FAILED]} ({kinds})")
     return "  ".join(parts)

@@ -31,6 +31,7 @@ from grpolab.parallel.ranks import end_process_group
 from grpolab.rollout.engine_process import EngineDied
 from grpolab.rollout.engines import capabilities, dtype_name, engine_record
 from grpolab.rollout.evaluation import evaluate
+from grpolab.rollout.failures import TooManyFailures, failure_totals
 from grpolab.run.checkpoints import prune, remove_temp_folders, save_checkpoint, set_aside
 from grpolab.run.disk import CheckpointPlan, checkpoint_plan
 from grpolab.run.health import HealthMonitor, HealthSettings, RunWarning
@@ -289,7 +290,7 @@ class Trainer:
             if (warning := plan.warning()) is not None:
                 self.reporter.warning(warning)
         evals = {r["step"]: r for r in self.records if "val/accuracy" in r} if first > 1 else {0: self.evaluate(0)}
-        rewards = [r["reward_mean"] for r in self.records if "reward_mean" in r]
+        records = [r for r in self.records if "reward_mean" in r]  # the step records
         log_every = cfg.log_every or (1 if self.reporter.plain else None)
         with self.reporter.phase("train", total=cfg.steps, unit="steps", done_note=False, done=first - 1) as bar:
             # an engine whose processes share the terminal's process group dies of the same Ctrl-C, so a
@@ -300,7 +301,7 @@ class Trainer:
                 record = self.train_step(step, bar.set_status)
                 self.parts.state.step = step
                 stopping = self.ranks.any(stop.requested)
-                rewards.append(record["reward_mean"])
+                records.append(record)
                 if log_every and (step % log_every == 0 or step == cfg.steps):
                     left = bar.elapsed() / (step - first + 1) * (cfg.steps - step)
                     self.reporter.line(vital_signs(record, cfg.steps, left))
@@ -325,7 +326,7 @@ class Trainer:
         self.finished = True
         self.warn(self.health.finish())
         seconds = self.journal.total_seconds() if self.journal is not None else time.perf_counter() - started
-        return self._summarize(evals, rewards, seconds)
+        return self._summarize(evals, [r["reward_mean"] for r in records], seconds, failure_totals(records))
 
     def checkpoint_plan(self, first: int) -> CheckpointPlan:
         """The checkpoints of this session from step ``first``: each one's weights as saved (the model's
@@ -383,7 +384,9 @@ class Trainer:
                 self.log.table(step, "completions", columns, rows)
         return record
 
-    def _summarize(self, evals: dict[int, dict[str, float]], rewards: list[float], seconds: float) -> dict[str, Any]:
+    def _summarize(
+        self, evals: dict[int, dict[str, float]], rewards: list[float], seconds: float, failures: dict[str, int]
+    ) -> dict[str, Any]:
         first, last = evals[0], evals[max(evals)]
         window = max(1, len(rewards) // 10)  # the mean of the first and of the last 10% of steps
         summary = {
@@ -402,6 +405,7 @@ class Trainer:
             "sessions": self.journal.session_number if self.journal is not None else 1,
             "final_checkpoint": str(self.run_dir / "checkpoints" / f"step_{self.cfg.steps:06d}"),
             "warnings": [w.record() for w in self.health.warnings],
+            "failed_samples": failures,  # by kind: samples whose rollout or reward failed (none trained)
         }
         if self.ranks.is_main:
             write_json(self.run_dir / "summary.json", summary)
@@ -427,6 +431,13 @@ class Trainer:
                 f"{len(self.health.warnings)} warning(s) above: "
                 + ", ".join(f"{w.key} (step {w.step})" for w in self.health.warnings)
                 + " (also in summary.json and grpolab report)"
+            )
+        if failures:
+            total = sum(failures.values())
+            self.reporter.line(
+                f"{total} sample(s) failed and trained nothing: "
+                + ", ".join(f"{kind} {n}" for kind, n in failures.items())
+                + " (rollout/failed/<kind> in metrics.jsonl; failed_samples in summary.json)"
             )
         self.reporter.line(
             f"done in {format_seconds(seconds)}. Run directory {self.run_dir}: summary.json, "
@@ -460,8 +471,8 @@ def train(
         trainer = Trainer(cfg, console, resume)
         try:
             return trainer.run(stop)
-        except EngineDied as died:  # one line, and where the run continues from
-            raise EngineDied(
+        except (EngineDied, TooManyFailures) as died:  # one line, and where the run continues from
+            raise type(died)(
                 f"{died}; the run stopped after step {trainer.parts.state.step}: continue from its last "
                 f"checkpoint with: grpolab train --resume {trainer.run_dir}"
             ) from None

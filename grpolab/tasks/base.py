@@ -23,6 +23,10 @@ from grpolab.tools.protocol import Toolset
 logger = logging.getLogger(__name__)
 _reported: set[str] = set()  # tasks whose grade raised: the first traceback is logged
 ANSWER_TERM = "answer_reward"  # the RL reward's one term where a grade has no components (Grade.answer_reward)
+ENVIRONMENT_TERM = "environment"  # the failed term of an environment's rollout that raised or timed out
+# why a sample failed (``Grade.failure``): its environment's rollout raised, ran out of time, or had a call of the
+# policy endpoint fail; a reward term failed on it
+FAILURE_KINDS = ("environment", "timeout", "endpoint", "reward")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,11 @@ class Grade:
 
     Tasks with several weighted rewards, and length shaping, set ``components`` (name, unweighted
     value), ``total`` (the RL reward) and ``failed`` (names of reward functions that failed here).
+
+    A failure is a state, never a zero: a grade with a failed term, or of a rollout that failed, has ``failure``,
+    the kind (``FAILURE_KINDS``; "reward" where only ``failed`` is given, "environment" where that names
+    ``ENVIRONMENT_TERM``), and ``error``, what went wrong. Its rewards are unknown: the sample takes no part in its
+    group's advantages or the loss, and is counted (``rollout/failed/<kind>``).
     """
 
     format_reward: float
@@ -66,6 +75,25 @@ class Grade:
     components: tuple[tuple[str, float], ...] = ()
     total: float | None = None
     failed: tuple[str, ...] = ()
+    failure: str | None = None
+    error: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.failure is None and self.failed:
+            kind = "environment" if ENVIRONMENT_TERM in self.failed else "reward"
+            object.__setattr__(self, "failure", kind)
+        if self.failure is not None and self.failure not in FAILURE_KINDS:
+            raise ValueError(f"unknown failure kind {self.failure!r} (known: {', '.join(FAILURE_KINDS)})")
+
+    @classmethod
+    def failed_as(cls, kind: str, error: str, terms: tuple[str, ...] = ()) -> Grade:
+        """The grade of a sample that failed: no reward, ``kind`` and ``error`` said, ``terms`` failed."""
+        return cls(0.0, 0.0, failed=terms, failure=kind, error=error)
+
+    @property
+    def ok(self) -> bool:
+        """True when the rollout and every reward term succeeded."""
+        return self.failure is None
 
     @property
     def reward(self) -> float:
@@ -83,8 +111,8 @@ class Task(ABC):
 
     Required: ``name``, ``train_examples``, ``validation_examples``, ``prompt`` and ``grade``.
     Implementations must be deterministic: the same construction arguments give the same examples in
-    the same order, and ``grade`` is a pure function that never raises (one that raises scores 0 and
-    is counted in ``reward/grade_failed``).
+    the same order, and ``grade`` is a pure function that never raises (one that raises is a failed
+    sample, kind "reward", counted in ``reward/grade_failed``).
 
     The other members have defaults a task overrides when it has more to say:
 
@@ -146,21 +174,21 @@ class Task(ABC):
 
 
 def grade_safely(task: Task, completion: str, example: Example, truncated: bool) -> Grade:
-    """``task.grade``, or a zero grade counted as failed (``reward/grade_failed``) when it raises: a task
+    """``task.grade``, or a failed grade (kind "reward", counted in ``reward/grade_failed``) when it raises: a task
     class of the user's must not end the run. The first traceback per task is logged."""
     try:
         return task.grade(completion, example, truncated)
-    except Exception:
+    except Exception as err:
         if task.name not in _reported:
             _reported.add(task.name)
             logger.warning(
-                "task %r: grade raised on item %s (it scores 0; later failures are only counted in "
+                "task %r: grade raised on item %s (the sample is failed; later failures are only counted in "
                 "reward/grade_failed):\n%s",
                 task.name,
                 example.id,
                 traceback.format_exc(),
             )
-        return Grade(0.0, 0.0, failed=("grade",))
+        return Grade.failed_as("reward", f"grade raised {type(err).__name__}: {err}", ("grade",))
 
 
 REQUIRED_MEMBERS = ("name", "train_examples", "validation_examples", "prompt", "grade")

@@ -187,7 +187,7 @@ class DatasetTask(Task):
     def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
         extracted = extract_answer(completion, self.answer_format)
         sample = Sample(completion, example.answer, example.question, example.id, extracted, truncated, example.fields)
-        values, failed = self.rewards.score(sample)
+        values, failed, error = self.rewards.score(sample)
         return Grade(
             format_reward=float(extracted is not None and not truncated),
             answer_reward=values[self.rewards.terms[0].name],
@@ -195,6 +195,7 @@ class DatasetTask(Task):
             components=tuple(values.items()),
             total=self.rewards.total(values),
             failed=failed,
+            error=error,
         )
 
     def grade_batch(self, items: list[tuple[str, Example, bool]]) -> list[Grade]:

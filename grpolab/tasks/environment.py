@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpolab.common.extras import require
-from grpolab.tasks.base import Example, Grade, Task
+from grpolab.tasks.base import ENVIRONMENT_TERM, Example, Grade, Task
 from grpolab.tasks.datasets import text_sha256
 
 
@@ -33,7 +33,6 @@ def json_safe(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-ENVIRONMENT_TERM = "environment"  # the failed term of a rollout that raised or timed out
 ENVS_EXTRA = "pip install 'grpolab[envs]'"  # the extra that holds the environments' packages
 
 
@@ -153,4 +152,4 @@ class EnvironmentTask(Task):
     def grade(self, completion: str, example: Example, truncated: bool) -> Grade:
         """An environment grades its own rollouts (``Completion.grade``); a completion it never saw scores 0,
         counted as failed."""
-        return Grade(0.0, 0.0, failed=(ENVIRONMENT_TERM,))
+        return Grade.failed_as("environment", "the environment never graded this completion", (ENVIRONMENT_TERM,))

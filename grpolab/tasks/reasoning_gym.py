@@ -382,6 +382,7 @@ class ReasoningGymTask(Task):
             components=((CORRECT, correct), (SCORE, score)),
             total=correct + self.cfg.score_weight * score,
             failed=failed,
+            error="the generator's scorer failed (its first error is in the log)" if failed else None,
         )
 
     def grade_batch(self, items: list[tuple[str, Example, bool]]) -> list[Grade]:

@@ -229,9 +229,9 @@ class RewardSet:
         self.terms = terms
         self._lock = threading.Lock()  # samples are scored from several threads (grade_batch)
 
-    def score(self, sample: Sample) -> tuple[dict[str, float], tuple[str, ...]]:
-        """({name: unweighted value}, names of the terms that failed on this sample)."""
-        values, failed = {}, []
+    def score(self, sample: Sample) -> tuple[dict[str, float], tuple[str, ...], str | None]:
+        """({name: unweighted value}, names of the terms that failed on this sample, the first one's error)."""
+        values, failed, first_error = {}, [], None
         for term in self.terms:
             try:
                 value, error = term.score(sample)
@@ -242,9 +242,11 @@ class RewardSet:
                     term.failures += 1
                     first = term.failures == 1
                 failed.append(term.name)
+                # a worker's error is its traceback: its last line says what was raised
+                first_error = first_error or f"reward {term.name!r}: {error.strip().splitlines()[-1]}"
                 if first:
                     logger.warning(
-                        "reward %r failed on item %s (it scores 0; later failures are only counted "
+                        "reward %r failed on item %s (the sample is failed; later failures are only counted "
                         "in reward/%s_failed):\n%s",
                         term.name,
                         sample.id,
@@ -252,7 +254,7 @@ class RewardSet:
                         error,
                     )
             values[term.name] = value
-        return values, tuple(failed)
+        return values, tuple(failed), first_error
 
     def total(self, values: dict[str, float]) -> float:
         return sum(t.weight * values[t.name] for t in self.terms)

@@ -263,7 +263,7 @@ async def grade_episode(episode: Any, task: Any, cfg: VerifiersTaskConfig) -> Gr
         # failed before scoring; a reward that raised fails only its term (below)
         why = episode.errors[-1] if episode.errors else trace.last_error if trace is not None else "no trace"
         logger.warning("verifiers episode failed: %s", getattr(why, "message", why))
-        return Grade(0.0, 0.0, failed=(ENVIRONMENT_TERM,))
+        return Grade.failed_as("environment", str(getattr(why, "message", why)), (ENVIRONMENT_TERM,))
     rewards = dict(trace.rewards)
     failed: list[str] = []
     if any(r is None for r in rewards.values()):
@@ -282,7 +282,13 @@ async def grade_episode(episode: Any, task: Any, cfg: VerifiersTaskConfig) -> Gr
     else:
         fmt = 1.0 if trace.last_reply and trace.ok else 0.0
     return Grade(
-        float(fmt), answer, extracted=trace.last_reply or None, components=components, total=total, failed=tuple(failed)
+        float(fmt),
+        answer,
+        extracted=trace.last_reply or None,
+        components=components,
+        total=total,
+        failed=tuple(failed),
+        error=f"reward(s) {', '.join(failed)} raised" if failed else None,
     )
 
 

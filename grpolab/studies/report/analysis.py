@@ -13,6 +13,7 @@ import numpy as np
 
 from grpolab.common.provenance import describe_cpu
 from grpolab.objectives.stats import holm, interaction, mcnemar_exact, paired_difference, pass_at_k_curve, seed_summary
+from grpolab.rollout.failures import failure_totals
 from grpolab.run.health import HealthSettings, run_warnings
 from grpolab.run.rundir import MANIFEST_FILE, wall_seconds
 from grpolab.studies.report.common import Common, align, at_common_step, progress, steps_done  # noqa: F401 (align: re-exported)
@@ -20,10 +21,11 @@ from grpolab.studies.report.folder import read_json
 from grpolab.studies.report.reward_models import reward_models
 from grpolab.studies.report.runs import Outcomes, Run, outcomes, pair
 
-FAILURE_KINDS = {
-    "wrong answer": lambda r: r["format_ok"] and not r["correct"],
-    "bad format": lambda r: not r["format_ok"] and not r["truncated"],
-    "truncated": lambda r: r["truncated"],
+FAILURE_KINDS = {  # what went wrong with an item; "failed": its rollout or reward failed (an unknown outcome)
+    "wrong answer": lambda r: r["format_ok"] and not r["correct"] and not r.get("failed"),
+    "bad format": lambda r: not r["format_ok"] and not r["truncated"] and not r.get("failed"),
+    "truncated": lambda r: r["truncated"] and not r.get("failed"),
+    "failed": lambda r: bool(r.get("failed")),
 }
 
 
@@ -62,6 +64,8 @@ def run_row(run: Run) -> dict[str, Any]:
             "actual_updates": train[-1]["total_actual_updates"],
             "tokens_generated": sum(r["response_tokens"] for r in train),
         }
+        if failed := failure_totals(train):
+            row["failed_samples"] = failed
     seconds = run.summary["wall_seconds"] if run.summary and "wall_seconds" in run.summary else wall_seconds(run.path)
     if seconds is not None:  # the one definition ``grpolab suite status`` shows too
         row["wall_seconds"] = seconds
@@ -109,6 +113,7 @@ def paired(a: Outcomes, b: Outcomes, resamples: int, seed: int) -> dict[str, Any
         "items": matched.shared,
         "unpaired_items": matched.only_one,
         "differing_prompts": matched.differing,
+        "failed_items": matched.failed,
     }
     if matched.shared == 0:
         return out | {"note": "no items in common: not the same evaluation set"}
@@ -267,7 +272,8 @@ def pass_curves(run: Run) -> dict[int, dict[int, float]]:
     curves = {}
     for step in sorted({steps[0], steps[-1]}) if steps else []:
         records = run.records(step)
-        curves[step] = pass_at_k_curve(records[0]["pass_n"], [r["pass_correct"] for r in records])
+        samples = [r["pass_n"] for r in records]  # each item's samples that did not fail
+        curves[step] = pass_at_k_curve(max(samples), [r["pass_correct"] for r in records], samples)
     return curves
 
 

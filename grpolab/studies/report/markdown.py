@@ -90,12 +90,19 @@ def provenance_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def skipped_notes(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per run whose files had unreadable lines (the run table's ``skipped_lines``)."""
+    """One line per run whose files had unreadable lines (the run table's ``skipped_lines``), and one per run with
+    failed samples (``failed_samples``: their rollout or reward failed, so they trained nothing)."""
     return [
         f"- run {r['run']}: {n} unreadable line{'s' if n > 1 else ''} skipped in metrics.jsonl or the evaluation "
         f"records ({'lines' if n > 1 else 'a line'} torn by a kill, or being written)"
         for r in rows
         if (n := r.get("skipped_lines"))
+    ] + [
+        f"- run {r['run']}: {sum(failed.values())} training samples failed and trained nothing ("
+        + ", ".join(f"{kind} {n}" for kind, n in failed.items())
+        + ")"
+        for r in rows
+        if (failed := r.get("failed_samples"))
     ]
 
 
@@ -205,10 +212,11 @@ def comparison_table(data: dict[str, Any]) -> list[str]:
                 num(c["p_holm"], ".3g"),
             ]
         )
-        if c["unpaired_items"] or c["differing_prompts"]:
+        if c["unpaired_items"] or c["differing_prompts"] or c.get("failed_items"):
             notes.append(
-                f"- {c['run']}: {c['unpaired_items']} items evaluated by one run only and "
-                f"{c['differing_prompts']} with a different prompt were left out of the pairing"
+                f"- {c['run']}: {c['unpaired_items']} items evaluated by one run only, "
+                f"{c['differing_prompts']} with a different prompt and {c.get('failed_items', 0)} whose "
+                "evaluation failed in either run were left out of the pairing"
             )
     return (table(header, rows) if rows else []) + notes
 

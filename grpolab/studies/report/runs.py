@@ -157,14 +157,16 @@ def find_runs(directory: Path) -> tuple[str, list[Run]]:
 
 @dataclass(frozen=True)
 class Outcomes:
-    """One run's per-item outcomes at one evaluation step: ids and prompt hashes [items]; correct,
-    format_ok, truncated as 0/1 arrays [items]."""
+    """One run's per-item outcomes at one evaluation step: ids and prompt hashes [items] and correct as a 0/1 array
+    [items], of the items whose evaluation did not fail; ``failed``: the ids of those that did (an unknown
+    outcome: in no accuracy, left out of any pairing); ``records``: all of them."""
 
     step: int
     ids: list[str]
     prompt_hashes: list[str]
     correct: np.ndarray
     records: list[dict[str, Any]]
+    failed: frozenset[str] = frozenset()
 
 
 def outcomes(run: Run, step: int | None = None) -> Outcomes | None:
@@ -174,12 +176,14 @@ def outcomes(run: Run, step: int | None = None) -> Outcomes | None:
         return None
     step = steps[-1] if step is None else step
     records = run.records(step)
+    known = [r for r in records if not r.get("failed")]
     return Outcomes(
         step,
-        [r["id"] for r in records],
-        [r["prompt_sha256"] for r in records],
-        np.array([bool(r["correct"]) for r in records], dtype=np.float64),
+        [r["id"] for r in known],
+        [r["prompt_sha256"] for r in known],
+        np.array([bool(r["correct"]) for r in known], dtype=np.float64),
         records,
+        frozenset(r["id"] for r in records if r.get("failed")),
     )
 
 
@@ -192,6 +196,7 @@ class Paired:
     shared: int
     only_one: int  # items evaluated in one run only
     differing: int  # same id, different prompt: not the same item, left out
+    failed: int = 0  # items of both runs whose evaluation failed in either: an unknown outcome, left out
 
 
 def pair(a: Outcomes, b: Outcomes) -> Paired:
@@ -207,5 +212,6 @@ def pair(a: Outcomes, b: Outcomes) -> Paired:
             continue
         keep_a.append(k)
         keep_b.append(j)
-    only_one = len(a.ids) + len(b.ids) - 2 * (len(keep_a) + differing)
-    return Paired(a.correct[keep_a], b.correct[keep_b], len(keep_a), only_one, differing)
+    in_a, in_b = set(a.ids) | a.failed, set(b.ids) | b.failed
+    failed = len(in_a & in_b & (a.failed | b.failed))
+    return Paired(a.correct[keep_a], b.correct[keep_b], len(keep_a), len(in_a ^ in_b), differing, failed)
