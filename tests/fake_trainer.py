@@ -12,6 +12,8 @@ command line is ``... -m grpolab.commands.cli train --config FILE`` or ``... tra
 or under ``torch.distributed.run``) runs this instead and exits. Nothing else of the runner is relied on.
 
 Settings from the environment, read by the run process:
+  GRPOLAB_FAKE_START_SECONDS seconds before it touches its run directory or takes the lock (the real
+                             trainer's imports and model load; default 0)
   GRPOLAB_FAKE_STEP_SECONDS  seconds a step takes (default 0.05)
   GRPOLAB_FAKE_SLOW          NAME=SECONDS,...: a slower step for the runs whose directory is named NAME
   GRPOLAB_FAKE_FAIL          NAME:STEP,...: run NAME fails in step STEP (its records and checkpoint unwritten)
@@ -132,6 +134,7 @@ class FakeRun:
     def train(self, resume: bool) -> int:
         from grpolab.run.lock import RunLock, RunLocked  # the trainer's own lock: the runner reads it
 
+        time.sleep(float(os.environ.get("GRPOLAB_FAKE_START_SECONDS") or 0))
         if not resume and self.run_dir.exists() and any(self.run_dir.iterdir()):
             print(f"error: run directory {self.run_dir} is not empty", flush=True)
             return 2

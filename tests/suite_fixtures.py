@@ -33,7 +33,8 @@ def fake_hook(tmp_path_factory) -> Path:
 
 class FakeRuns:
     """The fake trainer for this test's suites: ``use(slow=..., fail=..., extra=...)`` puts it on PYTHONPATH
-    (so the runner's run processes, local or in Slurm jobs, become fakes) with per-run settings."""
+    (so the runner's run processes, local or in Slurm jobs, become fakes) with per-run settings;
+    ``start_seconds``: how long each run process takes before it touches its run directory."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, hook: Path, tmp_path: Path):
         self.monkeypatch, self.hook, self.tmp_path = monkeypatch, hook, tmp_path
@@ -44,11 +45,13 @@ class FakeRuns:
         fail: dict[str, int] | None = None,
         extra: str = "",
         step_seconds: float = 0.05,
+        start_seconds: float = 0.0,
     ) -> str:
         """The PYTHONPATH now set (run processes inherit it)."""
         hook = fake_trainer.install(self.tmp_path / "fake_hook", extra) if extra else self.hook
         self.monkeypatch.setenv("PYTHONPATH", str(hook))
         self.monkeypatch.setenv("GRPOLAB_FAKE_STEP_SECONDS", str(step_seconds))
+        self.monkeypatch.setenv("GRPOLAB_FAKE_START_SECONDS", str(start_seconds))
         self.monkeypatch.setenv("GRPOLAB_FAKE_SLOW", ",".join(f"{k}={v}" for k, v in (slow or {}).items()))
         self.monkeypatch.setenv("GRPOLAB_FAKE_FAIL", ",".join(f"{k}:{v}" for k, v in (fail or {}).items()))
         return str(hook)
@@ -66,6 +69,7 @@ def fake_finished(warm_model_dir, fake_hook, tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", str(fake_hook))
         patch.setenv("GRPOLAB_FAKE_STEP_SECONDS", "0")
+        patch.delenv("GRPOLAB_FAKE_START_SECONDS", raising=False)
         patch.delenv("GRPOLAB_FAKE_SLOW", raising=False)
         patch.delenv("GRPOLAB_FAKE_FAIL", raising=False)
         assert main(["suite", "run", str(suite_file(tmp, warm_model_dir)), "--output-root", str(tmp / "out")]) == 0

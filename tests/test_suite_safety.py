@@ -22,9 +22,11 @@ from test_suite import ROOT, suite_file, untimed, write_checkpoint
 from grpolab.commands.cli import main
 from grpolab.config import load_config
 from grpolab.run.checkpoints import weights_sha256
+from grpolab.run.lock import lock_holder
 from grpolab.run.rundir import read_metrics
 from grpolab.studies.manifest import MANIFEST, RunRecord, SuiteManifest
 from grpolab.studies.suite.flight import Flight, classify
+from grpolab.studies.suite.launch import LocalLauncher
 from grpolab.studies.suite.runner import SuiteRunner, completion_problems, prepare_suite, progress_of
 
 pytest_plugins = ["suite_fixtures"]  # finished: the uninterrupted suite; the fake trainer and its suite
@@ -169,6 +171,30 @@ def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_tr
     orphan = SuiteManifest.load(root).runs[0].pid
     runner.kill()
     runner.join()
+    resume_never_starts_a_second_trainer(root, orphan, fake_finished, capsys)
+
+
+def test_resume_waits_for_a_trainer_its_runner_was_killed_starting_before_it_took_the_runs_lock_with_fake_runs(
+    fake_finished, fake_runs, warm_model_dir, tmp_path, capsys
+):
+    """The runner is killed the moment its trainer started (before it recorded the pid), and the trainer
+    has not yet taken its run's lock: suite resume finds it all the same, waits for it, judges run a from
+    disk, and never starts a second trainer on it."""
+    fake_runs.use(slow={"a": 0.5}, start_seconds=3.0)  # the trainer's start: its imports and model load
+    root = tmp_path / "out"
+    start = LocalLauncher.start
+
+    def start_then_die(self, *args):
+        started = start(self, *args)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return started
+
+    with pytest.MonkeyPatch.context() as patch:  # the forked runner alone dies so
+        patch.setattr(LocalLauncher, "start", start_then_die)
+        runner = forked_runner("run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root))
+    runner.join(120)
+    (orphan,) = trainers_of(root, "a")
+    assert lock_holder(root / "runs" / "a") is None  # the window: started, not yet holding the run
     resume_never_starts_a_second_trainer(root, orphan, fake_finished, capsys)
 
 

@@ -1,9 +1,11 @@
 """Who is training a run right now: the process holding its run directory's lock or, in the seconds
-before a trainer takes the lock, the runner's recorded child while it is still a ``train`` of this run.
-A suite never starts a second trainer on a run while one of them lives."""
+before a trainer takes the lock, a live ``train`` of this run on this host (the runner's recorded child, or
+one a runner killed before it recorded it). A suite never starts a second trainer on a run while one of
+them lives."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from grpolab.run.lock import lock_holder
@@ -27,10 +29,15 @@ def trains(pid: int, record: RunRecord) -> bool:
 
 def run_holder(record: RunRecord) -> int | None:
     """The pid of a live process training the run (0 when its lock is held by a process whose pid cannot be
-    read), or None when none is."""
+    read), or None when none is: the lock's holder, else the recorded pid, else any process of this host
+    whose command line trains the run."""
     holder = lock_holder(Path(record.run_dir))
     if holder is not None:
         return holder
-    if record.state == "running" and record.pid is not None and trains(record.pid, record):
+    if record.pid is not None and trains(record.pid, record):
         return record.pid
-    return None
+    try:
+        pids = sorted(int(entry) for entry in os.listdir("/proc") if entry.isdigit())
+    except OSError:  # no /proc here: the lock alone tells
+        return None
+    return next((pid for pid in pids if trains(pid, record)), None)

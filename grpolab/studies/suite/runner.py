@@ -184,6 +184,10 @@ class SuiteRunner:
                 cfg = load_config(record.config_file)
             except ConfigError:  # a changed reward model may not validate: said below as what changed
                 cfg = None
+            holder = run_holder(record) if cfg is not None else None
+            if holder is not None:  # trained by a process this runner did not start: waited for, never joined
+                self._wait_for(manifest, record, cfg, holder)
+                continue
             if cfg is not None and not completion_problems(Path(record.run_dir), cfg):
                 complete(record, cfg)
                 record.pid, record.ended = None, record.ended or now()
@@ -216,11 +220,15 @@ class SuiteRunner:
                 )
             return
         pid = run_holder(record)
-        if pid is None:
-            return
+        if pid is not None:
+            self._wait_for(manifest, record, cfg, pid)
+
+    def _wait_for(self, manifest: SuiteManifest, record: RunRecord, cfg, pid: int) -> None:
+        """Follow process ``pid``, still training the run though no runner of this suite follows it, until no
+        process holds the run (its devices held meanwhile); then the run is judged from disk."""
         flight = Flight(record, cfg, None, wait={"pid": pid, "since": now(), "until": None}, since=time.monotonic())
         record.waits.append(flight.wait)
-        record.pid = pid or record.pid
+        record.state, record.pid = "running", pid or record.pid
         if self.pool is not None:
             self.pool.hold(record.name, record.devices or [ONE_AT_A_TIME])
         self.flights[record.name] = flight
@@ -270,6 +278,7 @@ class SuiteRunner:
         log.parent.mkdir(exist_ok=True)
         record.state, record.started, record.ended, record.devices = "running", now(), None, devices
         record.exit_code = record.reason = record.pid = record.job_id = record.job_state = record.host = None
+        manifest.save(self.root)  # recorded before it starts: a runner killed meanwhile leaves it 'running'
         try:
             job, started = self.launcher.start(self.root, manifest.suite, record, env, log)
         except LaunchError as err:
