@@ -5,6 +5,7 @@ duplicate step, no temp folder and no lock left."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -278,3 +279,126 @@ def test_an_export_killed_midway_leaves_nothing_and_the_next_export_matches(warm
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
     got, want = load_file(out / "model.safetensors"), load_file(reference / "model.safetensors")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+# ---- an environment server and the policy endpoint killed mid-run (default tier) --------------------------------
+DIES_ONCE = '''
+import os
+from pathlib import Path
+
+from openenv_envs import GuessEnvironment
+
+
+class DiesOnceEnvironment(GuessEnvironment):
+    """The guessing game, whose server process exits (code 3) at its first episode step after the run's step-1
+    checkpoint exists, while the flag file is there (removed first: it dies once)."""
+
+    def step(self, action, timeout_s=None, **kwargs):
+        flag = Path(os.environ["CHAOS_FLAG"])
+        if flag.exists() and Path(os.environ["CHAOS_AFTER"]).exists():
+            flag.unlink(missing_ok=True)
+            os._exit(3)
+        return super().step(action, timeout_s, **kwargs)
+'''
+
+
+def environment_run_args(model_dir: Path, run: Path, app: str) -> list[str]:
+    """Two steps of the OpenEnv guessing game on a tiny chat model, a checkpoint after each."""
+    from test_openenv import _train_args
+
+    return _train_args(model_dir, run, app) + ["--steps=2", "--checkpoint.every=1", "--eval.every=2"]
+
+
+def step_records(run: Path) -> list[dict]:
+    return untimed([r for r in read_metrics(run / "metrics.jsonl") if "reward_mean" in r])
+
+
+def same_steps(got: list[dict], want: list[dict]) -> bool:
+    """The same steps with the same metrics: counts and rewards equal, other floats to 1e-4 relative. The endpoint
+    batches an environment's concurrent calls as they arrive, so the engine's batches (and the last bits of their
+    log-probs) depend on timing; the samples, rewards and advantages do not."""
+    if [sorted(r) for r in got] != [sorted(r) for r in want]:
+        return False
+    return all(
+        math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6) if isinstance(a[k], float) else a[k] == b[k]
+        for a, b in zip(got, want)
+        for k in a
+    )
+
+
+def error_line(out: str) -> str:
+    (line,) = [line for line in out.splitlines() if line.startswith("error:")]
+    return line
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_environment_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    from chat_envs import chatml_model_dir
+
+    from grpolab.commands.cli import main
+
+    root = tmp_path_factory.mktemp("uninterrupted")
+    model = chatml_model_dir(root)
+    assert main(environment_run_args(model, root / "run", "openenv_envs:GuessEnvironment")) == 0
+    return model, step_records(root / "run")
+
+
+def test_an_environment_server_killed_mid_run_stops_in_one_line_and_resumes_exactly(
+    uninterrupted_environment_run, tmp_path, monkeypatch, capsys
+):
+    """The OpenEnv server exits in the middle of step 2's rollouts: the run stops in one line naming it, with the
+    resume command (it used to score every later rollout 0 and end 'done', exit 0); no server is left; the resume
+    ends with the uninterrupted run's numbers (``same_steps``)."""
+    from test_openenv import _servers_of
+
+    from grpolab.commands.cli import main
+
+    model, want = uninterrupted_environment_run
+    (tmp_path / "dies_once.py").write_text(DIES_ONCE)
+    monkeypatch.syspath_prepend(tmp_path)
+    run, flag = tmp_path / "run", tmp_path / "flag"
+    flag.touch()
+    monkeypatch.setenv("CHAOS_FLAG", str(flag))
+    monkeypatch.setenv("CHAOS_AFTER", str(run / "checkpoints" / "step_000001"))
+    before = _servers_of(os.getpid())
+    assert main(environment_run_args(model, run, "dies_once:DiesOnceEnvironment")) == 2
+    line = error_line(capsys.readouterr().out)
+    assert "the OpenEnv server of dies_once:DiesOnceEnvironment" in line and "exited with code 3 mid-run" in line
+    assert line.endswith(
+        f"the run stopped after step 1: continue from its last checkpoint with: grpolab train --resume {run}"
+    )
+    assert not flag.exists() and _servers_of(os.getpid()) == before
+    assert same_steps(step_records(run), want[:1])  # step 1 kept, nothing of step 2 written
+    assert main(["train", "--resume", str(run)]) == 0
+    assert same_steps(step_records(run), want)
+    assert _servers_of(os.getpid()) == before
+
+
+def test_the_policy_endpoint_stopped_mid_run_stops_in_one_line_and_resumes_exactly(
+    uninterrupted_environment_run, tmp_path, monkeypatch, capsys
+):
+    """The policy endpoint the environment's client calls stops serving after step 1's checkpoint: step 2's
+    rollouts cannot reach the policy; the run stops in one line naming the endpoint, with the resume command (not
+    zeros, not a step trained on failures); the resume ends with the uninterrupted run's numbers."""
+    from grpolab.commands.cli import main
+    from grpolab.run.trainer import Trainer
+
+    model, want = uninterrupted_environment_run
+    save = Trainer.save_checkpoint
+
+    def save_then_stop_the_endpoint(self, step):
+        done = save(self, step)
+        if step == 1:
+            self.parts.engine.endpoint.close()
+        return done
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", save_then_stop_the_endpoint)
+    run = tmp_path / "run"
+    assert main(environment_run_args(model, run, "openenv_envs:GuessEnvironment")) == 2
+    line = error_line(capsys.readouterr().out)
+    assert "the policy endpoint on port" in line and "stopped serving (endpoint-http, endpoint-batcher ended)" in line
+    assert line.endswith(f"continue from its last checkpoint with: grpolab train --resume {run}")
+    assert same_steps(step_records(run), want[:1])
+    monkeypatch.setattr(Trainer, "save_checkpoint", save)
+    assert main(["train", "--resume", str(run)]) == 0
+    assert same_steps(step_records(run), want)

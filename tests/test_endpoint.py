@@ -306,21 +306,39 @@ def test_environment_rollouts_are_graded_by_the_environment_and_run_concurrently
     assert [[c.completion_ids for c in g] for g in again] == [[c.completion_ids for c in g] for g in groups]
 
 
-def test_a_failing_or_hanging_rollout_scores_zero_as_failed_and_trains_nothing(chat_model):
+class RefusedGame(EchoGame):
+    """Asks the endpoint for -5 tokens: the call is refused (400), and the rollout raises the client's error."""
+
+    async def rollout(self, example, endpoint):
+        async with endpoint.client() as client:
+            messages = [{"role": "user", "content": example.question}]
+            await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=-5)
+
+
+def test_a_failing_hanging_or_refused_rollout_is_a_failed_sample_of_its_kind_and_trains_nothing(chat_model):
     game = EchoGame(fail_on="say b", timeout_s=5.0)
     engine, prompts = _engine(chat_model, game)
     hung = EchoGame(delay_s=30, timeout_s=0.5)
     engine_hung, _ = _engine(chat_model, hung)
+    engine_refused, _ = _engine(chat_model, RefusedGame())
     try:
         failed, ok = engine.generate(prompts[1:3], 1, replace(PARAMS, max_new_tokens=60))
         (timed_out,) = engine_hung.generate(prompts[:1], 1, PARAMS)
+        (refused,) = engine_refused.generate(prompts[:1], 1, PARAMS)
     finally:
         engine.close()
         engine_hung.close()
-    for (completion,) in (failed, timed_out):
-        assert completion.grade.failed == ("environment",) and completion.grade.reward == 0
+        engine_refused.close()
+    for (completion,), kind in ((failed, "environment"), (timed_out, "timeout"), (refused, "endpoint")):
+        assert completion.grade.failure == kind and not completion.grade.ok
+        assert completion.grade.failed == ("environment",)
         assert completion.policy_mask == [0] and completion.num_policy_tokens == 0
-    assert ok[0].grade.failed == () and ok[0].turns == 2
+    assert failed[0].grade.error == "environment echo-game: RuntimeError('the environment broke')"
+    assert timed_out[0].grade.error == "environment echo-game: timed out after 0.5 s"
+    assert refused[0].grade.error.startswith(
+        "environment echo-game: the endpoint answered a call with RequestError: max_tokens must be"
+    )
+    assert ok[0].grade.ok and ok[0].grade.failed == () and ok[0].turns == 2
 
 
 def test_prompts_of_no_example_are_generated_by_the_wrapped_engine(chat_model):

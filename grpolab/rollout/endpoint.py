@@ -62,6 +62,10 @@ MAX_BODY_BYTES = 32 << 20  # a request body's largest size (checked from its Con
 MAX_STOPS = 16  # stop strings one request may add
 
 
+class EndpointStopped(RuntimeError):
+    """The endpoint no longer serves (``PolicyEndpoint.check_alive``)."""
+
+
 class RequestError(ValueError):
     """A request the endpoint refuses: its HTTP status (400 unless said), the message as the error."""
 
@@ -288,6 +292,13 @@ class PolicyEndpoint:
 
     def base_url(self, trajectory: int) -> str:
         return f"http://127.0.0.1:{self.port}/t/{trajectory}/v1"
+
+    def check_alive(self) -> None:
+        """Raise ``EndpointStopped`` when the endpoint no longer serves (its HTTP server or its batcher stopped): no
+        later rollout can reach the policy."""
+        stopped = [t.name for t in self.threads if not t.is_alive()]
+        if stopped:
+            raise EndpointStopped(f"the policy endpoint on port {self.port} stopped serving ({', '.join(stopped)} ended)")
 
     @contextmanager
     def serving(

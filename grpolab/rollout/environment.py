@@ -7,7 +7,8 @@ most ``environment.max_concurrency`` at once, each within ``environment.timeout_
 raised or timed out is a failed sample (``Grade.failure``: "timeout", "endpoint" where a call of it was refused
 or failed, else "environment"), kept out of the advantages and the loss; one that never called the model trains
 nothing (its one token has policy mask 0). When rollouts failed because the environment itself is gone
-(``Environment.check_alive``: its server exited), the call raises ``EngineDied``: the run stops in one line with
+(``Environment.check_alive``: its server exited), or the policy endpoint stopped serving, the call raises
+``EngineDied``: the run stops in one line with
 its resume command. A prompt of no example (e.g. the sync check's probes) is generated
 by the wrapped engine as it is.
 """
@@ -20,7 +21,7 @@ from typing import Any
 
 from grpolab.models.weights import PolicyWeights
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
-from grpolab.rollout.endpoint import PolicyEndpoint, Trajectory
+from grpolab.rollout.endpoint import EndpointStopped, PolicyEndpoint, Trajectory
 from grpolab.rollout.engine_process import EngineDied
 from grpolab.rollout.multiturn import MultiTurnEngine
 from grpolab.tasks.base import Example, Grade, Task
@@ -87,9 +88,10 @@ class EnvironmentEngine:
                 self._rollouts([e for e in examples for _ in range(n)], params.max_new_tokens, trajectories)
             )
             if any(not g.ok and g.failure != "reward" for g in grades):
-                try:
+                try:  # no later rollout can succeed without either: the run stops, resumably
                     self.environment.check_alive()
-                except EnvironmentDied as died:  # no later rollout can succeed: the run stops, resumably
+                    self.endpoint.check_alive()
+                except (EnvironmentDied, EndpointStopped) as died:
                     raise EngineDied(str(died)) from None
             flat = [
                 self._completion(t, p, g)
