@@ -298,7 +298,9 @@ class PolicyEndpoint:
         later rollout can reach the policy."""
         stopped = [t.name for t in self.threads if not t.is_alive()]
         if stopped:
-            raise EndpointStopped(f"the policy endpoint on port {self.port} stopped serving ({', '.join(stopped)} ended)")
+            raise EndpointStopped(
+                f"the policy endpoint on port {self.port} stopped serving ({', '.join(stopped)} ended)"
+            )
 
     @contextmanager
     def serving(
