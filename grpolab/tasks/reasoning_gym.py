@@ -141,7 +141,9 @@ class ReasoningGymTaskConfig(TaskSettings):
         0.0, ge=0, description="weight of the generator's score (partial credit) in the RL reward; 0 = logged only"
     )
     timeout_s: float = Field(
-        10.0, gt=0, description="time bound of one scorer call (in a killable worker); past it the item scores 0"
+        10.0,
+        gt=0,
+        description="time bound of one scorer call (in a killable worker); past it the sample is a failed one (no part in the advantages or the loss)",
     )
     imports: list[str] = Field(
         default_factory=list,
