@@ -267,3 +267,27 @@ def test_failure_counts_and_the_stop_line():
 def test_a_rollout_batch_says_which_samples_are_valid():
     batch = RolloutBatch([], [], [[Grade(1.0, 1.0), Grade.failed_as("endpoint", "refused")]])
     assert batch.valid().tolist() == [[True, False]]
+
+
+def test_a_reward_models_normalization_never_reads_a_failed_sample():
+    """The batch z-score (and the running moments) of a reward model's scores are over the samples that did not
+    fail: the valid samples' RL rewards equal those of the batch without the failed ones."""
+    from types import SimpleNamespace
+
+    from grpolab.rollout.reward_models import RewardModels
+    from grpolab.tasks.reward_model_spec import RewardModelOptions, RewardModelSpec
+
+    def scored(total: float, score: float, ok: bool = True) -> Grade:
+        failed = () if ok else ("f",)
+        return Grade(1.0, 1.0, components=(("rm", score),), total=total, failed=failed)
+
+    for how in ("batch", "running"):
+        spec = RewardModelSpec(path="m", name="rm", weight=0.5, options=RewardModelOptions(normalize=how))
+        grades = [[scored(1.0, 0.2), scored(0.0, 9.0, ok=False), scored(1.0, -0.4)], [scored(0.0, 1.1)] * 2]
+        without = [[scored(1.0, 0.2), scored(1.0, -0.4)], [scored(0.0, 1.1)] * 2]
+        got = RewardModels([SimpleNamespace(spec=spec)]).reward(grades)
+        want = RewardModels([SimpleNamespace(spec=spec)]).reward(without)
+        assert [got[0][0].reward, got[0][2].reward, *[g.reward for g in got[1]]] == pytest.approx(
+            [g.reward for group in want for g in group], abs=1e-12
+        )
+        assert not got[0][1].ok

@@ -91,13 +91,15 @@ class RewardModels:
         ]
 
     def reward(self, grades: list[list[Grade]]) -> list[list[Grade]]:
-        """``grades`` with ``weight x normalize(raw)`` of each model added to their RL reward."""
+        """``grades`` with ``weight x normalize(raw)`` of each model added to their RL reward. The batch's and the
+        running moments are of the samples that did not fail (a failed one's reward is unknown, and never read)."""
         flat = [g for group in grades for g in group]
         totals = torch.tensor([g.reward for g in flat], dtype=torch.float64)
-        for rm in self.models:
+        ok = torch.tensor([g.ok for g in flat], dtype=torch.bool)
+        for rm in self.models if bool(ok.any()) else ():
             o = rm.spec.options
-            raw = torch.tensor([component(g, rm.spec.name) for g in flat], dtype=torch.float64)
-            totals += rm.spec.weight * normalize_scores(raw, o.normalize, self.moments[rm.spec.name], o.clip)
+            raw = torch.tensor([component(g, rm.spec.name) for g in flat], dtype=torch.float64)[ok]
+            totals[ok] += rm.spec.weight * normalize_scores(raw, o.normalize, self.moments[rm.spec.name], o.clip)
         out, values = [], iter(totals.tolist())
         for group in grades:
             out.append([replace(g, total=next(values)) for g in group])
