@@ -79,3 +79,10 @@ def flaky(completion: str, answer: str, extracted: str | None) -> float:
 def always_fails(completion: str, answer: str) -> float:
     """Raises on every call (a grader whose service is gone)."""
     raise ConnectionError("the grader service is unreachable")
+
+
+def fails_on_train_items(completion: str, answer: str, id: str) -> float:
+    """Raises on every training item (its grader service is gone), scores 0 on the held-out ones."""
+    if id.startswith("train"):
+        raise ConnectionError("the grader service is unreachable")
+    return 0.0

@@ -254,9 +254,10 @@ def test_failure_counts_and_the_stop_line():
     assert metrics["rollout/failed"] == 5 and metrics["rollout/failed/reward"] == 4
     assert metrics["rollout/failed/timeout"] == 1 and metrics["rollout/failed/endpoint"] == 0
     assert metrics["rollout/failure_rate"] == 0.5
-    check_failure_rate(grades, 0.5, 3)  # at the limit: goes on
+    failed = [(g.failure, g.error) for g in grades if not g.ok]
+    check_failure_rate(failed, len(grades), 0.5, "step 3")  # at the limit: goes on
     with pytest.raises(TooManyFailures) as raised:
-        check_failure_rate(grades, 0.4, 3)
+        check_failure_rate(failed, len(grades), 0.4, "step 3")
     line = str(raised.value)
     assert "\n" not in line
     assert line.startswith("step 3: 5 of 10 samples failed (over rollout.max_failure_rate 0.4): 4 reward, timeout 1")

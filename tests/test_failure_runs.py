@@ -55,12 +55,20 @@ def test_a_reward_that_fails_every_call_stops_the_run_in_one_line(tmp_path, warm
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, out
     line = errors[0]
-    assert "step 1: 32 of 32 samples failed (over rollout.max_failure_rate 0.5): 32 reward" in line
+    # the first evaluation fails first (its items are graded by the same function)
+    assert "evaluation at step 0: 8 of 8 samples failed (over rollout.max_failure_rate 0.5): 8 reward" in line
     assert "the first reward error: reward 'always_fails': ConnectionError: the grader service is unreachable" in line
     assert line.endswith(f"continue from its last checkpoint with: grpolab train --resume {run}")
     assert not (run / "summary.json").exists()
-    steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
-    assert steps == []  # no update was made from it
+    assert not (run / "metrics.jsonl").exists() or "reward_mean" not in (run / "metrics.jsonl").read_text()
+    # a function failing on the training items only: the first step's rollouts stop the run, before its update
+    rewards[1]["function"] = "reward_fns:fails_on_train_items"
+    cfg = sums_config(tmp_path, warm_model_dir, rewards, steps=2)
+    assert main(["train", "--config", str(config_file(cfg, tmp_path / "cli2.json", tmp_path / "run2"))]) == 2
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
+    assert "step 1: 32 of 32 samples failed (over rollout.max_failure_rate 0.5): 32 reward" in line
+    assert "reward 'fails_on_train_items': ConnectionError: the grader service is unreachable" in line
+    assert "reward_mean" not in (tmp_path / "run2" / "metrics.jsonl").read_text()
 
 
 def config_file(cfg, path, run):

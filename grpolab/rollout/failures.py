@@ -4,7 +4,7 @@ A sample whose rollout or reward failed (``Grade.ok`` False; its kind in ``Grade
 group's advantages or the loss (``grpolab.objectives.advantages``); here it is counted every step
 (``rollout/failed/<kind>``), and a step in which more than ``rollout.max_failure_rate`` of the samples failed stops
 the run before its update (``TooManyFailures``: one line naming the kind and the first error; the trainer adds
-the resume command).
+the resume command); so does an evaluation in which more than that fraction of the items failed.
 """
 
 from __future__ import annotations
@@ -44,18 +44,18 @@ def failure_totals(records: Iterable[Mapping[str, float]]) -> dict[str, int]:
     return {kind: n for kind, n in totals.items() if n}
 
 
-def check_failure_rate(grades: list[Grade], max_rate: float, step: int) -> None:
-    """Raise ``TooManyFailures`` when more than ``max_rate`` of ``grades`` failed, naming the most frequent kind and
-    its first error."""
-    counts = failure_counts(grades)
-    failed = sum(counts.values())
-    if not grades or failed / len(grades) <= max_rate:
+def check_failure_rate(failures: list[tuple[str, str | None]], total: int, max_rate: float, where: str) -> None:
+    """Raise ``TooManyFailures`` when more than ``max_rate`` of ``total`` samples failed (``failures``: each failed
+    one's kind and error, in order), naming the most frequent kind and its first error; ``where`` begins the line
+    ("step 3", "evaluation at step 2")."""
+    if not total or len(failures) / total <= max_rate:
         return
+    counts = Counter(kind for kind, _ in failures)
     kind, n = counts.most_common(1)[0]
-    error = next(g.error for g in grades if g.failure == kind)
+    error = next(e for k, e in failures if k == kind)
     error = error.strip().splitlines()[-1] if error and error.strip() else None  # one line (a traceback's last)
     others = ", ".join(f"{k} {c}" for k, c in counts.items() if k != kind)
     raise TooManyFailures(
-        f"step {step}: {failed} of {len(grades)} samples failed (over rollout.max_failure_rate {max_rate:g}): "
+        f"{where}: {len(failures)} of {total} samples failed (over rollout.max_failure_rate {max_rate:g}): "
         f"{n} {kind}{f', {others}' if others else ''}; the first {kind} error: {error or 'not said'}"
     )

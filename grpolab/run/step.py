@@ -30,7 +30,8 @@ def rl_step(
     status("generate")
     rollout = parts.rollouts.batch(step)  # 1. rollout + 2. reward (generated now, or ahead when async)
     grades = [g for group in rollout.grades for g in group]
-    check_failure_rate(grades, parts.cfg.rollout.max_failure_rate, step)  # before the update: resumable
+    failed = [(g.failure, g.error) for g in grades if not g.ok]
+    check_failure_rate(failed, len(grades), parts.cfg.rollout.max_failure_rate, f"step {step}")  # before the update
     t1 = time.perf_counter()
     status("update")
     metrics = parts.learner.learn(rollout)  # 3. group advantages + 4. policy update

@@ -31,7 +31,7 @@ from grpolab.parallel.ranks import end_process_group
 from grpolab.rollout.engine_process import EngineDied
 from grpolab.rollout.engines import capabilities, dtype_name, engine_record
 from grpolab.rollout.evaluation import evaluate
-from grpolab.rollout.failures import TooManyFailures, failure_totals
+from grpolab.rollout.failures import TooManyFailures, check_failure_rate, failure_totals
 from grpolab.run.checkpoints import prune, remove_temp_folders, save_checkpoint, set_aside
 from grpolab.run.disk import CheckpointPlan, checkpoint_plan
 from grpolab.run.health import HealthMonitor, HealthSettings, RunWarning
@@ -245,7 +245,13 @@ class Trainer:
                 measure=parts.learner.routing_of,
                 reward_models=parts.reward_models,
             )
-            phase.info = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in out.items() if "/layer" not in k)
+            phase.info = "  ".join(
+                f"{k.removeprefix('val/')} {v:.3f}" if isinstance(v, float) else f"{k.removeprefix('val/')} {v}"
+                for k, v in out.items()
+                if "/layer" not in k
+            )
+        failed = [(r["failed"], r.get("error")) for r in records if r.get("failed")]
+        check_failure_rate(failed, len(records), self.cfg.rollout.max_failure_rate, f"evaluation at step {step}")
         out["time/eval"] = time.perf_counter() - started
         if self.ranks.is_main:
             write_eval_records(self.run_dir, step, records)
