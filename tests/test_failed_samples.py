@@ -292,3 +292,19 @@ def test_a_reward_models_normalization_never_reads_a_failed_sample():
             [g.reward for group in want for g in group], abs=1e-12
         )
         assert not got[0][1].ok
+
+
+def test_the_reports_pairing_leaves_out_items_that_failed_in_either_run():
+    import numpy as np
+
+    from grpolab.studies.report.runs import Outcomes, pair
+
+    def outcomes(correct: dict[str, bool], failed: set[str]) -> Outcomes:
+        ids = list(correct)
+        return Outcomes(0, ids, ["h"] * len(ids), np.array([float(correct[i]) for i in ids]), [], frozenset(failed))
+
+    a = outcomes({"x": True, "y": False, "z": True}, {"w"})  # w failed in a
+    b = outcomes({"x": True, "w": True, "v": False}, {"y"})  # y failed in b; z only in a, v only in b
+    matched = pair(a, b)
+    assert matched.shared == 1 and matched.a.tolist() == [1.0] and matched.b.tolist() == [1.0]  # x alone
+    assert matched.failed == 2 and matched.only_one == 2 and matched.differing == 0  # w and y; z and v
