@@ -43,6 +43,14 @@ def test_a_run_with_a_fifth_of_its_rewards_failing_trains_on_the_others(tmp_path
     summary = json.loads((run / "summary.json").read_text())
     assert summary["failed_samples"] == {"reward": sum(counted)}
     assert f"{sum(counted)} sample(s) failed and trained nothing: reward {sum(counted)}" in out
+    # the evaluation: a failed item says so, and the accuracy is over the others
+    items = [json.loads(line) for line in (run / "eval" / "step_000002.jsonl").read_text().splitlines()]
+    failed = [r for r in items if r.get("failed")]
+    assert failed and all(r["failed"] == "reward" and "ConnectionError" in r["error"] for r in failed)
+    final = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val/accuracy" in r][-1]
+    known = [r["correct"] for r in items if not r.get("failed")]
+    assert final["val/failed"] == final["val/failed/reward"] == len(failed)
+    assert final["val/accuracy"] == sum(known) / len(known)
 
 
 def test_a_reward_that_fails_every_call_stops_the_run_in_one_line(tmp_path, warm_model_dir, capsys):
