@@ -83,3 +83,19 @@ def config_file(cfg, path, run):
     """``cfg`` as a JSON config file whose run goes to ``run``."""
     path.write_text(json.dumps(cfg.model_copy(update={"output_dir": str(run)}).model_dump(mode="json")))
     return path
+
+
+def test_an_async_run_whose_rollouts_all_fail_stops_in_one_line_and_leaves_no_engine_process(
+    tmp_path, warm_model_dir, capsys
+):
+    import multiprocessing
+
+    rewards = [{"function": "numeric", "name": "correct"}, {"function": "reward_fns:fails_on_train_items"}]
+    cfg = sums_config(
+        tmp_path, warm_model_dir, rewards, steps=3, **{"rollout.mode": "async", "rollout.max_staleness": 1}
+    )
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(config_file(cfg, tmp_path / "cli.json", run))]) == 2
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
+    assert "step 1: 32 of 32 samples failed" in line and line.endswith(f"grpolab train --resume {run}")
+    assert multiprocessing.active_children() == []
