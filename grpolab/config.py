@@ -13,9 +13,11 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from grpolab.common.fields import FieldDoc, unknown_field, walk
+from grpolab.common.fields import FieldDoc, RegistryChoices, unknown_field, walk
+from grpolab.common.tracker_names import TRACKER_NAMES, choices_text, tracker_names
 from grpolab.common.validation import describe_validation_error
 from grpolab.models.settings import PrecisionName, TeacherConfig, WarmStartSettings, check_teacher_setting
 from grpolab.objectives.algorithms import AlgorithmSpec, translate_old_spelling
@@ -313,19 +315,28 @@ class CheckpointConfig(_Section):
     )
 
 
-TrackerName = Literal["tensorboard", "wandb", "trackio"]
+def _declared_tracker(name: str) -> str:
+    if name not in TRACKER_NAMES:  # as pydantic words a Literal's refusal
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": choices_text()})
+    return name
+
+
+TrackerName = Annotated[str, AfterValidator(_declared_tracker), RegistryChoices(tracker_names)]
+"""A ``log.trackers`` choice: a name ``grpolab.common.tracker_names`` declares (read when validated)."""
+
+
+def _trackers_description() -> str:
+    listed = ", ".join(f'"{t.name}" ({t.logs_to})' for t in TRACKER_NAMES.values())
+    installs = " or ".join(dict.fromkeys(t.install for t in TRACKER_NAMES.values()))
+    return (
+        f"also log every metrics.jsonl record there: {listed}; a list, or names separated by commas; needs {installs}"
+    )
 
 
 class LogConfig(_Section):
     """``[log]``: the trackers a run also logs to, beside its metrics.jsonl (docs/running.md: Trackers)."""
 
-    trackers: list[TrackerName] = Field(
-        default_factory=list,
-        description='also log every metrics.jsonl record there: "tensorboard" (RUN_DIR/tensorboard), "wandb" '
-        '(offline into RUN_DIR/wandb unless WANDB_MODE, WANDB_API_KEY or a wandb login say otherwise), "trackio" '
-        "(its local database, or TRACKIO_SPACE_ID); a list, or names separated by commas; needs "
-        "pip install 'grpolab[trackers]'",
-    )
+    trackers: list[TrackerName] = Field(default_factory=list, description=_trackers_description())
     project: str = Field("grpolab", min_length=1, description="the W&B and Trackio project")
     run_name: str | None = Field(
         None, min_length=1, description="the run's name in W&B and Trackio; None = the run directory's name"
@@ -343,25 +354,27 @@ class LogConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _old_spelling(cls, data: Any) -> Any:
-        """``tensorboard = true``, the old spelling of ``trackers = ["tensorboard"]`` (run directories of
-        earlier versions hold it in their config.json, and a resume reads that)."""
-        if not isinstance(data, dict) or "tensorboard" not in data:
+        """``NAME = true``, an earlier version's spelling of ``trackers = ["NAME"]`` for the trackers declared
+        with an ``old_switch`` (run directories of earlier versions hold it in their config.json, and a resume
+        reads that)."""
+        if not isinstance(data, dict):
             return data
-        data = dict(data)
-        old = data.pop("tensorboard")
-        if not isinstance(old, bool):
-            raise ValueError('tensorboard (the old spelling of trackers = ["tensorboard"]) must be true or false')
-        trackers = data.get("trackers", [])
-        if isinstance(trackers, str):
-            trackers = _names(trackers)
-        if old and isinstance(trackers, list) and "tensorboard" not in trackers:
-            data["trackers"] = [*trackers, "tensorboard"]
+        for name in [t.name for t in TRACKER_NAMES.values() if t.old_switch and t.name in data]:
+            data = dict(data)
+            old = data.pop(name)
+            if not isinstance(old, bool):
+                raise ValueError(f'{name} (the old spelling of trackers = ["{name}"]) must be true or false')
+            trackers = data.get("trackers", [])
+            if isinstance(trackers, str):
+                trackers = _names(trackers)
+            if old and isinstance(trackers, list) and name not in trackers:
+                data["trackers"] = [*trackers, name]
         return data
 
     @field_validator("trackers", mode="before")
     @classmethod
     def _tracker_list(cls, value: Any) -> Any:
-        if isinstance(value, str):  # --log.trackers wandb,trackio
+        if isinstance(value, str):  # --log.trackers NAME,NAME
             value = _names(value)
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             value = list(dict.fromkeys(value))  # each once, in order

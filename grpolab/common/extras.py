@@ -3,7 +3,7 @@
 ``require("model.lora", "peft")`` refuses in one line, ``model.lora needs peft: pip install 'grpolab[lora]'``, when
 a package cannot be found, so that a missing package is never a traceback from deep inside a library that
 found it missing (transformers' GGUF loader, peft's import). Found with ``importlib.util.find_spec``: nothing is
-imported. (The trackers and the environments word their own lines: ``grpolab.run.trackers.base``,
+imported. (The trackers and the environments word their own lines: ``grpolab.common.tracker_names``,
 ``grpolab.tasks.environment``.)
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import types
 import typing
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
@@ -49,6 +49,23 @@ def _constraints(metadata: Iterable[Any]) -> tuple[str, ...]:
     return tuple(
         f"{word} {getattr(m, attr)}" for m in metadata for attr, word in _BOUNDS if getattr(m, attr, None) is not None
     )
+
+
+@dataclass(frozen=True)
+class RegistryChoices:
+    """``Annotated[str, ..., RegistryChoices(names)]``: a string whose choices a registry holds (validated by a
+    validator of its own), shown as those choices are at the time (``"a" | "b"``)."""
+
+    names: Callable[[], Iterable[str]]
+
+
+def _registry_choices(annotation: Any) -> RegistryChoices | None:
+    while typing.get_origin(annotation) is typing.Annotated:
+        found = [m for m in typing.get_args(annotation)[1:] if isinstance(m, RegistryChoices)]
+        if found:
+            return found[0]
+        annotation = typing.get_args(annotation)[0]
+    return None
 
 
 def _strip(annotation: Any) -> Any:
@@ -117,6 +134,9 @@ def walk(
 def type_text(annotation: Any) -> str:
     """A field's type in words a TOML writer reads: ``int``, ``float | none``, ``"sum" | "mean"``,
     ``list[str]``, ``[float, float]``, ``table``."""
+    choices = _registry_choices(annotation)
+    if choices is not None:
+        return " | ".join(f'"{name}"' for name in choices.names())
     annotation = _strip(annotation)
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is type(None):

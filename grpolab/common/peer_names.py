@@ -15,6 +15,8 @@ users bring from other TRL or transformers versions, which TRL 1.16 (beside tran
 
 from __future__ import annotations
 
+from grpolab.common.tracker_names import tracker_names
+
 NO_SCHEDULE = "the learning rate is constant here (optim.lr): no scheduler, no warmup"
 CONSTANT_LR = "constant here: no scheduler, no warmup"
 TOKEN_REDUCTION = "--algorithm.aggregation token"
@@ -185,7 +187,7 @@ TRL_GRPO: dict[str, tuple[str | None, str]] = {
     "torch_compile": (None, "no torch.compile switch"),
     # logging, evaluation, checkpoints
     "logging_steps": ("log_every", "the console's line of vital signs; metrics.jsonl gets every step"),
-    "report_to": ("log.trackers", "tensorboard, wandb, trackio"),
+    "report_to": ("log.trackers", ", ".join(tracker_names())),
     "run_name": ("log.run_name", ""),
     "project": ("log.project", ""),
     "trackio_space_id": (None, "the TRACKIO_SPACE_ID environment variable (log.trackers trackio)"),

@@ -1,5 +1,6 @@
 """The trackers a run also logs to (``log.trackers``): TensorBoard, Weights & Biases, Trackio, one module
-each behind ``base.Tracker``; rank 0 opens them once its run directory is ready and closes them at its end."""
+each behind ``base.Tracker``, each registered by name in its module (``registry``); rank 0 opens them once its
+run directory is ready and closes them at its end."""
 
 from __future__ import annotations
 
@@ -7,37 +8,31 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from grpolab.common.tracker_names import import_package
 from grpolab.config import LogConfig
-from grpolab.run.trackers.base import Tracker, Trackers, require
-from grpolab.run.trackers.tensorboard_tracker import TensorBoardTracker
-from grpolab.run.trackers.trackio_tracker import TrackioTracker, check_trackio_dir
-from grpolab.run.trackers.wandb_tracker import WandbTracker, new_run_id
+
+# each tracker's module registers it (registry.register_tracker): imported for that
+from grpolab.run.trackers import tensorboard_tracker, trackio_tracker, wandb_tracker  # noqa: F401
+from grpolab.run.trackers.base import Tracker, Trackers
+from grpolab.run.trackers.registry import TrackerStart, tracker_kind
 
 __all__ = ["Trackers", "check_trackers", "identities", "open_trackers"]
 
 
 def check_trackers(settings: LogConfig) -> None:
-    """One line for a tracker whose package is missing, or whose directory cannot be written (Trackio's), before
-    anything on disk moves."""
+    """One line for a tracker whose package is missing, or that would lose its logs (its own check: Trackio's
+    directory that cannot be written), before anything on disk moves."""
     for name in settings.trackers:
-        require(name)
-        if name == "trackio":
-            check_trackio_dir()
+        import_package(name)
+        tracker_kind(name).check()
 
 
 def identities(settings: LogConfig, run_dir: Path, previous: dict[str, Any] | None) -> dict[str, Any]:
     """Which tracker runs this run logs to: ``previous`` (what its manifest recorded: a resume continues those)
-    or new ones (project, name: ``log.run_name`` or the run directory's name; a new W&B run id)."""
+    or new ones (each tracker's ``identity``: project, name: ``log.run_name`` or the run directory's name)."""
     previous = previous or {}
-    name = settings.run_name or Path(run_dir).resolve().name
-    out: dict[str, Any] = {}
-    if "wandb" in settings.trackers:
-        out["wandb"] = previous.get("wandb") or {"project": settings.project, "name": name, "id": new_run_id()}
-    if "trackio" in settings.trackers:
-        out["trackio"] = previous.get("trackio") or {"project": settings.project, "name": name}
-    if "tensorboard" in settings.trackers:
-        out["tensorboard"] = {"dir": "tensorboard"}
-    return out
+    run_name = settings.run_name or Path(run_dir).resolve().name
+    return {name: tracker_kind(name).identity(settings, run_name, previous.get(name)) for name in settings.trackers}
 
 
 def open_trackers(
@@ -58,14 +53,9 @@ def open_trackers(
     opened: list[Tracker] = []
     modes: dict[str, str] = {}
     for name in settings.trackers:
-        run = runs.get(name, {})
+        start = TrackerStart(settings, Path(run_dir), runs.get(name, {}), name in continued, config, first_step)
         try:
-            if name == "tensorboard":
-                tracker = TensorBoardTracker(Path(run_dir) / run["dir"], first_step)
-            elif name == "wandb":
-                tracker = WandbTracker(run["project"], run["name"], run["id"], Path(run_dir), config)
-            else:
-                tracker = TrackioTracker(run["project"], run["name"], config, continued=name in continued)
+            tracker = tracker_kind(name).start(start)
         except Exception as err:
             why = (str(err).strip().splitlines() or [type(err).__name__])[0]
             say(

@@ -7,27 +7,8 @@ A tracker that fails (a network error, a full disk) is dropped with one warning 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any, Protocol
-
-EXTRA = "pip install 'grpolab[trackers]'"
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
-
-
-def require(tracker: str) -> Any:
-    """The package ``tracker`` needs (imported); a ValueError naming the install when it is missing or broken."""
-    package = PACKAGES[tracker]
-    try:
-        return importlib.import_module(package)
-    except ModuleNotFoundError as err:
-        if err.name != package:  # installed, but something it imports is not
-            raise ValueError(
-                f"log.trackers {tracker}: the {package} package does not import ({err}); {EXTRA}"
-            ) from None
-        raise ValueError(f"log.trackers {tracker} needs the {package} package: {EXTRA}") from None
-    except ImportError as err:
-        raise ValueError(f"log.trackers {tracker}: the {package} package does not import ({err}); {EXTRA}") from None
 
 
 def numbers(record: dict[str, Any]) -> dict[str, float]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grpolab.run.trackers.base import require
+from grpolab.common.tracker_names import import_package
+from grpolab.config import LogConfig
+from grpolab.run.trackers.registry import TrackerStart, register_tracker
 
 
 def markdown_table(columns: list[str], rows: list[list[Any]]) -> str:
@@ -26,7 +28,7 @@ class TensorBoardTracker:
     name, resends, mode = "tensorboard", True, "local"
 
     def __init__(self, folder: Path, first_step: int | None = None):
-        require("tensorboard")
+        import_package(self.name)
         from torch.utils.tensorboard import SummaryWriter
 
         self.folder = folder
@@ -46,3 +48,13 @@ class TensorBoardTracker:
 
     def close(self, finished: bool) -> None:
         self.writer.close()
+
+
+def event_folder(settings: LogConfig, run_name: str, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """Always RUN_DIR/tensorboard: a resume purges and rewrites the steps it redoes there."""
+    return {"dir": "tensorboard"}
+
+
+@register_tracker(TensorBoardTracker.name, identity=event_folder)
+def start_tensorboard(start: TrackerStart) -> TensorBoardTracker:
+    return TensorBoardTracker(Path(start.run_dir) / start.run["dir"], start.first_step)

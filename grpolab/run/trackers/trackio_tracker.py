@@ -9,7 +9,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from grpolab.run.trackers.base import require
+from grpolab.common.tracker_names import import_package
+from grpolab.config import LogConfig
+from grpolab.run.trackers.registry import TrackerStart, register_tracker
 
 
 def check_trackio_dir() -> None:
@@ -40,7 +42,7 @@ class TrackioTracker:
     name, resends = "trackio", False
 
     def __init__(self, project: str, name: str, config: dict[str, Any], continued: bool):
-        self.trackio = require("trackio")
+        self.trackio = import_package(self.name)
         resume = "allow" if continued else "never"
         with contextlib.redirect_stdout(io.StringIO()):  # its banner; the start line says where the run is
             self.run = self.trackio.init(project=project, name=name, resume=resume, config=config, embed=False)
@@ -67,3 +69,13 @@ class TrackioTracker:
                 self.trackio.finish()  # the process's current run (this one), cleared: its exit hook has nothing left
             except RuntimeError:  # no current run any more: this one alone
                 self.run.finish()
+
+
+def trackio_run(settings: LogConfig, run_name: str, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """The Trackio run an earlier session started, else one named after this run in ``log.project``."""
+    return previous or {"project": settings.project, "name": run_name}
+
+
+@register_tracker(TrackioTracker.name, identity=trackio_run, check=check_trackio_dir)
+def start_trackio(start: TrackerStart) -> TrackioTracker:
+    return TrackioTracker(start.run["project"], start.run["name"], start.config, continued=start.continued)

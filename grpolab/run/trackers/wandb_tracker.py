@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from grpolab.run.trackers.base import require
+from grpolab.common.tracker_names import import_package
+from grpolab.config import LogConfig
+from grpolab.run.trackers.registry import TrackerStart, register_tracker
 
 ID_CHARS = string.ascii_lowercase + string.digits
 
@@ -52,7 +54,7 @@ class WandbTracker:
     name, resends = "wandb", False
 
     def __init__(self, project: str, name: str, run_id: str, folder: Path, config: dict[str, Any]):
-        wandb = require("wandb")
+        wandb = import_package(self.name)
         self.wandb = wandb
         mode, self.why = choose_mode()
         self.run = wandb.init(
@@ -85,3 +87,14 @@ class WandbTracker:
         if not finished:
             self.run.mark_preempting()  # stopped or failed: the W&B run is continued by a resume
         self.run.finish(exit_code=0 if finished else 1)
+
+
+def wandb_run(settings: LogConfig, run_name: str, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """The W&B run an earlier session started, else a new run id in ``log.project`` named after this run."""
+    return previous or {"project": settings.project, "name": run_name, "id": new_run_id()}
+
+
+@register_tracker(WandbTracker.name, identity=wandb_run)
+def start_wandb(start: TrackerStart) -> WandbTracker:
+    run = start.run
+    return WandbTracker(run["project"], run["name"], run["id"], Path(start.run_dir), start.config)
