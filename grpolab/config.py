@@ -209,8 +209,8 @@ class RolloutConfig(_Section):
         ge=0,
         le=1,
         description="stop the run (resumably, one line naming the kind and the first error) when more than this "
-        "fraction of a step's samples failed (a rollout, environment, endpoint call or reward function; a failed "
-        "sample never trains). 0.5 sits well above the 5-15% of failed episodes open-instruct reports as normal "
+        "fraction of a step's samples (or an evaluation's items) failed (a rollout, environment, endpoint call or "
+        "reward function; a failed sample never trains). 0.5 sits well above the 5-15% of failed episodes open-instruct reports as normal "
         "and stops a run whose failures are systematic (a broken reward function fails every sample); 1 = never",
     )
 
