@@ -35,7 +35,7 @@ from rich.console import Console
 from grpolab.commands.cli import parse_overrides
 from grpolab.config import load_config
 from grpolab.learning.batching import collate
-from grpolab.learning.update import UpdateData, accumulate_gradients
+from grpolab.learning.update import StepContext, UpdateData, UpdateSchedule, accumulate_gradients
 from grpolab.models.logprobs import token_logprobs
 from grpolab.rollout.base import Completion
 from grpolab.run.trainer import Trainer
@@ -111,16 +111,8 @@ def measure(trainer: Trainer, batch, advantages, logprobs, plan, repeats: int):
     for _ in range(repeats + 1):
         model.zero_grad(set_to_none=True)
         started = time.perf_counter()
-        accumulate_gradients(
-            spec,
-            data,
-            rows,
-            logprobs,
-            cfg.optim.micro_batch_size,
-            cfg.rollout.max_new_tokens,
-            full_metrics=False,
-            plan=plan,
-        )
+        schedule = UpdateSchedule(cfg.optim.micro_batch_size, cfg.rollout.max_new_tokens, full_metrics=False, plan=plan)
+        accumulate_gradients(StepContext(spec, data, rows, schedule), logprobs)
         seconds.append(time.perf_counter() - started)
     grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     with torch.no_grad():

@@ -42,7 +42,7 @@ from transformers import (
 
 from grpolab.learning.packing import MicroBatchPlanner, prompt_keys
 from grpolab.learning.shared_prefix import layout_units, unit_logprobs
-from grpolab.learning.update import UpdateData, run_update
+from grpolab.learning.update import Trainee, UpdateData, UpdateSchedule, run_update
 from grpolab.models.fidelity import attention_implementation, check_trainable, forward_fidelity
 from grpolab.models.loading import load_policy
 from grpolab.objectives.presets import PRESETS
@@ -309,11 +309,8 @@ def test_an_empty_completion_alone_in_a_micro_batch_updates():
         result = run_update(
             PRESETS["grpo"],
             data,
-            policy,
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            list(model.parameters()),
-            micro_batch_size=micro_batch_size,
-            max_new_tokens=4,
+            Trainee(policy, torch.optim.SGD(model.parameters(), lr=0.1), list(model.parameters())),
+            UpdateSchedule(micro_batch_size=micro_batch_size, max_new_tokens=4),
         )
         assert result.actual == 1
         return [p.detach() for p in model.parameters()]

@@ -17,7 +17,7 @@ from test_update import ToyPolicy, make_data
 from threaded_ranks import run_as_threads
 
 from grpolab.learning.lockstep import UpdateLockstep
-from grpolab.learning.update import UpdateData, run_update
+from grpolab.learning.update import Trainee, UpdateData, UpdateHooks, UpdateSchedule, run_update
 from grpolab.objectives.presets import PRESETS
 from grpolab.objectives.token_selection import AdaptiveEntropy
 from grpolab.parallel.ranks import Ranks, wrap_ddp
@@ -65,14 +65,9 @@ def updates(name: str, ranks: Ranks, **overrides) -> dict:
         result = run_update(
             spec,
             local,
-            lambda idx: forward(rows[idx]),
-            optimizer,
-            [policy.weight],
-            micro_batch_size=3,
-            max_new_tokens=T,
-            generator=gen,
-            dp=dp,
-            entropy_control=control,
+            Trainee(lambda idx: forward(rows[idx]), optimizer, [policy.weight]),
+            UpdateSchedule(micro_batch_size=3, max_new_tokens=T, generator=gen),
+            UpdateHooks(dp=dp, entropy_control=control),
         )
         out["actual"].append(result.actual)
         out["grad_norms"] += result.grad_norms

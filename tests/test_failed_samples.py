@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_advantage_variants import reference_decoupled_advantages
 
-from grpolab.learning.update import UpdateData, accumulate_gradients
+from grpolab.learning.update import StepContext, UpdateData, UpdateSchedule, accumulate_gradients
 from grpolab.objectives.advantages import group_advantages, informative_groups, min_valid_samples
 from grpolab.objectives.beta_norm import beta_density_scale
 from grpolab.objectives.decoupled import decoupled_advantages
@@ -231,7 +231,7 @@ def test_a_failed_rows_tokens_train_nothing_and_count_in_no_denominator():
             policy.weight.grad = None
             if d is data:
                 d = UpdateData(advantages, data.response_mask, data.old_logprobs, data.ref_logprobs)
-            accumulate_gradients(spec, d, rows, policy, 4, max_new_tokens=9)
+            accumulate_gradients(StepContext(spec, d, rows, UpdateSchedule(4, max_new_tokens=9)), policy)
             grads.append(policy.weight.grad.clone())
         torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-14, msg=name)
 

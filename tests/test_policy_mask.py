@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpolab.learning.batching import collate
-from grpolab.learning.update import UpdateData, accumulate_gradients
+from grpolab.learning.update import StepContext, UpdateData, UpdateSchedule, accumulate_gradients
 from grpolab.models.logprobs import token_logprobs
 from grpolab.objectives.losses import step_denominators
 from grpolab.objectives.presets import PRESETS
@@ -89,7 +89,8 @@ def _gradients(model, batch, spec, perturb: bool):
         return lp, entropy
 
     model.zero_grad(set_to_none=True)
-    step = accumulate_gradients(spec, data, torch.arange(4), policy_logprobs, micro_batch_size=2, max_new_tokens=12)
+    schedule = UpdateSchedule(micro_batch_size=2, max_new_tokens=12)
+    step = accumulate_gradients(StepContext(spec, data, torch.arange(4), schedule), policy_logprobs)
     return [p.grad.clone() for p in model.parameters()], step.metrics.means()
 
 

@@ -13,7 +13,14 @@ from pydantic import ValidationError
 from reference import reference_adaptive_coefficients, reference_quantile, reference_tokensel_loss
 from test_update import ToyPolicy, make_data
 
-from grpolab.learning.update import accumulate_gradients, run_update
+from grpolab.learning.update import (
+    StepContext,
+    Trainee,
+    UpdateHooks,
+    UpdateSchedule,
+    accumulate_gradients,
+    run_update,
+)
 from grpolab.objectives.presets import PRESETS, get_algorithm
 from grpolab.objectives.token_selection import AdaptiveEntropy, entropy_quantile_keep
 
@@ -53,14 +60,14 @@ def reference_grad(spec, data, policy, coef, seed):
 def ours(spec, data, policy, micro, coef, seed):
     policy.weight.grad = None
     step = accumulate_gradients(
-        spec,
-        data,
-        torch.randperm(N, generator=torch.Generator().manual_seed(99)),  # a shuffled step: order must not matter
+        StepContext(
+            spec,
+            data,
+            torch.randperm(N, generator=torch.Generator().manual_seed(99)),  # a shuffled step: order must not matter
+            UpdateSchedule(micro, max_new_tokens=MAX_NEW, generator=torch.Generator().manual_seed(seed)),
+            entropy_coef=coef if coef else None,
+        ),
         policy,
-        micro,
-        max_new_tokens=MAX_NEW,
-        generator=torch.Generator().manual_seed(seed),
-        entropy_coef=coef if coef else None,
     )
     return step.metrics.on_host(), policy.weight.grad.clone()
 
@@ -110,7 +117,7 @@ def test_clip_cov_draws_on_the_given_generator():
     for _ in range(2):
         torch.rand(7)
         policy.weight.grad = None
-        accumulate_gradients(spec, data, torch.arange(N), policy, 4, MAX_NEW)
+        accumulate_gradients(StepContext(spec, data, torch.arange(N), UpdateSchedule(4, MAX_NEW)), policy)
         unseeded.append(policy.weight.grad.clone())
     torch.testing.assert_close(unseeded[0], unseeded[1], rtol=0, atol=0)
 
@@ -139,12 +146,9 @@ def adaptive_run(spec, batches, control, policy, opt):
         result = run_update(
             spec,
             data,
-            policy,
-            opt,
-            [policy.weight],
-            micro_batch_size=5,
-            max_new_tokens=MAX_NEW,
-            entropy_control=control,
+            Trainee(policy, opt, [policy.weight]),
+            UpdateSchedule(micro_batch_size=5, max_new_tokens=MAX_NEW),
+            UpdateHooks(entropy_control=control),
         )
         applied += result.entropy_coefs
         assert result.metrics()["entropy_coef"] == result.entropy_coefs[-1]  # logged every step
@@ -200,7 +204,9 @@ def test_a_forward_without_entropies_is_refused_in_one_line():
     policy = ToyPolicy(N, T, seed=15)
     data = make_data(policy, 15, groups=3, group_size=4, spec=spec)
     with pytest.raises(ValueError, match="needs the policy's entropies"):
-        accumulate_gradients(spec, data, torch.arange(N), lambda idx: (policy(idx)[0], None), 4, MAX_NEW)
+        accumulate_gradients(
+            StepContext(spec, data, torch.arange(N), UpdateSchedule(4, MAX_NEW)), lambda idx: (policy(idx)[0], None)
+        )
 
 
 @pytest.mark.parametrize(

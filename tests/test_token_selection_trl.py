@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_rollout_correction_trl import ATOL, RTOL, TRL, N, T, _function, _run, _trl_source, batch, trl_inputs
 
-from grpolab.learning.update import UpdateData, accumulate_gradients
+from grpolab.learning.update import StepContext, UpdateData, UpdateSchedule, accumulate_gradients
 from grpolab.objectives.presets import PRESETS
 from grpolab.objectives.token_selection import AdaptiveEntropy
 
@@ -63,13 +63,14 @@ def our_loss(spec, logp, entropy, old, adv, mask, coef):
     lp, ent = logp.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
     data = UpdateData(advantages=adv, response_mask=mask, old_logprobs=old)
     step = accumulate_gradients(
-        spec.override(prune_zero_advantage=False),
-        data,
-        torch.arange(N),
+        StepContext(
+            spec.override(prune_zero_advantage=False),
+            data,
+            torch.arange(N),
+            UpdateSchedule(N, max_new_tokens=T),
+            entropy_coef=coef,
+        ),
         lambda idx: (lp[idx], ent[idx]),
-        N,
-        max_new_tokens=T,
-        entropy_coef=coef,
     )
     return torch.tensor(step.metrics.on_host().loss, dtype=torch.float32), lp.grad, ent.grad, step.metrics.means()
 

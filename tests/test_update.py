@@ -8,7 +8,14 @@ from host_reads import HostReads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpolab.learning.update import UpdateData, accumulate_gradients, run_update
+from grpolab.learning.update import (
+    StepContext,
+    Trainee,
+    UpdateData,
+    UpdateSchedule,
+    accumulate_gradients,
+    run_update,
+)
 from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.losses import NonFiniteError
 from grpolab.objectives.presets import PRESETS
@@ -60,7 +67,7 @@ def make_data(policy: ToyPolicy, seed: int, groups: int, group_size: int, spec: 
 def step_grad(spec, data, policy, micro):
     policy.weight.grad = None
     rows, draws = torch.arange(data.advantages.shape[0]), torch.Generator().manual_seed(0)  # Clip-Cov's draw
-    step = accumulate_gradients(spec, data, rows, policy, micro, max_new_tokens=9, generator=draws)
+    step = accumulate_gradients(StepContext(spec, data, rows, UpdateSchedule(micro, 9, generator=draws)), policy)
     grad = policy.weight.grad
     return (None if grad is None else grad.clone()), step.metrics
 
@@ -170,12 +177,8 @@ def test_schedule_runs_epochs_times_steps(name, steps):
     result = run_update(
         spec,
         data,
-        policy,
-        optimizer_for(policy),
-        [policy.weight],
-        micro_batch_size=16,
-        max_new_tokens=6,
-        generator=torch.Generator().manual_seed(0),
+        Trainee(policy, optimizer_for(policy), [policy.weight]),
+        UpdateSchedule(micro_batch_size=16, max_new_tokens=6, generator=torch.Generator().manual_seed(0)),
     )
     assert result.attempted == steps
     assert result.actual <= steps and result.actual >= 1
@@ -189,7 +192,7 @@ def test_first_on_policy_update_has_ratio_exactly_one():
     with torch.no_grad():
         data.old_logprobs = policy(torch.arange(16))[0]
     result = run_update(
-        spec, data, policy, optimizer_for(policy), [policy.weight], micro_batch_size=4, max_new_tokens=6
+        spec, data, Trainee(policy, optimizer_for(policy), [policy.weight]), UpdateSchedule(4, max_new_tokens=6)
     )
     m = result.metrics()
     assert m["first_update/ratio_mean"] == 1.0 and m["first_update/clip_frac"] == 0.0
@@ -205,11 +208,8 @@ def test_multi_epoch_updates_drift_from_the_frozen_old_logprobs():
     result = run_update(
         spec,
         data,
-        policy,
-        torch.optim.SGD([policy.weight], lr=5.0),
-        [policy.weight],
-        micro_batch_size=16,
-        max_new_tokens=6,
+        Trainee(policy, torch.optim.SGD([policy.weight], lr=5.0), [policy.weight]),
+        UpdateSchedule(micro_batch_size=16, max_new_tokens=6),
     )
     assert result.first_step["ratio_mean"] == 1.0
     assert result.tokens.ratio_max > 1.0 or result.tokens.ratio_min < 1.0
@@ -221,7 +221,7 @@ def test_all_zero_advantages_skip_the_optimizer_step():
     data = make_data(policy, 8, groups=2, group_size=4, spec=spec, zero_groups=(0, 1))
     before = policy.weight.detach().clone()
     result = run_update(
-        spec, data, policy, optimizer_for(policy), [policy.weight], micro_batch_size=4, max_new_tokens=6
+        spec, data, Trainee(policy, optimizer_for(policy), [policy.weight]), UpdateSchedule(4, max_new_tokens=6)
     )
     assert (result.attempted, result.actual) == (1, 0)
     assert torch.equal(policy.weight.detach(), before)
@@ -235,7 +235,7 @@ def test_non_finite_gradient_raises_before_the_optimizer_step():
     before = policy.weight.detach().clone()
     opt = optimizer_for(policy)
     with pytest.raises(NonFiniteError):
-        run_update(spec, data, policy, opt, [policy.weight], micro_batch_size=4, max_new_tokens=6)
+        run_update(spec, data, Trainee(policy, opt, [policy.weight]), UpdateSchedule(4, max_new_tokens=6))
     assert torch.equal(policy.weight.detach(), before)
     assert not opt.state  # no optimizer state was created
 
@@ -245,7 +245,9 @@ def test_impossible_split_is_refused():
     policy = ToyPolicy(12, 6, seed=10)
     data = make_data(policy, 10, groups=3, group_size=4, spec=spec)
     with pytest.raises(ValueError, match="cannot be split into 32"):
-        run_update(spec, data, policy, optimizer_for(policy), [policy.weight], micro_batch_size=4, max_new_tokens=6)
+        run_update(
+            spec, data, Trainee(policy, optimizer_for(policy), [policy.weight]), UpdateSchedule(4, max_new_tokens=6)
+        )
 
 
 @settings(max_examples=25, deadline=None)
@@ -293,12 +295,8 @@ def test_the_update_waits_for_the_device_per_optimizer_step_not_per_micro_batch(
             result = run_update(
                 spec,
                 data,
-                policy,
-                optimizer_for(policy),
-                [policy.weight],
-                micro_batch_size=micro,
-                max_new_tokens=9,
-                generator=torch.Generator().manual_seed(0),
+                Trainee(policy, optimizer_for(policy), [policy.weight]),
+                UpdateSchedule(micro_batch_size=micro, max_new_tokens=9, generator=torch.Generator().manual_seed(0)),
             )
         assert result.actual == spec.epochs * spec.steps_per_epoch
         reads[micro] = mode.count

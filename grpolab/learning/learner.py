@@ -26,7 +26,15 @@ from grpolab.learning.lockstep import RankPart, UpdateLockstep
 from grpolab.learning.moe_routing import DenseRouting, batch_routing, completion_routing, is_moe
 from grpolab.learning.packing import MicroBatchPlanner, prompt_keys
 from grpolab.learning.shared_prefix import UnitLayout, layout_units, unit_logprobs
-from grpolab.learning.update import StepCheck, UpdateData, UpdateResult, run_update
+from grpolab.learning.update import (
+    StepCheck,
+    Trainee,
+    UpdateData,
+    UpdateHooks,
+    UpdateResult,
+    UpdateSchedule,
+    run_update,
+)
 from grpolab.models.fidelity import forward_fidelity
 from grpolab.models.precision import TrainingPrecision
 from grpolab.objectives.advantages import advantage_metrics
@@ -356,26 +364,24 @@ class PolicyLearner:
         def filler(indices: torch.Tensor):  # a row that only joins the busiest rank's collectives
             return forward.logprobs(self.train_forward, indices, True, routing.uncounted)
 
+        trainee = Trainee(routing.with_aux_loss(policy), self.optimizer, self.params, extra_loss=routing.extra_loss)
         share = self.lockstep.share(part, filler) if part is not None else None
+        hooks = UpdateHooks(share, self.entropy_control, first_step_check)
         self.model.train()
         try:
             with routing.training():
-                return run_update(
-                    spec,
-                    data,
-                    routing.with_aux_loss(policy),
-                    self.optimizer,
-                    self.params,
-                    plan=forward.plan,
-                    micro_batch_size=self.cfg.optim.micro_batch_size,
-                    max_new_tokens=self.cfg.rollout.max_new_tokens,
-                    max_grad_norm=self.cfg.optim.max_grad_norm,
-                    generator=self.minibatch_gen,
-                    full_metrics=self.cfg.optim.full_metrics,
-                    dp=share,
-                    first_step_check=first_step_check,
-                    extra_loss=routing.extra_loss,
-                    entropy_control=self.entropy_control,
-                )
+                return run_update(spec, data, trainee, self.schedule(forward), hooks)
         finally:
             self.model.eval()
+
+    def schedule(self, forward: BatchForward) -> UpdateSchedule:
+        """The run's update schedule over the batch of ``forward`` (its planned micro-batches)."""
+        optim = self.cfg.optim
+        return UpdateSchedule(
+            micro_batch_size=optim.micro_batch_size,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            max_grad_norm=optim.max_grad_norm,
+            full_metrics=optim.full_metrics,
+            plan=forward.plan,
+            generator=self.minibatch_gen,
+        )

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.losses import PolicyLossInput
 from grpolab.objectives.token_selection import select_flat
 
@@ -47,34 +47,43 @@ class StepSelection:
         return inp
 
 
-def step_selection(
-    spec: AlgorithmSpec,
-    data: Any,
-    indices: Tensor,
-    policy_logprobs: Callable,
-    split: Callable[[Tensor], list[Tensor]],
-    dp: Any = None,
-    generator: torch.Generator | None = None,
-    record: Callable[[Tensor, Tensor], None] | None = None,
-) -> StepSelection:
-    """The no-grad pass over the step's rows ``indices`` (this rank's, split as the step's micro-batches), then
-    the selection over the whole step's tokens (gathered from every rank of ``dp``, in global row order).
-    ``data``: the update's ``UpdateData``; ``dp``: its ``DataParallelShare`` or None (update.py's types, untyped
-    here: update.py imports this module).
-    ``record(rows, logprobs)`` sees each forward's log-probs (the first step's sync check). Clip-Cov draws on
+def step_selection(step: Any, policy_logprobs: Callable) -> StepSelection:
+    """The no-grad pass over the step's rows (this rank's, split as the step's micro-batches), then the selection
+    over the whole step's tokens (gathered from every rank, in global row order). ``step``: the update's
+    ``StepContext`` (update.py's type, untyped here: update.py imports this module); its ``remember(rows,
+    logprobs)`` sees each forward's log-probs (the first step's sync check). Clip-Cov draws on the schedule's
     ``generator`` (a run's: its mini-batch generator, saved in checkpoints); None: a generator seeded 0 for this
     step, so that a call is deterministic (never torch's global generator)."""
-    mask = data.response_mask
+    logprobs, entropy = _selection_pass(step, policy_logprobs)
+    mask = step.data.response_mask
+    rows = step.indices.sort().values  # canonical order: rows by index, then positions
+    valid = mask[rows] > 0
+    flat, mine = _step_tokens(step, rows, valid, logprobs, entropy)
+    generator = step.schedule.generator if step.schedule.generator is not None else torch.Generator().manual_seed(0)
+    chosen = select_flat(step.spec, *flat, generator=generator)
+    scatter = partial(_scatter, mask.shape, rows, valid, mine)
+    return StepSelection(
+        keep=scatter(chosen.keep, True),
+        penalise=scatter(chosen.penalise, False),
+        bonus=scatter(chosen.bonus, False),
+        bonus_tokens=float(chosen.bonus.sum()),
+        logprobs=logprobs,
+        entropy=entropy,
+    )
+
+
+def _selection_pass(step: Any, policy_logprobs: Callable) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropies [N, T] of this rank's rows of the step, without gradients, in the forward's dtype
+    (zeros at the other rows; float64 zeros when the rank has no row of the step). Under FSDP the rank runs as
+    many forwards as the busiest rank, the extra ones on a filler row."""
+    mask, share, indices = step.data.response_mask, step.share, step.indices
     logprobs = entropy = None  # [N, T] in the forward's dtype, allocated at the first forward
-    micros = split(indices) if len(indices) else []
-    n_pass = len(micros)
-    if dp is not None:
-        _, n_pass = dp.forwards(0, n_pass, False)  # FSDP: as many forwards as the busiest rank
-    filler = torch.zeros(1, dtype=torch.long, device=indices.device)
+    micros = step.schedule.split(indices) if len(indices) else []
+    _, n_pass = share.forwards(0, len(micros), False)
     with torch.no_grad():
         for i in range(n_pass):
             if i >= len(micros):
-                (dp.filler_logprobs or policy_logprobs)(filler)
+                (share.filler_logprobs or policy_logprobs)(torch.zeros(1, dtype=torch.long, device=indices.device))
                 continue
             lp, ent, *_ = policy_logprobs(micros[i])
             if ent is None:
@@ -83,13 +92,19 @@ def step_selection(
                 logprobs = torch.zeros(mask.shape, dtype=lp.dtype, device=mask.device)
                 entropy = torch.zeros(mask.shape, dtype=ent.dtype, device=mask.device)
             logprobs[micros[i]], entropy[micros[i]] = lp, ent
-            if record is not None:
-                record(micros[i], lp)
-
+            step.remember(micros[i], lp)
     if logprobs is None:  # no row of the step on this rank
         logprobs = entropy = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
-    rows = indices.sort().values  # canonical order: rows by index, then positions
-    valid = mask[rows] > 0
+    return logprobs, entropy
+
+
+def _step_tokens(
+    step: Any, rows: Tensor, valid: Tensor, logprobs: Tensor, entropy: Tensor
+) -> tuple[list[Tensor], slice]:
+    """The step's response tokens over every rank, flat in canonical order (``rows`` [n] sorted, ``valid`` [n, T]
+    their response tokens): entropy, log-prob, old log-prob and advantage, float64 [K]; and where this rank's
+    tokens are among them (ranks hold consecutive blocks of rows, in rank order)."""
+    data, ranks = step.data, step.share.ranks
     old = logprobs if data.old_logprobs is None else data.old_logprobs
     flat = [
         entropy[rows][valid].double(),
@@ -97,28 +112,23 @@ def step_selection(
         old[rows][valid].double(),
         data.advantages[rows].double()[:, None].expand_as(valid)[valid],
     ]
-    own = flat[0].numel()
-    start = 0
-    if dp is not None and dp.ranks.parallel:  # ranks hold consecutive blocks of rows, in rank order
-        parts = dp.ranks.gather([t.cpu() for t in flat])
-        start = sum(p[0].numel() for p in parts[: dp.ranks.rank])
+    own, start = flat[0].numel(), 0
+    if ranks.parallel:
+        parts = ranks.gather([t.cpu() for t in flat])
+        start = sum(p[0].numel() for p in parts[: ranks.rank])
         flat = [torch.cat([p[j] for p in parts]) for j in range(len(flat))]
-    sel = select_flat(spec, *flat, generator=generator if generator is not None else torch.Generator().manual_seed(0))
+    return flat, slice(start, start + own)
 
-    def scatter(values: Tensor | None, fill: bool) -> Tensor | None:
-        if values is None:
-            return None
-        out = torch.full(mask.shape, fill, dtype=torch.bool, device=mask.device)
-        block = torch.full(valid.shape, fill, dtype=torch.bool, device=mask.device)
-        block[valid] = values[start : start + own].to(mask.device)
-        out[rows] = block
-        return out
 
-    return StepSelection(
-        keep=scatter(sel.keep, True),
-        penalise=scatter(sel.penalise, False),
-        bonus=scatter(sel.bonus, False),
-        bonus_tokens=float(sel.bonus.sum()),
-        logprobs=logprobs,
-        entropy=entropy,
-    )
+def _scatter(
+    shape: torch.Size, rows: Tensor, valid: Tensor, mine: slice, values: Tensor | None, fill: bool
+) -> Tensor | None:
+    """This rank's part ``mine`` of a flat token choice ``values`` [K] back to its data's rows: bool ``shape``
+    [N, T], ``fill`` outside the step's response tokens (None: ``values`` is None)."""
+    if values is None:
+        return None
+    out = torch.full(shape, fill, dtype=torch.bool, device=valid.device)
+    block = torch.full(valid.shape, fill, dtype=torch.bool, device=valid.device)
+    block[valid] = values[mine].to(valid.device)
+    out[rows] = block
+    return out

@@ -5,6 +5,13 @@ for the sequences at ``indices`` (the current policy, with grad), or, for a loss
 ``(logprobs, entropy, extra)``: ``extra`` a 0-dim tensor summed over the forward's response tokens, which the
 step adds divided by its response tokens. The trainer turns its model into such a function; tests use
 plain parameter tensors.
+
+How an update is composed: ``run_update`` draws the optimizer steps (``minibatches``) and, for each, builds a
+``StepContext`` (the step's rows, this rank's ``DataParallelShare``, the entropy bonus's coefficient, the first
+step's ``ForwardRecord``). ``accumulate_gradients`` turns it into a ``StepPlan`` once (denominators over the whole
+step, its token selection, which rows need a gradient, the ``MicroBatch`` list with the ranks' padding) and runs
+one loop over that list, each micro-batch by ``MicroBatchPass``. Then the step's metrics are gathered and checked,
+the entropy bonus observes them, and ``Trainee.step`` clips and steps.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -34,6 +42,8 @@ from grpolab.parallel.ranks import Ranks
 PolicyLogprobs = Callable[[Tensor], tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]]
 # rows of an optimizer step [n] -> their micro-batches (index tensors); None = consecutive slices of micro_batch_size
 MicroBatchPlan = Callable[[Tensor], list[Tensor]]
+# after a step's forwards, before its optimizer step: (log-probs [N, T] detached, bool [N] rows they cover)
+StepCheck = Callable[[Tensor, Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -52,8 +62,15 @@ class DataParallelShare:
     lockstep: bool = False
     filler_logprobs: PolicyLogprobs | None = None
 
+    @classmethod
+    def solo(cls, n_rows: int) -> DataParallelShare:
+        """One process's share of a batch of ``n_rows``: every row, nothing to agree on with anyone."""
+        return cls(Ranks(), range(n_rows), n_rows)
+
     def local(self, indices: Tensor) -> Tensor:
         """Global row indices [k] -> the positions in this rank's data of those it holds, in order."""
+        if not self.ranks.parallel and self.rows == range(self.n_rows):  # all of them, where they are
+            return indices
         inside = (indices >= self.rows.start) & (indices < self.rows.stop)
         return indices[inside] - self.rows.start
 
@@ -65,6 +82,10 @@ class DataParallelShare:
             counts = self.ranks.gather((n_grad, n_metric))
             return max(c[0] for c in counts), max(c[1] for c in counts)
         return (max(n_grad, 1) if backward and self.ranks.parallel else n_grad), n_metric
+
+    def denominator_sum(self) -> Callable[[Tensor], Tensor] | None:
+        """How a step's counts are summed over the ranks (None: one process's are the step's)."""
+        return self.ranks.sum_ if self.ranks.parallel else None
 
 
 @dataclass
@@ -159,6 +180,163 @@ def minibatches(
         yield from order.to(device).split(size)
 
 
+@dataclass(frozen=True)
+class UpdateSchedule:
+    """How an update splits and steps: micro-batches of at most ``micro_batch_size`` rows (``plan``'s, when
+    given), the constant denominator's ``max_new_tokens``, the gradient norm clipped to ``max_grad_norm`` (None:
+    no clipping), ``full_metrics``: the rows without a gradient get a no-grad forward, so the token metrics
+    cover every response token. ``generator`` draws the mini-batches' shuffle and Clip-Cov's tokens (a run's,
+    saved in its checkpoints; None: Clip-Cov draws on a generator seeded 0 per step)."""
+
+    micro_batch_size: int
+    max_new_tokens: int
+    max_grad_norm: float | None = 1.0
+    full_metrics: bool = True
+    plan: MicroBatchPlan | None = None
+    generator: torch.Generator | None = None
+
+    def split(self, rows: Tensor) -> list[Tensor]:
+        """The micro-batches (index tensors) of ``rows`` [n]."""
+        return self.plan(rows) if self.plan else list(rows.split(self.micro_batch_size))
+
+
+@dataclass(frozen=True)
+class Trainee:
+    """The policy an update trains: ``logprobs`` its training forward (module docstring), ``parameters`` the
+    tensors ``optimizer`` steps; ``extra_loss``: ``logprobs`` returns a loss term beside the objective (an MoE's
+    load-balancing loss), so every row has a gradient."""
+
+    logprobs: PolicyLogprobs
+    optimizer: torch.optim.Optimizer
+    parameters: list[Tensor]
+    extra_loss: bool = False
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, max_grad_norm: float | None, number: int) -> float:
+        """Clip the accumulated gradient to ``max_grad_norm`` (None: no clipping) and step optimizer step
+        ``number``; returns the norm before clipping (sharded: the global one). A non-finite norm raises
+        NonFiniteError with the gradients cleared and nothing updated."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_grad_norm if max_grad_norm else float("inf"))
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if not math.isfinite(grad_norm):
+            self.zero_grad()
+            raise NonFiniteError(f"non-finite gradient norm ({grad_norm}) before optimizer step {number}")
+        self.optimizer.step()
+        return grad_norm
+
+
+@dataclass(frozen=True)
+class UpdateHooks:
+    """What an update works with beside its policy: ``dp`` this rank's share of a data-parallel batch (None: one
+    process); ``entropy_control`` the entropy bonus's coefficient (the run's controller, saved in its checkpoints;
+    None: a fresh one, for this call only); ``first_step_check`` sees the first step's own forward before that
+    step updates anything (it may raise to stop the update)."""
+
+    dp: DataParallelShare | None = None
+    entropy_control: AdaptiveEntropy | None = None
+    first_step_check: StepCheck | None = None
+
+
+class ForwardRecord:
+    """The detached log-probs [N, T] (float32) of every row a step forwarded, and which rows bool [N] they cover."""
+
+    def __init__(self, response_mask: Tensor):
+        self.logprobs = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+        self.covered = torch.zeros(response_mask.shape[0], dtype=torch.bool, device=response_mask.device)
+
+    def __call__(self, rows: Tensor, logprobs: Tensor) -> None:
+        self.logprobs[rows] = logprobs.detach().to(self.logprobs.dtype)
+        self.covered[rows] = True
+
+
+class EntropyBonus:
+    """The entropy bonus of an update of ``spec``: each step's coefficient (None: no bonus), then the step's
+    entropy observed by ``control`` (Skywork-OR1's adaptive coefficient)."""
+
+    def __init__(self, spec: AlgorithmSpec, control: AdaptiveEntropy | None):
+        self.spec, self.enabled = spec, bonus_enabled(spec)
+        self.control = control if control is not None else AdaptiveEntropy()
+
+    def coef(self) -> float | None:
+        return self.control.applied(self.spec) if self.enabled else None
+
+    def observe(self, coef: float | None, metrics: TokenMetrics, result: UpdateResult) -> None:
+        """The step applied ``coef`` and measured ``metrics`` (on the host, all ranks'): logged, then observed."""
+        if self.enabled:
+            result.entropy_coefs.append(coef)
+            self.control.observe(self.spec, metrics.sums["bonus_entropy"] / max(metrics.sums["bonus_tokens"], 1.0))
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """One optimizer step of ``spec`` over ``data`` as the update hands it over: ``indices`` [n] this rank's rows of
+    the step (positions in ``data``), split by ``schedule``; ``dp`` this rank's share (None: one process's); ``entropy_coef`` the entropy
+    bonus's coefficient (None: no bonus; with it every row has a gradient); ``extra_loss`` as ``Trainee``'s;
+    ``record`` receives the detached log-probs of every row forwarded (None: nobody reads them)."""
+
+    spec: AlgorithmSpec
+    data: UpdateData
+    indices: Tensor
+    schedule: UpdateSchedule
+    dp: DataParallelShare | None = None
+    entropy_coef: float | None = None
+    extra_loss: bool = False
+    record: Callable[[Tensor, Tensor], None] | None = None
+
+    @cached_property
+    def share(self) -> DataParallelShare:
+        """``dp``, or one process's share of ``data``."""
+        return self.dp if self.dp is not None else DataParallelShare.solo(self.data.advantages.shape[0])
+
+    def remember(self, rows: Tensor, logprobs: Tensor) -> None:
+        if self.record is not None:
+            self.record(rows, logprobs)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward of a step: ``rows`` [m] of this rank's data (None: a row of its own that only joins the ranks'
+    collectives, with a zero loss); ``backward``: its loss is backpropagated, the step's last backward
+    (``synchronise``) summing the ranks' gradients, the others accumulating; ``precomputed``: the token
+    selection's pass already holds its log-probs and entropies (no forward)."""
+
+    rows: Tensor | None
+    backward: bool
+    synchronise: bool = False
+    precomputed: bool = False
+
+    def context(self, share: DataParallelShare) -> contextlib.AbstractContextManager:
+        """The context it runs in: no gradients, the ranks' local accumulation, or the synchronising backward."""
+        if not self.backward:
+            return torch.no_grad()
+        return contextlib.nullcontext() if self.synchronise else share.accumulate()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a step decides before its gradient forwards: ``denominators`` over the whole step (all ranks),
+    ``selection`` its tokens (80/20, Clip-Cov, KL-Cov; None: every token), ``micro_batches`` in the order they
+    run, ``backward``: some rank backpropagates (False: the step's whole loss is identically zero)."""
+
+    step: StepContext
+    denominators: Denominators
+    selection: StepSelection | None
+    micro_batches: list[MicroBatch]
+    backward: bool
+
+    def loss_input(self, rows: Tensor, logprobs: Tensor, entropy: Tensor | None) -> PolicyLossInput:
+        """The loss input of ``rows`` [m] with the step's token selection and entropy bonus (over all the step's
+        response tokens when no selection narrows it)."""
+        inp, coef = self.step.data.loss_input(rows, logprobs), self.step.entropy_coef
+        if self.selection is not None:
+            return self.selection.loss_input(inp, rows, entropy, coef)
+        if coef is not None:
+            inp.entropy, inp.bonus = entropy, (coef, self.denominators.kl, None)
+        return inp
+
+
 @dataclass
 class StepGradients:
     """What one optimizer step's accumulation did: its token metrics (still on the device; their ``loss``
@@ -194,130 +372,84 @@ def rows_with_gradient(
     return nonzero
 
 
-# after a step's forwards, before its optimizer step: (log-probs [N, T] detached, bool [N] rows they cover)
-StepCheck = Callable[[Tensor, Tensor], None]
-
-
-def accumulate_gradients(
-    spec: AlgorithmSpec,
-    data: UpdateData,
-    indices: Tensor,
-    policy_logprobs: PolicyLogprobs,
-    micro_batch_size: int,
-    max_new_tokens: int,
-    full_metrics: bool = True,
-    plan: MicroBatchPlan | None = None,
-    dp: DataParallelShare | None = None,
-    seen: tuple[Tensor, Tensor] | None = None,
-    extra_loss: bool = False,
-    generator: torch.Generator | None = None,
-    entropy_coef: float | None = None,
-) -> StepGradients:
-    """Backward the loss of one optimizer step over ``indices`` [n], micro-batch by micro-batch
-    (``plan``'s, or slices of ``micro_batch_size``).
-
-    Rows whose loss is identically zero (``rows_with_gradient``) are not backpropagated: their
-    gradient is exactly 0 and the denominators still count them, so the gradient is identical. With
-    ``full_metrics`` they get a no-grad forward instead, so the token metrics (entropy, KL, ratio)
-    cover every response token of the step.
-
-    Data parallel (``dp``): ``indices`` are this rank's rows of the step; the denominators count the whole
-    step, and ``backward`` is decided for all ranks at once. Every backward but the last only accumulates;
-    the last one synchronises the gradients (summed over the ranks). A rank with no row to backpropagate
-    still joins that synchronisation, with a backward of a zero loss on one of its rows (in lockstep,
-    every rank pads its forwards to the busiest rank's counts).
-
-    ``seen`` (log-probs [N, T], covered bool [N]) receives the detached log-probs of every row forwarded.
-    ``extra_loss``: ``policy_logprobs`` returns an extra term (module docstring), so every row has a gradient.
-
-    Token selection (80/20, Clip-Cov, KL-Cov: ``grpolab.learning.step_selection``): a no-grad pass over the
-    step's rows first, the selection over the whole step (Clip-Cov's draw on ``generator``). ``entropy_coef``:
-    the entropy bonus's coefficient this step (None: no bonus); with it every row has a gradient.
-    """
-    ranks = dp.ranks if dp is not None else Ranks()
+def plan_step(step: StepContext, policy_logprobs: PolicyLogprobs) -> StepPlan:
+    """The step's plan: its denominators (counting every row of the step on every rank), then, with token
+    selection, the selection's no-grad pass and choice; the rows that need a gradient (``rows_with_gradient``,
+    and KL-Cov's penalised rows, which have one at any advantage), decided for all ranks at once."""
+    spec, data, indices, share = step.spec, step.data, step.indices, step.share
     denominators = step_denominators(
         spec,
         data.response_mask[indices],
-        max_new_tokens,
-        ranks.sum_ if ranks.parallel else None,
+        step.schedule.max_new_tokens,
+        share.denominator_sum(),
         advantages=data.advantages[indices],
     )
-    split = lambda rows: plan(rows) if plan else list(rows.split(micro_batch_size))  # noqa: E731
-    # token selection and the entropy bonus: decided over the whole step
-    chosen = None
-    if needs_step_pass(spec):
-        chosen = step_selection(spec, data, indices, policy_logprobs, split, dp, generator, _recorder(seen))
-    grad_rows = rows_with_gradient(spec, data, indices, ranks.any, extra_loss or entropy_coef is not None)
-    if chosen is not None and chosen.penalise is not None:  # KL-Cov's penalty has a gradient at any advantage
-        grad_rows = grad_rows | chosen.penalise[indices].any(1)
-    backward = ranks.any(bool(grad_rows.any()))
-    grad_micros = split(indices[grad_rows]) if backward and bool(grad_rows.any()) else []
-    rest = indices[~grad_rows] if backward else indices
-    metric_micros = split(rest) if full_metrics and len(rest) else []
-    accumulate = dp.accumulate if dp is not None else contextlib.nullcontext
-    # the selection's pass already computed the metric rows: no second forward of theirs
-    n_grad, n_metric = len(grad_micros), 0 if chosen is not None else len(metric_micros)
-    if dp is not None:
-        n_grad, n_metric = dp.forwards(n_grad, n_metric, backward)
-    filler = torch.zeros(1, dtype=torch.long, device=indices.device)  # a row of this rank's, for a zero loss
-    filler_logprobs = dp.filler_logprobs if dp is not None and dp.filler_logprobs else policy_logprobs
-    merged = TokenMetrics()
-    for i in range(n_grad):
-        with contextlib.nullcontext() if i == n_grad - 1 else accumulate():
-            if i >= len(grad_micros):  # joins the collectives with a zero gradient
-                (filler_logprobs(filler)[0].sum() * 0.0).backward()
-                continue
-            micro = grad_micros[i]
-            logprobs, entropy, *extra = policy_logprobs(micro)
-            _record(seen, micro, logprobs)
-            inp = _selected(data.loss_input(micro, logprobs), chosen, micro, entropy, entropy_coef, denominators)
-            loss, metrics = policy_loss(inp, spec, denominators)
-            (loss + extra[0] / denominators.kl if extra else loss).backward()
-        merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
-    for i in range(n_metric):
-        with torch.no_grad():
-            if i >= len(metric_micros):
-                filler_logprobs(filler)
-                continue
-            micro = metric_micros[i]
-            logprobs, entropy, *_ = policy_logprobs(micro)
-            _record(seen, micro, logprobs)
-            inp = _selected(data.loss_input(micro, logprobs), chosen, micro, entropy, entropy_coef, denominators)
-            _, metrics = policy_loss(inp, spec, denominators)
-        merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
-    for micro in metric_micros if chosen is not None else []:
-        logprobs, entropy = chosen.logprobs[micro], chosen.entropy[micro]
-        inp = _selected(data.loss_input(micro, logprobs), chosen, micro, entropy, entropy_coef, denominators)
-        _, metrics = policy_loss(inp, spec, denominators)
-        merged = merged.merge(_with_entropy(metrics, entropy, data.response_mask[micro]))
-    return StepGradients(merged, backward=backward)
+    selection = step_selection(step, policy_logprobs) if needs_step_pass(spec) else None
+    grad_rows = rows_with_gradient(
+        spec, data, indices, share.ranks.any, step.extra_loss or step.entropy_coef is not None
+    )
+    if selection is not None and selection.penalise is not None:
+        grad_rows = grad_rows | selection.penalise[indices].any(1)
+    mine = bool(grad_rows.any())
+    backward = share.ranks.any(mine)
+    micro_batches = _micro_batches(step, grad_rows if mine else None, backward, selection is not None)
+    return StepPlan(step, denominators, selection, micro_batches, backward)
 
 
-def _selected(
-    inp: PolicyLossInput,
-    chosen: StepSelection | None,
-    rows: Tensor,
-    entropy: Tensor | None,
-    coef: float | None,
-    denominators: Denominators,
-) -> PolicyLossInput:
-    """``inp`` with the step's token selection and entropy bonus (over all the step's response tokens when no
-    selection narrows it)."""
-    if chosen is not None:
-        return chosen.loss_input(inp, rows, entropy, coef)
-    if coef is not None:
-        inp.entropy, inp.bonus = entropy, (coef, denominators.kl, None)
-    return inp
+def _micro_batches(step: StepContext, grad_rows: Tensor | None, backward: bool, precomputed: bool) -> list[MicroBatch]:
+    """The step's micro-batches in the order they run: the backpropagated ones over the rows of ``grad_rows``
+    bool [n] (None: this rank has none), then, with ``full_metrics``, the no-grad ones over the other rows (all of
+    them when no rank backpropagates), each kind padded to this rank's share of forwards; when the token
+    selection's pass (``precomputed``) already computed the other rows, they come last, without a forward."""
+    indices, split, share = step.indices, step.schedule.split, step.share
+    grad = split(indices[grad_rows]) if backward and grad_rows is not None else []
+    rest = indices[~grad_rows] if backward and grad_rows is not None else indices
+    metric = split(rest) if step.schedule.full_metrics and len(rest) else []
+    forwarded = [] if precomputed else metric
+    n_grad, n_metric = share.forwards(len(grad), len(forwarded), backward)
+    fillers = lambda micros, n: micros + [None] * (n - len(micros))  # noqa: E731
+    return [
+        *(MicroBatch(rows, True, synchronise=i == n_grad - 1) for i, rows in enumerate(fillers(grad, n_grad))),
+        *(MicroBatch(rows, False) for rows in fillers(forwarded, n_metric)),
+        *(MicroBatch(rows, False, precomputed=True) for rows in (metric if precomputed else [])),
+    ]
 
 
-def _recorder(seen: tuple[Tensor, Tensor] | None):
-    return None if seen is None else (lambda rows, logprobs: _record(seen, rows, logprobs))
+class MicroBatchPass:
+    """Runs one micro-batch of ``plan`` through ``policy_logprobs``: its forward (or the selection's pass's
+    values), the loss over the step's denominators, the backward when it has one; its token metrics."""
 
+    def __init__(self, plan: StepPlan, policy_logprobs: PolicyLogprobs):
+        self.plan, self.policy_logprobs = plan, policy_logprobs
+        self.filler_logprobs = plan.step.share.filler_logprobs or policy_logprobs
 
-def _record(seen: tuple[Tensor, Tensor] | None, rows: Tensor, logprobs: Tensor) -> None:
-    if seen is not None:
-        seen[0][rows] = logprobs.detach().to(seen[0].dtype)
-        seen[1][rows] = True
+    def __call__(self, micro: MicroBatch) -> TokenMetrics | None:
+        """The token metrics of ``micro`` (on the device), or None for a filler row."""
+        if micro.rows is None:
+            self._join_collectives(micro)
+            return None
+        logprobs, entropy, extra = self._forward(micro)
+        plan, rows = self.plan, micro.rows
+        loss, metrics = policy_loss(plan.loss_input(rows, logprobs, entropy), plan.step.spec, plan.denominators)
+        if micro.backward:
+            (loss + extra / plan.denominators.kl if extra is not None else loss).backward()
+        return _with_entropy(metrics, entropy, plan.step.data.response_mask[rows])
+
+    def _forward(self, micro: MicroBatch) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """(log-probs [m, T], entropy [m, T] or None, the extra loss term or None) of the micro-batch's rows."""
+        if micro.precomputed:
+            selection = self.plan.selection
+            return selection.logprobs[micro.rows], selection.entropy[micro.rows], None
+        logprobs, entropy, *extra = self.policy_logprobs(micro.rows)
+        self.plan.step.remember(micro.rows, logprobs)
+        return logprobs, entropy, extra[0] if extra and micro.backward else None
+
+    def _join_collectives(self, micro: MicroBatch) -> None:
+        """A forward (and backward of a zero loss) on a row of this rank's, as many as the busiest rank's."""
+        filler = torch.zeros(1, dtype=torch.long, device=self.plan.step.indices.device)
+        logprobs = self.filler_logprobs(filler)[0]
+        if micro.backward:
+            (logprobs.sum() * 0.0).backward()
 
 
 def _with_entropy(metrics: TokenMetrics, entropy: Tensor | None, mask: Tensor) -> TokenMetrics:
@@ -326,108 +458,95 @@ def _with_entropy(metrics: TokenMetrics, entropy: Tensor | None, mask: Tensor) -
     return metrics
 
 
+def accumulate_gradients(step: StepContext, policy_logprobs: PolicyLogprobs) -> StepGradients:
+    """Backward the loss of one optimizer step over ``step.indices`` [n], micro-batch by micro-batch
+    (``step.schedule``'s split), in one loop over the step's plan (``plan_step``).
+
+    Rows whose loss is identically zero (``rows_with_gradient``) are not backpropagated: their
+    gradient is exactly 0 and the denominators still count them, so the gradient is identical. With
+    ``full_metrics`` they get a no-grad forward instead, so the token metrics (entropy, KL, ratio)
+    cover every response token of the step.
+
+    Data parallel (``step.dp``): ``indices`` are this rank's rows of the step; the denominators count the whole
+    step, and ``backward`` is decided for all ranks at once. Every backward but the last only accumulates;
+    the last one synchronises the gradients (summed over the ranks). A rank with no row to backpropagate
+    still joins that synchronisation, with a backward of a zero loss on one of its rows (in lockstep,
+    every rank pads its forwards to the busiest rank's counts).
+
+    Token selection (80/20, Clip-Cov, KL-Cov: ``grpolab.learning.step_selection``): a no-grad pass over the
+    step's rows first, the selection over the whole step (Clip-Cov's draw on the schedule's ``generator``); the
+    rows that pass covered need no second forward for their metrics.
+    """
+    plan = plan_step(step, policy_logprobs)
+    run = MicroBatchPass(plan, policy_logprobs)
+    merged = TokenMetrics()
+    for micro in plan.micro_batches:
+        with micro.context(step.share):
+            metrics = run(micro)
+        if metrics is not None:
+            merged = merged.merge(metrics)
+    return StepGradients(merged, backward=plan.backward)
+
+
 def run_update(
     spec: AlgorithmSpec,
     data: UpdateData,
-    policy_logprobs: PolicyLogprobs,
-    optimizer: torch.optim.Optimizer,
-    parameters: list[Tensor],
-    *,
-    micro_batch_size: int,
-    max_new_tokens: int,
-    max_grad_norm: float | None = 1.0,
-    generator: torch.Generator | None = None,
-    full_metrics: bool = True,
-    plan: MicroBatchPlan | None = None,
-    dp: DataParallelShare | None = None,
-    first_step_check: StepCheck | None = None,
-    extra_loss: bool = False,
-    entropy_control: AdaptiveEntropy | None = None,
+    trainee: Trainee,
+    schedule: UpdateSchedule,
+    hooks: UpdateHooks = UpdateHooks(),
 ) -> UpdateResult:
     """Every optimizer step the schedule asks for on one rollout batch.
 
     A step whose whole loss is zero (all advantages 0 and no KL penalty) is skipped: counted as
     attempted, not actual, parameters untouched (its metrics are still measured with ``full_metrics``).
-    Gradient norm is clipped to ``max_grad_norm`` (None = no clipping); a non-finite loss, ratio or norm
-    raises NonFiniteError before the optimizer step. Index tensors live on the device of ``data``; the
-    micro-batches' metrics stay there until the step reads them back, once, with the losses' finiteness.
+    A non-finite loss, ratio or gradient norm raises NonFiniteError before the optimizer step. Index tensors
+    live on the device of ``data``; the micro-batches' metrics stay there until the step reads them back,
+    once, with the losses' finiteness.
 
-    Data parallel (``dp``): ``data`` holds this rank's whole groups, ``policy_logprobs`` runs the
+    Data parallel (``hooks.dp``): ``data`` holds this rank's whole groups, ``trainee.logprobs`` runs the
     DDP-wrapped forward. The mini-batches are drawn over the global batch (the same shuffle on every
     rank) and each rank takes its rows of each; every rank makes the same collective calls in the same
     order (counts, the skip decision, one synchronising backward, the metrics), whatever its micro-batch
     count, and steps with the gradient one process computes on the global batch, clipped by its norm.
 
-    ``first_step_check`` sees the first step's own forward (the log-probs of the rows it ran, detached)
-    before that step updates anything, e.g. the engine-vs-trainer sync check at no extra pass; it may
-    raise to stop the update. ``extra_loss``: ``policy_logprobs`` returns an extra loss term (module docstring).
-
-    The entropy bonus (``spec.entropy_coef``, ``use_adaptive_entropy``): each step applies
-    ``entropy_control.applied``, which then observes the step's entropy (the run's controller, saved in its
-    checkpoints; None: a fresh one, for this call only). Clip-Cov draws its tokens on ``generator``.
+    The entropy bonus (``spec.entropy_coef``, ``use_adaptive_entropy``): each step applies the coefficient of
+    ``hooks.entropy_control``, which then observes the step's entropy.
     """
-    n_rows = dp.n_rows if dp is not None else data.advantages.shape[0]
-    check_schedule(spec, n_rows, micro_batch_size, data.old_logprobs is None)
-    ranks = dp.ranks if dp is not None else Ranks()
-    result = UpdateResult()
-    bonus = bonus_enabled(spec)
-    entropy_control = entropy_control if entropy_control is not None else AdaptiveEntropy()
-    for indices in minibatches(spec, n_rows, generator, data.advantages.device):
+    share = hooks.dp if hooks.dp is not None else DataParallelShare.solo(data.advantages.shape[0])
+    check_schedule(spec, share.n_rows, schedule.micro_batch_size, data.old_logprobs is None)
+    bonus, result = EntropyBonus(spec, hooks.entropy_control), UpdateResult()
+    for indices in minibatches(spec, share.n_rows, schedule.generator, data.advantages.device):
         result.attempted += 1
-        optimizer.zero_grad(set_to_none=True)
-        seen = None
-        if first_step_check is not None and result.attempted == 1:
-            seen = (
-                torch.zeros(data.response_mask.shape, dtype=torch.float32, device=data.response_mask.device),
-                torch.zeros(data.response_mask.shape[0], dtype=torch.bool, device=data.response_mask.device),
-            )
-        step = accumulate_gradients(
-            spec,
-            data,
-            dp.local(indices) if dp is not None else indices,
-            policy_logprobs,
-            micro_batch_size,
-            max_new_tokens,
-            full_metrics,
-            plan,
-            dp,
-            seen,
-            extra_loss,
-            generator,
-            coef := entropy_control.applied(spec) if bonus else None,
-        )
-        metrics = _merge(ranks.gather(step.metrics.on_host()))  # the step's one wait for the device
-        try:
-            raise_if_nonfinite(metrics)  # on every rank alike: the metrics are the global step's
-        except NonFiniteError:
-            optimizer.zero_grad(set_to_none=True)
-            raise
-        if seen is not None:
-            first_step_check(*seen)
-        if bonus:  # the coefficient applied, then the controller's update from the step's entropy
-            result.entropy_coefs.append(coef)
-            entropy_control.observe(spec, metrics.sums["bonus_entropy"] / max(metrics.sums["bonus_tokens"], 1.0))
+        trainee.zero_grad()
+        first_check = hooks.first_step_check if result.attempted == 1 else None
+        record = ForwardRecord(data.response_mask) if first_check is not None else None
+        coef = bonus.coef()
+        step = StepContext(spec, data, share.local(indices), schedule, share, coef, trainee.extra_loss, record)
+        gradients = accumulate_gradients(step, trainee.logprobs)
+        metrics = _global_metrics(gradients.metrics, share.ranks, trainee)  # the step's one wait for the device
+        if first_check is not None:
+            first_check(record.logprobs, record.covered)
+        bonus.observe(coef, metrics, result)
         result.tokens = result.tokens.merge(metrics)
         result.losses.append(metrics.loss)
-        if not step.backward:
-            continue
-        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm else float("inf"))
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # sharded: global
-        grad_norm = float(grad_norm)
-        if not math.isfinite(grad_norm):
-            optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(f"non-finite gradient norm ({grad_norm}) before optimizer step {result.actual + 1}")
-        optimizer.step()
-        result.actual += 1
-        result.grad_norms.append(grad_norm)
-        if result.actual == 1:
-            result.first_step = _bonus_mean(metrics.means())
-    optimizer.zero_grad(set_to_none=True)
+        if gradients.backward:
+            result.grad_norms.append(trainee.step(schedule.max_grad_norm, result.actual + 1))
+            result.actual += 1
+            if result.actual == 1:
+                result.first_step = _bonus_mean(metrics.means())
+    trainee.zero_grad()
     return result
 
 
-def _merge(parts: list[TokenMetrics]) -> TokenMetrics:
+def _global_metrics(metrics: TokenMetrics, ranks: Ranks, trainee: Trainee) -> TokenMetrics:
+    """The step's token metrics over every rank, on the host; a non-finite loss or ratio raises NonFiniteError
+    (on every rank alike: the metrics are the global step's) with the gradients cleared."""
     merged = TokenMetrics()
-    for part in parts:
+    for part in ranks.gather(metrics.on_host()):
         merged = merged.merge(part)
+    try:
+        raise_if_nonfinite(merged)
+    except NonFiniteError:
+        trainee.zero_grad()
+        raise
     return merged
