@@ -23,7 +23,7 @@ from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.beta_norm import beta_parameters
 from grpolab.objectives.losses import PolicyLossInput, policy_loss, step_denominators
 from grpolab.objectives.presets import PRESETS, get_algorithm
-from grpolab.objectives.soft_weights import vespo_phi
+from grpolab.objectives.surrogates.soft_weights import vespo_phi
 
 NEW = ["sapo", "bnpo", "luspo", "vespo", "intellect2"]
 
@@ -114,7 +114,12 @@ def test_two_sided_clip_caps_the_loss_and_stops_the_gradient_of_huge_ratios():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"weight": "cispo", "clip_delta": 4.0}, "caps the unclipped ratio of weight clip or gspo, not cispo"),
+        (
+            {"weight": "cispo", "clip_delta": 4.0},
+            "clip_delta 4 is read by weight clip or gspo only; weight cispo does not",
+        ),
+        ({"sapo_temperature_pos": 2.0}, "sapo_temperature_pos 2 is read by weight sapo only; weight clip does not"),
+        ({"weight": "sapo", "vespo_k_neg": 1.0}, "vespo_k_neg 1 is read by weight vespo only; weight sapo does not"),
         ({"clip_delta": 1.1}, r"must exceed 1 \+ eps_high \(1.2\)"),
         ({"weight": "vespo", "rollout_correction": "sequence_mask"}, "weight vespo folds"),
         ({"clip_delta": 0.5}, "clip_delta: Input should be greater than 1"),
@@ -233,7 +238,7 @@ def test_the_formulas_say_the_new_terms(capsys):
     assert "mean_i( sum_t l*m )" in PRESETS["luspo"].formula()
     assert "sigmoid(tau*(w-1))" in PRESETS["sapo"].formula()
     assert "W = prod_t w" in PRESETS["vespo"].formula()
-    assert PRESETS["grpo"].formula() == PRESETS["grpo"].override(sapo_temperature_pos=2.0).formula()
+    assert PRESETS["sapo"].formula() == PRESETS["sapo"].override(sapo_temperature_pos=2.0).formula()
     main(["algorithms"])
     text = capsys.readouterr().out
     for name in NEW:

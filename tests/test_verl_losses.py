@@ -257,7 +257,7 @@ def test_two_ranks_make_the_single_process_update(name, overrides):
 @pytest.mark.parametrize(
     ("fields", "needle"),
     [
-        ({"name": "grpo", "ratio_cap": 5.0}, "ratio_cap truncates the ratio of weight 'dppo' only"),
+        ({"name": "grpo", "ratio_cap": 5.0}, "ratio_cap 5 is read by weight dppo only; weight clip does not read it"),
         ({"name": "dppo", "eps_high": 1.5}, "never masks"),
         ({"name": "gpg", "baseline": "none"}, "valid_rescale (GPG's B / B_valid) needs baseline 'mean'"),
         ({"name": "dppo", "ratio_cap": 0.5}, "ratio_cap"),

@@ -19,20 +19,20 @@ from rich.markup import escape
 
 from grpolab.commands.interrupts import Interrupts, stopping_on_signals
 from grpolab.objectives.presets import PRESETS
+from grpolab.objectives.surrogates import SURROGATES, get_surrogate
 from grpolab.run.stop import RunStopped
 
 
 def print_algorithms(console: Console) -> None:
-    """Every preset: its settings on one line, its formula on the next."""
+    """Every preset: its settings on one line, its formula on the next; then every weight with its formula and the
+    fields it reads (the registry of ``grpolab.objectives.surrogates``)."""
     console.print(
         "[bold]grpolab algorithms[/bold]  (any field can be overridden; docs/algorithms.md has the details)\n"
     )
     for spec in PRESETS.values():
-        weight = (
-            spec.weight
-            if spec.weight in ("none", "noclip", "sapo", "vespo")  # no clip range
-            else f"{spec.weight}({spec.eps_low:g}, {spec.eps_high:g})"
-        )
+        weight = spec.weight
+        if get_surrogate(weight).reads_clip_range:
+            weight += f"({spec.eps_low:g}, {spec.eps_high:g})"
         schedule = f"{spec.epochs}x{spec.steps_per_epoch} (epochs x steps)"
         extra = ", dynamic sampling" if spec.dynamic_sampling else ""
         extra += (
@@ -48,6 +48,12 @@ def print_algorithms(console: Console) -> None:
             soft_wrap=True,
         )
         console.print(f"{'':<18}loss = {spec.formula()}", highlight=False, soft_wrap=True)
+    console.print("\n[bold]weights[/bold]  (algorithm.weight; each reads the fields in brackets)\n")
+    for s in SURROGATES.values():
+        reads = f"  [{', '.join(s.reads)}]" if s.reads else ""
+        console.print(
+            f"  [bold cyan]{s.name:<8}[/] {escape(s.formula_line() + reads)}", highlight=False, soft_wrap=True
+        )
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 An algorithm is an :class:`AlgorithmSpec`: how advantages are formed (baseline, normalizer), how each
 token is weighted (weight, eps_low, eps_high), how the per-token losses are reduced (aggregation), the
 KL penalty, and the update schedule (epochs x optimizer steps per epoch over one rollout batch).
-The trainer reads the fields; it never looks at the name. The presets are in ``presets.py``.
+The trainer reads the fields; it never looks at the name. The presets are in ``presets.py``; the weights, with
+the fields each reads, its checks and its formula, in ``surrogates/``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpolab.objectives.selection_rules import check_token_selection, token_selection_formula
+from grpolab.objectives.surrogates import SURROGATES, get_surrogate, unread_parameter
 
 Baseline = Literal["mean", "none"]
 Normalizer = Literal["std", "mean", "none", "beta_density", "batch_std"]
 MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
-Weight = Literal["none", "noclip", "clip", "gspo", "cispo", "sapo", "vespo", "gmpo", "dppo"]
+Weight = Literal[tuple(SURROGATES)]  # the weights registered when this module is imported, in their order
 Aggregation = Literal["sequence", "token", "constant", "sequence_sum"]
 RolloutCorrection = Literal[
     "none",
@@ -42,18 +44,6 @@ OLD_SPELLING: dict[str, tuple[str, dict[str, str]]] = {
     "engine_correction_cap": ("rollout_correction_upper", {}),
 }
 
-# One-line formula of each per-token weighting (w = exp(logp - logp_old), s = sequence ratio).
-WEIGHT_FORMULAS: dict[str, str] = {
-    "none": "-A * logp  (REINFORCE)",
-    "noclip": "-A * w",
-    "clip": "-min(w*A, clip(w, 1-eps_low, 1+eps_high)*A)",
-    "gspo": "-min(s*A, clip(s, 1-eps_low, 1+eps_high)*A), s = exp(mean_t(logp - logp_old))",
-    "cispo": "-sg(min(w, 1+eps_high)) * A * logp",
-    "sapo": "-A * 4/tau * sigmoid(tau*(w-1)), tau = sapo_temperature_pos if A > 0 else _neg",
-    "vespo": "-sg(e^lam * W^k * e^(-lam*W)) * A * logp, W = prod_t w (k, lam: vespo_*_pos if A >= 0 else _neg)",
-    "gmpo": "-A * exp(mean_t sgn(A)*min(sgn(A)*log w, sgn(A)*clip(log w, -eps_low, eps_high)))  (per sequence)",
-    "dppo": "-M * w * A, M = 0 where A>0 and p-p_old > eps_high or A<0 and p-p_old < -eps_low",
-}
 # on-policy distillation's per-token advantage (A: the task's sequence advantage)
 DISTILL_FORMULA = "A_t = reward_coef*A + teacher_kl_coef*(logp_teacher - logp_old)"
 AGGREGATION_FORMULAS: dict[str, str] = {
@@ -119,11 +109,7 @@ class AlgorithmSpec(BaseModel):
     # per-token weighting
     weight: Weight = Field(
         "clip",
-        description="each token's weight: none (REINFORCE), noclip (importance ratio), clip (PPO), gspo "
-        "(sequence ratio, clipped), cispo (clipped, stop-gradient ratio), sapo (a sigmoid gate of the ratio), "
-        "vespo (a stop-gradient gamma weight of the sequence's ratio), gmpo (geometric mean of the token "
-        "ratios clipped in log space into [-eps_low, eps_high]), dppo (ratio, tokens whose probability moved "
-        "more than eps_high up / eps_low down in the advantage's direction masked)",
+        description="each token's weight: " + ", ".join(f"{s.name} ({s.summary})" for s in SURROGATES.values()),
     )
     eps_low: float = Field(0.2, ge=0, lt=1, description="clip range below 1: the ratio's floor is 1 - eps_low")
     # verl's and prime-rl's losses (GMPO, GPG, DPPO, prime-rl's default; docs/algorithms.md): weight gmpo reads
@@ -306,16 +292,7 @@ class AlgorithmSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmSpec:
-        if self.normalizer == "mean" and self.baseline != "mean":
-            raise ValueError("normalizer 'mean' (MaxRL) needs baseline 'mean'")
-        if self.multi_objective_aggregation == "normalize_then_sum" and (
-            self.baseline != "mean" or self.normalizer not in ("std", "none")
-        ):
-            raise ValueError(
-                "multi_objective_aggregation 'normalize_then_sum' (GDPO) normalizes each reward term within its "
-                f"group: it needs baseline 'mean' and normalizer 'std' or 'none', not {self.baseline!r} and "
-                f"{self.normalizer!r}"
-            )
+        self._check_advantages()
         lower, upper = self.rollout_correction_lower, self.rollout_correction_upper
         if lower is not None and lower >= upper:
             raise ValueError(
@@ -326,9 +303,54 @@ class AlgorithmSpec(BaseModel):
             raise ValueError("use_bias_correction_kl corrects the KL penalty; it needs beta > 0 (e.g. 0.001)")
         if self.rollout_correction == "icepop" and lower is None:
             raise ValueError("rollout_correction icepop needs rollout_correction_lower (a two-sided band, e.g. 0.5)")
-        self._check_trl_loss_types()
-        self._check_verl_prime_rl()
+        self._check_weight()
         check_token_selection(self)
+        self._check_teacher()
+        return self
+
+    def _check_advantages(self) -> None:
+        """The advantage settings that need the group mean subtracted, or a normalizer GDPO can apply per term."""
+        if self.normalizer == "mean" and self.baseline != "mean":
+            raise ValueError("normalizer 'mean' (MaxRL) needs baseline 'mean'")
+        if self.multi_objective_aggregation == "normalize_then_sum" and (
+            self.baseline != "mean" or self.normalizer not in ("std", "none")
+        ):
+            raise ValueError(
+                "multi_objective_aggregation 'normalize_then_sum' (GDPO) normalizes each reward term within its "
+                f"group: it needs baseline 'mean' and normalizer 'std' or 'none', not {self.baseline!r} and "
+                f"{self.normalizer!r}"
+            )
+        if self.normalizer == "beta_density" and self.baseline != "mean":
+            raise ValueError(
+                "normalizer 'beta_density' (BNPO) divides r - (group mean) by a density: it needs baseline 'mean'"
+            )
+        if self.valid_rescale and self.baseline != "mean":
+            raise ValueError(
+                "valid_rescale (GPG's B / B_valid) needs baseline 'mean' (without it all-equal groups still carry "
+                "a gradient): use baseline mean or valid_rescale false"
+            )
+
+    def _check_weight(self) -> None:
+        """The weight's settings, each refused in one line: a field another weight reads set away from its default
+        (the one rule for every weight's own fields), the weight's own check, and a rollout correction it cannot
+        fold into its weight (``grpolab.objectives.surrogates``)."""
+        weight = get_surrogate(self.weight)
+        defaults = type(self).model_fields
+        unread = unread_parameter(self.weight, {k: v for k, v in self if v != defaults[k].default})
+        if unread is not None:
+            raise ValueError(unread)
+        if weight.check is not None:
+            weight.check(**weight.parameters(self))
+        folded = weight.folds_correction
+        if folded is not None and self.rollout_correction not in ("auto", "none", folded):
+            raise ValueError(
+                f"weight {self.weight} folds the rollout correction's per-token weight into its own (as TRL does), "
+                f"which {self.rollout_correction} does not give; use rollout_correction {folded}, auto or none"
+            )
+
+    def _check_teacher(self) -> None:
+        """On-policy distillation's settings that mean nothing without a teacher, or clash with its per-token
+        advantages."""
         if self.reward_coef != 1.0 and not self.needs_teacher:
             raise ValueError(
                 f"reward_coef {self.reward_coef:g} scales the task advantage beside the teacher's term; it needs "
@@ -344,48 +366,6 @@ class AlgorithmSpec(BaseModel):
                 "dynamic_sampling drops groups whose task rewards are all equal, which pure distillation (reward_coef "
                 "0) does not read: every group has the teacher's signal; drop dynamic_sampling or set reward_coef"
             )
-        return self
-
-    def _check_trl_loss_types(self) -> None:
-        """The combinations of TRL's loss types that would be silently wrong, each refused in one line."""
-        if self.clip_delta is not None:
-            if self.weight not in ("clip", "gspo"):
-                raise ValueError(
-                    f"clip_delta (the two-sided clip) caps the unclipped ratio of weight clip or gspo, not {self.weight}; "
-                    "drop clip_delta or use weight clip"
-                )
-            if self.clip_delta <= 1 + self.eps_high:
-                raise ValueError(
-                    f"clip_delta {self.clip_delta:g} must exceed 1 + eps_high ({1 + self.eps_high:g}), else it also "
-                    "caps positive advantages' ratios; raise clip_delta (INTELLECT-2 uses 4)"
-                )
-        if self.normalizer == "beta_density" and self.baseline != "mean":
-            raise ValueError(
-                "normalizer 'beta_density' (BNPO) divides r - (group mean) by a density: it needs baseline 'mean'"
-            )
-        if self.weight == "vespo" and self.rollout_correction not in ("auto", "none", "token_truncate"):
-            raise ValueError(
-                f"weight vespo folds the rollout correction's per-token weight into its sequence ratio (as TRL does), "
-                f"which {self.rollout_correction} does not give; use rollout_correction token_truncate, auto or none"
-            )
-
-    def _check_verl_prime_rl(self) -> None:
-        """Refuse the settings of verl's and prime-rl's losses that cannot mean anything."""
-        if self.ratio_cap is not None and self.weight != "dppo":
-            raise ValueError(
-                f"ratio_cap truncates the ratio of weight 'dppo' only (weight {self.weight!r} has none to cap): "
-                "unset ratio_cap or use weight dppo"
-            )
-        if self.weight == "dppo" and self.eps_high >= 1:
-            raise ValueError(
-                f"weight dppo reads eps_high as a bound on a probability's rise; {self.eps_high:g} never masks: "
-                "use a value below 1 (e.g. 0.2)"
-            )
-        if self.valid_rescale and self.baseline != "mean":
-            raise ValueError(
-                "valid_rescale (GPG's B / B_valid) needs baseline 'mean' (without it all-equal groups still carry "
-                "a gradient): use baseline mean or valid_rescale false"
-            )
 
     @property
     def is_single_update(self) -> bool:
@@ -398,20 +378,17 @@ class AlgorithmSpec(BaseModel):
         return self.teacher_kl_coef > 0
 
     def formula(self) -> str:
-        weight = WEIGHT_FORMULAS[self.weight]
-        if self.clip_delta is not None:
-            weight = weight.replace("-min(w*A", "-min(min(w, delta)*A").replace("-min(s*A", "-min(min(s, delta)*A")
+        weight = get_surrogate(self.weight).formula_line(self)
         if self.needs_teacher:  # each token's own advantage A_t
             weight = re.sub(r"\bA\b", "A_t", weight) + ", " + DISTILL_FORMULA
-        loss = f"{weight}; reduced {AGGREGATION_FORMULAS[self.aggregation]}" + self._verl_prime_rl_terms()
+        loss = f"{weight}; reduced {AGGREGATION_FORMULAS[self.aggregation]}" + self._penalty_terms()
         advantage = self.advantage_formula()
         loss += token_selection_formula(self)
         return f"{loss}; {advantage}" if advantage else loss
 
-    def _verl_prime_rl_terms(self) -> str:
-        """The formula's terms from verl's and prime-rl's losses: the ratio cap, kl_tau, GPG's rescaling."""
-        terms = [f"; w truncated at {self.ratio_cap:g}"] if self.ratio_cap is not None else []
-        terms += [f" + {self.kl_tau:g} * mean_t (log w)^2"] if self.kl_tau else []
+    def _penalty_terms(self) -> str:
+        """The formula's terms from verl's and prime-rl's losses: kl_tau, GPG's rescaling, zero advantages left out."""
+        terms = [f" + {self.kl_tau:g} * mean_t (log w)^2"] if self.kl_tau else []
         terms += ["; A *= B / B_valid"] if self.valid_rescale else []
         terms += ["; rows with A = 0 left out"] if self.filter_zero_advantages else []
         return "".join(terms)

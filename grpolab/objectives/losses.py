@@ -1,4 +1,6 @@
-"""Per-token policy-gradient surrogates and their exact reduction (pure tensor functions).
+"""The policy loss around the per-token surrogate: its exact reduction, the KL terms, the rollout correction, token
+selection and the metrics (pure tensor functions). The surrogate itself is the spec's weight, looked up in
+``grpolab.objectives.surrogates``.
 
 Shapes: N sequences, T token positions. Position t of every [N, T] tensor refers to the same token;
 ``response_mask`` is 1 only on tokens the policy generated (EOS included) and 0 on prompt, padding,
@@ -27,9 +29,8 @@ from grpolab.objectives.rollout_correction import (
     raw_ratio,
     rollout_correction,
 )
-from grpolab.objectives.soft_weights import sapo_surrogate, vespo_phi
+from grpolab.objectives.surrogates import Surrogate, SurrogateInput, SurrogateOutput, get_surrogate
 from grpolab.objectives.token_selection import apply_selection, entropy_bonus
-from grpolab.objectives.trust_region import dppo_surrogate, gmpo_sequence_ratio, squared_log_ratio
 
 
 class NonFiniteError(FloatingPointError):
@@ -220,70 +221,44 @@ def token_advantages(inp: PolicyLossInput, spec: AlgorithmSpec) -> Tensor:
     )
 
 
-def per_token_surrogate(inp: PolicyLossInput, spec: AlgorithmSpec) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per-token loss [N, T] (to be minimised) and the ratio, low-clip and high-clip indicators [N, T].
+def per_token_surrogate(inp: PolicyLossInput, spec: AlgorithmSpec) -> SurrogateOutput:
+    """Per-token loss [N, T] (to be minimised) and the ratio, low-clip and high-clip indicators [N, T] of the spec's
+    weight (``grpolab.objectives.surrogates``).
 
-    The clip indicators mark tokens whose gradient the clip (or CISPO's truncation) changed; SAPO's gate and
-    VESPO's weight are smooth and mark none.
+    The clip indicators mark tokens whose gradient the clip (or CISPO's truncation, DPPO's mask) changed; SAPO's
+    gate and VESPO's weight are smooth and mark none.
     """
+    weight = get_surrogate(spec.weight)
     mask = inp.response_mask
-    adv = token_advantages(inp, spec).to(inp.logprobs.dtype)
     logp = _masked(inp.logprobs, mask)
-    no_clip = torch.zeros_like(logp, dtype=torch.bool)
-
-    if spec.weight == "gspo":
+    if weight.ratio == "sequence":
         ratio = sequence_ratio(inp.logprobs, inp.old_logprobs, mask)[:, None].expand_as(logp)
     else:
         ratio = token_ratio(inp.logprobs, inp.old_logprobs, mask)
-
-    if spec.weight == "none":
-        return -adv * logp, ratio, no_clip, no_clip
-    if spec.weight == "noclip":
-        return -adv * ratio, ratio, no_clip, no_clip
-    if spec.weight in ("clip", "gspo"):
-        clipped = ratio.clamp(1 - spec.eps_low, 1 + spec.eps_high)
-        # INTELLECT-2's two-sided clip: the unclipped term capped at delta (> 1 + eps_high: only A < 0 changes)
-        unclipped = ratio if spec.clip_delta is None else ratio.clamp(max=spec.clip_delta)
-        loss = -torch.minimum(unclipped * adv, clipped * adv)
-        low = (adv < 0) & (ratio < 1 - spec.eps_low)
-        high = (adv > 0) & (ratio > 1 + spec.eps_high)
-        return loss, ratio, low, high
-    if spec.weight == "cispo":
-        truncated_weight = ratio.clamp(max=1 + spec.eps_high).detach()
-        return -truncated_weight * adv * logp, ratio, no_clip, ratio > 1 + spec.eps_high
-    if spec.weight == "sapo":
-        return sapo_surrogate(ratio, adv, spec.sapo_temperature_pos, spec.sapo_temperature_neg), ratio, no_clip, no_clip
-    if spec.weight == "vespo":
-        phi = vespo_phi(
-            inp.logprobs - inp.old_logprobs,
-            mask,
-            adv,
-            spec.vespo_k_pos,
-            spec.vespo_lambda_pos,
-            spec.vespo_k_neg,
-            spec.vespo_lambda_neg,
-            extra_log_weight=_vespo_correction(inp, spec),
-        )
-        return -phi * adv * logp, ratio, no_clip, no_clip
-    if spec.weight == "gmpo":  # one value per sequence, on each of its tokens (as gspo)
-        seq, low, high = gmpo_sequence_ratio(
-            inp.logprobs, inp.old_logprobs, inp.advantages, mask, spec.eps_low, spec.eps_high
-        )
-        return (-adv * seq[:, None].to(adv.dtype)).expand_as(logp), ratio, low, high
-    if spec.weight == "dppo":  # the clip indicators are DPPO's masks
-        loss, _, low, high = dppo_surrogate(
-            inp.logprobs, inp.old_logprobs, inp.advantages, mask, spec.eps_low, spec.eps_high, spec.ratio_cap
-        )
-        return loss, ratio, low, high
-    raise ValueError(f"unknown weight {spec.weight!r}")
+    x = SurrogateInput(
+        logprobs=inp.logprobs,
+        old_logprobs=inp.old_logprobs,
+        masked_logprobs=logp,
+        mask=mask,
+        advantages=token_advantages(inp, spec).to(inp.logprobs.dtype),
+        sequence_advantages=inp.advantages,
+        ratio=ratio,
+        folded_correction=_folded_correction(inp, spec, weight),
+    )
+    out = weight.function(x, **weight.parameters(spec))
+    no_clip = torch.zeros_like(logp, dtype=torch.bool)
+    low = no_clip if out.clipped_low is None else out.clipped_low
+    high = no_clip if out.clipped_high is None else out.clipped_high
+    return SurrogateOutput(out.loss, out.ratio, low, high)
 
 
-def _vespo_correction(inp: PolicyLossInput, spec: AlgorithmSpec) -> Tensor | None:
-    """log of the truncated rollout-correction weight [N, T] that VESPO folds into its sequence ratio (TRL's way:
-    W = pi / pi_engine, not a factor on the loss); None without engine log-probs or a correction."""
-    if inp.engine_logprobs is None or spec.rollout_correction != "token_truncate":
+def _folded_correction(inp: PolicyLossInput, spec: AlgorithmSpec, weight: Surrogate) -> Tensor | None:
+    """log of the rollout-correction weight [N, T] that ``weight`` folds into its own (VESPO's sequence ratio, TRL's
+    way: W = pi / pi_engine, not a factor on the loss); None without engine log-probs or that correction."""
+    mode = weight.folds_correction
+    if mode is None or inp.engine_logprobs is None or spec.rollout_correction != mode:
         return None
-    return torch.log(_engine_correction(inp, spec, "token_truncate").weight.to(inp.logprobs.dtype))
+    return torch.log(_engine_correction(inp, spec, mode).weight.to(inp.logprobs.dtype))
 
 
 def _engine_correction(inp: PolicyLossInput, spec: AlgorithmSpec, mode: str) -> Correction:
@@ -316,6 +291,12 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
     return torch.exp(delta) - delta - 1
 
 
+def squared_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """(log pi / pi_old)^2 per token [N, T], 0 at masked positions: prime-rl's ``kl_loss`` (times kl_tau, Kimi K2.5's
+    penalty toward the sampling policy)."""
+    return _masked(logprobs - old_logprobs, mask) ** 2
+
+
 def apply_rollout_correction(
     surrogate: Tensor, inp: PolicyLossInput, spec: AlgorithmSpec, metrics: TokenMetrics
 ) -> Tensor:
@@ -338,7 +319,8 @@ def apply_rollout_correction(
     # "auto" is a run's to resolve (grpolab.run.parts, from the engine's precision); a spec used on its own
     # keeps what "auto" replaced as the default, none
     mode = "none" if spec.rollout_correction == AUTO else spec.rollout_correction
-    if mode != "none" and inp.engine_logprobs is not None and spec.weight != "vespo":  # vespo: in its weight
+    folded = get_surrogate(spec.weight).folds_correction is not None  # in the weight (_folded_correction)
+    if mode != "none" and inp.engine_logprobs is not None and not folded:
         corr = _engine_correction(inp, spec, mode)
         surrogate, keep = surrogate * corr.weight.to(surrogate.dtype), corr.kept
         metrics.add("rollout_is_weight_mean", corr.weight, mask)

@@ -1,29 +1,54 @@
 """The settings rules and one-line formulas of token selection and the entropy bonus (docs/algorithms.md, "Token selection and entropy").
 
 Kept apart from ``algorithms.py`` so that the spec stays a list of fields: ``check_token_selection`` raises the
-one-line ValueError of a bad combination, ``token_selection_formula`` extends ``AlgorithmSpec.formula``.
+one-line ValueError of a bad combination, ``token_selection_formula`` extends ``AlgorithmSpec.formula``. Both read
+the settings below (``TokenSelectionSettings``, which ``AlgorithmSpec`` has), and ask the weight's registration
+(``grpolab.objectives.surrogates``) what its tokens allow.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
+
+from grpolab.objectives.surrogates import get_surrogate, weights_that
 
 
-def check_token_selection(spec: Any) -> None:
+class TokenSelectionSettings(Protocol):
+    """The fields of an ``AlgorithmSpec`` that token selection and the entropy bonus read."""
+
+    weight: str
+    epochs: int
+    steps_per_epoch: int
+    top_entropy_quantile: float
+    cov_selection: str
+    clip_cov_ratio: float
+    clip_cov_lb: float
+    clip_cov_ub: float
+    kl_cov_ratio: float
+    kl_cov_coef: float
+    entropy_coef: float
+    use_adaptive_entropy: bool
+    entropy_coef_min: float
+    entropy_coef_max: float
+
+
+def check_token_selection(spec: TokenSelectionSettings) -> None:
     """ValueError (one line, saying what to change) for a token selection or entropy setting that cannot work."""
     if spec.top_entropy_quantile < 1 and spec.cov_selection != "none":
         raise ValueError(
             f"top_entropy_quantile {spec.top_entropy_quantile:g} and cov_selection {spec.cov_selection} both select "
             "tokens; use one (set top_entropy_quantile 1 or cov_selection none)"
         )
-    if spec.cov_selection != "none" and spec.weight == "gspo":
+    weight = get_surrogate(spec.weight)
+    if spec.cov_selection != "none" and weight.ratio == "sequence":
         raise ValueError(
-            f"cov_selection {spec.cov_selection} picks tokens, weight gspo has one ratio per sequence; "
+            f"cov_selection {spec.cov_selection} picks tokens, weight {weight.name} has one ratio per sequence; "
             "use weight clip or noclip"
         )
-    if spec.cov_selection == "clip_cov" and spec.weight != "clip":
+    if spec.cov_selection == "clip_cov" and not weight.clip_cov:
+        clipped = " or ".join(weights_that(lambda s: s.clip_cov))
         raise ValueError(
-            f"cov_selection clip_cov detaches tokens of the clipped objective; use weight clip, not {spec.weight}"
+            f"cov_selection clip_cov detaches tokens of the clipped objective; use weight {clipped}, not {weight.name}"
         )
     if spec.cov_selection == "clip_cov" and spec.clip_cov_lb >= spec.clip_cov_ub:
         raise ValueError(f"clip_cov_lb {spec.clip_cov_lb:g} must be below clip_cov_ub {spec.clip_cov_ub:g}")
@@ -39,7 +64,7 @@ def check_token_selection(spec: Any) -> None:
         )
 
 
-def token_selection_formula(spec: Any) -> str:
+def token_selection_formula(spec: TokenSelectionSettings) -> str:
     """The terms token selection and the entropy bonus add to the formula (empty when none is on)."""
     parts = []
     if spec.top_entropy_quantile < 1:

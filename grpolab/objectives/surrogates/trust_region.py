@@ -1,26 +1,30 @@
-"""Surrogates that bound the update by other means than PPO's per-token ratio clip (pure tensor functions).
+"""Weights that bound the update by other means than PPO's per-token ratio clip (verl's geo_mean and dppo_tv).
 
-- GMPO (Zhao et al., 2025): the geometric mean over a sequence's tokens of their clipped ratios, each ratio
-  clipped in log space into [-eps_low, eps_high].
-- DPPO (Qi et al., 2026, "Rethinking the Trust Region in LLM Reinforcement Learning"), its Binary-TV form:
-  tokens whose probability moved more than a threshold in the advantage's direction are masked; the rest
-  carry r x A, r = pi / pi_old, optionally truncated from above.
-- prime-rl's squared log-ratio penalty (Kimi K2.5): tau x (log pi / pi_old)^2 per token.
+- GMPO (Zhao et al., 2025; weight gmpo): the geometric mean over a sequence's tokens of their clipped ratios, each
+  ratio clipped in log space into [-eps_low, eps_high].
+- DPPO (Qi et al., 2026, "Rethinking the Trust Region in LLM Reinforcement Learning"; weight dppo), its Binary-TV
+  form: tokens whose probability moved more than a threshold in the advantage's direction are masked; the rest
+  carry r x A, r = pi / pi_old, optionally truncated from above (``ratio_cap``).
 
-Shapes as in :mod:`grpolab.objectives.losses`: N sequences, T positions, ``mask`` [N, T] 1 on response tokens.
-Masked positions never reach a value or a gradient.
+Shapes as in :class:`~grpolab.objectives.surrogates.registry.SurrogateInput`: N sequences, T positions, ``mask``
+[N, T] 1 on response tokens. Masked positions never reach a value or a gradient.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+from grpolab.objectives.surrogates.registry import SurrogateInput, SurrogateOutput, register
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
     """log(pi / pi_old) [N, T], 0 at masked positions (so garbage there cannot make NaN or inf)."""
+    import torch  # here: listing and checking the algorithms loads no torch
+
     diff = logprobs - old_logprobs
     return torch.where(mask.bool(), diff, torch.zeros_like(diff))
 
@@ -36,6 +40,8 @@ def gmpo_sequence_ratio(
     objective. A token's gradient is cut where the clip is the pessimistic side: l_t > eps_high with A > 0
     (high) or l_t < -eps_low with A < 0 (low). A = 0 gives ratio 1 (and a zero loss).
     """
+    import torch
+
     log_ratio = _log_ratio(logprobs, old_logprobs, mask)
     sign = torch.sign(advantages)[:, None].to(log_ratio.dtype)
     clipped = log_ratio.clamp(-eps_low, eps_high)
@@ -66,6 +72,8 @@ def dppo_surrogate(
                min(r, C) * grad log p: truncated importance sampling), r_C = r without a cap.
     The mask is a constant of the step (no gradient flows through it).
     """
+    import torch
+
     log_ratio = _log_ratio(logprobs, old_logprobs, mask)
     ratio = torch.exp(log_ratio)
     on = mask.bool()
@@ -83,6 +91,44 @@ def dppo_surrogate(
     return torch.where(low | high, torch.zeros_like(per_token), per_token), ratio, low, high
 
 
-def squared_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """(log pi / pi_old)^2 per token [N, T], 0 at masked positions: prime-rl's ``kl_loss`` (times kl_tau)."""
-    return _log_ratio(logprobs, old_logprobs, mask) ** 2
+@register(
+    "gmpo",
+    formula="-A * exp(mean_t sgn(A)*min(sgn(A)*log w, sgn(A)*clip(log w, -eps_low, eps_high)))  (per sequence)",
+    summary="geometric mean of the token ratios clipped in log space into [-eps_low, eps_high]",
+    reads=("eps_low", "eps_high"),
+)
+def gmpo(x: SurrogateInput, eps_low: float, eps_high: float) -> SurrogateOutput:
+    """GMPO's loss: one value per sequence, -A * its clipped geometric-mean ratio, on each of its tokens [N, T]."""
+    seq, low, high = gmpo_sequence_ratio(x.logprobs, x.old_logprobs, x.sequence_advantages, x.mask, eps_low, eps_high)
+    loss = (-x.advantages * seq[:, None].to(x.advantages.dtype)).expand_as(x.masked_logprobs)
+    return SurrogateOutput(loss, x.ratio, low, high)
+
+
+def check_dppo_bounds(eps_low: float, eps_high: float, ratio_cap: float | None) -> None:
+    """A probability cannot rise by 1 or more: such an eps_high would mask nothing."""
+    if eps_high >= 1:
+        raise ValueError(
+            f"weight dppo reads eps_high as a bound on a probability's rise; {eps_high:g} never masks: "
+            "use a value below 1 (e.g. 0.2)"
+        )
+
+
+def _dppo_formula(ratio_cap: float | None = None, **clip_range: float) -> str:
+    cap = f"; w truncated at {ratio_cap:g}" if ratio_cap is not None else ""
+    return f"-M * w * A, M = 0 where A>0 and p-p_old > eps_high or A<0 and p-p_old < -eps_low{cap}"
+
+
+@register(
+    "dppo",
+    formula=_dppo_formula,
+    summary="ratio, tokens whose probability moved more than eps_high up / eps_low down in the advantage's "
+    "direction masked",
+    reads=("eps_low", "eps_high", "ratio_cap"),
+    check=check_dppo_bounds,
+)
+def dppo(x: SurrogateInput, eps_low: float, eps_high: float, ratio_cap: float | None) -> SurrogateOutput:
+    """DPPO-Binary-TV's loss; its masks are the clip indicators."""
+    loss, _, low, high = dppo_surrogate(
+        x.logprobs, x.old_logprobs, x.sequence_advantages, x.mask, eps_low, eps_high, ratio_cap
+    )
+    return SurrogateOutput(loss, x.ratio, low, high)
