@@ -54,7 +54,7 @@ UNIT_MODULES = frozenset(
     test_sync_check test_task_members test_tasks test_tinymodel test_tool_protocol test_update test_verifiers test_rollout_correction
     test_rollout_correction_trl test_trl_loss_types test_objectives_trl test_reasoning_gym
     test_verl_losses test_advantage_variants test_token_selection test_token_selection_trl test_distillation
-    test_endpoint test_cli_imports test_trl_names test_tracker_registry
+    test_endpoint test_cli_imports test_trl_names test_tracker_registry test_surrogate_registry
 """.split()
 )
 
