@@ -18,7 +18,7 @@ from threaded_ranks import run_as_threads
 
 from grpolab.commands.cli import main
 from grpolab.config import ConfigError, load_config
-from grpolab.learning.learner import PolicyLearner
+from grpolab.learning.learner import LearnerState, PolicyLearner, TrainedModel
 from grpolab.objectives.advantages import group_advantages
 from grpolab.objectives.decoupled import batch_advantages, decoupled_advantages
 from grpolab.objectives.presets import PRESETS, get_algorithm
@@ -232,7 +232,8 @@ def learner(algo: str, ranks: Ranks) -> PolicyLearner:
             "optim.shared_prompts": False,
         },
     )
-    return PolicyLearner(cfg, torch.nn.Linear(2, 2), None, None, None, torch.device("cpu"), 0, None, None, {}, ranks)
+    trained = TrainedModel(torch.nn.Linear(2, 2), None, None, torch.device("cpu"), 0)
+    return PolicyLearner(cfg, trained, LearnerState({}), ranks=ranks)
 
 
 def two_term_batch() -> torch.Tensor:

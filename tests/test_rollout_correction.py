@@ -346,7 +346,7 @@ def test_a_spec_used_on_its_own_reads_auto_as_none_and_a_run_never_leaves_it_unr
     assert auto[2].means() == base[2].means()
     with pytest.raises(ValueError, match="auto is resolved when the run starts"):
         rollout_correction(old - engine, mask, "auto", 2.0)
-    from grpolab.learning.learner import PolicyLearner
+    from grpolab.learning.learner import LearnerState, PolicyLearner, TrainedModel
 
     with pytest.raises(ValueError, match="unresolved"):
-        PolicyLearner(RunConfig(), None, None, None, None, None, 0, None, None, {})
+        PolicyLearner(RunConfig(), TrainedModel(None, None, None, None, 0), LearnerState({}))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -182,57 +183,82 @@ class SyncCheck:
         self.metrics.update(self.monitor.check(*self.lockstep.global_rows(self.batch.engine_logprobs, trainer, mask)))
 
 
+@dataclass(frozen=True)
+class TrainedModel:
+    """The policy a learner trains: ``model`` (full, LoRA, or sharded by FSDP), ``optimizer`` over its trainable
+    parameters, the ``precision`` of its training forwards on ``device``; ``pad_token_id`` pads collated rows."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    precision: TrainingPrecision
+    device: torch.device
+    pad_token_id: int
+
+
+@dataclass(frozen=True)
+class FrozenModels:
+    """The models a learner reads and never trains: ``reference`` the reference policy (None: none), computed
+    within ``reference_context`` (with LoRA the policy itself with its adapter off); ``teacher`` on-policy
+    distillation's frozen teacher (None: none)."""
+
+    reference: nn.Module | None = None
+    reference_context: Callable[[], AbstractContextManager] = nullcontext
+    teacher: nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class LearnerState:
+    """The run's state a learner advances in place (saved in the run's checkpoints): ``updates`` counts attempted
+    and actual optimizer steps; ``minibatch_gen`` draws the mini-batches' shuffle (and Clip-Cov's tokens);
+    ``sync_monitor`` the sync check's calibration; ``entropy_control`` the entropy bonus's adaptive coefficient."""
+
+    updates: dict[str, int]
+    minibatch_gen: torch.Generator | None = None
+    sync_monitor: SyncMonitor | None = None
+    entropy_control: AdaptiveEntropy = field(default_factory=AdaptiveEntropy)
+
+
 class PolicyLearner:
-    """Updates ``model`` with ``optimizer`` from rollout batches (the reference policy is ``reference``,
-    computed within ``reference_context``: with LoRA the policy itself with its adapter off; ``teacher``: on-policy
-    distillation's frozen teacher, or None); ``updates``
-    counts attempted and actual optimizer steps (the run state's counters, updated in place). With several
-    ``ranks`` the training forward is wrapped in DDP (which broadcasts rank 0's weights here), unless FSDP
-    sharded ``model``."""
+    """Updates ``trained.model`` with its optimizer from rollout batches, reading the ``frozen`` models, advancing
+    the run's ``state``. With several ``ranks`` the training forward is wrapped in DDP (which broadcasts rank 0's
+    weights here), unless FSDP sharded the model."""
 
     def __init__(
         self,
         cfg: RunConfig,
-        model,
-        reference,
-        optimizer: torch.optim.Optimizer,
-        precision: TrainingPrecision,
-        device: torch.device,
-        pad_token_id: int,
-        minibatch_gen: torch.Generator,
-        sync_monitor: SyncMonitor,
-        updates: dict[str, int],
+        trained: TrainedModel,
+        state: LearnerState,
+        frozen: FrozenModels = FrozenModels(),
         ranks: Ranks = Ranks(),
-        reference_context: Callable[[], AbstractContextManager] = nullcontext,
-        entropy_control: AdaptiveEntropy | None = None,
-        teacher: nn.Module | None = None,
     ):
         if cfg.algorithm.rollout_correction == AUTO:  # the loss would read it as none, also with bf16 rollouts
             raise ValueError(
                 "algorithm.rollout_correction auto reached the learner unresolved (run.parts.resolve_auto)"
             )
-        self.cfg, self.spec, self.ranks = cfg, cfg.algorithm, ranks
-        self.model, self.reference, self.optimizer = model, reference, optimizer
-        self.reference_context = reference_context  # within it, ``reference`` computes the reference policy
-        self.teacher = teacher
-        self.sharded = is_sharded(model)
-        if self.sharded:
-            optimizer.register_step_post_hook(lambda *_: drop_stale_weights(model))
-        self.train_forward = PolicyForward(model)
-        if ranks.parallel and not self.sharded:
-            self.train_forward = wrap_ddp(self.train_forward, device)
+        self.cfg, self.spec, self.ranks, self.state, self.frozen = cfg, cfg.algorithm, ranks, state, frozen
+        self.model, self.optimizer, self.precision = trained.model, trained.optimizer, trained.precision
+        self.device, self.pad_token_id = trained.device, trained.pad_token_id
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.sharded = is_sharded(self.model)
+        self.train_forward = self._training_forward()
         self.lockstep = UpdateLockstep(ranks, self.train_forward, self.sharded)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.precision, self.device, self.pad_token_id = precision, device, pad_token_id
-        self.minibatch_gen, self.sync_monitor, self.updates = minibatch_gen, sync_monitor, updates
-        # the entropy bonus's adaptive coefficient: the run state's (saved in checkpoints), updated in place
-        self.entropy_control = entropy_control if entropy_control is not None else AdaptiveEntropy()
         blocker = None
         if cfg.optim.shared_prompts:  # FSDP gathers weights at every backbone pass: a unit takes two, a lone row one
-            blocker = "FSDP ranks must run the same forwards" if self.sharded else forward_fidelity(model).share_blocker
+            blocker = (
+                "FSDP ranks must run the same forwards" if self.sharded else forward_fidelity(self.model).share_blocker
+            )
         self.share_prompts = cfg.optim.shared_prompts and blocker is None
         # said once, at start: why every sequence is computed on its own
         self.sharing_note = None if blocker is None else f"shared prompts off: {blocker}"
+
+    def _training_forward(self) -> nn.Module:
+        """The model's training forward: DDP-wrapped over several ranks, unless FSDP shards the model (whose
+        gathered weights are then dropped after each optimizer step)."""
+        if self.sharded:
+            model = self.model
+            self.optimizer.register_step_post_hook(lambda *_: drop_stale_weights(model))
+        forward = PolicyForward(self.model)
+        return wrap_ddp(forward, self.device) if self.ranks.parallel and not self.sharded else forward
 
     def forward(self, batch: TrainBatch) -> BatchForward:
         return BatchForward(self.cfg, batch, self.precision, self.device, self.share_prompts, self.lockstep.forwards)
@@ -267,7 +293,9 @@ class PolicyLearner:
         forward, routing = self.forward(batch), self.routing(batch, mine)
         old = self.old_logprobs(forward, routing)
         # a stale batch was sampled by an older policy: its difference is the policy's drift, not the sync's
-        sync = SyncCheck(self.sync_monitor, self.lockstep, batch, self.cfg.rollout.sync_check and not rollout.staleness)
+        sync = SyncCheck(
+            self.state.sync_monitor, self.lockstep, batch, self.cfg.rollout.sync_check and not rollout.staleness
+        )
         if sync.enabled and old is not None:
             sync(old, torch.ones(len(batch), dtype=torch.bool, device=old.device))
         ref = self.reference_logprobs(forward)
@@ -283,8 +311,8 @@ class PolicyLearner:
         result = self.update(
             data, forward, routing, part=part, first_step_check=sync if sync.enabled and old is None else None
         )
-        self.updates["attempted"] += result.attempted
-        self.updates["actual"] += result.actual
+        self.state.updates["attempted"] += result.attempted
+        self.state.updates["actual"] += result.actual
         return {
             **advantage_metrics(rewards, advantages, valid),
             **result.metrics(),
@@ -329,15 +357,15 @@ class PolicyLearner:
 
     def reference_logprobs(self, forward: BatchForward) -> torch.Tensor | None:
         """[N, T] log-probs of the reference policy (None without one)."""
-        if self.reference is None:
+        if self.frozen.reference is None:
             return None
-        with self.reference_context():
-            return forward.frozen(self.reference)
+        with self.frozen.reference_context():
+            return forward.frozen(self.frozen.reference)
 
     def teacher_logprobs(self, forward: BatchForward) -> torch.Tensor | None:
         """[N, T] the teacher's log-probs of the sampled tokens (None without a teacher): one frozen forward per
         rollout batch, micro-batch by micro-batch, chunked over the output layer like the reference's."""
-        return None if self.teacher is None else forward.frozen(self.teacher)
+        return None if self.frozen.teacher is None else forward.frozen(self.frozen.teacher)
 
     def update(
         self,
@@ -366,7 +394,7 @@ class PolicyLearner:
 
         trainee = Trainee(routing.with_aux_loss(policy), self.optimizer, self.params, extra_loss=routing.extra_loss)
         share = self.lockstep.share(part, filler) if part is not None else None
-        hooks = UpdateHooks(share, self.entropy_control, first_step_check)
+        hooks = UpdateHooks(share, self.state.entropy_control, first_step_check)
         self.model.train()
         try:
             with routing.training():
@@ -383,5 +411,5 @@ class PolicyLearner:
             max_grad_norm=optim.max_grad_norm,
             full_metrics=optim.full_metrics,
             plan=forward.plan,
-            generator=self.minibatch_gen,
+            generator=self.state.minibatch_gen,
         )

@@ -21,7 +21,7 @@ from grpolab.common.extras import require
 from grpolab.common.progress import Reporter
 from grpolab.common.threads import ThreadChoice, choose_threads
 from grpolab.config import RunConfig
-from grpolab.learning.learner import SHARDED_FORWARD, PolicyLearner
+from grpolab.learning.learner import SHARDED_FORWARD, FrozenModels, LearnerState, PolicyLearner, TrainedModel
 from grpolab.learning.shared_prefix import unit_logprobs
 from grpolab.models.fidelity import check_trainable
 from grpolab.models.gguf import GGUF_PREFIX
@@ -397,19 +397,10 @@ def build_parts(
     try:
         learner = PolicyLearner(
             cfg,
-            policy.model,
-            policy.reference,
-            optimizer,
-            policy.precision,
-            setting.device,
-            policy.tokenizer.pad_token_id,
-            minibatch_gen,
-            sync_monitor,
-            state.updates,
+            TrainedModel(policy.model, optimizer, policy.precision, setting.device, policy.tokenizer.pad_token_id),
+            LearnerState(state.updates, minibatch_gen, sync_monitor, state.entropy_control),
+            FrozenModels(policy.reference, policy.reference_context, teacher.model if teacher is not None else None),
             ranks,
-            reference_context=policy.reference_context,
-            entropy_control=state.entropy_control,
-            teacher=teacher.model if teacher is not None else None,
         )
         parts = RunParts(
             cfg,
