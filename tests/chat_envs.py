@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 from conftest import build_char_tokenizer
+from tiny_configs import tiny_llama
 from tokenizers import AddedToken
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from grpolab.tasks.base import Example, Grade
 from grpolab.tasks.environment import Endpoint, Environment, EnvironmentTask
@@ -37,19 +38,7 @@ def chatml_model_dir(root: Path, seed: int = 0, vllm: bool = False) -> Path:
     head_dim 32, which vLLM's CPU attention takes (8 it does not)."""
     tokenizer = chatml_tokenizer()
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64 if vllm else 32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2 if vllm else 4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        initializer_range=0.3,
-    )
+    config = tiny_llama(tokenizer, 1024, hidden_size=64 if vllm else 32, num_attention_heads=2 if vllm else 4)
     path = root / ("chatml_vllm" if vllm else "chatml")
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from reward_model_fixtures import save_reward_model
+from tiny_configs import VLLM_SIZES, tiny_fields, tiny_llama
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -28,6 +29,7 @@ from transformers import (
 
 from grpolab.config import RunConfig, load_config
 from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
+from grpolab.run.rundir import read_metrics
 from grpolab.tasks import ArithmeticTask
 
 GSM8K_DIR = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
@@ -87,21 +89,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _config(arch: str, vocab_size: int, pad_id: int, eos_id: int, max_positions: int = 256):
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
-        bos_token_id=None,
-        # larger than the 0.02 default so that distributions are far from uniform
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-    )
+    common = tiny_fields(vocab_size, pad_id, eos_id, max_position_embeddings=max_positions)
     if arch == "llama":
         return LlamaConfig(**common)
     if arch == "qwen2":
@@ -154,21 +142,7 @@ def long_context_model_dirs(tmp_path_factory, tokenizer) -> dict[str, Path]:
 def vllm_model_dir(tmp_path_factory, tokenizer) -> Path:
     """A tiny float32 Llama vLLM's CPU attention takes (head_dim 32; the conftest models' 8 it does not),
     with tied embeddings like the demo's model (the harder case for the CPU weight reload)."""
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        initializer_range=0.3,
-        tie_word_embeddings=True,
-    )
+    config = tiny_llama(tokenizer, 256, **VLLM_SIZES, tie_word_embeddings=True)
     torch.manual_seed(1)
     path = tmp_path_factory.mktemp("tiny_llama_hd32")
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
@@ -309,13 +283,29 @@ def float64_norms(model) -> None:
             module.forward = forward.__get__(module)
 
 
+TASK_SETTINGS = {f"task.{k}": v for k, v in TASK.items()}  # TASK as settings (``--task.digits=1`` ...)
+
+
+def cli_pairs(settings: dict) -> list[str]:
+    """``settings`` as a command line gives them: ``--key value`` each (as ``grpolab train`` reads overrides)."""
+    return [arg for key, value in settings.items() for arg in (f"--{key}", str(value))]
+
+
+def bench_args(kind: str, engines: str, report: Path, model_dir: Path) -> list[str]:
+    """``grpolab bench KIND``'s command line: ``engines`` timed once each with the model in ``model_dir`` on TASK
+    (4 prompts a step, 24 new tokens, one thread), the figures written to ``report``."""
+    settings = {**TASK_SETTINGS, "rollout.prompts_per_step": 4, "rollout.max_new_tokens": 24, "threads": 1}
+    head = ["bench", kind, "--engines", engines, "--repeats", "1", "--json", str(report), "--model", str(model_dir)]
+    return [*head, *cli_pairs(settings)]
+
+
 def quick_settings(model_dir, out) -> dict:
     """The settings of a quick run (``quick_config``), as ``--key=value`` overrides name them."""
     return {
         "model.path": str(model_dir),
         "output_dir": str(out),
         "steps": 2,
-        **{f"task.{k}": v for k, v in TASK.items()},
+        **TASK_SETTINGS,
         "rollout.prompts_per_step": 4,
         "rollout.group_size": 8,
         "rollout.max_new_tokens": 40,
@@ -328,6 +318,52 @@ def quick_settings(model_dir, out) -> dict:
 
 def quick_config(model_dir, out, **overrides) -> RunConfig:
     return load_config(None, {**quick_settings(model_dir, out), **overrides})
+
+
+def quick_run(tmp_path_factory, model_dir, name: str, **overrides) -> Path:
+    """A finished quick run (``quick_config`` with ``overrides``) of the model in ``model_dir``, in a new folder
+    ``name``: the reference a module's tests compare their runs with."""
+    from grpolab.run.trainer import train
+
+    run = tmp_path_factory.mktemp(name) / "run"
+    train(quick_config(model_dir, run, **overrides))
+    return run
+
+
+def run_config(model_dir, out, settings: dict) -> RunConfig:
+    """The config of a run of the model in ``model_dir`` writing to ``out``: ``settings`` (named as ``--key=value``
+    overrides name them) over the defaults."""
+    return load_config(None, {"model.path": str(model_dir), "output_dir": str(out), **settings})
+
+
+def train_until(cfg, stop_at: int, *args) -> None:
+    """``train(cfg, *args)`` interrupted (KeyboardInterrupt: a kill, in process) as step ``stop_at`` begins: after
+    step ``stop_at - 1``'s records, before step ``stop_at``'s."""
+    from grpolab.run.trainer import Trainer, train
+
+    original = Trainer.train_step
+
+    def die(self, step, *step_args):
+        if step == stop_at:
+            raise KeyboardInterrupt
+        return original(self, step, *step_args)
+
+    Trainer.train_step = die
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg, *args)
+    finally:
+        Trainer.train_step = original
+
+
+def untimed(records: list[dict]) -> list[dict]:
+    """Metrics records without their timings (``time/*``, ``tokens_per_s``): what two runs of one config share."""
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
+
+
+def run_numbers(run_dir: Path) -> list[dict]:
+    """The untimed records of the run in ``run_dir`` (its metrics.jsonl): what an exact resume must reproduce."""
+    return untimed(read_metrics(Path(run_dir) / "metrics.jsonl"))
 
 
 def params_of(model) -> list[torch.Tensor]:

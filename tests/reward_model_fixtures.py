@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from tiny_configs import tiny_llama
+from transformers import LlamaForSequenceClassification
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
@@ -27,20 +28,7 @@ def save_reward_model(
 ) -> Path:
     """A random reward model and its tokenizer in ``path`` (``pad=False``: a tokenizer without a pad token)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        initializer_range=0.3,
-        num_labels=num_labels,
-    )
+    config = tiny_llama(tokenizer, max_positions, num_labels=num_labels)
     LlamaForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     settings_file = path / "tokenizer_config.json"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_configs import TINY_SIZES, tiny_fields
 from transformers import (
     AutoModelForCausalLM,
     CohereConfig,
@@ -51,20 +52,8 @@ from grpolab.rollout import HFEngine, SamplingParams
 VOCAB, WINDOW, ORIGINAL, TEMPERATURE = 128, 8, 16, 0.7
 LONG = ((12, (20, 6)), (9, (15, 1)))  # (prompt length, completion lengths): up to 32 tokens
 SHORT = ((6, (10, 3)), (4, (12, 1)))  # within ORIGINAL
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=None,
-    eos_token_id=None,
-    initializer_range=0.3,
-    tie_word_embeddings=False,
-)
+COMMON = tiny_fields(VOCAB, 0, None, max_position_embeddings=64)
+NEOX_SIZES = {k: v for k, v in TINY_SIZES.items() if k != "num_key_value_heads"}  # no grouped key/value heads
 NO_LLAMA_FIELDS = dict(vocab_size=VOCAB, initializer_range=0.3, pad_token_id=0, bos_token_id=None, eos_token_id=None)
 MOE = dict(num_experts=4, num_experts_per_tok=2)
 LONGROPE = {
@@ -105,15 +94,7 @@ CONFIGS = {
     "granite": lambda: GraniteConfig(**COMMON, logits_scaling=4.0),
     "cohere": lambda: CohereConfig(**COMMON, logit_scale=4.0),
     "starcoder2": lambda: Starcoder2Config(**COMMON, sliding_window=WINDOW),
-    "gpt_neox": lambda: GPTNeoXConfig(
-        **NO_LLAMA_FIELDS,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        rotary_pct=0.5,
-    ),
+    "gpt_neox": lambda: GPTNeoXConfig(**NO_LLAMA_FIELDS, **NEOX_SIZES, max_position_embeddings=64, rotary_pct=0.5),
     "gpt2": lambda: GPT2Config(**NO_LLAMA_FIELDS, n_embd=32, n_layer=2, n_head=4, n_positions=64),
     "smollm3": lambda: SmolLM3Config(**COMMON, no_rope_layer_interval=2),  # layer 2 without rope
 }

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_char_tokenizer
+from conftest import build_char_tokenizer, run_config
+from tiny_configs import tiny_llama
 from tokenizers import AddedToken, processors
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from grpolab.config import load_config
+from grpolab.config import RunConfig, load_config
 from grpolab.run.trainer import Trainer
 from grpolab.tasks import build_task
 
@@ -59,18 +60,7 @@ def chat_model_dir(tmp_path, style: str):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=base, pad_token="<pad>", unk_token="<unk>", **roles)
     tokenizer.chat_template = template
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
+    config = tiny_llama(tokenizer, 512, initializer_range=0.02)  # transformers' default
     path = tmp_path / f"chat_{style}"
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -86,6 +76,20 @@ def data(tmp_path):
     return train, val
 
 
+def dataset_config(model_dir, tmp_path, prompt: dict, max_new_tokens: int) -> RunConfig:
+    """One step of the model in ``model_dir`` on a dataset task of ``data(tmp_path)``'s problems, prompted by
+    ``prompt``: 2 prompts x 2 samples of up to ``max_new_tokens`` tokens."""
+    train, val = data(tmp_path)
+    task = {
+        "task.train": str(train),
+        "task.validation": str(val),
+        "task.question_field": "problem",
+        "task.prompt": prompt,
+    }
+    rollout = {"rollout.prompts_per_step": 2, "rollout.group_size": 2, "rollout.max_new_tokens": max_new_tokens}
+    return run_config(model_dir, tmp_path / "run", {"steps": 1, "task.name": "dataset", **task, **rollout})
+
+
 @pytest.mark.parametrize(
     "style, kwargs, system",
     [
@@ -96,27 +100,10 @@ def data(tmp_path):
 )
 def test_trainer_prompt_tokens_equal_apply_chat_template(tmp_path, style, kwargs, system):
     model_dir = chat_model_dir(tmp_path, style)
-    train, val = data(tmp_path)
     prompt = {"format": "chat", "answer": "boxed", "template": "Question: {problem}", "chat_template_kwargs": kwargs}
     if system:
         prompt["system"] = system
-    cfg = load_config(
-        None,
-        {
-            "model.path": str(model_dir),
-            "output_dir": str(tmp_path / "run"),
-            "steps": 1,
-            "task.name": "dataset",
-            "task.train": str(train),
-            "task.validation": str(val),
-            "task.question_field": "problem",
-            "task.prompt": prompt,
-            "rollout.prompts_per_step": 2,
-            "rollout.group_size": 2,
-            "rollout.max_new_tokens": 8,
-        },
-    )
-    trainer = Trainer(cfg)
+    trainer = Trainer(dataset_config(model_dir, tmp_path, prompt, max_new_tokens=8))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         for example in trainer.parts.task.train_examples() + trainer.parts.val_examples:

@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 from conftest import quick_config
+from tiny_configs import tiny_sizes
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from grpolab.run.trainer import Trainer
@@ -26,15 +27,7 @@ FAMILIES = {  # every dropout field each family's config has, at 0.1
     "falcon": dict(attention_dropout=P, hidden_dropout=P),
     "gpt_neo": dict(attention_dropout=P, embed_dropout=P, resid_dropout=P),
 }
-SIZES = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=64,
-)
+SIZES = tiny_sizes(vocab_size=64, num_key_value_heads=4, max_position_embeddings=64)
 SIZES_OF = {
     "gpt2": dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64),
     "opt": dict(SIZES, ffn_dim=64, word_embed_proj_dim=32),

@@ -7,7 +7,8 @@ import math
 
 import pytest
 import torch
-from conftest import float64_norms, quick_config
+from conftest import cli_pairs, float64_norms, quick_config
+from tiny_configs import tiny_fields
 from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -25,21 +26,7 @@ from grpolab.models.routing import (
 from grpolab.run.trainer import Trainer
 
 VOCAB = 64
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    num_experts_per_tok=2,
-    initializer_range=0.3,
-    pad_token_id=0,
-    eos_token_id=1,
-    bos_token_id=None,
-    tie_word_embeddings=False,
-)
+COMMON = tiny_fields(VOCAB, 0, 1, max_position_embeddings=128, num_experts_per_tok=2)
 FAMILIES = {
     "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, head_dim=8, num_experts=8, moe_intermediate_size=16),
     "olmoe": lambda: OlmoeConfig(**COMMON, num_experts=8),
@@ -679,30 +666,9 @@ def test_a_granite_moe_run_is_refused_in_one_line_before_its_run_dir(tmp_path, t
     path, out = tmp_path / "granite", tmp_path / "run"
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    assert (
-        main(
-            [
-                "train",
-                "--model",
-                str(path),
-                "--output-dir",
-                str(out),
-                "--steps",
-                "1",
-                "--task.n_train",
-                "60",
-                "--task.n_val",
-                "16",
-                "--rollout.prompts_per_step",
-                "2",
-                "--rollout.group_size",
-                "2",
-                "--rollout.max_new_tokens",
-                "8",
-            ]
-        )
-        == 2
-    )
+    rollout = {"rollout.prompts_per_step": 2, "rollout.group_size": 2, "rollout.max_new_tokens": 8}
+    settings = {"steps": 1, "task.n_train": 60, "task.n_val": 16, **rollout}
+    assert main(["train", "--model", str(path), "--output-dir", str(out), *cli_pairs(settings)]) == 2
     errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "granitemoe: a Mixture-of-Experts family" in errors[0], errors
     assert not out.exists()

@@ -10,12 +10,12 @@ import os
 
 import pytest
 import torch
-from conftest import build_char_tokenizer
+from conftest import QUICK_WARM_START, build_char_tokenizer, run_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.learning.batching import collate
 from grpolab.models.logprobs import token_logprobs
-from grpolab.models.tinymodel import WarmStartSettings, warm_start_model
+from grpolab.models.tinymodel import warm_start_model
 from grpolab.rollout.base import Completion, SamplingParams
 from grpolab.rollout.hf.engine import HFEngine
 from grpolab.rollout.multiturn import MultiTurnEngine, tool_metrics
@@ -151,16 +151,7 @@ def test_single_turn_completions_pass_through(char_tok):
 
 # ---- the real engines on a warm-started tool model ----------------------------------------------
 TOOL_TASK = {"n_train": 300, "n_val": 16, "tool_demos": 1.0}
-TOOL_WARM_START = WarmStartSettings(
-    steps=120,
-    hidden_size=64,
-    num_layers=2,
-    num_heads=2,
-    intermediate_size=128,
-    batch_size=32,
-    lr=5e-3,
-    tie_word_embeddings=True,
-)  # head_dim 32 suits vLLM
+TOOL_WARM_START = QUICK_WARM_START.model_copy(update={"steps": 120})  # head_dim 32 suits vLLM
 
 
 @pytest.fixture(scope="module")
@@ -224,15 +215,13 @@ def test_vllm_engine_multi_turn_spans_and_logprobs(tool_model):
 
 
 def test_a_tool_task_run_logs_tool_use_and_masked_tokens(tool_model, tmp_path):
-    from grpolab.config import load_config
     from grpolab.run.trainer import train
 
     _, model_dir = tool_model
-    cfg = load_config(
-        None,
+    cfg = run_config(
+        model_dir,
+        tmp_path / "run",
         {
-            "model.path": str(model_dir),
-            "output_dir": str(tmp_path / "run"),
             "steps": 2,
             "task.name": "calculator",
             **{f"task.{k}": v for k, v in TOOL_TASK.items()},

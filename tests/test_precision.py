@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import quick_config
 from rich.console import Console
+from tiny_configs import tiny_sizes
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from grpolab.models.logprobs import token_logprobs
@@ -24,16 +25,8 @@ CPU = torch.device("cpu")
 def bf16_model():
     """A small random Llama whose weights are exactly representable in bf16 (a bf16 checkpoint)."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
+    sizes = tiny_sizes(vocab_size=512, hidden_size=64, intermediate_size=256, num_key_value_heads=4)
+    config = LlamaConfig(**sizes, max_position_embeddings=128, tie_word_embeddings=False)
     return AutoModelForCausalLM.from_config(config).to(torch.bfloat16).float().eval()
 
 

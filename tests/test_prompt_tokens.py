@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 from conftest import build_char_tokenizer
-from test_chat_prompts import chat_model_dir, data
+from test_chat_prompts import chat_model_dir, dataset_config
 from tokenizers import AddedToken, processors
 from transformers import PreTrainedTokenizerFast
 
-from grpolab.config import load_config
 from grpolab.models.prompt_tokens import leading_special_ids, tokenize_prompts
 from grpolab.run.trainer import Trainer
 
@@ -41,29 +40,12 @@ def test_the_tokenizers_leading_special_tokens_once_and_never_an_appended_eos(po
 @pytest.mark.parametrize("fmt", ["template", "chat"])
 def test_trainer_prompts_start_with_one_bos_for_a_bos_adding_tokenizer(tmp_path, fmt):
     model_dir = chat_model_dir(tmp_path, "llama3")  # its tokenizer adds <|begin_of_text|>; its template writes it
-    train, val = data(tmp_path)
     prompt = {
         "format": fmt,
         "answer": "last_number",
         "template": "Question: {problem}" + ("\nAnswer:" * (fmt == "template")),
     }
-    cfg = load_config(
-        None,
-        {
-            "model.path": str(model_dir),
-            "output_dir": str(tmp_path / "run"),
-            "steps": 1,
-            "task.name": "dataset",
-            "task.train": str(train),
-            "task.validation": str(val),
-            "task.question_field": "problem",
-            "task.prompt": prompt,
-            "rollout.prompts_per_step": 2,
-            "rollout.group_size": 2,
-            "rollout.max_new_tokens": 4,
-        },
-    )
-    trainer = Trainer(cfg)
+    trainer = Trainer(dataset_config(model_dir, tmp_path, prompt, max_new_tokens=4))
     try:
         bos = trainer.parts.tokenizer.convert_tokens_to_ids("<|begin_of_text|>")
         for ids in trainer.parts.prompt_ids.values():

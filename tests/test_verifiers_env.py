@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from chat_envs import CHATML, chatml_model_dir, chatml_tokenizer
+from conftest import run_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpolab.config import load_config
 from grpolab.rollout.base import Completion, SamplingParams
 from grpolab.rollout.environment import EnvironmentEngine
 from grpolab.rollout.hf.engine import HFEngine
@@ -317,11 +317,10 @@ def test_a_multi_turn_environment_trains_a_step_on_its_sampled_tokens_only(chat_
     from grpolab.run.trainer import Trainer
 
     path, _, tokenizer = chat_model
-    cfg = load_config(
-        None,
+    cfg = run_config(
+        path,
+        tmp_path / "run",
         {
-            "model.path": str(path),
-            "output_dir": str(tmp_path / "run"),
             "steps": 1,
             "task.name": "verifiers",
             "task.environment": "vf_multi",
