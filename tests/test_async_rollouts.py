@@ -11,7 +11,7 @@ import signal
 
 import pytest
 import torch
-from conftest import quick_config, quick_settings
+from conftest import quick_config, quick_run, quick_settings, run_numbers, train_until, untimed
 from transformers import AutoModelForCausalLM
 
 from grpolab.commands.cli import main
@@ -19,13 +19,9 @@ from grpolab.common.provenance import native_bf16
 from grpolab.config import load_run_config
 from grpolab.rollout.pipeline import AsyncRollouts
 from grpolab.run.rundir import read_metrics
-from grpolab.run.trainer import Trainer, train
+from grpolab.run.trainer import train
 
 OVERRIDES = {"steps": 4, "checkpoint.every": 2, "eval.every": 2, "threads": 1, "rollout.engine_threads": 1}
-
-
-def untimed(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
 
 
 def final_weights(run_dir, step: int = 4) -> dict[str, torch.Tensor]:
@@ -38,15 +34,13 @@ def same_weights(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def sync_run(warm_model_dir, tmp_path_factory):
-    run = tmp_path_factory.mktemp("sync") / "run"
-    train(quick_config(warm_model_dir, run, **OVERRIDES))
-    return run
+    return quick_run(tmp_path_factory, warm_model_dir, "sync", **OVERRIDES)
 
 
 def test_async_at_staleness_0_is_the_sync_run_bit_for_bit(warm_model_dir, sync_run, tmp_path):
     run = tmp_path / "run"
     train(quick_config(warm_model_dir, run, **OVERRIDES, **{"rollout.mode": "async", "rollout.max_staleness": 0}))
-    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(sync_run / "metrics.jsonl"))
+    assert run_numbers(run) == run_numbers(sync_run)
     assert same_weights(run, sync_run)
 
 
@@ -71,9 +65,7 @@ def test_in_bf16_async_at_staleness_0_is_the_sync_run_bit_for_bit(warm_model_dir
 
 @pytest.fixture(scope="module")
 def async_run(warm_model_dir, tmp_path_factory):
-    run = tmp_path_factory.mktemp("async") / "run"
-    train(quick_config(warm_model_dir, run, **OVERRIDES, **ASYNC))
-    return run
+    return quick_run(tmp_path_factory, warm_model_dir, "async", **OVERRIDES, **ASYNC)
 
 
 ASYNC = {"rollout.mode": "async", "rollout.max_staleness": 1}
@@ -95,27 +87,15 @@ def test_async_at_staleness_1_trains_each_batch_one_version_behind(async_run, sy
     )  # a stale batch is not a sync
 
 
-def test_async_run_stopped_after_step_3_resumes_with_identical_numbers(
-    warm_model_dir, async_run, tmp_path, monkeypatch
-):
+def test_async_run_stopped_after_step_3_resumes_with_identical_numbers(warm_model_dir, async_run, tmp_path):
     run = tmp_path / "run"
-    original = Trainer.train_step
-
-    def die_at_step_4(self, step, *args):
-        if step == 4:
-            raise KeyboardInterrupt
-        return original(self, step, *args)
-
-    monkeypatch.setattr(Trainer, "train_step", die_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        train(quick_config(warm_model_dir, run, **OVERRIDES, **ASYNC))
-    monkeypatch.setattr(Trainer, "train_step", original)
+    train_until(quick_config(warm_model_dir, run, **OVERRIDES, **ASYNC), stop_at=4)
     state = torch.load(run / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)
     assert (
         sorted(state["rollouts"]["pending"]) == [3] and state["rollouts"]["next_step"] == 4
     )  # batch 3 made ahead; 4 by the saved weights
     train(load_run_config(run), resume=True)
-    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(async_run / "metrics.jsonl"))
+    assert run_numbers(run) == run_numbers(async_run)
     assert same_weights(run, async_run)
 
 
@@ -140,7 +120,7 @@ def test_an_engine_process_killed_mid_run_is_one_line_and_the_run_resumes(
     monkeypatch.setattr(AsyncRollouts, "publish", original)
     assert max(r["step"] for r in read_metrics(run / "metrics.jsonl")) == 3
     train(load_run_config(run), resume=True)
-    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(async_run / "metrics.jsonl"))
+    assert run_numbers(run) == run_numbers(async_run)
     assert same_weights(run, async_run)
 
 

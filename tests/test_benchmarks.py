@@ -8,23 +8,36 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TASK
+from conftest import TASK, TASK_SETTINGS, cli_pairs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 pytest_plugins = ["suite_fixtures"]  # the fake trainer
 
 
+def _settings(model_dir) -> dict:
+    """The test model and task, 2 prompts x 8, micro-batches of 4."""
+    rollout = {"rollout.prompts_per_step": 2, "rollout.group_size": 8, "rollout.max_new_tokens": 24}
+    return {"model.path": model_dir, **TASK_SETTINGS, **rollout, "optim.micro_batch_size": 4}
+
+
 def _small(model_dir) -> list[str]:
-    """Dotted overrides: the test model and task, 2 prompts x 8, micro-batches of 4."""
-    pairs = {
-        "model.path": model_dir,
-        **{f"task.{k}": v for k, v in TASK.items()},
-        "rollout.prompts_per_step": 2,
-        "rollout.group_size": 8,
-        "rollout.max_new_tokens": 24,
-        "optim.micro_batch_size": 4,
-    }
-    return [item for key, value in pairs.items() for item in (f"--{key}", str(value))]
+    """Dotted overrides (``--key value``): ``_settings``."""
+    return cli_pairs(_settings(model_dir))
+
+
+def _dotted(model_dir) -> list[str]:
+    """``_settings`` as ``key=value`` arguments."""
+    return [f"{key}={value}" for key, value in _settings(model_dir).items()]
+
+
+def _roofline(tmp_path: Path, model_dir, *options: str, more: tuple[str, ...] = ()) -> dict:
+    """generation_roofline's results, timed once, for ``options`` with an empty config file and ``_settings``
+    (``more`` dotted settings after them)."""
+    import generation_roofline
+
+    config = tmp_path / "empty.toml"
+    config.write_text("")
+    return generation_roofline.main(["--config", str(config), "--repeats", "1", *options, *_dotted(model_dir), *more])
 
 
 def test_training_phase_ways_agree_with_the_previous_path(warm_model_dir, capsys):
@@ -54,9 +67,7 @@ def test_vs_trl_runs_both_at_the_same_settings(warm_model_dir, tmp_path, monkeyp
     pytest.importorskip("trl")
     import vs_trl
 
-    overrides = [
-        f"{k.removeprefix('--')}={v}" for k, v in zip(_small(warm_model_dir)[::2], _small(warm_model_dir)[1::2])
-    ]
+    overrides = _dotted(warm_model_dir)
     monkeypatch.setattr(sys, "argv", ["vs_trl.py", "--steps", "1", "--json", str(tmp_path / "f.json"), *overrides])
     assert vs_trl.main() == 0
     out = capsys.readouterr().out
@@ -66,26 +77,8 @@ def test_vs_trl_runs_both_at_the_same_settings(warm_model_dir, tmp_path, monkeyp
 
 @pytest.mark.slow  # ~6 s, a benchmark's own run; default tier: what it times, each engine's generation (test_rollout_*)
 def test_generation_roofline_reports_every_engine_against_both_rooflines(warm_model_dir, tmp_path, capsys):
-    import generation_roofline
-
-    config = tmp_path / "empty.toml"
-    config.write_text("")
-    overrides = [
-        f"{k.removeprefix('--')}={v}" for k, v in zip(_small(warm_model_dir)[::2], _small(warm_model_dir)[1::2])
-    ]
-    results = generation_roofline.main(
-        [
-            "--config",
-            str(config),
-            "--repeats",
-            "1",
-            "--engines",
-            "generate,hf,hf-unpacked,hf-sdpa",
-            "--json",
-            str(tmp_path / "g.json"),
-            *overrides,
-        ]
-    )
+    engines = "generate,hf,hf-unpacked,hf-sdpa"
+    results = _roofline(tmp_path, warm_model_dir, "--engines", engines, "--json", str(tmp_path / "g.json"))
     roofline = results["roofline"]
     assert roofline["rows"] == 16 and roofline["best"]["tokens_per_s"] >= roofline["linear"]["tokens_per_s"]
     assert set(results["engines"]) == {"generate", "hf", "hf-unpacked", "hf-sdpa"}
@@ -103,17 +96,8 @@ def test_generation_roofline_reports_every_engine_against_both_rooflines(warm_mo
 @pytest.mark.slow  # a benchmark's own run; default tier: test_refill.py's batch kept full while rows wait
 def test_generation_roofline_shows_the_live_rows_of_a_refilled_batch(warm_model_dir, tmp_path, capsys):
     """--rounds 2: one call of 2 steps' prompts (32 rows) through a batch of 8: rows join as others end."""
-    import generation_roofline
-
-    config = tmp_path / "empty.toml"
-    config.write_text("")
-    overrides = [
-        f"{k.removeprefix('--')}={v}" for k, v in zip(_small(warm_model_dir)[::2], _small(warm_model_dir)[1::2])
-    ]
-    results = generation_roofline.main(
-        ["--config", str(config), "--repeats", "1", "--engines", "hf", "--rounds", "2", *overrides]
-        + ["rollout.max_batch_size=8"]
-    )
+    more = ("rollout.max_batch_size=8",)
+    results = _roofline(tmp_path, warm_model_dir, "--engines", "hf", "--rounds", "2", more=more)
     live = results["engines"]["hf"]["live_rows"]
     assert results["roofline"]["rows"] == 8 and live[0] == 8 and max(live) == 8
     assert sum(live) == results["engines"]["hf"]["tokens"][0]  # every row a step computes is live
@@ -146,18 +130,24 @@ def test_lora_vllm_sync_reports_both_modes_passing_the_sync_check(warm_model_dir
     assert re.search(r"adapter / merged: weight sync \S+x, generation tokens/s \S+x", out)
 
 
-@pytest.mark.slow  # default tier: the same with fake runs below (the scheduler's placements: test_suite_devices.py)
-def test_suite_placement_times_both_placements_and_finds_the_same_numbers(warm_model_dir, tmp_path, capsys):
+def assert_placement_of_the_tiny_suite(tmp_path: Path, model_dir, capsys) -> None:
+    """suite_placement on the tiny suite (b not started from a, no threads setting) on devices 0 and 1: both
+    placements timed, a on device 0 and b on 1 with the numbers of one at a time, threads = 1 written back."""
     import suite_placement
-    from test_suite import suite_file
+    from suite_runs import suite_file
 
-    spec = suite_file(tmp_path, warm_model_dir)
+    spec = suite_file(tmp_path, model_dir)
     spec.write_text(spec.read_text().replace("threads = 1\n", "").replace('init_from = "a"\n', ""))
     assert suite_placement.main([str(spec), "--out", str(tmp_path / "bench"), "--devices", "0,1"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"one at a time \d+ s, on devices 0,1 \d+ s: [\d.]+x faster \(1 thread\(s\) per run\)", out)
     assert re.search(r"^a .* 0\s+True\s+True$", out, re.M) and re.search(r"^b .* 1\s+True\s+True$", out, re.M)
     assert "threads = 1" in (tmp_path / "bench" / spec.name).read_text()
+
+
+@pytest.mark.slow  # default tier: the same with fake runs below (the scheduler's placements: test_suite_devices.py)
+def test_suite_placement_times_both_placements_and_finds_the_same_numbers(warm_model_dir, tmp_path, capsys):
+    assert_placement_of_the_tiny_suite(tmp_path, warm_model_dir, capsys)
 
 
 def test_suite_placement_times_both_placements_and_finds_the_same_numbers_with_fake_runs(
@@ -167,7 +157,6 @@ def test_suite_placement_times_both_placements_and_finds_the_same_numbers_with_f
     starts is a forked copy of this process running the same command (started without importing anew)."""
     import suite_placement
     from suite_runs import forked_runner
-    from test_suite import suite_file
 
     def forked_call(command, stdout, stderr):
         assert command[:4] == [sys.executable, "-m", "grpolab.commands.cli", "suite"], command
@@ -177,13 +166,7 @@ def test_suite_placement_times_both_placements_and_finds_the_same_numbers_with_f
 
     monkeypatch.setattr(suite_placement.subprocess, "call", forked_call)
     monkeypatch.setenv("PYTHONPATH", str(fake_hook))
-    spec = suite_file(tmp_path, warm_model_dir)
-    spec.write_text(spec.read_text().replace("threads = 1\n", "").replace('init_from = "a"\n', ""))
-    assert suite_placement.main([str(spec), "--out", str(tmp_path / "bench"), "--devices", "0,1"]) == 0
-    out = capsys.readouterr().out
-    assert re.search(r"one at a time \d+ s, on devices 0,1 \d+ s: [\d.]+x faster \(1 thread\(s\) per run\)", out)
-    assert re.search(r"^a .* 0\s+True\s+True$", out, re.M) and re.search(r"^b .* 1\s+True\s+True$", out, re.M)
-    assert "threads = 1" in (tmp_path / "bench" / spec.name).read_text()
+    assert_placement_of_the_tiny_suite(tmp_path, warm_model_dir, capsys)
 
 
 @pytest.mark.slow  # ~6 s, a benchmark's own run; default tier: reward-model training and RL on its scores

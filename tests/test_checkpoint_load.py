@@ -202,16 +202,8 @@ def test_rslora_and_dora_are_settings_of_the_checkpoint_too(lora_start):
 def test_a_run_starting_from_a_lora_checkpoint_with_other_settings_is_refused(lora_start, tmp_path, capsys):
     _, _, checkpoint = lora_start
     capsys.readouterr()
-    assert (
-        main(
-            _train_args(
-                checkpoint,
-                tmp_path / "next",
-                **{"model.lora.rank": 4, "model.lora.target_modules": '["q_proj","v_proj"]'},
-            )
-        )
-        == 2
-    )
+    other = {"model.lora.rank": 4, "model.lora.target_modules": '["q_proj","v_proj"]'}
+    assert main(_train_args(checkpoint, tmp_path / "next", **other)) == 2
     out = capsys.readouterr().out
     assert len(_error_lines(out)) == 1 and "gives lora_alpha 4 (the checkpoint's: 32)" in out, out
     assert not (tmp_path / "next").exists()
@@ -232,16 +224,8 @@ def test_a_changed_base_is_refused_by_resume_model_path_and_export(lora_start, t
         out = capsys.readouterr().out
         assert len(_error_lines(out)) == 1 and f"its base model {base} changed since the adapter was trained" in out
         assert not (run / "checkpoints" / "step_000002").exists()
-        assert (
-            main(
-                _train_args(
-                    checkpoint,
-                    tmp_path / "next",
-                    **{f"model.lora.{k}": json.dumps(v) if isinstance(v, list) else v for k, v in OWN.items()},
-                )
-            )
-            == 2
-        )
+        own = {f"model.lora.{k}": json.dumps(v) if isinstance(v, list) else v for k, v in OWN.items()}
+        assert main(_train_args(checkpoint, tmp_path / "next", **own)) == 2
         assert "changed since the adapter was trained" in capsys.readouterr().out
         assert main(["export", str(checkpoint), str(tmp_path / "merged")]) == 2
         out = capsys.readouterr().out

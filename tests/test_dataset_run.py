@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import torch
-from conftest import quick_settings
+from conftest import cli_pairs, quick_settings
 from reference_advantage_variants import reference_decoupled_advantages
 
 from grpolab.commands.cli import main
@@ -118,33 +118,10 @@ def test_rl_run_from_toml_on_a_jsonl_with_user_reward_functions(tmp_path, warm_m
 
 def test_a_task_class_whose_grader_raises_does_not_end_the_run(tmp_path, warm_model_dir):
     out = tmp_path / "run"
-    code = main(
-        [
-            "train",
-            "--model",
-            str(warm_model_dir),
-            "--output-dir",
-            str(out),
-            "--steps",
-            "1",
-            "--task.name",
-            "custom_task:CountdownTask",
-            "--task.n",
-            "16",
-            "--task.raise_on",
-            "'</answer>'",
-            "--rollout.prompts_per_step",
-            "2",
-            "--rollout.group_size",
-            "4",
-            "--rollout.max_new_tokens",
-            "24",
-            "--optim.micro_batch_size",
-            "8",
-            "--rollout.max_failure_rate",
-            "1",
-        ]
-    )
+    task = {"task.name": "custom_task:CountdownTask", "task.n": 16, "task.raise_on": "'</answer>'"}
+    rollout = {"rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 24}
+    settings = {"steps": 1, **task, **rollout, "optim.micro_batch_size": 8, "rollout.max_failure_rate": 1}
+    code = main(["train", "--model", str(warm_model_dir), "--output-dir", str(out), *cli_pairs(settings)])
     assert code == 0
     step = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "reward_mean" in line][0]
     assert step["reward/grade_failed"] >= 1  # completions with '</answer>' made the user's grader raise
@@ -160,25 +137,9 @@ def test_malformed_data_is_one_error_line_and_nothing_is_written(tmp_path, warm_
     train = tmp_path / "train.jsonl"
     train.write_text('{"problem": "1+1", "result": 2}\n{"problem": "2+2"}\n')
     out = tmp_path / "run"
-    code = main(
-        [
-            "train",
-            "--model",
-            str(warm_model_dir),
-            "--output-dir",
-            str(out),
-            "--task.name",
-            "dataset",
-            "--task.train",
-            str(train),
-            "--task.validation_size",
-            "1",
-            "--task.question_field",
-            "problem",
-            "--task.answer_field",
-            "result",
-        ]
-    )
+    task = {"task.name": "dataset", "task.train": train, "task.validation_size": 1}
+    fields = {"task.question_field": "problem", "task.answer_field": "result"}
+    code = main(["train", "--model", str(warm_model_dir), "--output-dir", str(out), *cli_pairs({**task, **fields})])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert code == 2 and not out.exists()
     assert [line for line in lines if "error" in line] == [

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import cli_pairs, quick_run, untimed
 
 from grpolab.commands.cli import main
 
@@ -21,6 +22,11 @@ def write_rows(path: Path, n: int) -> Path:
     return path
 
 
+def tiny_qwen2_run(tiny_model_dirs, out: Path) -> list[str]:
+    """The command-line settings of a run of the tiny Qwen2 model into ``out``, on one thread."""
+    return cli_pairs({"model.path": tiny_model_dirs["qwen2"], "output_dir": out, "threads": 1})
+
+
 @pytest.mark.parametrize("empty", ["train", "validation"])
 def test_an_empty_data_file_is_refused_before_the_run_directory_exists(empty, tiny_model_dirs, tmp_path, capsys):
     """An empty train file used to hang forever in the prompt stream; an empty validation file failed after the
@@ -28,62 +34,22 @@ def test_an_empty_data_file_is_refused_before_the_run_directory_exists(empty, ti
     files = {"train": write_rows(tmp_path / "train.jsonl", 8), "validation": write_rows(tmp_path / "val.jsonl", 4)}
     files[empty].write_text("\n")
     out = tmp_path / "run"
-    assert (
-        main(
-            [
-                "train",
-                "--model.path",
-                str(tiny_model_dirs["qwen2"]),
-                "--output_dir",
-                str(out),
-                "--threads",
-                "1",
-                "--task.name",
-                "dataset",
-                "--task.train",
-                str(files["train"]),
-                "--task.validation",
-                str(files["validation"]),
-                "--steps",
-                "1",
-                "--rollout.max_new_tokens",
-                "40",
-                "--task.prompt.format",
-                "template",
-                "--task.prompt.template",
-                "{question}=",
-                "--task.prompt.answer",
-                "last_number",
-            ]
-        )
-        == 2
-    )
+    task = {"task.name": "dataset", "task.train": files["train"], "task.validation": files["validation"]}
+    prompt = {
+        "task.prompt.format": "template",
+        "task.prompt.template": "{question}=",
+        "task.prompt.answer": "last_number",
+    }
+    settings = {**task, "steps": 1, "rollout.max_new_tokens": 40, **prompt}
+    assert main(["train", *tiny_qwen2_run(tiny_model_dirs, out), *cli_pairs(settings)]) == 2
     assert error_lines(capsys) == [f"error: {files[empty]}: no rows; a task needs at least one {empty} example"]
     assert not out.exists()
 
 
 def test_any_task_without_training_examples_is_refused_at_task_load(tiny_model_dirs, tmp_path, capsys):
     out = tmp_path / "run"
-    assert (
-        main(
-            [
-                "train",
-                "--model.path",
-                str(tiny_model_dirs["qwen2"]),
-                "--output_dir",
-                str(out),
-                "--threads",
-                "1",
-                "--task.name",
-                "custom_task:CountdownTask",
-                "--task.n",
-                "1",
-                "--rollout.max_new_tokens",
-                "40",
-            ]
-        )
-        == 2
-    )
+    settings = {"task.name": "custom_task:CountdownTask", "task.n": 1, "rollout.max_new_tokens": 40}
+    assert main(["train", *tiny_qwen2_run(tiny_model_dirs, out), *cli_pairs(settings)]) == 2
     assert error_lines(capsys) == ["error: task 'countdown' has no training examples"]
     assert not out.exists()
 
@@ -99,10 +65,6 @@ def test_a_prompt_stream_without_examples_refuses_instead_of_looping():
 STEPS = {"steps": 3, "checkpoint.every": 3, "eval.every": 2}
 
 
-def untimed(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
-
-
 def final_weights(run: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -111,13 +73,7 @@ def final_weights(run: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def uninterrupted(warm_model_dir, tmp_path_factory):
-    from conftest import quick_config
-
-    from grpolab.run.trainer import train
-
-    run = tmp_path_factory.mktemp("full") / "run"
-    train(quick_config(warm_model_dir, run, **STEPS))
-    return run
+    return quick_run(tmp_path_factory, warm_model_dir, "full", **STEPS)
 
 
 def assert_same_run(run: Path, reference: Path) -> None:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TASK, quick_config
+from conftest import TASK_SETTINGS, bench_args, cli_pairs, quick_config
 
 from grpolab.commands.cli import main
 from grpolab.config import ConfigError, load_config
@@ -74,25 +74,7 @@ def test_hf_engine_checks_its_own_logprobs_by_default_from_the_update_forward(wa
 @pytest.mark.parametrize("kind", ["rollout", "step"])
 def test_bench_prints_and_writes_figures(kind, warm_model_dir, tmp_path, capsys):
     report = tmp_path / "bench.json"
-    args = [
-        "bench",
-        kind,
-        "--engines",
-        "hf",
-        "--repeats",
-        "1",
-        "--json",
-        str(report),
-        "--model",
-        str(warm_model_dir),
-        *(x for k, v in TASK.items() for x in (f"--task.{k}", str(v))),
-        "--rollout.prompts_per_step",
-        "4",
-        "--rollout.max_new_tokens",
-        "24",
-        "--threads",
-        "1",
-    ]
+    args = bench_args(kind, "hf", report, warm_model_dir)
     assert main(args) == 0
     results = json.loads(report.read_text())["results"]
     assert list(results) == ["hf"]
@@ -112,7 +94,7 @@ def test_bench_without_engines_says_which_were_skipped_and_why(warm_model_dir, t
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm fails, as where it is not installed
     report = tmp_path / "bench.json"
     args = ["bench", "rollout", "--repeats", "1", "--json", str(report), "--model", str(warm_model_dir)]
-    args += [*(x for k, v in TASK.items() for x in (f"--task.{k}", str(v))), "--rollout.prompts_per_step", "2"]
+    args += [*cli_pairs(TASK_SETTINGS), "--rollout.prompts_per_step", "2"]
     assert main([*args, "--rollout.max_new_tokens", "8", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "bench rollout: vllm skipped: vLLM is not installed in this interpreter" in out

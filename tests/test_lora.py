@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from conftest import float64_norms, quick_config
+from conftest import float64_norms, quick_config, quick_run, run_numbers, train_until
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -145,9 +145,7 @@ LORA = {"model.lora.rank": 4, "model.lora.alpha": 8, "algorithm.beta": 0.05, "st
 
 @pytest.fixture(scope="module")
 def lora_run(warm_model_dir, tmp_path_factory):
-    run = tmp_path_factory.mktemp("lora") / "run"
-    train(quick_config(warm_model_dir, run, **LORA))
-    return run
+    return quick_run(tmp_path_factory, warm_model_dir, "lora", **LORA)
 
 
 def test_a_lora_run_trains_the_adapter_only_and_its_reference_costs_no_copy(warm_model_dir, tmp_path):
@@ -166,28 +164,11 @@ def test_a_lora_run_trains_the_adapter_only_and_its_reference_costs_no_copy(warm
     assert all(r["sync/logprob_diff_max"] < 1e-3 for r in records), "hf engine samples with the adapter on"
 
 
-def test_a_lora_run_resumes_exactly_after_a_crash(warm_model_dir, lora_run, tmp_path, monkeypatch):
+def test_a_lora_run_resumes_exactly_after_a_crash(warm_model_dir, lora_run, tmp_path):
     run = tmp_path / "run"
-    original = Trainer.train_step
-
-    def die_at_step_4(self, step, *args):
-        if step == 4:
-            raise KeyboardInterrupt  # after step 3's records (checkpoint at 2)
-        return original(self, step, *args)
-
-    monkeypatch.setattr(Trainer, "train_step", die_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        train(quick_config(warm_model_dir, run, **LORA))
-    monkeypatch.setattr(Trainer, "train_step", original)
+    train_until(quick_config(warm_model_dir, run, **LORA), stop_at=4)  # after step 3's records (checkpoint at 2)
     assert main(["train", "--resume", str(run)]) == 0
-
-    def numbers(folder):
-        return [
-            {k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
-            for r in read_metrics(folder / "metrics.jsonl")
-        ]
-
-    assert numbers(run) == numbers(lora_run)
+    assert run_numbers(run) == run_numbers(lora_run)
     final = "checkpoints/step_000004/adapter_model.safetensors"
     a, b = load_file(run / final), load_file(lora_run / final)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

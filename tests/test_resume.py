@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import TASK, quick_config
+from conftest import TASK, quick_config, quick_run, run_numbers, train_until
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
@@ -24,37 +24,19 @@ from grpolab.run.trainer import Trainer, train
 OVERRIDES = {"steps": 4, "checkpoint.every": 2, "eval.every": 2, "reference": "frozen"}
 
 
-def untimed(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
-
-
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_000004").state_dict()
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(warm_model_dir, tmp_path_factory):
-    run = tmp_path_factory.mktemp("full") / "run"
-    train(quick_config(warm_model_dir, run, **OVERRIDES))
-    return run
+    return quick_run(tmp_path_factory, warm_model_dir, "full", **OVERRIDES)
 
 
-def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(
-    warm_model_dir, uninterrupted, tmp_path, monkeypatch
-):
+def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(warm_model_dir, uninterrupted, tmp_path):
     run = tmp_path / "run"
     cfg = quick_config(warm_model_dir, run, **OVERRIDES, **{"log.tensorboard": True})
-    original = Trainer.train_step
-
-    def die_at_step_4(self, step, *args):
-        if step == 4:
-            raise KeyboardInterrupt  # after step 3's records, before step 4's
-        return original(self, step, *args)
-
-    monkeypatch.setattr(Trainer, "train_step", die_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg)
-    monkeypatch.setattr(Trainer, "train_step", original)
+    train_until(cfg, stop_at=4)  # after step 3's records, before step 4's
     assert max(r["step"] for r in read_metrics(run / "metrics.jsonl")) == 3
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"step": 4, "reward_m')  # a line torn by the kill
@@ -64,7 +46,7 @@ def test_a_run_stopped_after_step_3_resumes_from_step_2_with_identical_numbers(
     (run / "eval" / "step_000004.jsonl").write_text("stale\n")  # as if killed between evaluation and checkpoint
 
     train(load_run_config(run), resume=True)
-    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
+    assert run_numbers(run) == run_numbers(uninterrupted)
     for step in (0, 2, 4):  # per-item records too; the stale one kept aside
         name = f"eval/step_{step:06d}.jsonl"
         assert (run / name).read_text() == (uninterrupted / name).read_text()
@@ -137,7 +119,7 @@ def test_sigkill_mid_run_then_train_resume_matches_the_uninterrupted_run(warm_mo
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed at step 3"
     assert main(["train", "--resume", str(run), "--optim.lr", "0.5"]) == 2  # only --steps, --log_every, --threads
     assert main(["train", "--resume", str(run)]) == 0
-    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
+    assert run_numbers(run) == run_numbers(uninterrupted)
     for (name, a), (_, b) in zip(final_weights(run).items(), final_weights(uninterrupted).items()):
         assert torch.equal(a, b), name
 
@@ -182,4 +164,4 @@ def test_ctrl_c_ends_the_step_writes_a_checkpoint_and_says_how_to_resume(
     monkeypatch.setattr(Trainer, "train_step", original)
     assert main(["train", "--resume", str(run)]) == 0
     assert not (run / "metrics.discarded.jsonl").exists()  # nothing to redo
-    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
+    assert run_numbers(run) == run_numbers(uninterrupted)

@@ -13,21 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import quick_config
+from conftest import quick_config, quick_run, run_numbers, train_until
 from transformers import AutoModelForCausalLM
 
 from grpolab.commands.cli import main
 from grpolab.config import load_run_config
 from grpolab.run.checkpoints import MANIFEST, newest_verified, problem, prune, save_checkpoint
-from grpolab.run.rundir import read_metrics, rewind_metrics
+from grpolab.run.rundir import rewind_metrics
 from grpolab.run.state import STATE_FILE
-from grpolab.run.trainer import Trainer, train
+from grpolab.run.trainer import train
 
 OVERRIDES = {"steps": 4, "checkpoint.every": 1, "eval.every": 2}
-
-
-def untimed(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
 
 
 def tree(folder: Path) -> dict[str, str]:
@@ -45,26 +41,7 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(warm_model_dir, tmp_path_factory):
-    run = tmp_path_factory.mktemp("full") / "run"
-    train(quick_config(warm_model_dir, run, **OVERRIDES))
-    return run
-
-
-def train_until(cfg, stop_at: int) -> None:
-    """Train ``cfg`` and interrupt it (KeyboardInterrupt) as step ``stop_at`` begins."""
-    original = Trainer.train_step
-
-    def die(self, step, *args):
-        if step == stop_at:
-            raise KeyboardInterrupt
-        return original(self, step, *args)
-
-    Trainer.train_step = die
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train(cfg)
-    finally:
-        Trainer.train_step = original
+    return quick_run(tmp_path_factory, warm_model_dir, "full", **OVERRIDES)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +144,7 @@ def test_threads_may_change_on_resume_and_the_run_stays_the_same(copy_of, uninte
     config, manifest = (json.loads((run / name).read_text()) for name in ("config.json", "manifest.json"))
     assert config["threads"] == manifest["config"]["threads"] == 1
     assert manifest["resumes"][-1]["changed"] == {"threads": {"from": None, "to": 1}}
-    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
+    assert run_numbers(run) == run_numbers(uninterrupted)
     assert main(["train", "--resume", str(run), "--optim.lr", "0.5"]) == 2  # a result-changing field: still refused
     assert error_lines(capsys) == [
         "error: a resumed run keeps its config; only steps, log_every, threads, model.revision may change (got --optim.lr)"
@@ -247,7 +224,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_continues_exa
     lines = [line for line in out.splitlines() if "is damaged" in line]
     assert len(lines) == 1 and "checkpoint step_000003 is damaged" in lines[0]
     assert "continuing from step_000002" in lines[0]
-    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
+    assert run_numbers(run) == run_numbers(uninterrupted)
     for (key, a), (_, b) in zip(
         weights(run / "checkpoints" / "step_000004").items(),
         weights(uninterrupted / "checkpoints" / "step_000004").items(),

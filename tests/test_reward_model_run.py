@@ -9,13 +9,14 @@ import random
 
 import pytest
 import torch
+from conftest import run_numbers, train_until
 from test_dataset_run import write_problems
 
 from grpolab.commands.cli import main
 from grpolab.config import load_config, load_run_config
 from grpolab.models.reward_model import RewardModel
 from grpolab.run.rundir import read_metrics
-from grpolab.run.trainer import Trainer, train
+from grpolab.run.trainer import train
 from grpolab.tasks import build_task
 from grpolab.tasks.reward_model_spec import reward_model_spec
 
@@ -53,10 +54,6 @@ def rm_config(model_dir, rm_dir, out, tmp_path, **overrides):
         **overrides,
     }
     return load_config(None, settings)
-
-
-def untimed(records):
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in records]
 
 
 @pytest.fixture(scope="module")
@@ -98,25 +95,13 @@ def test_recorded_scores_equal_the_models_own_forward_of_the_rendered_text(unint
         assert item["rewards"]["rm"] == pytest.approx(rm.model(**inputs).logits[0, 0].item(), abs=1e-5)
 
 
-def test_resume_with_the_running_normalizer_is_exact(
-    warm_model_dir, reward_model_dir, uninterrupted, tmp_path, monkeypatch
-):
+def test_resume_with_the_running_normalizer_is_exact(warm_model_dir, reward_model_dir, uninterrupted, tmp_path):
     run = tmp_path / "run"
-    original = Trainer.train_step
-
-    def die_at_step_4(self, step, *args):
-        if step == 4:
-            raise KeyboardInterrupt
-        return original(self, step, *args)
-
-    monkeypatch.setattr(Trainer, "train_step", die_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        train(rm_config(warm_model_dir, reward_model_dir, run, tmp_path))
-    monkeypatch.setattr(Trainer, "train_step", original)
+    train_until(rm_config(warm_model_dir, reward_model_dir, run, tmp_path), stop_at=4)
     saved = torch.load(run / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)
     assert saved["reward_models"]["rm"]["count"] == 2 * 32  # two batches of 4 x 8 scores
     train(load_run_config(run), resume=True)
-    assert untimed(read_metrics(run / "metrics.jsonl")) == untimed(read_metrics(uninterrupted / "metrics.jsonl"))
+    assert run_numbers(run) == run_numbers(uninterrupted)
 
 
 @pytest.mark.slow  # ~30 s (a vLLM engine); default tier: the scores above, test_trainer_vllm.py's run on vLLM

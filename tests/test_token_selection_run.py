@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import quick_config
+from conftest import quick_config, run_numbers, train_until
 
 from grpolab.config import load_run_config
 from grpolab.run.rundir import read_metrics
@@ -26,7 +26,7 @@ def test_a_run_logs_the_adaptive_coefficient_every_step_and_checkpoints_it(warm_
 
 @pytest.mark.slow  # two runs of the tiny model; default tier: ..._follows_skywork_or1_and_resumes_exactly (the
 # controller's save and load, tests/test_token_selection.py) and ..._logs_the_adaptive_coefficient_every_step_and_checkpoints_it (the checkpoint)
-def test_a_resumed_run_applies_the_same_adaptive_coefficients(warm_model_dir, tmp_path, monkeypatch):
+def test_a_resumed_run_applies_the_same_adaptive_coefficients(warm_model_dir, tmp_path):
     settings = {
         "steps": 4,
         "checkpoint.every": 2,
@@ -39,27 +39,10 @@ def test_a_resumed_run_applies_the_same_adaptive_coefficients(warm_model_dir, tm
         "algorithm.steps_per_epoch": 2,
     }
     train(quick_config(warm_model_dir, tmp_path / "full", **settings))
-    original = Trainer.train_step
-
-    def stop_at_step_4(self, step, *args):
-        if step == 4:
-            raise KeyboardInterrupt
-        return original(self, step, *args)
-
-    monkeypatch.setattr(Trainer, "train_step", stop_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        train(quick_config(warm_model_dir, tmp_path / "cut", **settings))
-    monkeypatch.setattr(Trainer, "train_step", original)
+    train_until(quick_config(warm_model_dir, tmp_path / "cut", **settings), stop_at=4)
     train(load_run_config(tmp_path / "cut"), resume=True)
-
-    def numbers(run):
-        return [
-            {k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
-            for r in read_metrics(run / "metrics.jsonl")
-        ]
-
-    full = numbers(tmp_path / "full")
-    assert numbers(tmp_path / "cut") == full
+    full = run_numbers(tmp_path / "full")
+    assert run_numbers(tmp_path / "cut") == full
     assert [r["entropy_coef"] for r in full if "entropy_coef" in r] == pytest.approx(
         [0.01, 0.03, 0.05, 0.07]
     )  # the last of 2 steps

@@ -88,29 +88,17 @@ def run_args(
     return args
 
 
+def torchrun_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``grpolab ARGS`` under a standalone torchrun of 2 processes: its command line and its environment (one
+    thread a process; this folder's modules importable, for the tests' tasks)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    return [*command, "-m", "grpolab", *args], {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+
+
 def torchrun(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-    }
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "grpolab",
-            *args,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command, env = torchrun_command(args)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def steps_of(run_dir: Path) -> list[dict]:
@@ -386,28 +374,8 @@ def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step_with_a_checkpo
     uninterrupted one-process run does."""
     two, one = tmp_path / "two", tmp_path / "one"
     args = run_args(warm_model_dir, two, "grpo", steps=4) + ["--checkpoint.every", "10"]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "grpolab",
-            *args,
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    command, env = torchrun_command(args)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         if (two / "metrics.jsonl").exists() and '"reward_mean"' in (two / "metrics.jsonl").read_text():

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import TASK
+from conftest import TASK, train_until
 from rich.console import Console
 
 from grpolab.config import load_config, load_run_config
@@ -277,16 +277,7 @@ def test_an_interrupted_run_leaves_its_wandb_run_resumable(warm_model_dir, tmp_p
     trackio.finish()
     overrides = {**train_overrides(warm_model_dir, run), "steps": 2, "log.project": "again"}
     cfg = load_config(None, {**overrides, "log.trackers": ["wandb", "trackio"]})
-    original = Trainer.train_step
-
-    def ctrl_c_at_step_2(self, step, *args):
-        if step == 2:
-            raise KeyboardInterrupt
-        return original(self, step, *args)
-
-    monkeypatch.setattr(Trainer, "train_step", ctrl_c_at_step_2)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, Console(file=io.StringIO()))
+    train_until(cfg, 2, Console(file=io.StringIO()))  # Ctrl-C as step 2 begins
     (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     kinds = [r.WhichOneof("record_type") for r in wandb_records(wandb_file)]
     assert "preempting" in kinds and wandb_exit_code(wandb_file) == 1  # marked preempted, not finished

@@ -15,7 +15,17 @@ import sys
 import time
 
 import pytest
-from conftest import descendants, params_of, quick_config, same, session_members, wait_until_gone
+from conftest import (
+    TASK_SETTINGS,
+    bench_args,
+    cli_pairs,
+    descendants,
+    params_of,
+    quick_config,
+    same,
+    session_members,
+    wait_until_gone,
+)
 
 from grpolab.commands.cli import main
 from grpolab.rollout.sync_check import WeightSyncError
@@ -71,35 +81,11 @@ def test_multi_epoch_preset_and_vllm_under_another_interpreter_via_cli(warm_mode
     before = descendants()
     out = tmp_path / "run"
     cfg = quick_config(warm_model_dir, out, algo="offpolicy_clip")
-    args = [
-        "train",
-        "--model",
-        cfg.model.path,
-        "--output-dir",
-        str(out),
-        "--vllm-python",
-        sys.executable,
-        "--algo",
-        "offpolicy_clip",
-        "--algorithm.engine_correction",  # the old spelling of --algorithm.rollout_correction token_truncate
-        "token",
-        "--steps",
-        "2",
-        "--task.digits",
-        "1",
-        "--task.n_train",
-        "60",
-        "--task.n_val",
-        "16",
-        "--rollout.prompts_per_step",
-        "4",
-        "--rollout.max_new_tokens",
-        "40",
-        "--optim.micro_batch_size",
-        "16",
-        "--optim.lr",
-        "1e-3",
-    ]
+    args = ["train", "--model", cfg.model.path, "--output-dir", str(out), "--vllm-python", sys.executable]
+    # --algorithm.engine_correction token: the old spelling of --algorithm.rollout_correction token_truncate
+    args += ["--algo", "offpolicy_clip", "--algorithm.engine_correction", "token"]
+    rollout = {"rollout.prompts_per_step": 4, "rollout.max_new_tokens": 40}
+    args += cli_pairs({"steps": 2, **TASK_SETTINGS, **rollout, "optim.micro_batch_size": 16, "optim.lr": "1e-3"})
     assert main(args) == 0
     steps = [m for m in read_metrics(out / "metrics.jsonl") if "reward_mean" in m]
     assert len(steps) == 2 and all(m["sync/logprob_diff_max"] < TOL for m in steps)
@@ -129,29 +115,9 @@ def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, how):
     (``kill PID``) reaches the trainer alone. Either way: exit code 130 and no process left."""
     out = tmp_path / "run"
     engine = ["--vllm-python", sys.executable] if "child" in how else ["--engine", "vllm"]
-    command = [
-        sys.executable,
-        "-m",
-        "grpolab.commands.cli",
-        "train",
-        "--model",
-        str(warm_model_dir),
-        "--output-dir",
-        str(out),
-        *engine,
-        "--steps",
-        "1000",
-        "--task.digits",
-        "1",
-        "--task.n_train",
-        "60",
-        "--task.n_val",
-        "16",
-        "--rollout.prompts_per_step",
-        "4",
-        "--threads",
-        "1",
-    ]
+    command = [sys.executable, "-m", "grpolab.commands.cli", "train", "--model", str(warm_model_dir)]
+    command += ["--output-dir", str(out), *engine]
+    command += cli_pairs({"steps": 1000, **TASK_SETTINGS, "rollout.prompts_per_step": 4, "threads": 1})
     proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
@@ -175,30 +141,7 @@ def test_interrupted_run_leaves_no_processes(warm_model_dir, tmp_path, how):
 @pytest.mark.slow  # ~30 s; default tier: test_vllm_sleep.py's bench rollout timing on vLLM, test_engine_config.py's bench
 def test_bench_step_times_both_engines(warm_model_dir, tmp_path):
     report = tmp_path / "bench.json"
-    args = [
-        "bench",
-        "step",
-        "--engines",
-        "hf,vllm",
-        "--repeats",
-        "1",
-        "--json",
-        str(report),
-        "--model",
-        str(warm_model_dir),
-        "--task.digits",
-        "1",
-        "--task.n_train",
-        "60",
-        "--task.n_val",
-        "16",
-        "--rollout.prompts_per_step",
-        "4",
-        "--rollout.max_new_tokens",
-        "24",
-        "--threads",
-        "1",
-    ]
+    args = bench_args("step", "hf,vllm", report, warm_model_dir)
     assert main(args) == 0
     results = json.loads(report.read_text())["results"]
     assert list(results) == ["hf", "vllm"]

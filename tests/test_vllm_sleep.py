@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.commands.bench import time_rollout
+from grpolab.config import RunConfig
 from grpolab.models.weights import ModelWeights
 from grpolab.rollout import HFEngine, SamplingParams
 from grpolab.rollout.vllm.engine import _SEED_STRIDE, VLLM_MAX_TEMPERATURE, VLLMEngine, request_seed
@@ -246,23 +247,19 @@ def check_wakes(calls: list[tuple], level: int, model_dir: str) -> list[str]:
 
 
 # ---- the trainer on every call path --------------------------------------------------------------
+def sleeping_vllm_config(model_dir, out, level: int, **settings) -> RunConfig:
+    """A quick run of the model in ``model_dir`` into ``out``, the policy on the CPU, its vLLM engine sleeping at
+    ``level`` between generations; ``settings`` on top."""
+    return quick_config(
+        model_dir, out, engine="vllm", **{"model.device": "cpu", "rollout.vllm.sleep_level": level}, **settings
+    )
+
+
 @pytest.mark.parametrize("level", [2, 1])
 def test_weights_restored_before_every_generation(warm_model_dir, tmp_path, fake_vllm, fake_cuda, level):
-    cfg = quick_config(
-        warm_model_dir,
-        tmp_path / "run",
-        engine="vllm",
-        algo="dapo",
-        **{
-            "model.device": "cpu",
-            "rollout.vllm.sleep_level": level,
-            "eval.pass_k": [1, 2],
-            "eval.pass_n": 2,
-            "rollout.group_size": 2,
-            "rollout.max_new_tokens": 24,
-            "task.n_val": 6,
-        },
-    )
+    evaluation = {"eval.pass_k": [1, 2], "eval.pass_n": 2, "task.n_val": 6}
+    rollout = {"rollout.group_size": 2, "rollout.max_new_tokens": 24}
+    cfg = sleeping_vllm_config(warm_model_dir, tmp_path / "run", level, algo="dapo", **evaluation, **rollout)
     trainer = Trainer(cfg)
     try:
         fake, model_dir = fake_vllm[-1], str(trainer.parts.engine.model_dir)
@@ -294,12 +291,7 @@ def test_weights_restored_before_every_generation(warm_model_dir, tmp_path, fake
 @pytest.mark.parametrize("level", [2, 1])
 def test_bench_rollout_timing(warm_model_dir, tmp_path, fake_vllm, fake_cuda, level):
     """(c) bench: warm-up and timed generations before any sync, then syncs."""
-    cfg = quick_config(
-        warm_model_dir,
-        tmp_path / "run",
-        engine="vllm",
-        **{"model.device": "cpu", "rollout.vllm.sleep_level": level, "rollout.max_new_tokens": 16},
-    )
+    cfg = sleeping_vllm_config(warm_model_dir, tmp_path / "run", level, **{"rollout.max_new_tokens": 16})
     trainer = Trainer(cfg)
     try:
         fake_cuda(fake_vllm)
