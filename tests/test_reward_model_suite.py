@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from reward_model_fixtures import save_reward_model
 from rich.console import Console
+from suite_runs import toml_runs, write_hook, write_suite
 from test_dataset_run import write_problems
 from test_reward_model_run import rm_config
 
@@ -39,11 +41,7 @@ def rm_suite_file(tmp_path: Path, model_dir: Path, rm: str) -> Path:
         write_problems(tmp_path / "train.jsonl", pairs[:24]),
         write_problems(tmp_path / "val.jsonl", pairs[24:28]),
     )
-    path = tmp_path / "suite.toml"
-    path.write_text(f"""
-[suite]
-name = "rm"
-[base]
+    base = f"""[base]
 steps = 1
 threads = 1
 [base.model]
@@ -72,14 +70,8 @@ micro_batch_size = 8
 every = 1
 [base.checkpoint]
 every = 1
-[[runs]]
-name = "a"
-algo = "grpo"
-[[runs]]
-name = "b"
-algo = "dr_grpo"
-""")
-    return path
+"""
+    return write_suite(tmp_path, "rm", base, toml_runs({"name": "a", "algo": "grpo"}, {"name": "b", "algo": "dr_grpo"}))
 
 
 @pytest.fixture
@@ -154,12 +146,13 @@ atexit.register(flip)
 """
 
 
-@pytest.mark.slow  # default tier: the same with fake runs, and a run's record of its reward model, below
-def test_a_changed_reward_model_fails_its_run_before_it_starts_and_resume_goes_on_once_restored(
-    warm_model_dir, rm_copy, tmp_path, capsys, monkeypatch
-):
-    root = tmp_path / "out"
-    prepare_suite(rm_suite_file(tmp_path, warm_model_dir, rm_copy), root, Console(quiet=True))
+def a_changed_reward_model_fails_its_run_until_restored(
+    root: Path, rm_copy: Path, tmp_path: Path, capsys, in_run_processes: Callable[[str], object]
+) -> SuiteManifest:
+    """``suite resume`` of the suite in ``root`` (prepared, not run) three times: with ``rm_copy``'s weights
+    changed (run a fails at once, not started); restored, and changed again as run a's process ends (b fails, not
+    started); restored again (both complete). ``in_run_processes(code)``: every later run process runs ``code``
+    first. Returns the suite's final manifest."""
     weights = rm_copy / "model.safetensors"
     original = weights.read_bytes()
     line = (
@@ -177,12 +170,7 @@ def test_a_changed_reward_model_fails_its_run_before_it_starts_and_resume_goes_o
     assert f"run a: failed, not started ({line})" in out and f"suite stopped at run a (failed): {line}" in out
     # restored, resume runs a; the folder changes while a trains (when its process ends): b fails, not started
     weights.write_bytes(original)
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        FLIP_WHEN_THE_FIRST_RUN_ENDS.format(done=str(tmp_path / "flipped"), weights=str(weights))
-    )
-    monkeypatch.setenv("PYTHONPATH", str(hook))
+    in_run_processes(FLIP_WHEN_THE_FIRST_RUN_ENDS.format(done=str(tmp_path / "flipped"), weights=str(weights)))
     assert main(["suite", "resume", str(root)]) == 1
     a, b = SuiteManifest.load(root).runs
     assert (a.state, b.state) == ("completed", "failed") and b.reason == line and not Path(b.run_dir).exists()
@@ -192,6 +180,20 @@ def test_a_changed_reward_model_fails_its_run_before_it_starts_and_resume_goes_o
     assert main(["suite", "resume", str(root)]) == 0
     manifest = SuiteManifest.load(root)
     assert [r.state for r in manifest.runs] == ["completed", "completed"]
+    return manifest
+
+
+@pytest.mark.slow  # default tier: the same with fake runs, and a run's record of its reward model, below
+def test_a_changed_reward_model_fails_its_run_before_it_starts_and_resume_goes_on_once_restored(
+    warm_model_dir, rm_copy, tmp_path, capsys, monkeypatch
+):
+    root = tmp_path / "out"
+    prepare_suite(rm_suite_file(tmp_path, warm_model_dir, rm_copy), root, Console(quiet=True))
+
+    def in_run_processes(code: str) -> None:
+        monkeypatch.setenv("PYTHONPATH", str(write_hook(tmp_path, code)))
+
+    manifest = a_changed_reward_model_fails_its_run_until_restored(root, rm_copy, tmp_path, capsys, in_run_processes)
     for record in manifest.runs:  # each run's own manifest.json names the same folder and SHA-256
         data = json.loads((Path(record.run_dir) / "manifest.json").read_text())["data"]
         assert data["rewards"][1]["model_dir"] == record.reward_models[0]["path"] == str(rm_copy)
@@ -204,34 +206,12 @@ def test_a_changed_reward_model_fails_its_run_before_it_starts_and_resume_goes_o
 ):
     root = tmp_path / "out"
     prepare_suite(rm_suite_file(tmp_path, warm_model_dir, rm_copy), root, Console(quiet=True))
-    weights = rm_copy / "model.safetensors"
-    original = weights.read_bytes()
-    line = (
-        f"reward model {rm_copy} changed since the suite was prepared: model.safetensors was changed; "
-        "restore it and resume, or make a new suite"
-    )
-    # changed before the suite runs: run a fails at once, b stays queued, nothing started
     fake_runs.use()
-    flip_a_byte(weights)
-    assert main(["suite", "resume", str(root)]) == 1
-    out = capsys.readouterr().out
-    a, b = SuiteManifest.load(root).runs
-    assert (a.state, b.state) == ("failed", "queued") and a.reason == line
-    assert a.exit_code is None and a.pid is None and a.command == [] and not a.attempts
-    assert not Path(a.run_dir).exists() and not (root / "logs").exists(), "nothing started"
-    assert f"run a: failed, not started ({line})" in out and f"suite stopped at run a (failed): {line}" in out
-    # restored, resume runs a; the folder changes while a trains (when its process ends): b fails, not started
-    weights.write_bytes(original)
-    fake_runs.use(extra=FLIP_WHEN_THE_FIRST_RUN_ENDS.format(done=str(tmp_path / "flipped"), weights=str(weights)))
-    assert main(["suite", "resume", str(root)]) == 1
-    a, b = SuiteManifest.load(root).runs
-    assert (a.state, b.state) == ("completed", "failed") and b.reason == line and not Path(b.run_dir).exists()
-    assert weights.read_bytes() != original
-    # restored again, resume finishes the suite
-    weights.write_bytes(original)
-    assert main(["suite", "resume", str(root)]) == 0
-    manifest = SuiteManifest.load(root)
-    assert [r.state for r in manifest.runs] == ["completed", "completed"]
+
+    def in_run_processes(code: str) -> None:
+        fake_runs.use(extra=code)
+
+    manifest = a_changed_reward_model_fails_its_run_until_restored(root, rm_copy, tmp_path, capsys, in_run_processes)
     for record in manifest.runs:
         assert record.reward_models[0]["path"] == str(rm_copy)
         assert record.reward_models[0]["sha256"] == model_sha256(rm_copy)

@@ -8,13 +8,23 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import TASK, descendants
-from suite_runs import assert_same_runs, forked_runner, one_run_suite, steps_recorded, suite_file, trainers_of, untimed
+from suite_runs import (
+    assert_same_metrics,
+    assert_same_runs,
+    cli_process,
+    forked_runner,
+    one_run_suite,
+    steps_recorded,
+    suite_file,
+    trainers_of,
+    wait_for_steps,
+    write_hook,
+)
 
 from grpolab.commands.cli import main
 from grpolab.config import load_config
@@ -159,21 +169,8 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
     shutil.copytree(ROOT / "grpolab", package / "grpolab", ignore=shutil.ignore_patterns("__pycache__"))
     root = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(package)}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "grpolab.commands.cli",
-            "suite",
-            "run",
-            str(suite_file(tmp_path, warm_model_dir)),
-            "--output-root",
-            str(root),
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    spec = suite_file(tmp_path, warm_model_dir)
+    proc = cli_process("suite", "run", str(spec), "--output-root", str(root), env=env, stdout=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while not (root / MANIFEST).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -193,10 +190,7 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
     assert main(["suite", "resume", str(root)]) == 0
     resumed = SuiteManifest.load(root).runs
     assert [r.state for r in resumed] == ["completed", "completed"] and resumed[0].attempts
-    for name in ("a", "b"):
-        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == untimed(
-            read_metrics(finished / "runs" / name / "metrics.jsonl")
-        ), name
+    assert_same_metrics(root, finished)
     assert [r.final_checkpoint_sha256 for r in resumed] == [
         r.final_checkpoint_sha256 for r in SuiteManifest.load(finished).runs
     ]
@@ -219,15 +213,10 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
     """The suite's exact resume with real runs (run a of the tiny suite, alone): Ctrl-C to the runner stops
     run a after a step, and resume finishes it with the numbers and weights of the uninterrupted suite's run a.
     (That a suite's runs import its code snapshot, not the working tree: test_a_suite_runs_every_run_...)"""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_CHECKPOINTS)
-    monkeypatch.setenv("PYTHONPATH", str(hook))
+    monkeypatch.setenv("PYTHONPATH", str(write_hook(tmp_path, SLOW_CHECKPOINTS)))
     root, log = tmp_path / "out", tmp_path / "runner.log"
     runner = forked_runner("run", str(one_run_suite(tmp_path, warm_model_dir)), "--output-root", str(root), log=log)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 1:
-        time.sleep(0.05)
+    wait_for_steps([root / "runs" / "a"], 1, runner.is_alive, seconds=300, interval=0.05)
     os.kill(runner.pid, signal.SIGINT)
     runner.join(300)
     out = log.read_text()
@@ -239,9 +228,7 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
     assert main(["suite", "resume", str(root)]) == 0
     (resumed,) = SuiteManifest.load(root).runs
     assert resumed.state == "completed" and resumed.attempts and resumed.command[-2] == "--resume"
-    assert untimed(read_metrics(root / "runs" / "a" / "metrics.jsonl")) == untimed(
-        read_metrics(finished / "runs" / "a" / "metrics.jsonl")
-    )
+    assert_same_metrics(root, finished, ("a",))
     assert resumed.final_checkpoint_sha256 == SuiteManifest.load(finished).runs[0].final_checkpoint_sha256
 
 
@@ -249,35 +236,15 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
 def test_a_suite_killed_outright_resumes_with_identical_numbers(finished, warm_model_dir, tmp_path):
     """A power cut: the runner and its run die with SIGKILL; the manifest still says 'running'."""
     root = tmp_path / "out"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "grpolab.commands.cli",
-            "suite",
-            "run",
-            str(suite_file(tmp_path, warm_model_dir)),
-            "--output-root",
-            str(root),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    metrics, deadline = root / "runs" / "a" / "metrics.jsonl", time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and metrics.read_text().count('"reward_mean"') >= 2:
-            break
-        time.sleep(0.05)
+    proc = cli_process("suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root))
+    wait_for_steps([root / "runs" / "a"], 2, lambda: proc.poll() is None, seconds=300, interval=0.05)
     child = SuiteManifest.load(root).runs[0].pid
     proc.kill()
     os.killpg(child, signal.SIGKILL)
     proc.wait()
     assert SuiteManifest.load(root).runs[0].state == "running"
     assert main(["suite", "resume", str(root)]) == 0
-    for name in ("a", "b"):
-        assert untimed(read_metrics(root / "runs" / name / "metrics.jsonl")) == untimed(
-            read_metrics(finished / "runs" / name / "metrics.jsonl")
-        ), name
+    assert_same_metrics(root, finished)
 
 
 INJECT = {
@@ -310,10 +277,7 @@ def test_a_nan_stops_its_run_before_the_optimizer_step_and_stops_the_queue(
     where, warm_model_dir, tmp_path, monkeypatch
 ):
     """A NaN is injected into every run process (a sitecustomize module on PYTHONPATH) from step 2 on."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(INJECT[where])
-    monkeypatch.setenv("PYTHONPATH", str(hook))
+    monkeypatch.setenv("PYTHONPATH", str(write_hook(tmp_path, INJECT[where])))
     root = tmp_path / "out"
     assert main(["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root)]) == 1
     a, b = SuiteManifest.load(root).runs
@@ -333,9 +297,7 @@ def test_a_suite_killed_outright_resumes_with_identical_numbers_with_fake_runs(
     fake_runs.use(slow={"a": 0.3})
     root = tmp_path / "out"
     runner = forked_runner("run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root))
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 2:
-        time.sleep(0.02)
+    wait_for_steps([root / "runs" / "a"], 2, runner.is_alive)
     child = SuiteManifest.load(root).runs[0].pid
     runner.kill()
     os.killpg(child, signal.SIGKILL)
@@ -368,9 +330,7 @@ def test_ctrl_c_mid_suite_leaves_it_resumable_and_resume_matches_the_uninterrupt
     fake_runs.use(slow={"a": 0.3})
     root, log = tmp_path / "out", tmp_path / "runner.log"
     runner = forked_runner("run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root), log=log)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 1:
-        time.sleep(0.02)
+    wait_for_steps([root / "runs" / "a"], 1, runner.is_alive)
     os.kill(runner.pid, signal.SIGINT)
     runner.join(120)
     out = log.read_text()

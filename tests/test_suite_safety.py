@@ -16,8 +16,17 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from suite_runs import forked_runner, one_run_suite, steps_recorded, trainers_of
-from test_suite import ROOT, suite_file, untimed, write_checkpoint
+from suite_runs import (
+    assert_same_metrics,
+    cli_process,
+    forked_runner,
+    one_run_suite,
+    suite_file,
+    trainers_of,
+    wait_for_steps,
+    write_hook,
+)
+from test_suite import ROOT, write_checkpoint
 
 from grpolab.commands.cli import main
 from grpolab.config import load_config
@@ -124,7 +133,7 @@ def resume_never_starts_a_second_trainer(root: Path, orphan: int, finished: Path
         for key in ("reward_mean", "val/accuracy"):
             steps = [r["step"] for r in records if key in r]
             assert len(steps) == len(set(steps)), (name, key, steps)
-        assert untimed(records) == untimed(read_metrics(finished / "runs" / name / "metrics.jsonl")), name
+    assert_same_metrics(root, finished)
     assert [r.final_checkpoint_sha256 for r in (a, b)] == [
         r.final_checkpoint_sha256 for r in SuiteManifest.load(finished).runs
     ]
@@ -136,23 +145,12 @@ def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_tr
 ):
     """The runner alone dies (SIGKILL; its run, in its own session, trains on); suite resume at once waits
     for that orphan, finds run a complete on disk, runs b, and every number equals the uninterrupted suite's."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_FINAL_CHECKPOINT)
+    hook = write_hook(tmp_path, SLOW_FINAL_CHECKPOINT)
     root = tmp_path / "out"
     command = ["suite", "run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(hook)])}  # this checkout's package, first
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "grpolab.commands.cli", *command],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    metrics, deadline = root / "runs" / "a" / "metrics.jsonl", time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and metrics.read_text().count('"reward_mean"') >= 2:
-            break
-        time.sleep(0.05)
+    proc = cli_process(*command, env=env)
+    wait_for_steps([root / "runs" / "a"], 2, lambda: proc.poll() is None, seconds=300, interval=0.05)
     orphan = SuiteManifest.load(root).runs[0].pid
     proc.kill()
     proc.wait()
@@ -165,9 +163,7 @@ def test_resume_never_starts_a_second_trainer_on_a_run_its_killed_runner_left_tr
     fake_runs.use(slow={"a": 1.0})  # the orphan is surely still alive when resume looks
     root = tmp_path / "out"
     runner = forked_runner("run", str(suite_file(tmp_path, warm_model_dir)), "--output-root", str(root))
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and runner.is_alive() and steps_recorded(root / "runs" / "a") < 1:
-        time.sleep(0.02)
+    wait_for_steps([root / "runs" / "a"], 1, runner.is_alive)
     orphan = SuiteManifest.load(root).runs[0].pid
     runner.kill()
     runner.join()
