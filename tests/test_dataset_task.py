@@ -29,6 +29,11 @@ def task_of(**settings) -> Task:
     return build_task({"name": "dataset", **settings})
 
 
+def rows_task(path: Path, **settings) -> Task:
+    """A dataset task of the rows in ``path`` (question ``q``, answer ``a``; ``rows``), validated on the same rows."""
+    return task_of(train=str(path), validation=str(path), question_field="q", answer_field="a", **settings)
+
+
 def test_math_fixture_with_boxed_answers_and_the_math_verifier():
     task = task_of(
         train=str(MATH_DIR / "train.jsonl"),
@@ -188,11 +193,8 @@ def test_templates_fill_named_fields_and_keep_other_braces():
 
 def test_weighted_rewards_are_logged_per_component_and_summed(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", rows(4))
-    task = task_of(
-        train=str(path),
-        validation=str(path),
-        question_field="q",
-        answer_field="a",
+    task = rows_task(
+        path,
         rewards=[
             {"function": "numeric", "name": "correct"},
             {"function": "reward_fns:brevity", "weight": 0.5},
@@ -242,13 +244,7 @@ def test_user_functions_that_fail_score_zero_are_counted_and_logged_once(tmp_pat
 
 def test_a_function_stuck_in_a_loop_that_swallows_the_soft_timeout_is_killed(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", rows(2))
-    task = task_of(
-        train=str(path),
-        validation=str(path),
-        question_field="q",
-        answer_field="a",
-        rewards=[{"function": "numeric"}, {"function": "reward_fns:busy_forever", "timeout_s": 0.5}],
-    )
+    task = rows_task(path, rewards=[{"function": "numeric"}, {"function": "reward_fns:busy_forever", "timeout_s": 0.5}])
     start = time.perf_counter()
     grade = task.grade("x", task.train_examples()[0], False)
     assert grade.failed == ("busy_forever",) and time.perf_counter() - start < 5
@@ -265,21 +261,9 @@ def test_a_function_stuck_in_a_loop_that_swallows_the_soft_timeout_is_killed(tmp
 def test_bad_user_functions_are_refused_up_front(tmp_path, function, message):
     path = write_jsonl(tmp_path / "d.jsonl", rows(2))
     with pytest.raises(ValueError, match=message):
-        task_of(
-            train=str(path),
-            validation=str(path),
-            question_field="q",
-            answer_field="a",
-            rewards=[{"function": function}],
-        )
+        rows_task(path, rewards=[{"function": function}])
     with pytest.raises(ValueError, match="takes no option"):
-        task_of(
-            train=str(path),
-            validation=str(path),
-            question_field="q",
-            answer_field="a",
-            rewards=[{"function": "reward_fns:brevity", "options": {"scale": 2}}],
-        )
+        rows_task(path, rewards=[{"function": "reward_fns:brevity", "options": {"scale": 2}}])
 
 
 def test_a_task_class_by_import_path(tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from report_runs import eval_item, train_record, val_record
 
 from grpolab.commands.cli import main
 from grpolab.studies.report.reward_models import length_deciles
@@ -128,16 +129,7 @@ def write_run(path: Path, models: bool) -> Path:
     lines: list[dict] = []
     for step in range(5):
         if step:
-            record = {
-                "step": step,
-                "reward_mean": 0.5,
-                "total_attempted_updates": step,
-                "total_actual_updates": step,
-                "response_tokens": 10,
-                "time/step": 0.1,
-                "time/generate": 0.05,
-                "time/reward": 0.01,
-            }
+            record = train_record(step)
             for name, stats in (("rm", RM_STEPS[step - 1]), ("judge", JUDGE_STEPS[step - 1])) if models else ():
                 record[f"reward/{name}"] = stats[0]
                 record |= {
@@ -153,28 +145,10 @@ def write_run(path: Path, models: bool) -> Path:
                 for i, (s, c) in enumerate(zip(SCORES, CORRECT))
             ]
             items = [
-                {
-                    "id": f"item-{i:02d}",
-                    "prompt_sha256": f"p{i:02d}",
-                    "completion": "<answer>1</answer>",
-                    "extracted": "1",
-                    "gold": "1" if c else "2",
-                    "format_ok": True,
-                    "correct": bool(c),
-                    "length": n,
-                    "truncated": False,
-                    **scores,
-                }
-                for i, (n, c, scores) in enumerate(zip(lengths, CORRECT, scored))
+                eval_item(f"{i:02d}", c, n) | scores for i, (n, c, scores) in enumerate(zip(lengths, CORRECT, scored))
             ]
             (path / "eval" / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
-            record = {
-                "step": step,
-                "val/accuracy": float(np.mean(CORRECT)),
-                "val/format_rate": 1.0,
-                "val/completion_len_mean": float(np.mean(lengths)),
-                "val/truncation_rate": 0.0,
-            }
+            record = val_record(step, float(np.mean(CORRECT)), float(np.mean(lengths)))
             for name, (mean, corr) in VAL[step].items() if models else ():
                 record |= {
                     f"val/reward_model/{name}/mean": mean,

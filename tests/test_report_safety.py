@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from report_runs import eval_item, train_record, val_record
 from test_report import md_table
 
 from grpolab.commands.cli import main
@@ -57,44 +58,12 @@ def write_run(
     lines = []
     for step in range(0, done + 1):
         if step:
-            lines.append(
-                {
-                    "step": step,
-                    "reward_mean": 0.5,
-                    "total_attempted_updates": step,
-                    "total_actual_updates": step,
-                    "response_tokens": 10,
-                    "time/step": 0.1,
-                    "time/generate": 0.05,
-                    "time/reward": 0.01,
-                }
-            )
+            lines.append(train_record(step))
         if step % every == 0 or step == steps:
             correct = correctness(seed, step, items)
-            records = [
-                {
-                    "id": f"item-{i:03d}",
-                    "prompt_sha256": f"p{i:03d}",
-                    "completion": "<answer>1</answer>",
-                    "extracted": "1",
-                    "gold": "1" if c else "2",
-                    "format_ok": True,
-                    "correct": bool(c),
-                    "length": 5,
-                    "truncated": False,
-                }
-                for i, c in enumerate(correct)
-            ]
+            records = [eval_item(f"{i:03d}", c, 5) for i, c in enumerate(correct)]
             (path / "eval" / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-            lines.append(
-                {
-                    "step": step,
-                    "val/accuracy": float(correct.mean()),
-                    "val/format_rate": 1.0,
-                    "val/completion_len_mean": 5.0,
-                    "val/truncation_rate": 0.0,
-                }
-            )
+            lines.append(val_record(step, float(correct.mean()), 5.0))
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     if done == steps:
         (path / "summary.json").write_text(json.dumps({"wall_seconds": 1.0}))
