@@ -12,7 +12,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_advantage_variants import reference_decoupled_advantages
 
 from grpolab.learning.update import StepContext, UpdateData, UpdateSchedule, accumulate_gradients
 from grpolab.objectives.advantages import group_advantages, informative_groups, min_valid_samples
@@ -189,7 +188,6 @@ def test_gdpo_with_failures_matches_its_reference_over_the_valid_samples():
     torch.testing.assert_close(
         decoupled_advantages(t, w, "mean", "std", EPS, whole), decoupled_advantages(t, w, "mean", "std", EPS)
     )
-    assert reference_decoupled_advantages  # the unmasked reference is test_advantage_variants'
 
 
 def test_gpg_scale_counts_valid_samples_only():
@@ -308,3 +306,12 @@ def test_the_reports_pairing_leaves_out_items_that_failed_in_either_run():
     matched = pair(a, b)
     assert matched.shared == 1 and matched.a.tolist() == [1.0] and matched.b.tolist() == [1.0]  # x alone
     assert matched.failed == 2 and matched.only_one == 2 and matched.differing == 0  # w and y; z and v
+
+
+def test_pass_at_k_curves_count_each_items_samples_that_did_not_fail():
+    from grpolab.objectives.stats import pass_at_k, pass_at_k_curve
+
+    curve = pass_at_k_curve(4, [2, 1], samples=[4, 2])  # the second item lost 2 of its 4 samples
+    assert curve[1] == pytest.approx((pass_at_k(4, 2, 1) + pass_at_k(2, 1, 1)) / 2)
+    assert curve[4] == pytest.approx(pass_at_k(4, 2, 4))  # only the first item has 4
+    assert pass_at_k_curve(0, [0, 0], samples=[0, 0]) == {}  # every sample failed

@@ -146,6 +146,8 @@ def pass_at_k_curve(n: int, correct: list[int], samples: list[int] | None = None
     up to n, n included. ``samples``: each item's own sample count where some failed (None: n each); pass@k is
     then over the items with at least k."""
     samples = samples if samples is not None else [n] * len(correct)
+    if n < 1:  # no sample that did not fail: no curve
+        return {}
     ks = sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
     curve = {}
     for k in ks:

@@ -128,10 +128,10 @@ def evaluate(
     if ranks.parallel:
         completions, grades, correct = map(list, zip(*ranks.concat(list(zip(completions, grades, correct)))))
     records = [item_record(task, ex, c[0], g) for ex, c, g in zip(examples, completions, grades)]
-    valid = [g for g in grades if g.ok] or [Grade(float("nan"), float("nan"))]  # every item failed: unknown
+    valid = [g for g in grades if g.ok]  # every item failed: the accuracy is unknown (NaN)
     out = {
-        "val/accuracy": mean(g.answer_reward for g in valid),
-        "val/format_rate": mean(g.format_reward for g in valid),
+        "val/accuracy": mean(g.answer_reward for g in valid) if valid else float("nan"),
+        "val/format_rate": mean(g.format_reward for g in valid) if valid else float("nan"),
         "val/completion_len_mean": mean(len(c[0].completion_ids) for c in completions),
         "val/truncation_rate": mean(c[0].truncated for c in completions),
     }
