@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from grpolab.config import RunConfig
 from grpolab.learning.batching import TrainBatch, collate
 from grpolab.learning.lockstep import RankPart, UpdateLockstep
 from grpolab.learning.moe_routing import DenseRouting, batch_routing, completion_routing, is_moe
 from grpolab.learning.packing import MicroBatchPlanner, prompt_keys
+from grpolab.learning.settings import LearnerSettings
 from grpolab.learning.shared_prefix import UnitLayout, layout_units, unit_logprobs
 from grpolab.learning.update import (
     StepCheck,
@@ -77,7 +77,7 @@ class BatchForward:
 
     def __init__(
         self,
-        cfg: RunConfig,
+        cfg: LearnerSettings,
         batch: TrainBatch,
         precision: TrainingPrecision,
         device: torch.device,
@@ -225,7 +225,7 @@ class PolicyLearner:
 
     def __init__(
         self,
-        cfg: RunConfig,
+        cfg: LearnerSettings,
         trained: TrainedModel,
         state: LearnerState,
         frozen: FrozenModels = FrozenModels(),

@@ -1,4 +1,5 @@
-"""The model layer's settings that a run config holds: the training precision's name (``optim.precision``),
+"""The model layer's settings that a run config holds: ``[model]`` (with ``[model.lora]``), the training
+precision's name (``optim.precision``),
 the demo's tiny model and its warm start (``model.warm_start``) and on-policy distillation's teacher
 (``[teacher]``), with the rules between them and the algorithm.
 
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from grpolab.common.settings import Section
 from grpolab.objectives.algorithms import AlgorithmSpec
 
 PrecisionName = Literal["fp32_master", "bf16_compensated", "bf16"]
@@ -121,3 +123,66 @@ def check_teacher_setting(spec: AlgorithmSpec, teacher: TeacherConfig, group_siz
             f"rollout.group_size 1 with reward_coef {spec.reward_coef:g} and the group-mean baseline: every task "
             "advantage would be 0; use group_size >= 2, or reward_coef 0 (pure distillation)"
         )
+
+
+class LoraSettings(Section):
+    """``[model.lora]``: train LoRA adapters (peft) instead of the full weights; the frozen reference is then
+    the policy with its adapter off, and checkpoints hold the adapter (``grpolab export`` merges it)."""
+
+    rank: int = Field(8, gt=0, description="r: the adapter's rank")
+    alpha: float | None = Field(None, gt=0, description="the adapter's scale is alpha / rank; None = rank (scale 1)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input in the update's forward")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description='leaf names of the linear layers to adapt, e.g. ["q_proj", "v_proj"]; '
+        "all-linear = every linear layer of the decoder (never the output layer)",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description='modules trained in full beside the adapter (and saved with it), e.g. ["lm_head"]',
+    )
+
+
+class ModelConfig(Section):
+    path: str | None = Field(
+        None,
+        description="a local Hugging Face model folder (an existing path wins), a hub id org/name (the Hugging "
+        "Face cache first, else downloaded; HF_HUB_OFFLINE=1: the cache only), like:NAME, gguf:FILE; "
+        "None = the demo's tiny model",
+    )
+    revision: str | None = Field(
+        None,
+        description="with a hub id: its branch, tag or commit (default main); the run records the commit",
+    )
+
+    @field_validator("revision", mode="before")
+    @classmethod
+    def _revision_as_text(cls, value: Any) -> Any:
+        """``--model.revision 20240101`` (a tag, or a commit of digits only) reads as a TOML integer."""
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto = bfloat16 on cuda, float32 on cpu")
+    gradient_checkpointing: bool = Field(False, description="recompute decoder layers in the backward pass")
+    logprob_chunk_size: int = Field(64, ge=1, description="sequence positions per output-layer chunk")
+    like_overrides: dict[str, int] = Field(
+        default_factory=dict,
+        description="size fields of a like:NAME model, e.g. {num_hidden_layers = 2}; width and vocabulary stay real",
+    )
+    lora: LoraSettings | None = Field(
+        None, description="LoRA adapters instead of full weights; setting any of its fields turns them on"
+    )
+    warm_start: dict[str, Any] = Field(
+        default_factory=dict,
+        description="with no model.path: changes to the "
+        'demo\'s tiny model and its warm start, e.g. {arch = "qwen3_moe", '
+        "num_experts = 8, experts_per_token = 2} (grpolab.models.tinymodel."
+        "WarmStartSettings)",
+    )
+    router_aux_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="a Mixture-of-Experts policy: this times the "
+        "load-balancing loss of each training forward's completion tokens is "
+        "added to the objective (0 = the objective as published)",
+    )

@@ -3,7 +3,7 @@ engines by name (``engines``: ``hf/``, ``vllm/``; what each can do: ``capabiliti
 engine (``lockstep`` under FSDP, ``multiturn`` for tools), collecting a rollout batch (``collect``), evaluation
 (``evaluation``) and the per-step check that engine and trainer log-probs agree (``sync_check``).
 
-May import: ``grpolab.config`` and every layer below it.
+May import: ``grpolab.models`` and every layer below it (docs/architecture.md).
 """
 
 from grpolab.rollout.base import Completion, FinishReason, RolloutEngine, SamplingParams

@@ -15,15 +15,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from grpolab.config import RewardShapingConfig, RolloutConfig
 from grpolab.objectives.advantages import informative_groups
 from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.base import Completion, RolloutEngine, SamplingParams
 from grpolab.rollout.evaluation import grade_completions
 from grpolab.rollout.reward_models import RewardModels
+from grpolab.rollout.settings import RolloutConfig
 from grpolab.tasks.base import ANSWER_TERM, Example, Grade, Task
-from grpolab.tasks.shaping import shape_rewards
+from grpolab.tasks.shaping import RewardShapingConfig, shape_rewards
 from grpolab.tasks.stream import PromptStream
 
 

@@ -28,11 +28,11 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from grpolab.config import RolloutConfig
 from grpolab.models.precision import TrainingPrecision
 from grpolab.models.weights import ModelWeights, PolicyWeights
 from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
 from grpolab.rollout.hf.engine import HFEngine
+from grpolab.rollout.settings import RolloutConfig
 
 __all__ = ["EngineDied", "EngineProcess", "WeightSlots"]
 

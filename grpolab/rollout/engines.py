@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grpolab.config import ConfigError, RolloutConfig, RunConfig
+from grpolab.common.settings import ConfigError
 from grpolab.rollout.base import EngineCapabilities, RolloutEngine
 from grpolab.rollout.capabilities import HF_CAPABILITIES, VLLM_CAPABILITIES
+from grpolab.rollout.settings import RolloutConfig, RunSettings
 
 if TYPE_CHECKING:  # the registry and check_settings load without torch; a factory imports its engine's code
     import torch
@@ -107,7 +108,7 @@ def available_engines(cfg: RolloutConfig) -> list[str]:
     return [name for name, kind in ENGINES.items() if kind.available(cfg)]
 
 
-def engine_choices(cfg: RunConfig) -> tuple[list[str], dict[str, str]]:
+def engine_choices(cfg: RunSettings) -> tuple[list[str], dict[str, str]]:
     """(the engines this environment can start and that can run ``cfg``'s settings, in registration order;
     every other engine with why not: not installed, or a setting it refuses, as ``check_settings`` words it)."""
     usable, skipped = [], {}
@@ -138,7 +139,7 @@ def _refused(problem: str) -> ConfigError:
     return ConfigError(f"config: {problem}")
 
 
-def check_settings(cfg: RunConfig) -> None:
+def check_settings(cfg: RunSettings) -> None:
     """Refuse, in one line (a ``ConfigError``) and before anything is loaded or written, settings the chosen
     engine cannot run: a temperature above its limit, truncated evaluation sampling it cannot report, MoE
     routing replay from a record it does not make, a model without weight files for an engine that loads
@@ -177,7 +178,7 @@ def check_settings(cfg: RunConfig) -> None:
         )
 
 
-def weight_kind(cfg: RunConfig, offered: tuple[WeightKind, ...]) -> WeightKind:
+def weight_kind(cfg: RunSettings, offered: tuple[WeightKind, ...]) -> WeightKind:
     """The kind of ``PolicyWeights`` the chosen engine's sync takes: the training model itself (``full``) for an
     engine that shares it; else one of the kinds the policy ``offered`` for a copy (``Policy.copy_kinds``): its
     adapter alone for an engine that serves adapters when ``rollout.vllm.lora_sync`` asks for it, else the

@@ -3,5 +3,5 @@ checkpoints (``trainer``), and what makes a run resumable and auditable: run sta
 directory (``rundir``), its journal (``journal``), lock (``lock``), checkpoints (``checkpoints``), resume
 checks (``resume``) and graceful stops (``stop``); the trackers a run also logs to (``trackers``).
 
-May import: ``grpolab.learning`` and every layer below it.
+May import: ``grpolab.config`` and every layer below it.
 """

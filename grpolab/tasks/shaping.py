@@ -16,12 +16,30 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pydantic import Field
+
+from grpolab.common.settings import Section
 from grpolab.tasks.base import Grade
 
 if TYPE_CHECKING:
     import torch
 
 SHAPING_TERMS = ("truncation_penalty", "overlong_penalty")  # component names; they never fail
+
+
+class RewardShapingConfig(Section):
+    """Length shaping added to every task's RL reward in training (logged apart from the answer reward)."""
+
+    truncation_penalty: float = Field(
+        0.0, ge=0, description="subtracted from the reward of a completion that hit rollout.max_new_tokens (0 = off)"
+    )
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO's soft overlong punishment: the last this-many tokens "
+        "before rollout.max_new_tokens cost up to overlong_factor, linearly (0 = off)",
+    )
+    overlong_factor: float = Field(1.0, gt=0, description="the soft overlong punishment at max_new_tokens")
 
 
 def truncation_penalty(truncated: torch.Tensor, penalty: float) -> torch.Tensor:
