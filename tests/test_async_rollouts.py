@@ -137,7 +137,10 @@ def test_bench_step_times_async_steps_past_the_configs_last_step(warm_model_dir,
 @pytest.mark.parametrize(
     "settings, refusal",
     [
-        ({"rollout.engine": "vllm"}, "rollout.mode 'async' runs the hf engine in a process of its own"),
+        (
+            {"rollout.engine": "vllm"},
+            "rollout.mode 'async' runs the engine in a process of its own beside the learner; the vLLM engine",
+        ),
     ],
 )
 def test_async_refuses_what_it_cannot_run_in_one_line(warm_model_dir, tmp_path, capsys, settings, refusal):
@@ -155,12 +158,14 @@ from grpolab.config import RolloutConfig
 from grpolab.models.precision import TrainingPrecision
 from grpolab.rollout.base import SamplingParams
 from grpolab.rollout.engine_process import EngineProcess
+from grpolab.rollout.engines import EngineRequest
 
 if __name__ == "__main__":
     model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
     tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
     precision = TrainingPrecision("float32", torch.float32, torch.float32)
-    engine = EngineProcess.for_rollout(RolloutConfig(), model, tokenizer, precision, threads=1)
+    request = EngineRequest(RolloutConfig(), model, tokenizer, sys.argv[1], 0, 128, precision)
+    engine = EngineProcess.for_rollout(request, threads=1)
     prompts, params = [tokenizer("1 + 2 =")["input_ids"]] * 8, SamplingParams(max_new_tokens=64, seed=0)
     engine.generate(prompts, 4, params)  # the engine process is up and answering
     engine.conn.send((0, prompts, 4, params))  # its reply will find no learner

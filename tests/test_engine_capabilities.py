@@ -43,6 +43,7 @@ def test_every_registered_engine_declares_every_capability():
         "serves_adapters",
         "batch_refill",
         "bounded_batch",
+        "runs_apart",
     }
     for name, kind in ENGINES.items():
         assert isinstance(kind.capabilities, EngineCapabilities), name
@@ -110,6 +111,16 @@ def test_refusals_follow_the_capabilities_not_the_name(fake_engine):
     with pytest.raises(ConfigError, match="no weight files for Fake to load; use rollout.engine 'hf'"):
         check_settings(_with_engine(load_config(None, {"model": "like:qwen3-0.6b"}), fake_engine))
     check_settings(load_config(None, {"rollout.temperature": 1.8, "eval.top_p": 0.9}))  # hf takes them all
+    with pytest.raises(
+        ConfigError, match="the Fake engine generates in step with training here: .* rollout.engine 'hf'"
+    ):
+        check_settings(_with_engine(load_config(None, {"rollout.mode": "async"}), fake_engine))
+    ENGINES[fake_engine] = dataclasses.replace(
+        ENGINES[fake_engine], capabilities=dataclasses.replace(capabilities(fake_engine), runs_apart=True)
+    )
+    check_settings(
+        _with_engine(load_config(None, {"rollout.mode": "async"}), fake_engine)
+    )  # its capability, not its name
     assert "fake" not in available_engines(load_config(None, {}).rollout)
     assert engine_record(_with_engine(load_config(None, {}), fake_engine).rollout) == {"engine": "fake", "version": "0"}
 
@@ -189,3 +200,87 @@ def test_engines_a_bench_cannot_run_are_named_with_why(monkeypatch):
     assert usable == ["hf"] and skipped["vllm"].startswith(
         "vLLM is not installed in this interpreter and rollout.vllm.python names no other (GPU: pip install"
     )
+
+
+class RecordingEngine:
+    """An engine that records what it was built from and asked, and answers with the weights it saw."""
+
+    def __init__(self, request):
+        self.request, self.calls = request, []
+
+    def generate(self, prompts, n, params):
+        weight = next(self.request.model.parameters()).detach().flatten()[0].item()
+        self.calls.append(("generate", prompts, n))
+        return [[weight] * n for _ in prompts]
+
+    def sync_weights(self, weights):
+        self.calls.append(("sync_weights",))
+
+    def close(self):
+        pass
+
+
+def test_an_engine_process_builds_its_engine_by_the_registered_factory():
+    """The engine process's side (``_serve``, driven here in a thread through its pipe) builds the engine its
+    request names by that engine's registered factory, on the shared copy of the model, and points the copy at
+    each version's slot before it generates; an engine that cannot run apart is refused before any process
+    starts."""
+    import signal
+    import threading
+
+    import torch
+    from torch import nn
+
+    from grpolab.rollout import engine_process
+    from grpolab.rollout.base import SamplingParams
+    from grpolab.rollout.engines import EngineRequest
+
+    built, threads = [], torch.get_num_threads()
+
+    def factory(request):
+        built.append(RecordingEngine(request))
+        return built[-1]
+
+    ENGINES["recording"] = EngineKind(
+        "recording",
+        factory,
+        dataclasses.replace(capabilities("hf"), runs_apart=True),
+        "Recording",
+        lambda cfg: True,
+        lambda cfg: {},
+    )
+    try:
+        model = nn.Linear(2, 2, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        cfg = load_config(None, {}).rollout.model_copy(update={"engine": "recording"})
+        request = EngineRequest(cfg, model, None, Path("."), 0, 16, None)
+        copy = engine_process.engine_copy(model)
+        slots = engine_process.WeightSlots(copy, 2)
+        slots.slots[1]["weight"].fill_(7.0)
+        parent, child = torch.multiprocessing.Pipe()
+        params, replies = SamplingParams(max_new_tokens=4, seed=0), []
+
+        def learner():
+            for version in (0, 1):
+                parent.send((version, [[1, 2]], 2, params))
+                replies.append(parent.recv())
+            parent.send(None)
+
+        asking = threading.Thread(target=learner)
+        asking.start()
+        interrupt = signal.getsignal(signal.SIGINT)
+        try:  # the engine process's loop, in this (main) thread: it sets its signal handling as a process does
+            engine_process._serve(child, dataclasses.replace(request, model=copy), slots.slots, 1)
+        finally:
+            signal.signal(signal.SIGINT, interrupt)
+            torch.set_num_threads(threads)
+        asking.join(timeout=10)
+        assert [engine.request.model is copy for engine in built] == [True]  # built once, on the shared copy
+        assert replies == [("ok", [[1.0, 1.0]]), ("ok", [[7.0, 7.0]])]  # version 1 read from its slot
+        assert built[0].calls == [("generate", [[1, 2]], 2), ("sync_weights",), ("generate", [[1, 2]], 2)]
+    finally:
+        del ENGINES["recording"]
+    vllm = dataclasses.replace(request, cfg=cfg.model_copy(update={"engine": "vllm"}))
+    with pytest.raises(ValueError, match="the vllm engine cannot run in a process of its own"):
+        engine_process.EngineProcess(vllm, 2, 1)

@@ -76,7 +76,7 @@ def test_a_tied_models_trained_head_is_served_untied_by_the_merged_sync(vllm_mod
     builds serves it untied, so its log-probs stay the trainer's as the head drifts from the embedding."""
     from grpolab.models.lora import MergedWeights, trains_tied_head
     from grpolab.models.precision import resolve_precision
-    from grpolab.rollout.engines import build_engine
+    from grpolab.rollout.engines import EngineRequest, build_engine
 
     model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
     assert model.config.tie_word_embeddings
@@ -89,13 +89,9 @@ def test_a_tied_models_trained_head_is_served_untied_by_the_merged_sync(vllm_mod
     base = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
     cfg = load_config(None, {"rollout.engine": "vllm", "rollout.vllm.kv_cache_gib": 0.0625})
     engine = build_engine(
-        cfg.rollout,
-        adapter.model,
-        tokenizer,
-        vllm_model_dir,
-        seed=0,
-        max_model_len=256,
-        precision=resolve_precision("float32", torch.float32),
+        EngineRequest(
+            cfg.rollout, adapter.model, tokenizer, vllm_model_dir, 0, 256, resolve_precision("float32", torch.float32)
+        )
     )
     prompts = [tokenizer.encode(p) for p in ("12+34=", "7+8=<think>")]
     params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=5)

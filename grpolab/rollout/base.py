@@ -173,6 +173,9 @@ class EngineCapabilities:
     batch_refill: it starts new sequences as others finish, within one call.
     bounded_batch: it generates at most ``rollout.max_batch_size`` sequences at once (its KV cache holds as
         many rows); otherwise the whole call's.
+    runs_apart: it can be built in a process of its own beside the learner, by its own factory, from a
+        shared-memory copy of the training model whose weights the learner publishes by version (async rollouts:
+        ``grpolab.rollout.engine_process``).
     """
 
     shares_training_model: bool
@@ -183,6 +186,7 @@ class EngineCapabilities:
     serves_adapters: bool = False
     batch_refill: bool = False
     bounded_batch: bool = False
+    runs_apart: bool = False
 
 
 @runtime_checkable

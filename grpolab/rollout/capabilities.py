@@ -16,6 +16,7 @@ HF_CAPABILITIES = EngineCapabilities(
     serves_adapters=False,
     batch_refill=True,
     bounded_batch=True,
+    runs_apart=True,
 )
 """What the ``hf`` engine (``grpolab.rollout.hf.engine.HFEngine``) can do."""
 
@@ -32,5 +33,6 @@ VLLM_CAPABILITIES = EngineCapabilities(
     serves_adapters=True,
     batch_refill=False,
     bounded_batch=False,
+    runs_apart=False,  # it loads its own weights from files and syncs by copy, in step with training here
 )
 """What vLLM can do, in this process or under another interpreter (``VLLMSubprocessEngine``)."""

@@ -10,6 +10,7 @@ to decide, so there it is added round by round, and the moments see every round'
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, replace
 
@@ -104,6 +105,13 @@ class RolloutCollector:
         self.rank_chunk = max(
             1, min(rollout.max_batch_size // rollout.group_size, rollout.prompts_per_step // ranks.world)
         )
+
+    def with_engine(self, engine: RolloutEngine) -> RolloutCollector:
+        """This collector sampling with ``engine`` instead: the same prompt stream, settings and graders (async
+        rollouts' producer, drawing ahead from the stream the run's collector would)."""
+        other = copy.copy(self)
+        other.engine = engine
+        return other
 
     def grade(self, examples: list[Example], completions: list[list[Completion]]) -> list[list[Grade]]:
         """The task's grades (with the reward models' raw scores), with the configured length shaping added to

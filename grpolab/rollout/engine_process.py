@@ -1,8 +1,9 @@
-"""The hf engine in a process of its own, for asynchronous rollouts on one machine.
+"""An engine in a process of its own, for asynchronous rollouts on one machine.
 
-The engine process holds a copy of the policy and generates with ``grpolab.rollout.hf.engine.HFEngine`` on its own
-CPU threads, exactly as the run's in-process hf engine would (the same compute context and compute-dtype copy),
-while the learner trains in the parent. Its weights live in shared memory, in ``slots`` versions (``WeightSlots``): the parent writes the policy after step
+The engine process holds a copy of the policy and builds its engine there by the engine's registered factory
+(``grpolab.rollout.engines.build_engine``, from the same ``EngineRequest`` as the run's in-process engine: the
+same compute context and compute-dtype copy), for an engine whose capabilities say it ``runs_apart`` (the hf
+engine). It generates on its own CPU threads while the learner trains in the parent. Its weights live in shared memory, in ``slots`` versions (``WeightSlots``): the parent writes the policy after step
 v into slot ``v % slots`` and the engine, asked to generate with version v, points its parameters at that slot
 (no copy). The rollout pipeline (``grpolab.rollout.pipeline``) only asks for a version once it is written and
 only overwrites a slot whose previous version no batch still needs, so a slot never changes under a
@@ -22,17 +23,14 @@ import dataclasses
 import signal
 import traceback
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from grpolab.models.precision import TrainingPrecision
 from grpolab.models.weights import ModelWeights, PolicyWeights
-from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
-from grpolab.rollout.hf.engine import HFEngine
-from grpolab.rollout.settings import RolloutConfig
+from grpolab.rollout.base import Completion, SamplingParams
+from grpolab.rollout.engines import EngineRequest, build_engine, capabilities
 
 __all__ = ["EngineDied", "EngineProcess", "WeightSlots"]
 
@@ -79,27 +77,15 @@ def engine_copy(model: nn.Module) -> nn.Module:
     return engine_model.share_memory()
 
 
-def _serve(
-    conn,
-    model: nn.Module,
-    slots: list[dict[str, torch.Tensor]],
-    tokenizer,
-    precision: TrainingPrecision,
-    settings: dict[str, Any],
-) -> None:
+def _serve(conn, request: EngineRequest, slots: list[dict[str, torch.Tensor]], threads: int) -> None:
     """The engine process: answer (version, prompts, n, params) requests until the pipe closes or says None.
-    It generates as the run's in-process hf engine does: under the trainer's compute context, on a
-    compute-dtype copy of the weights where the run's engine makes one (refreshed at each version)."""
+    Its engine is the one the run's process would build from ``request`` (whose model is the shared-memory copy),
+    by the same factory: the same compute context, and a compute-dtype copy of the weights where that engine
+    makes one (refreshed at each version)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(settings.pop("threads"))
-    device = next(model.parameters()).device
-    engine = HFEngine(
-        model,
-        tokenizer,
-        compute_context=lambda: precision.autocast(device),
-        compute_dtype=precision.compute,
-        **settings,
-    )
+    torch.set_num_threads(threads)
+    engine = build_engine(request)
+    model = request.model
     params = dict(model.named_parameters())
     current = 0  # the version the parameters and the engine's copy hold
     while True:
@@ -126,28 +112,21 @@ def _serve(
 
 
 class EngineProcess:
-    """The parent's handle on an engine process generating from a copy of ``model`` as the run's hf engine
-    does under ``precision``.
+    """The parent's handle on an engine process generating from a copy of ``request.model`` as the engine
+    ``request`` names does in the run's process.
 
     slots: how many weight versions it holds (the pipeline's staleness bound + 1).
     threads: the engine process's CPU threads.
-    engine_settings: ``HFEngine``'s keyword arguments (max_batch_size, eos_token_ids, shared_prefill,
-        pack_weights).
-    ``generate`` samples with the version last set in ``version`` (a ``RolloutEngine`` for the collector).
+    ``generate`` samples with the version last set in ``version`` (a ``RolloutEngine`` for the collector); its
+    ``capabilities`` are its engine's, but for the model it samples from (a copy, synced by version).
     """
 
-    capabilities = dataclasses.replace(HFEngine.capabilities, shares_training_model=False)
-
-    def __init__(
-        self,
-        model: nn.Module,
-        tokenizer,
-        precision: TrainingPrecision,
-        slots: int,
-        threads: int,
-        engine_settings: dict[str, Any],
-    ):
-        self.model_copy = engine_copy(model)
+    def __init__(self, request: EngineRequest, slots: int, threads: int):
+        can = capabilities(request.cfg.engine)
+        if not can.runs_apart:  # check_settings refuses the config first, in its words
+            raise ValueError(f"the {request.cfg.engine} engine cannot run in a process of its own")
+        self.capabilities = dataclasses.replace(can, shares_training_model=False)
+        self.model_copy = engine_copy(request.model)
         self.slots = WeightSlots(self.model_copy, slots)
         self.version = 0
         self.busy = False  # a request is in flight
@@ -155,14 +134,7 @@ class EngineProcess:
         self.conn, child = context.Pipe()
         self.process = context.Process(
             target=_serve,
-            args=(
-                child,
-                self.model_copy,
-                self.slots.slots,
-                tokenizer,
-                precision,
-                {**engine_settings, "threads": threads},
-            ),
+            args=(child, dataclasses.replace(request, model=self.model_copy), self.slots.slots, threads),
             daemon=True,
             name="grpolab-engine",
         )
@@ -171,12 +143,10 @@ class EngineProcess:
         self.closed = False
 
     @classmethod
-    def for_rollout(cls, cfg: RolloutConfig, model: nn.Module, tokenizer, precision: TrainingPrecision, threads: int):
-        """The engine process of a run's async rollouts: the hf engine's settings from ``cfg``, as many weight
-        slots as versions may be in use at once (``cfg.max_staleness`` + 1)."""
-        eos = collect_eos_ids(tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-        settings = {"max_batch_size": cfg.max_batch_size, "eos_token_ids": eos, "pack_weights": cfg.pack_weights}
-        return cls(model, tokenizer, precision, cfg.max_staleness + 1, threads, settings)
+    def for_rollout(cls, request: EngineRequest, threads: int) -> EngineProcess:
+        """The engine process of a run's async rollouts: as many weight slots as versions may be in use at once
+        (``rollout.max_staleness`` + 1)."""
+        return cls(request, request.cfg.max_staleness + 1, threads)
 
     @property
     def pid(self) -> int | None:

@@ -53,7 +53,7 @@ class EngineRequest:
     tokenizer: Any
     model_dir: Path
     seed: int
-    max_model_len: int
+    max_model_len: int  # the longest prompt + max_new_tokens
     precision: TrainingPrecision
     sharded: bool = False
     adapter_rank: int | None = None  # the rank of the policy's adapter (None: no adapter); an engine that serves
@@ -165,10 +165,12 @@ def check_settings(cfg: RunSettings) -> None:
             f"not): use rollout.engine {' or '.join(repr(m) for m in makers)} or more than one step "
             "(algorithm.epochs x steps_per_epoch > 1)"
         )
-    if cfg.rollout.mode == "async" and cfg.rollout.engine != "hf":
+    if cfg.rollout.mode == "async" and not can.runs_apart:
+        apart = _engines_that(lambda c: c.runs_apart)
         raise _refused(
-            f"rollout.mode 'async' runs the hf engine in a process of its own; the {label} engine generates "
-            "in step with training here: use rollout.mode 'sync' or rollout.engine 'hf'"
+            f"rollout.mode 'async' runs the engine in a process of its own beside the learner; the {label} "
+            f"engine generates in step with training here: use rollout.mode 'sync' or rollout.engine "
+            f"{' or '.join(repr(m) for m in apart)}"
         )
     if (cfg.model.path or "").startswith("like:") and not can.shares_training_model:
         sharing = _engines_that(lambda c: c.shares_training_model)
@@ -191,22 +193,10 @@ def weight_kind(cfg: RunSettings, offered: tuple[WeightKind, ...]) -> WeightKind
     return next(kind for kind in offered if kind != "adapter")
 
 
-def build_engine(
-    cfg: RolloutConfig,
-    model: nn.Module,
-    tokenizer,
-    model_dir: Path,
-    *,
-    seed: int,
-    max_model_len: int,
-    precision: TrainingPrecision,
-    sharded: bool = False,
-    adapter_rank: int | None = None,
-) -> RolloutEngine:
-    """The engine registered as ``cfg.engine``; ``max_model_len`` = longest prompt + max_new_tokens."""
-    return ENGINES[cfg.engine].factory(
-        EngineRequest(cfg, model, tokenizer, model_dir, seed, max_model_len, precision, sharded, adapter_rank)
-    )
+def build_engine(request: EngineRequest) -> RolloutEngine:
+    """The engine registered as ``request.cfg.engine``, built by its factory (in the run's process, or in a
+    process of its own: ``grpolab.rollout.engine_process``)."""
+    return ENGINES[request.cfg.engine].factory(request)
 
 
 def _vllm_available(cfg: RolloutConfig) -> bool:

@@ -39,7 +39,15 @@ from grpolab.parallel.ranks import Ranks, init_from_env
 from grpolab.rollout.base import RolloutEngine
 from grpolab.rollout.collect import RolloutCollector
 from grpolab.rollout.engine_process import EngineProcess
-from grpolab.rollout.engines import ENGINES, build_engine, capabilities, check_settings, dtype_name, weight_kind
+from grpolab.rollout.engines import (
+    ENGINES,
+    EngineRequest,
+    build_engine,
+    capabilities,
+    check_settings,
+    dtype_name,
+    weight_kind,
+)
 from grpolab.rollout.environment import task_engine
 from grpolab.rollout.lockstep import LockstepEngine
 from grpolab.rollout.pipeline import AsyncRollouts, RolloutSource, SyncRollouts
@@ -266,35 +274,39 @@ def prompt_token_ids(
     return {e.id: p for e, p in zip(examples, ids)}
 
 
+def engine_request(cfg: RunConfig, setting: Setting, policy: Policy, max_model_len: int) -> EngineRequest:
+    """What the run's engine is built from, in the run's process or in one of its own (async rollouts). An
+    engine holding its own weights starts from the policy's start files."""
+    return EngineRequest(
+        cfg.rollout,
+        policy.model,
+        policy.tokenizer,
+        policy.start_files,
+        cfg.seed,
+        max_model_len,
+        policy.precision,
+        sharded=is_sharded_run(cfg, setting.ranks),
+        adapter_rank=policy.adapter_rank,
+    )
+
+
 def rollout_engine(
-    cfg: RunConfig,
+    request: EngineRequest,
     setting: Setting,
     task: Task,
-    policy: Policy,
-    max_model_len: int,
     prompt_ids: dict[str, list[int]],
     examples: list[Example],
 ) -> RolloutEngine:
-    """The engine the config names, with the wrappers the run needs: lock-step decoding over FSDP
+    """The engine ``request`` names, with the wrappers the run needs: lock-step decoding over FSDP
     ranks, multi-turn tool use or an environment's rollouts (``task_engine``: observations masked out of the
-    loss). An engine holding its own weights starts from the policy's start files."""
-    sharded = is_sharded_run(cfg, setting.ranks)
-    shares = capabilities(cfg.rollout.engine).shares_training_model
-    with setting.reporter.phase(f"start {cfg.rollout.engine} engine", done_note=not shares or None):
-        engine = build_engine(
-            cfg.rollout,
-            policy.model,
-            policy.tokenizer,
-            policy.start_files,
-            seed=cfg.seed,
-            max_model_len=max_model_len,
-            precision=policy.precision,
-            sharded=sharded,
-            adapter_rank=policy.adapter_rank,
-        )
+    loss)."""
+    name, sharded = request.cfg.engine, request.sharded
+    shares = capabilities(name).shares_training_model
+    with setting.reporter.phase(f"start {name} engine", done_note=not shares or None):
+        engine = build_engine(request)
         if sharded and shares:  # it generates with the sharded model
-            engine = LockstepEngine(engine, setting.ranks, filler=[policy.tokenizer.pad_token_id])
-    return task_engine(engine, task, policy.tokenizer, prompt_ids, examples)
+            engine = LockstepEngine(engine, setting.ranks, filler=[request.tokenizer.pad_token_id])
+    return task_engine(engine, task, request.tokenizer, prompt_ids, examples)
 
 
 def resolve_auto(cfg: RunConfig, precision: TrainingPrecision, stale: bool = False) -> tuple[RunConfig, dict[str, str]]:
@@ -316,12 +328,13 @@ def rollout_source(
     cfg: RunConfig,
     setting: Setting,
     task: Task,
-    policy: Policy,
+    request: EngineRequest,
     collector: RolloutCollector,
     weights: Callable[[], PolicyWeights],
 ) -> RolloutSource:
-    """Sync rollouts from the run's engine, or with ``rollout.mode = "async"`` an engine process of its own
-    (its threads taken from the run's) and a producer collecting ahead from the same prompt stream."""
+    """Sync rollouts from the run's engine, or with ``rollout.mode = "async"`` the same engine built in a
+    process of its own (its threads taken from the run's) and a producer collecting ahead from the same prompt
+    stream."""
     if cfg.rollout.mode == "sync":
         return SyncRollouts(collector)
     threads = setting.threads.threads
@@ -332,14 +345,9 @@ def rollout_source(
         f"thread(s), learner {torch.get_num_threads()}"
     )
     with setting.reporter.phase("start the engine process"):
-        process = EngineProcess.for_rollout(
-            cfg.rollout, policy.model, policy.tokenizer, policy.precision, engine_threads
-        )
-    c = collector
-    engine = task_engine(process, task, policy.tokenizer, c.prompt_ids, task.train_examples())
-    producer = RolloutCollector(
-        engine, task, c.prompts, c.prompt_ids, c.rollout, c.spec, c.seed, c.shaping, c.ranks, c.reward_models
-    )
+        process = EngineProcess.for_rollout(request, engine_threads)
+    engine = task_engine(process, task, request.tokenizer, collector.prompt_ids, task.train_examples())
+    producer = collector.with_engine(engine)
     return AsyncRollouts(producer, process, cfg.rollout.max_staleness, cfg.steps, weights, collector.engine)
 
 
@@ -390,7 +398,8 @@ def build_parts(
     )
     ranks = setting.ranks
     state = RunState(optimizer, prompts, minibatch_gen, sync_monitor, ranks, policy.model, reward_models)
-    engine = rollout_engine(cfg, setting, task, policy, max_model_len, prompt_ids, task.train_examples() + val_examples)
+    request = engine_request(cfg, setting, policy, max_model_len)
+    engine = rollout_engine(request, setting, task, prompt_ids, task.train_examples() + val_examples)
     collector = RolloutCollector(
         engine, task, prompts, prompt_ids, cfg.rollout, cfg.algorithm, cfg.seed, cfg.reward, ranks, reward_models
     )
@@ -416,7 +425,7 @@ def build_parts(
             state,
             collector,
             learner,
-            rollout_source(cfg, setting, task, policy, collector, lambda: parts.sync_source()),
+            rollout_source(cfg, setting, task, request, collector, lambda: parts.sync_source()),
             resolved,
             teacher=teacher,
         )
