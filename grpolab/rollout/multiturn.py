@@ -10,6 +10,10 @@ samples up to the largest budget left among the active trajectories and every tr
 its own; a trajectory cut there, or whose observation does not fit, ends with finish reason
 "length" (truncated). Observations are tokenised with ``add_special_tokens=False`` and get policy
 mask 0 and log-prob 0.
+
+The calls of one turn run at once (``Toolset.execute_many``: the Python tool's are sandboxed processes). A call
+whose tool machinery failed (``kind`` "sandbox") ends its trajectory as a failed sample (``Grade.failed_as``):
+it says nothing of the policy and takes no part in advantages or the loss.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from typing import Any
 
 from grpolab.models.weights import PolicyWeights
 from grpolab.rollout.base import Completion, FinishReason, RolloutEngine, SamplingParams
-from grpolab.tools.protocol import ToolCall, Toolset
+from grpolab.tasks.base import Grade
+from grpolab.tools.protocol import ERROR_KINDS, ToolCall, Toolset
 
 __all__ = ["MultiTurnEngine", "tool_metrics"]
 
@@ -39,6 +44,7 @@ class _Trajectory:
     calls: list[ToolCall] = field(default_factory=list)
     turns: int = 0
     finish: FinishReason = "stop"
+    failure: str | None = None  # why the trajectory cannot be graded (its tool machinery failed)
 
     def add(self, ids: list[int], logprobs: list[float], policy: bool) -> None:
         self.ids += ids
@@ -86,7 +92,7 @@ class MultiTurnEngine:
     def _advance(self, trajectories: list[_Trajectory], turns: list[Completion], budget: int) -> list[_Trajectory]:
         """Append each trajectory's new turn (cut at its budget), run the call it ended on; returns the
         trajectories that continue."""
-        active = []
+        active, calling = [], []
         for t, c in zip(trajectories, turns):
             room = budget - len(t.ids)
             ids, logprobs, finish = c.completion_ids[:room], c.logprobs[:room], c.finish_reason
@@ -102,11 +108,23 @@ class MultiTurnEngine:
             if t.turns >= self.toolset.max_turns:
                 t.calls.append(
                     ToolCall(
-                        call_text or "", None, None, "turn limit reached: not executed", "", len(t.ids), len(t.ids)
+                        call_text or "",
+                        None,
+                        None,
+                        "turn limit reached: not executed",
+                        "",
+                        len(t.ids),
+                        len(t.ids),
+                        kind="turn_limit",
                     )
                 )
                 continue
-            call = self.toolset.execute(call_text)
+            calling.append((t, call_text))
+        for (t, _), call in zip(calling, self.toolset.execute_many([text for _, text in calling])):
+            if call.kind == "sandbox":
+                t.calls.append(replace(call, start=len(t.ids), end=len(t.ids)))
+                t.failure = call.error
+                continue
             observation = self.tokenizer(call.observation, add_special_tokens=False)["input_ids"]
             start = len(t.ids)
             kept = observation[: budget - start]
@@ -128,12 +146,14 @@ class MultiTurnEngine:
             policy_mask=t.mask,
             tool_calls=[c.record() for c in t.calls],
             turns=t.turns,
+            grade=None if t.failure is None else Grade.failed_as("sandbox", t.failure),
         )
 
 
 def tool_metrics(completions: list[Completion], correct: list[bool], prefix: str = "tool/") -> dict[str, float]:
     """Tool use of a batch of trajectories: ``call_rate`` (trajectories with a call), ``calls_mean``,
-    ``valid_call_rate`` (calls that ran without error), ``errors``, ``turns_mean``,
+    ``valid_call_rate`` (calls that ran without error), ``errors`` (and ``errors/<kind>`` per
+    ``grpolab.tools.protocol.ERROR_KINDS``), ``turns_mean``,
     ``observation_tokens`` (masked out of the loss), and ``accuracy_with_calls`` /
     ``accuracy_without_calls`` (answer accuracy of the trajectories with / without a valid call; left
     out when there are none)."""
@@ -149,6 +169,10 @@ def tool_metrics(completions: list[Completion], correct: list[bool], prefix: str
     }
     if calls:
         out["valid_call_rate"] = 1 - errors / len(calls)
+        for kind in ERROR_KINDS:
+            count = sum(call.get("kind") == kind for call in calls)
+            if count:
+                out[f"errors/{kind}"] = count
     for key, want in (("accuracy_with_calls", True), ("accuracy_without_calls", False)):
         picked = [ok for ok, u in zip(correct, used) if u == want]
         if picked:

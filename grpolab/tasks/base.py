@@ -26,7 +26,7 @@ ANSWER_TERM = "answer_reward"  # the RL reward's one term where a grade has no c
 ENVIRONMENT_TERM = "environment"  # the failed term of an environment's rollout that raised or timed out
 # why a sample failed (``Grade.failure``): its environment's rollout raised, ran out of time, or had a call of the
 # policy endpoint fail; a reward term failed on it
-FAILURE_KINDS = ("environment", "timeout", "endpoint", "reward")
+FAILURE_KINDS = ("environment", "timeout", "endpoint", "reward", "sandbox")
 
 
 @dataclass(frozen=True)

@@ -12,20 +12,34 @@ failure never raise). The tags are settings; they are best single tokens of the 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from grpolab.tools.calculator import CALCULATOR_DESCRIPTION, CALCULATOR_SCHEMA, CalculatorError, calculate
+from grpolab.tools.python_tool import PYTHON_DESCRIPTION, PYTHON_SCHEMA, ToolFailed
 
 MAX_CALL_CHARS = 2000  # longer call texts are refused before JSON parsing
 _ECHO = 40  # at most this much of the model's own text is quoted back in an error
+CODE_KINDS = ("exception", "timeout", "killed", "output_limit")  # observations that are the code's own output
 
 
 class ToolError(ValueError):
-    """A tool refused its arguments; the message becomes the error observation."""
+    """A tool refused its arguments; the message becomes the error observation, counted as ``kind``."""
+
+    kind = "refused"
+
+
+ERROR_KINDS = ("format", "unknown_tool", "arguments", "refused", "turn_limit", "exception", "timeout", "killed")
+ERROR_KINDS += ("output_limit", "sandbox")
+"""How a call can fail (``ToolCall.kind``): the call's text (not JSON, not a call, no opening tag, too long), an
+unknown tool, arguments its schema refuses, the tool refusing them, the turn limit; the Python tool's code
+raising, timing out, killed or printing past the cap; and ``sandbox``, the tool's machinery failing (its
+trajectory is a failed sample)."""
 
 
 @dataclass(frozen=True)
@@ -52,9 +66,43 @@ def _calculator(arguments: dict[str, Any]) -> str:
         raise ToolError(str(err)) from None
 
 
-TOOLS: dict[str, Tool] = {
-    "calculator": Tool("calculator", CALCULATOR_DESCRIPTION, CALCULATOR_SCHEMA, _calculator),
+class SandboxSettings(BaseModel):
+    """``[task.tools.sandbox]``: the Python tool's sandbox (``grpolab.tools.code_sandbox``), per call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wall_seconds: float = Field(10.0, gt=0, description="wall-clock limit per call; the whole sandbox is killed")
+    cpu_seconds: int = Field(5, ge=1, description="CPU seconds per call")
+    memory_mb: int = Field(512, ge=64, description="address space per call, MiB")
+    max_output_chars: int = Field(1000, ge=16, description="the observation's length at most (the cut is said)")
+    workers: int | None = Field(None, ge=1, description="calls run at once; None = the machine's cores")
+    unsafe: bool = Field(
+        False,
+        description="run the code WITHOUT isolation where bubblewrap cannot run (trusted code only; logged loudly)",
+    )
+
+    def sandbox(self):
+        """The ``CodeSandbox`` these settings describe (refused in one line where bubblewrap cannot run)."""
+        from grpolab.tools.code_sandbox import CodeSandbox, SandboxLimits
+
+        limits = SandboxLimits(self.wall_seconds, self.cpu_seconds, self.memory_mb << 20)
+        return CodeSandbox(limits, unsafe=self.unsafe, workers=self.workers)
+
+
+def _python(settings: SandboxSettings) -> Tool:
+    from grpolab.tools.python_tool import PythonRunner
+
+    return Tool(
+        "python", PYTHON_DESCRIPTION, PYTHON_SCHEMA, PythonRunner(settings.sandbox(), settings.max_output_chars)
+    )
+
+
+CALCULATOR = Tool("calculator", CALCULATOR_DESCRIPTION, CALCULATOR_SCHEMA, _calculator)
+TOOLS: dict[str, Callable[[SandboxSettings], Tool]] = {
+    "calculator": lambda settings: CALCULATOR,
+    "python": _python,
 }
+"""The tools by name, each built by its factory from the sandbox settings (which only the Python tool reads)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +112,7 @@ class ToolCall:
     error: None when the call was valid and the tool answered; else why not (the observation says it).
     observation: the text appended after the call (response tags included; "" when not executed).
     start, end: the observation's token span in ``Completion.completion_ids`` (policy mask 0 there).
+    kind: how it failed (``ERROR_KINDS``), None when it did not.
     """
 
     text: str
@@ -73,6 +122,7 @@ class ToolCall:
     observation: str
     start: int = 0
     end: int = 0
+    kind: str | None = None
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,6 +145,7 @@ class Toolset:
         max_turns: int = 4,
         call_tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
         response_tags: tuple[str, str] = ("<tool_response>", "</tool_response>"),
+        sandbox: SandboxSettings | None = None,
     ):
         unknown = [n for n in names if n not in TOOLS]
         if unknown or not names:
@@ -103,7 +154,8 @@ class Toolset:
             raise ValueError("max_turns must be >= 2 (one call and the turn that reads its result)")
         if not all(call_tags) or not all(response_tags):
             raise ValueError("tool tags must be non-empty")
-        self.tools = {n: TOOLS[n] for n in names}
+        self.tools = {n: TOOLS[n](sandbox or SandboxSettings()) for n in names}
+        self.workers = (sandbox or SandboxSettings()).workers or os.cpu_count() or 1
         self.max_turns, self.call_tags, self.response_tags = max_turns, tuple(call_tags), tuple(response_tags)
 
     @property
@@ -148,36 +200,49 @@ class Toolset:
         """Parse, check and run one call (``text`` between the tags; None: the closing tag had no opening
         tag). Never raises: every failure is an error observation."""
 
-        def failed(error: str, name: str | None = None, arguments: dict | None = None) -> ToolCall:
-            return ToolCall(text or "", name, arguments, error, self.observation(f"error: {error}"))
+        def failed(error: str, kind: str, name: str | None = None, arguments: dict | None = None) -> ToolCall:
+            observation = self.observation(error if kind in CODE_KINDS else f"error: {error}")
+            return ToolCall(text or "", name, arguments, error, observation, kind=kind)
 
         if text is None:
-            return failed(f"{self.call_tags[1]} without {self.call_tags[0]}")
+            return failed(f"{self.call_tags[1]} without {self.call_tags[0]}", "format")
         if len(text) > MAX_CALL_CHARS:
-            return failed(f"the call is longer than {MAX_CALL_CHARS} characters")
+            return failed(f"the call is longer than {MAX_CALL_CHARS} characters", "format")
         try:
             call = json.loads(text)
         except (ValueError, RecursionError):
-            return failed(f"the call is not valid JSON: {_quote(text.strip())}")
+            return failed(f"the call is not valid JSON: {_quote(text.strip())}", "format")
         if (
             not isinstance(call, dict)
             or not isinstance(call.get("name"), str)
             or not isinstance(call.get("arguments"), dict)
             or set(call) - {"name", "arguments"}
         ):
-            return failed('a call is {"name": "<tool>", "arguments": {...}}')
+            return failed('a call is {"name": "<tool>", "arguments": {...}}', "format")
         name, arguments = call["name"], call["arguments"]
         tool = self.tools.get(name)
         if tool is None:
-            return failed(f"unknown tool {_quote(name)}; tools: {', '.join(self.tools)}", name, arguments)
+            return failed(
+                f"unknown tool {_quote(name)}; tools: {', '.join(self.tools)}", "unknown_tool", name, arguments
+            )
         problem = schema_error(tool.parameters, arguments)
         if problem:
-            return failed(f"arguments: {problem}", name, arguments)
+            return failed(f"arguments: {problem}", "arguments", name, arguments)
         try:
             output = tool.run(arguments)
-        except ValueError as err:  # ToolError included
-            return failed(str(err), name, arguments)
+        except ToolFailed as err:  # the machinery, not the call: no observation, the trajectory fails
+            return ToolCall(text, name, arguments, str(err), "", kind="sandbox")
+        except ValueError as err:  # ToolError and the Python tool's CodeError included
+            return failed(str(err), getattr(err, "kind", "refused"), name, arguments)
         return ToolCall(text, name, arguments, None, self.observation(output))
+
+    def execute_many(self, texts: Sequence[str | None]) -> list[ToolCall]:
+        """``execute`` for each of ``texts``, up to ``workers`` at once (the Python tool's calls are processes),
+        in their order."""
+        if len(texts) < 2 or self.workers < 2:
+            return [self.execute(text) for text in texts]
+        with ThreadPoolExecutor(min(self.workers, len(texts))) as pool:
+            return list(pool.map(self.execute, texts))
 
     def segments(self, text: str) -> list[tuple[str, bool]]:
         """``text`` split into (piece, is_observation) at the response tags: for supervised warm starts
@@ -208,7 +273,7 @@ class ToolsConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: list[str] = Field(default_factory=list, description="tool names (calculator); [] = no tools")
+    enabled: list[str] = Field(default_factory=list, description="tool names (calculator, python); [] = no tools")
     max_turns: int = Field(4, ge=2, description="generation turns per trajectory; a call in the last is not run")
     call_tags: tuple[str, str] = Field(
         ("<tool_call>", "</tool_call>"),
@@ -216,6 +281,9 @@ class ToolsConfig(BaseModel):
     )
     response_tags: tuple[str, str] = Field(
         ("<tool_response>", "</tool_response>"), description="around the tool's output in the observation"
+    )
+    sandbox: SandboxSettings = Field(
+        default_factory=SandboxSettings, description="the Python tool's sandbox: limits per call, workers"
     )
 
     @field_validator("enabled")
@@ -228,4 +296,6 @@ class ToolsConfig(BaseModel):
 
     def build(self):
         """The ``Toolset``, or None without tools."""
-        return Toolset(self.enabled, self.max_turns, self.call_tags, self.response_tags) if self.enabled else None
+        if not self.enabled:
+            return None
+        return Toolset(self.enabled, self.max_turns, self.call_tags, self.response_tags, self.sandbox)
