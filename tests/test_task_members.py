@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -67,6 +68,7 @@ def built_in_task(tmp_path: Path, name: str) -> Task:
         "openenv": {"app": "openenv_envs:GuessEnvironment"},
         "verifiers": {"environment": "vf_single", "validation_size": 2},  # a verifiers environment (tests/vf_single.py)
         "reasoning_gym": {"generators": [{"name": "gcd"}], "n_train": 4, "n_val": 2, "prompt": "r1_zero"},
+        "code": {"n_train": 4, "validation": "generated", "n_val": 2},
     }
     assert set(settings) == set(BUILT_IN)
     return build_task({"name": name, **settings[name]})
@@ -77,6 +79,8 @@ def test_every_built_in_task_is_a_task_with_typed_members(tmp_path, name):
     package = ENVIRONMENT_PACKAGES.get(name)
     if package is not None and not installed(package):
         pytest.skip(f"task.name '{name}' needs {package}: pip install 'grpolab[envs]'")
+    if name == "code" and shutil.which("bwrap") is None:
+        pytest.skip("task.name 'code' needs bubblewrap (apt-get install bubblewrap)")
     task = built_in_task(tmp_path, name)
     assert isinstance(task, Task) and task.name == name
     assert task.toolset is None or isinstance(task.toolset, Toolset)

@@ -5,7 +5,7 @@ and ``build()``); this module registers them. ``task.name`` picks the kind: ``ar
 in), ``gsm8k``, ``calculator`` (the built-in tool task), ``chat_arithmetic``, ``dataset`` (your own
 data, prompt format and rewards), ``openenv`` (an OpenEnv environment server stepped by multi-turn
 rollouts), ``verifiers`` (a verifiers 0.4 environment), ``reasoning_gym`` (reasoning-gym's procedural
-generators), or ``"package.module:Class"``, a task class of your own that follows the
+generators), ``code`` (Python functions graded by their tests in the sandbox), or ``"package.module:Class"``, a task class of your own that follows the
 ``grpolab.tasks.base.Task`` contract (inheriting it, or a plain class with its members) and takes the table's
 other keys as keyword arguments.
 """
@@ -21,6 +21,7 @@ from grpolab.tasks.arithmetic import ArithmeticTaskConfig
 from grpolab.tasks.base import REQUIRED_MEMBERS, PlainTask, Task, TaskSettings
 from grpolab.tasks.calculator import CalculatorTaskConfig
 from grpolab.tasks.chat_arithmetic import ChatArithmeticTaskConfig
+from grpolab.tasks.code import CodeTaskConfig
 from grpolab.tasks.dataset import DatasetTaskConfig
 from grpolab.tasks.gsm8k import GSM8KTaskConfig
 from grpolab.tasks.openenv_env import OpenEnvTaskConfig
@@ -37,6 +38,7 @@ SETTINGS: tuple[type[TaskSettings], ...] = (
     OpenEnvTaskConfig,
     VerifiersTaskConfig,
     ReasoningGymTaskConfig,
+    CodeTaskConfig,
 )
 """The built-in kinds, registered: each class's ``name`` default is its tag."""
 
