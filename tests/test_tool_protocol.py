@@ -34,7 +34,7 @@ def test_a_valid_call_runs_the_tool():
     [
         ("37*24", "not valid JSON"),
         ('{"name": "calculator", "arguments": {"expression": "1+1"}', "not valid JSON"),
-        ("[" * 1500 + "]" * 1500, "longer than"),
+        ("[" * 3500 + "]" * 3500, "longer than"),
         ("[" * 900 + "]" * 900, "a call is"),
         ('["calculator", {"expression": "1"}]', "a call is"),
         ('{"name": "calculator"}', "a call is"),

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from grpolab.tools.calculator import CALCULATOR_DESCRIPTION, CALCULATOR_SCHEMA, CalculatorError, calculate
 from grpolab.tools.python_tool import PYTHON_DESCRIPTION, PYTHON_SCHEMA, ToolFailed
 
-MAX_CALL_CHARS = 2000  # longer call texts are refused before JSON parsing
+MAX_CALL_CHARS = 6000  # longer call texts are refused before JSON parsing (a Python tool's code: 4000 at most)
 _ECHO = 40  # at most this much of the model's own text is quoted back in an error
 CODE_KINDS = ("exception", "timeout", "killed", "output_limit")  # observations that are the code's own output
 
@@ -34,8 +34,10 @@ class ToolError(ValueError):
     kind = "refused"
 
 
-ERROR_KINDS = ("format", "unknown_tool", "arguments", "refused", "turn_limit", "exception", "timeout", "killed")
-ERROR_KINDS += ("output_limit", "sandbox")
+ERROR_KINDS = (
+    *("format", "unknown_tool", "arguments", "refused", "turn_limit"),
+    *("exception", "timeout", "killed", "output_limit", "sandbox"),
+)
 """How a call can fail (``ToolCall.kind``): the call's text (not JSON, not a call, no opening tag, too long), an
 unknown tool, arguments its schema refuses, the tool refusing them, the turn limit; the Python tool's code
 raising, timing out, killed or printing past the cap; and ``sandbox``, the tool's machinery failing (its
