@@ -31,6 +31,9 @@ def test_every_humaneval_canonical_solution_passes_and_an_empty_body_fails(task)
     assert [g.answer_reward for g in grades] == [1.0] * 164
     wrong = task.grade_batch([("    return None\n", ex, False) for ex in val[:10]])
     assert [g.answer_reward for g in wrong] == [0.0] * 10 and all(g.ok for g in wrong)
+    assert [g.format_reward for g in wrong] == [1.0] * 10  # it compiled: the format is right, the answer wrong
+    [broken] = task.grade_batch([("    return (\n", val[0], False)])
+    assert (broken.format_reward, broken.answer_reward) == (0.0, 0.0) and broken.extracted.startswith("SyntaxError")
     assert wrong[0].extracted.startswith("AssertionError") or "Error" in wrong[0].extracted
 
 

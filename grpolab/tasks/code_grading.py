@@ -29,6 +29,7 @@ from typing import Any
 from grpolab.tasks.base import Grade
 from grpolab.tools.code_sandbox import CodeRun, CodeSandbox
 
+NOT_PYTHON = ("SyntaxError", "IndentationError", "TabError")  # a program that did not even compile
 _FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)(?:```|$)", re.DOTALL)
 
 
@@ -146,7 +147,8 @@ def check_program(program: str, test: str, entry_point: str, token: str) -> str:
 
 def grade_by_check(sandbox: CodeSandbox, items: Sequence[tuple[str, str, str]]) -> list[Grade]:
     """A grade for each (program, test code, entry point): 1 when ``check`` passed (a clean exit that printed
-    the call's token after it), else 0."""
+    the call's token after it), else 0; ``format_reward`` 1 when the program compiled; ``extracted`` the error's
+    last line, or "passed"."""
     tokens = [secrets.token_hex(8) for _ in items]
     runs = sandbox.run_many([check_program(p, t, e, token) for (p, t, e), token in zip(items, tokens)])
     return [_check_grade(run, token) for run, token in zip(runs, tokens)]
@@ -157,7 +159,7 @@ def _check_grade(run: CodeRun, token: str) -> Grade:
         return Grade.failed_as("sandbox", f"the code sandbox failed: {run.stderr.strip()[-200:]}")
     passed = run.status == "ok" and token in run.stdout.splitlines()
     why = "passed" if passed else (run.stderr.strip().splitlines() or [run.status])[-1][:200]
-    return Grade(float(run.status == "ok"), float(passed), extracted=why)
+    return Grade(float(not why.startswith(NOT_PYTHON)), float(passed), extracted=why)
 
 
 def literal(value: Any) -> Any:
