@@ -214,7 +214,7 @@ def test_unsafe_mode_says_so(capfd):
     assert "WITHOUT isolation" in capfd.readouterr().err
 
 
-def test_calls_in_a_pool_come_back_in_order(sandbox):
+def test_calls_in_a_pool_come_back_in_order():
     runs = CodeSandbox(LIMITS, workers=2).run_many([f"print({i} * {i})" for i in range(6)])
     assert [r.stdout.strip() for r in runs] == [str(i * i) for i in range(6)]
 

@@ -76,6 +76,7 @@ def test_a_turns_calls_run_at_once_and_come_back_in_order():
     results = tools.execute_many(texts)
     assert [r.observation for r in results] == [f"<tool_response>{i}</tool_response>" for i in range(4)]
     assert time.monotonic() - start < 1.6  # four half-second calls side by side, not one after another
+    assert Toolset(["calculator"]).workers == 1  # calls of microseconds: no pool
 
 
 def test_the_tool_in_a_config_and_its_sandbox_settings():

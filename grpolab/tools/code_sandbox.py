@@ -110,6 +110,7 @@ class CodeSandbox:
         self.python = python or ("/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable)
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.calls = itertools.count()  # thread-safe: each call takes the next uid
+        self.mounts = [*_system_mounts(), *_interpreter_mounts(self.python)]  # the same for every call
         if unsafe:
             print(
                 "WARNING: sandbox.unsafe: the model's code runs WITHOUT isolation (a plain subprocess with "
@@ -129,7 +130,7 @@ class CodeSandbox:
         """Run ``code`` (a Python program: its stdout and stderr are the result) in a sandbox of its own."""
         with _program_file(code) as program:
             command, pass_fds, demote_to = self._command(program, next(self.calls))
-            return _execute(command, pass_fds, self.limits, demote_to)
+            return _execute(command, pass_fds, self.limits, demote_to, sandboxed=not self.unsafe)
 
     def run_many(self, codes: Sequence[str]) -> list[CodeRun]:
         """``run`` for each of ``codes``, ``workers`` at a time, in their order."""
@@ -170,8 +171,7 @@ class CodeSandbox:
             "1",
             "--hostname",
             "sandbox",
-            *_system_mounts(),
-            *_interpreter_mounts(self.python),
+            *self.mounts,
             "--proc",
             "/proc",
             "--dev",
@@ -247,18 +247,19 @@ def _limit(limits: SandboxLimits, demote_to: int | None):
     return set_up
 
 
-def _execute(command: list[str], pass_fds: tuple[int, ...], limits: SandboxLimits, demote_to: int | None) -> CodeRun:
+def _execute(
+    command: list[str], pass_fds: tuple[int, ...], limits: SandboxLimits, demote_to: int | None, sandboxed: bool
+) -> CodeRun:
     """Run ``command`` under ``limits``. A sandboxed command (bwrap) reports on a status pipe: its code's exit
     code there means the sandbox ran it; none means bwrap itself failed (not what the code printed, which a
     program could fake)."""
-    sandboxed = command[0] == "bwrap"
     start = time.monotonic()
     status_read, status_write = os.pipe() if sandboxed else (None, None)
     if sandboxed:  # bwrap closes every other descriptor before the code runs: the code cannot write there
         command = [command[0], "--json-status-fd", str(status_write), *command[1:]]
         pass_fds = (*pass_fds, status_write)
     with tempfile.TemporaryDirectory(prefix="grpolab-code-") as scratch:
-        os.chmod(scratch, 0o777)  # the worker slot's uid starts bwrap there
+        os.chmod(scratch, 0o777)  # the call's own uid starts bwrap there
         try:
             process = subprocess.Popen(
                 command,

@@ -21,11 +21,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from grpolab.tools.calculator import CALCULATOR_DESCRIPTION, CALCULATOR_SCHEMA, CalculatorError, calculate
-from grpolab.tools.python_tool import PYTHON_DESCRIPTION, PYTHON_SCHEMA, ToolFailed
+from grpolab.tools.python_tool import KIND_OF_STATUS, PYTHON_DESCRIPTION, PYTHON_SCHEMA, ToolFailed
 
 MAX_CALL_CHARS = 6000  # longer call texts are refused before JSON parsing (a Python tool's code: 4000 at most)
 _ECHO = 40  # at most this much of the model's own text is quoted back in an error
-CODE_KINDS = ("exception", "timeout", "killed", "output_limit")  # observations that are the code's own output
+CODE_KINDS = tuple(KIND_OF_STATUS.values())  # error observations that are the code's own output
 
 
 class ToolError(ValueError):
@@ -34,10 +34,7 @@ class ToolError(ValueError):
     kind = "refused"
 
 
-ERROR_KINDS = (
-    *("format", "unknown_tool", "arguments", "refused", "turn_limit"),
-    *("exception", "timeout", "killed", "output_limit", "sandbox"),
-)
+ERROR_KINDS = ("format", "unknown_tool", "arguments", "refused", "turn_limit", *CODE_KINDS, "sandbox")
 """How a call can fail (``ToolCall.kind``): the call's text (not JSON, not a call, no opening tag, too long), an
 unknown tool, arguments its schema refuses, the tool refusing them, the turn limit; the Python tool's code
 raising, timing out, killed or printing past the cap; and ``sandbox``, the tool's machinery failing (its
@@ -46,12 +43,14 @@ trajectory is a failed sample)."""
 
 @dataclass(frozen=True)
 class Tool:
-    """A callable tool: ``run(arguments) -> output text`` raises ``ToolError`` (or ``ValueError``) on bad input."""
+    """A callable tool: ``run(arguments) -> output text`` raises ``ToolError`` (or ``ValueError``) on bad input;
+    ``parallel``: its calls are worth running side by side (processes), the calls of a turn then run at once."""
 
     name: str
     description: str
     parameters: Mapping[str, Any]  # JSON schema of the arguments object
     run: Callable[[dict[str, Any]], str]
+    parallel: bool = False
 
     def schema(self) -> dict[str, Any]:
         """The function schema chat templates take (``apply_chat_template(tools=[...])``)."""
@@ -69,7 +68,8 @@ def _calculator(arguments: dict[str, Any]) -> str:
 
 
 class SandboxSettings(BaseModel):
-    """``[task.tools.sandbox]``: the Python tool's sandbox (``grpolab.tools.code_sandbox``), per call."""
+    """The code sandbox's settings (``grpolab.tools.code_sandbox``), per call: ``[task.tools.sandbox]`` for the
+    Python tool, ``[task.sandbox]`` for the code task."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -94,9 +94,8 @@ class SandboxSettings(BaseModel):
 def _python(settings: SandboxSettings) -> Tool:
     from grpolab.tools.python_tool import PythonRunner
 
-    return Tool(
-        "python", PYTHON_DESCRIPTION, PYTHON_SCHEMA, PythonRunner(settings.sandbox(), settings.max_output_chars)
-    )
+    runner = PythonRunner(settings.sandbox(), settings.max_output_chars)
+    return Tool("python", PYTHON_DESCRIPTION, PYTHON_SCHEMA, runner, parallel=True)
 
 
 CALCULATOR = Tool("calculator", CALCULATOR_DESCRIPTION, CALCULATOR_SCHEMA, _calculator)
@@ -156,8 +155,10 @@ class Toolset:
             raise ValueError("max_turns must be >= 2 (one call and the turn that reads its result)")
         if not all(call_tags) or not all(response_tags):
             raise ValueError("tool tags must be non-empty")
-        self.tools = {n: TOOLS[n](sandbox or SandboxSettings()) for n in names}
-        self.workers = (sandbox or SandboxSettings()).workers or os.cpu_count() or 1
+        sandbox = sandbox or SandboxSettings()
+        self.tools = {n: TOOLS[n](sandbox) for n in names}
+        parallel = any(tool.parallel for tool in self.tools.values())  # else a turn's calls take microseconds
+        self.workers = (sandbox.workers or os.cpu_count() or 1) if parallel else 1
         self.max_turns, self.call_tags, self.response_tags = max_turns, tuple(call_tags), tuple(response_tags)
 
     @property

@@ -36,7 +36,8 @@ PYTHON_SCHEMA = {
     "required": ["code"],
     "additionalProperties": False,
 }
-ERROR_KINDS = {"error": "exception", "timeout": "timeout", "killed": "killed", "output_limit": "output_limit"}
+KIND_OF_STATUS = {"error": "exception", "timeout": "timeout", "killed": "killed", "output_limit": "output_limit"}
+"""The call error kind of each status of a run the code itself ended badly (``grpolab.tools.protocol.ERROR_KINDS``)."""
 
 
 class ToolFailed(RuntimeError):
@@ -44,7 +45,7 @@ class ToolFailed(RuntimeError):
 
 
 class CodeError(ValueError):
-    """The code ran and failed; ``kind`` says how (``ERROR_KINDS``), the message is its observation."""
+    """The code ran and failed; ``kind`` says how (``KIND_OF_STATUS``), the message is its observation."""
 
     def __init__(self, message: str, kind: str):
         super().__init__(message)
@@ -63,7 +64,7 @@ class PythonRunner:
             raise ToolFailed(f"the code sandbox failed: {_tail(result.stderr, 200) or result.status}")
         text = observation(result, self.max_output_chars)
         if result.status != "ok":
-            raise CodeError(text, ERROR_KINDS[result.status])
+            raise CodeError(text, KIND_OF_STATUS[result.status])
         return text
 
 
