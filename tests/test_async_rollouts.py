@@ -134,20 +134,37 @@ def test_bench_step_times_async_steps_past_the_configs_last_step(warm_model_dir,
     assert figures["step"] > 0 and figures["tokens_per_s"] > 0
 
 
-@pytest.mark.parametrize(
-    "settings, refusal",
-    [
-        (
-            {"rollout.engine": "vllm"},
-            "rollout.mode 'async' runs the engine in a process of its own beside the learner; the vLLM engine",
-        ),
-    ],
-)
-def test_async_refuses_what_it_cannot_run_in_one_line(warm_model_dir, tmp_path, capsys, settings, refusal):
-    args = [f"--{k}={v}" for k, v in {**quick_settings(warm_model_dir, tmp_path / "run"), **ASYNC, **settings}.items()]
-    assert main(["train", *args]) == 2
-    out = capsys.readouterr().out
-    assert refusal in out and not (tmp_path / "run").exists()
+VLLM = {"rollout.engine": "vllm", "rollout.vllm.kv_cache_gib": 0.0625}
+
+
+@pytest.fixture(scope="module")
+def vllm_sync_run(warm_model_dir, tmp_path_factory):
+    pytest.importorskip("vllm")
+    return quick_run(tmp_path_factory, warm_model_dir, "vllm-sync", **OVERRIDES, **VLLM)
+
+
+@pytest.mark.slow  # ~95 s: three vLLM engines; default tier: test_trainer_vllm.py's run with vLLM started apart
+def test_vllm_async_at_staleness_0_is_its_sync_run_bit_for_bit(warm_model_dir, vllm_sync_run, tmp_path):
+    """vLLM apart (started as a process of its own, its weights by version in checkpoint folders) samples as the
+    run's own vLLM engine does."""
+    run = tmp_path / "run"
+    stale0 = {"rollout.mode": "async", "rollout.max_staleness": 0}
+    train(quick_config(warm_model_dir, run, **OVERRIDES, **VLLM, **stale0))
+    assert run_numbers(run) == run_numbers(vllm_sync_run)
+    assert same_weights(run, vllm_sync_run)
+
+
+@pytest.mark.slow  # ~2 min: three runs, each with two vLLM engines
+def test_vllm_async_run_stopped_after_step_3_resumes_with_identical_numbers(warm_model_dir, tmp_path):
+    pytest.importorskip("vllm")
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    train(quick_config(warm_model_dir, whole, **OVERRIDES, **VLLM, **ASYNC))
+    records = [r for r in read_metrics(whole / "metrics.jsonl") if "reward_mean" in r]
+    assert [r["staleness/max"] for r in records] == [0, 1, 1, 1]
+    train_until(quick_config(warm_model_dir, run, **OVERRIDES, **VLLM, **ASYNC), stop_at=4)
+    train(load_run_config(run), resume=True)
+    assert run_numbers(run) == run_numbers(whole)
+    assert same_weights(run, whole)
 
 
 LEARNER_KILLED_MID_GENERATION = """
@@ -157,18 +174,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpolab.config import RolloutConfig
 from grpolab.models.precision import TrainingPrecision
 from grpolab.rollout.base import SamplingParams
-from grpolab.rollout.engine_process import EngineProcess
-from grpolab.rollout.engines import EngineRequest
+from grpolab.rollout.engines import EngineRequest, build_engine_apart
 
 if __name__ == "__main__":
     model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
     tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
     precision = TrainingPrecision("float32", torch.float32, torch.float32)
     request = EngineRequest(RolloutConfig(), model, tokenizer, sys.argv[1], 0, 128, precision)
-    engine = EngineProcess.for_rollout(request, threads=1)
+    engine = build_engine_apart(request, threads=1)
     prompts, params = [tokenizer("1 + 2 =")["input_ids"]] * 8, SamplingParams(max_new_tokens=64, seed=0)
     engine.generate(prompts, 4, params)  # the engine process is up and answering
-    engine.conn.send((0, prompts, 4, params))  # its reply will find no learner
+    engine.child.conn.send(("generate", None, (prompts, 4, params)))  # its reply will find no learner
     print(f"engine {engine.pid}", flush=True)
     print("learner killed", file=sys.stderr, flush=True)  # what follows is the engine process's
     os.kill(os.getpid(), signal.SIGKILL)

@@ -5,6 +5,7 @@ capabilities (``grpolab.rollout.engines``)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import sys
 from pathlib import Path
@@ -22,11 +23,11 @@ from grpolab.rollout.engines import (
     check_settings,
     engine_choices,
     engine_record,
+    register_engine,
     weight_kind,
 )
 from grpolab.rollout.hf.engine import HFEngine
 from grpolab.rollout.vllm.engine import VLLMEngine
-from grpolab.rollout.vllm.server import VLLMSubprocessEngine
 
 PACKAGE = Path(grpolab.__file__).parent
 NAME = re.compile(r'"(hf|vllm)"')
@@ -48,9 +49,12 @@ def test_every_registered_engine_declares_every_capability():
     for name, kind in ENGINES.items():
         assert isinstance(kind.capabilities, EngineCapabilities), name
         assert capabilities(name) is kind.capabilities
-    # the registry's record is the one each engine class declares (vLLM's twice: in this process or another)
+    # the registry's record is the one each engine class declares; one that runs apart says how
     assert capabilities("hf") is HFEngine.capabilities
-    assert capabilities("vllm") is VLLMEngine.capabilities is VLLMSubprocessEngine.capabilities
+    assert capabilities("vllm") is VLLMEngine.capabilities
+    assert all((kind.apart is not None) == kind.capabilities.runs_apart for kind in ENGINES.values())
+    with pytest.raises(ValueError, match="capabilities.runs_apart says True, apart is None"):
+        register_engine("half", dataclasses.replace(HFEngine.capabilities, runs_apart=True))
     assert HFEngine.capabilities.batch_refill and not VLLMEngine.capabilities.batch_refill
 
 
@@ -88,11 +92,11 @@ def _with_engine(cfg, name):
 
 @pytest.fixture
 def fake_engine():
-    """An engine registered for the test only, with vLLM's limits under another name."""
+    """An engine registered for the test only, with vLLM's limits under another name, that cannot run apart."""
     ENGINES["fake"] = EngineKind(
         "fake",
         lambda request: None,
-        dataclasses.replace(capabilities("vllm"), max_temperature=1.5),
+        dataclasses.replace(capabilities("vllm"), max_temperature=1.5, runs_apart=False),
         "Fake",
         lambda cfg: False,
         lambda cfg: {"version": "0"},
@@ -117,7 +121,7 @@ def test_refusals_follow_the_capabilities_not_the_name(fake_engine):
         check_settings(_with_engine(load_config(None, {"rollout.mode": "async"}), fake_engine))
     ENGINES[fake_engine] = dataclasses.replace(
         ENGINES[fake_engine], capabilities=dataclasses.replace(capabilities(fake_engine), runs_apart=True)
-    )
+    )  # (and its ``apart``, which a registration requires)
     check_settings(
         _with_engine(load_config(None, {"rollout.mode": "async"}), fake_engine)
     )  # its capability, not its name
@@ -223,8 +227,8 @@ class RecordingEngine:
 def test_an_engine_process_builds_its_engine_by_the_registered_factory():
     """The engine process's side (``_serve``, driven here in a thread through its pipe) builds the engine its
     request names by that engine's registered factory, on the shared copy of the model, and points the copy at
-    each version's slot before it generates; an engine that cannot run apart is refused before any process
-    starts."""
+    a version's slot before it generates with a version it does not hold (a second write of one version is
+    loaded again); an engine that cannot run apart is refused before any process starts."""
     import signal
     import threading
 
@@ -233,7 +237,7 @@ def test_an_engine_process_builds_its_engine_by_the_registered_factory():
 
     from grpolab.rollout import engine_process
     from grpolab.rollout.base import SamplingParams
-    from grpolab.rollout.engines import EngineRequest
+    from grpolab.rollout.engines import EngineRequest, _built_on, build_engine_apart
 
     built, threads = [], torch.get_num_threads()
 
@@ -255,32 +259,66 @@ def test_an_engine_process_builds_its_engine_by_the_registered_factory():
             model.weight.fill_(1.0)
         cfg = load_config(None, {}).rollout.model_copy(update={"engine": "recording"})
         request = EngineRequest(cfg, model, None, Path("."), 0, 16, None)
-        copy = engine_process.engine_copy(model)
-        slots = engine_process.WeightSlots(copy, 2)
+        slots = engine_process.SharedSlots(model, 2)
         slots.slots[1]["weight"].fill_(7.0)
         parent, child = torch.multiprocessing.Pipe()
         params, replies = SamplingParams(max_new_tokens=4, seed=0), []
 
         def learner():
-            for version in (0, 1):
-                parent.send((version, [[1, 2]], 2, params))
+            replies.append(parent.recv())  # built: its EOS ids
+            for ticket in (None, (1, 0), (1, 0), (1, 1)):  # built weights, version 1, again, version 1 rewritten
+                parent.send(("generate", ticket, ([[1, 2]], 2, params)))
                 replies.append(parent.recv())
             parent.send(None)
 
         asking = threading.Thread(target=learner)
         asking.start()
         interrupt = signal.getsignal(signal.SIGINT)
-        try:  # the engine process's loop, in this (main) thread: it sets its signal handling as a process does
-            engine_process._serve(child, dataclasses.replace(request, model=copy), slots.slots, 1)
+        try:  # the engine process's loop, in this (main) thread
+            build = functools.partial(_built_on, dataclasses.replace(request, model=None))
+            engine_process._serve(child, functools.partial(build, slots.model), slots.load)
         finally:
             signal.signal(signal.SIGINT, interrupt)
             torch.set_num_threads(threads)
         asking.join(timeout=10)
-        assert [engine.request.model is copy for engine in built] == [True]  # built once, on the shared copy
-        assert replies == [("ok", [[1.0, 1.0]]), ("ok", [[7.0, 7.0]])]  # version 1 read from its slot
-        assert built[0].calls == [("generate", [[1, 2]], 2), ("sync_weights",), ("generate", [[1, 2]], 2)]
+        assert [engine.request.model is slots.model for engine in built] == [True]  # built once, on the copy
+        assert (
+            replies == [("ok", []), ("ok", [[1.0, 1.0]])] + [("ok", [[7.0, 7.0]])] * 3
+        )  # version 1 read from its slot
+        generate = ("generate", [[1, 2]], 2)
+        assert built[0].calls == [generate, ("sync_weights",), generate, generate, ("sync_weights",), generate]
+        with pytest.raises(ValueError, match="the Recording engine cannot run in a process of its own"):
+            build_engine_apart(request, 1)  # no ``apart`` registered
     finally:
         del ENGINES["recording"]
-    vllm = dataclasses.replace(request, cfg=cfg.model_copy(update={"engine": "vllm"}))
-    with pytest.raises(ValueError, match="the vllm engine cannot run in a process of its own"):
-        engine_process.EngineProcess(vllm, 2, 1)
+
+
+def test_vllms_weight_slots_are_checkpoint_folders_by_version(tmp_path, make_tiny_model):
+    """vLLM apart takes each version as a checkpoint folder of its slot (version % slots), in the engine's dtype,
+    and reloads by the ticket's kind: full weights from the folder, an adapter alone from peft's folder."""
+    import torch
+    from safetensors.torch import load_file
+
+    from grpolab.models.weights import ModelWeights
+    from grpolab.rollout.vllm.apart import FolderSlots
+
+    model = make_tiny_model("llama")
+    slots = FolderSlots(tmp_path, 2, "bfloat16")
+    tickets = [slots.write(ModelWeights(model), version) for version in (0, 1, 2)]
+    assert tickets[0] == tickets[2] == ("full", str(tmp_path / "slot_0")) and tickets[1][1] == str(tmp_path / "slot_1")
+    saved = load_file(tmp_path / "slot_1" / "model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16} and len(saved) == len(dict(model.named_parameters()))
+
+    class Recording:
+        calls = []
+
+        def sync_from_folder(self, folder):
+            self.calls.append(("full", folder))
+
+        def sync_adapter_from_folder(self, folder):
+            self.calls.append(("adapter", folder))
+
+    engine = Recording()
+    FolderSlots.load(engine, tickets[1])
+    FolderSlots.load(engine, ("adapter", "/a"))
+    assert engine.calls == [("full", str(tmp_path / "slot_1")), ("adapter", "/a")]

@@ -25,6 +25,7 @@ from grpolab.learning.batching import collate
 from grpolab.models.logprobs import token_logprobs
 from grpolab.models.weights import ModelWeights
 from grpolab.rollout import Completion, HFEngine, RolloutEngine, SamplingParams
+from grpolab.rollout.engine_process import EngineDied
 from grpolab.rollout.sync_check import (
     SyncCheck,
     WeightSyncError,
@@ -238,13 +239,12 @@ def _vllm_python() -> str:
 def test_subprocess_engine(model_dir, model, tokenizer, prompts):
     """Contract, log-probs, a verified sync, with vLLM in a child interpreter; a server that stops answering
     (stopped here, as if its engine hung) is killed within the close timeout, its processes with it."""
-    from grpolab.rollout.vllm.server import VLLMSubprocessEngine
+    from grpolab.rollout.vllm.apart import vllm_process
 
     before = _children()
     # sleep_level: a logged no-op on CPU (no sleep mode there); sleeps between rollouts on GPU
-    engine = VLLMSubprocessEngine(
+    engine = vllm_process(
         model_dir,
-        tokenizer,
         python=_vllm_python(),
         dtype="float32",
         seed=0,
@@ -267,10 +267,10 @@ def test_subprocess_engine(model_dir, model, tokenizer, prompts):
         flat = _flat(engine.generate(prompts, 3, params))
         batch, lp = _trainer_logprobs(model, flat, tokenizer.pad_token_id, 0.7)
         verify_weight_sync(batch.engine_logprobs, lp, batch.response_mask, max_abs_diff=TOL)
-        with pytest.raises(RuntimeError, match="top_k=0 and top_p=1"):  # server errors come back
+        with pytest.raises(EngineDied, match="failed while generating: .*top_k=0 and top_p=1"):  # errors come back
             engine.generate(prompts, 1, SamplingParams(max_new_tokens=4, top_k=3))
         assert _children() - before
-        server = engine._proc.pid
+        server = engine.pid
         assert len(group_members(server)) > 1, "the server leads its own group, its engine processes in it"
         os.kill(server, signal.SIGSTOP)
         started = time.monotonic()
@@ -289,9 +289,8 @@ _KILLED_TRAINER = """
 import os, sys
 sys.path.insert(0, sys.argv[3])
 from conftest import descendants
-from grpolab.rollout.vllm.server import VLLMSubprocessEngine
-engine = VLLMSubprocessEngine(sys.argv[1], python=sys.argv[2], dtype="float32", max_model_len=256,
-                              kv_cache_bytes=64 << 20)
+from grpolab.rollout.vllm.apart import vllm_process
+engine = vllm_process(sys.argv[1], python=sys.argv[2], dtype="float32", max_model_len=256, kv_cache_bytes=64 << 20)
 print("engine processes", *descendants(), flush=True)
 os.kill(os.getpid(), 9)
 """

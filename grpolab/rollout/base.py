@@ -173,9 +173,8 @@ class EngineCapabilities:
     batch_refill: it starts new sequences as others finish, within one call.
     bounded_batch: it generates at most ``rollout.max_batch_size`` sequences at once (its KV cache holds as
         many rows); otherwise the whole call's.
-    runs_apart: it can be built in a process of its own beside the learner, by its own factory, from a
-        shared-memory copy of the training model whose weights the learner publishes by version (async rollouts:
-        ``grpolab.rollout.engine_process``).
+    runs_apart: it can be built in a process of its own beside the learner (async rollouts), where the learner
+        publishes its weights by version (``grpolab.rollout.engine_process``; the registry's ``apart``).
     """
 
     shares_training_model: bool

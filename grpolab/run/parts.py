@@ -38,11 +38,11 @@ from grpolab.objectives.rollout_correction import AUTO, auto_rollout_correction
 from grpolab.parallel.ranks import Ranks, init_from_env
 from grpolab.rollout.base import RolloutEngine
 from grpolab.rollout.collect import RolloutCollector
-from grpolab.rollout.engine_process import EngineProcess
 from grpolab.rollout.engines import (
     ENGINES,
     EngineRequest,
     build_engine,
+    build_engine_apart,
     capabilities,
     check_settings,
     dtype_name,
@@ -345,7 +345,7 @@ def rollout_source(
         f"thread(s), learner {torch.get_num_threads()}"
     )
     with setting.reporter.phase("start the engine process"):
-        process = EngineProcess.for_rollout(request, engine_threads)
+        process = build_engine_apart(request, engine_threads)
     engine = task_engine(process, task, request.tokenizer, collector.prompt_ids, task.train_examples())
     producer = collector.with_engine(engine)
     return AsyncRollouts(producer, process, cfg.rollout.max_staleness, cfg.steps, weights, collector.engine)

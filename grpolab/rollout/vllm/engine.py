@@ -16,8 +16,8 @@ the adapter, reloaded in place under one adapter id. The prefix cache is reset a
 mode (``sleep_level`` 1/2, CUDA/ROCm/XPU only; skipped with a logged note elsewhere) frees the
 accelerator between rollouts; level 2 discards the weights, so the engine pushes the latest ones
 again (last sync, else the checkpoint) whenever it wakes to generate (see ``VLLMEngine._wake``).
-The sync check is ``grpolab.rollout.sync_check``; the engine under another interpreter is
-``grpolab.rollout.vllm.server``.
+The sync check is ``grpolab.rollout.sync_check``; the engine in a process of its own (under another
+interpreter, or for async rollouts) is ``grpolab.rollout.vllm.apart``.
 
 vLLM is imported lazily. Creating an engine
 spawns engine-core processes: scripts need an ``if __name__ == "__main__":`` guard.
