@@ -111,6 +111,26 @@ def test_chat_prompts_are_the_models_template_with_the_answer_instruction(tmp_pa
     }
 
 
+def test_tools_are_offered_where_the_chat_template_shows_them_else_in_the_users_message(tmp_path):
+    """SmolLM2's chat template, like this one, ignores its ``tools`` argument: the tools' instruction then ends
+    the user's message; a template that shows its tools gets them there alone."""
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir(tmp_path, "qwen3"))
+    task = task_of(tools={"enabled": ["calculator"], "max_turns": 3})
+    assert list(task.toolset.tools) == ["calculator"] and task.toolset.max_turns == 3
+    task.bind_tokenizer(tokenizer)
+    example = task.validation_examples()[0]
+    asked = f"{example.question}\n\nEnd your reply with: The answer is <answer>."
+    note = task.toolset.instruction().strip()
+    assert note.startswith("The Assistant may call a tool by writing <tool_call>")
+    assert task.messages(example)[-1]["content"] == f"{asked}\n\n{note}" and note in task.prompt(example)
+    tokenizer.chat_template = "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}" + tokenizer.chat_template
+    task = task_of(tools={"enabled": ["calculator"]})
+    task.bind_tokenizer(tokenizer)
+    assert task.messages(example)[-1]["content"] == asked
+    assert task.prompt(example).startswith('TOOLS [{"type": "function", "function": {"name": "calculator"')
+    assert note not in task.prompt(example)
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -125,6 +145,7 @@ def test_chat_prompts_are_the_models_template_with_the_answer_instruction(tmp_pa
         {"answer": "answer_tags"},
         {"score_weight": 0.5},
         {"system": "Be brief."},
+        {"tools": {"enabled": ["calculator"]}},
     ],
 )
 def test_the_fingerprint_is_stable_and_changes_with_every_setting(change):

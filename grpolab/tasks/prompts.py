@@ -71,6 +71,7 @@ class PromptBuilder:
         self.template = template or "{question}"
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.toolset, self.tokenizer = toolset, None
+        self.template_shows_tools = False  # (chat) known once the tokenizer is bound
         self.tools_note = toolset.instruction() if toolset is not None else ""
 
     @property
@@ -91,11 +92,26 @@ class PromptBuilder:
                     "tokenizer has none (use prompt.format 'r1_zero' or 'template')"
                 )
             self.tokenizer = tokenizer
+            self.template_shows_tools = self.toolset is not None and self._shows_tools()
+
+    def _shows_tools(self) -> bool:
+        """Whether the chat template renders its ``tools`` argument (many, e.g. SmolLM2's, ignore it: the tools'
+        instruction then goes into the user's message instead)."""
+        probe = [{"role": "user", "content": "?"}]
+        bare = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        shown = self.tokenizer.apply_chat_template(
+            probe, tokenize=False, add_generation_prompt=True, tools=self.toolset.schemas()
+        )
+        return shown != bare
 
     def messages(self, fields: Mapping[str, Any]) -> list[dict[str, str]]:
-        """The chat messages of one example: [system], user."""
+        """The chat messages of one example: [system], user (ending in the tools' instruction when the chat
+        template does not show its tools)."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return system + [{"role": "user", "content": fill_template(self.template, fields)}]
+        content = fill_template(self.template, fields)
+        if self.toolset is not None and not self.template_shows_tools:
+            content = f"{content}\n\n{self.tools_note.strip()}"
+        return system + [{"role": "user", "content": content}]
 
     def render(self, fields: Mapping[str, Any]) -> str:
         """The prompt string for one example's ``fields`` (``question`` plus the row's fields)."""
@@ -125,6 +141,7 @@ class PromptBuilder:
                 "user": self.template,
                 "chat_template_kwargs": self.chat_template_kwargs,
                 **tools,
+                **({"tools_in_user_message": not self.template_shows_tools} if tools else {}),
                 "chat_template": getattr(self.tokenizer, "chat_template", None),
             },
             sort_keys=True,

@@ -21,6 +21,10 @@ or one without an answer in the asked form scores 0 on both. Each scorer call ru
 scores 0 with both terms failed, never a stalled or ended run; completions are graded several at once.
 ``imports`` names modules that register generators of one's own (``reasoning_gym.register_dataset``).
 
+**Tools.** ``[task.tools]`` (``enabled = ["python"]``, the sandboxed Python tool, or the calculator) makes the
+rollouts multi-turn: the prompt says how to call them (in the chat template's tools where it shows them, else at the
+end of the user's message), and the answer is graded in the whole reply as without tools.
+
 **Prompts.** ``chat`` (the default): the tokenizer's chat template over the question and an instruction saying
 how to answer: ``answer = "answer_is"`` ("End your reply with: The answer is <answer>."; the text after the last
 ``answer is`` on its line is the answer) or ``"answer_tags"`` (reasoning-gym's own convention, ``<answer>...</answer>``,
@@ -52,6 +56,7 @@ from grpolab.tasks.environment import import_extra, installed_version
 from grpolab.tasks.prompts import PromptBuilder
 from grpolab.tasks.r1_zero import parse_r1_zero
 from grpolab.tasks.sandbox import MAX_WORKERS, WorkerPool
+from grpolab.tools.protocol import ToolsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +149,10 @@ class ReasoningGymTaskConfig(TaskSettings):
         10.0,
         gt=0,
         description="time bound of one scorer call (in a killable worker); past it the sample is a failed one (no part in the advantages or the loss)",
+    )
+    tools: ToolsConfig = Field(
+        default_factory=ToolsConfig,
+        description='tools the model may call (e.g. enabled = ["python"]); the prompt says how',
     )
     imports: list[str] = Field(
         default_factory=list,
@@ -313,10 +322,12 @@ class ReasoningGymTask(Task):
         self._where: dict[str, tuple[str, int]] = {}  # example id -> (split, index in its mix): what the scorer needs
         self._val = [self._example("val", i, *item) for i, item in enumerate(val_entries)]
         self._train = [self._example("train", i, *item) for i, item in enumerate(train_entries)]
+        self.toolset = cfg.tools.build()
         if cfg.prompt == "r1_zero":
-            self._prompts = PromptBuilder("r1_zero", None, cfg.system)
+            self._prompts = PromptBuilder("r1_zero", None, cfg.system, toolset=self.toolset)
         else:
-            self._prompts = PromptBuilder("chat", "{question}\n\n" + INSTRUCTIONS[cfg.answer], cfg.system)
+            template = "{question}\n\n" + INSTRUCTIONS[cfg.answer]
+            self._prompts = PromptBuilder("chat", template, cfg.system, toolset=self.toolset)
         self.answer_form = "r1_zero" if cfg.prompt == "r1_zero" else cfg.answer
 
     def _example(self, split: str, number: int, index: int, entry: dict[str, Any]) -> Example:
@@ -413,6 +424,7 @@ class ReasoningGymTask(Task):
             "prompt": self.cfg.prompt,
             "answer": self.answer_form,
             "score_weight": self.cfg.score_weight,
+            **({"tools": self.cfg.tools.model_dump(mode="json")} if self.toolset is not None else {}),
         }
         return {
             "task": self.name,
