@@ -8,8 +8,8 @@ Each tree's package runs from its own folder (``PYTHONPATH``), with its own empt
 demo's warm starts are rebuilt by the tree's own code), on one thread. The runs: the demo (a warm-started
 tiny model), a GSM8K-shaped run (r1_zero prompts on the real GSM8K files, a tiny random model with a long
 context, a frozen reference), the calculator tool task (multi-turn, observations masked), LoRA on the
-real SmolLM2-135M-Instruct (chat template), a Mixture-of-Experts policy with Rollout Routing Replay, the
-vLLM engine (where installed) and two data-parallel ranks under torchrun. For each run the hashes of its
+real SmolLM2-135M-Instruct (chat template), a Mixture-of-Experts policy with Rollout Routing Replay, GDPO's
+decoupled advantages and GPG's rescaled ones, the vLLM engine (where installed) and two data-parallel ranks under torchrun. For each run the hashes of its
 metrics (every record, timing fields left out), its evaluation records and every checkpoint file's
 tensors (weights, adapters, optimizer state and RNGs) are recorded; ``compare`` lists what differs.
 """
@@ -124,6 +124,18 @@ RUNS: dict[str, list[str]] = {
         *SHORT,
     ],
     "vllm": ["demo", "--steps", "3", *WARM, "--engine", "vllm", *SHORT],
+    "gdpo": [
+        "demo",
+        "--steps",
+        "3",
+        *WARM,
+        "--algo",
+        "gdpo",
+        "--reward.truncation_penalty",
+        "0.5",
+        *SHORT,
+    ],  # terms apart
+    "gpg": ["demo", "--steps", "3", *WARM, "--algo", "gpg", *SHORT],  # GPG's rescaling over the batch
     "ddp": ["torchrun", "demo", "--steps", "3", *WARM, *SHORT],
 }
 TIMING = ("time/", "timing/")

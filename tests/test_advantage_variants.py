@@ -19,8 +19,7 @@ from threaded_ranks import run_as_threads
 from grpolab.commands.cli import main
 from grpolab.config import ConfigError, load_config
 from grpolab.learning.learner import LearnerState, PolicyLearner, TrainedModel
-from grpolab.objectives.advantages import group_advantages
-from grpolab.objectives.decoupled import batch_advantages, decoupled_advantages
+from grpolab.objectives.advantages import batch_advantages, decoupled_advantages, group_advantages
 from grpolab.objectives.presets import PRESETS, get_algorithm
 from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.collect import RolloutBatch
@@ -246,9 +245,9 @@ def two_term_batch() -> torch.Tensor:
 @pytest.mark.parametrize("algo", ["lite_ppo", "gdpo"])
 def test_two_ranks_train_on_the_global_batch_advantages(algo):
     rollout = rollout_of(two_term_batch())
-    _, single, _ = learner(algo, Ranks()).global_advantages(rollout)
+    single, _, _ = learner(algo, Ranks()).global_advantages(rollout)
     ranked = run_as_threads(2, lambda rank: learner(algo, Ranks.current()).global_advantages(rollout))
-    for rank, (_, advantages, part) in enumerate(ranked):
+    for rank, (advantages, _, part) in enumerate(ranked):
         assert part.groups == range(2 * rank, 2 * rank + 2)
         assert torch.equal(advantages, single)
         assert torch.equal(part.of(advantages), single[2 * rank : 2 * rank + 2])
@@ -263,7 +262,7 @@ def test_two_ranks_train_on_the_global_batch_advantages(algo):
 
 def test_the_learner_gives_gdpo_the_reward_terms_and_weights():
     terms = two_term_batch()
-    rewards, advantages = learner("gdpo", Ranks()).advantages(rollout_of(terms))
+    rewards, advantages, _ = learner("gdpo", Ranks()).advantages(rollout_of(terms))
     weights = torch.ones(2, dtype=torch.float64)
     want = reference_decoupled_advantages(terms.tolist(), weights.tolist(), "std", EPS)
     torch.testing.assert_close(advantages.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-6)

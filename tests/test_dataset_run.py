@@ -231,7 +231,7 @@ def test_gdpo_trains_a_dataset_task_on_its_named_reward_terms(tmp_path, warm_mod
             for group in rollout.grades
         ]
         want = reference_decoupled_advantages(terms, [1.0, 0.1, 1.0], "std", 1e-6)
-        _, advantages = trainer.parts.learner.advantages(rollout)
+        _, advantages, _ = trainer.parts.learner.advantages(rollout)
         torch.testing.assert_close(advantages.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-5)
         assert (advantages != 0).any()
         record = trainer.train_step(1)

@@ -14,11 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpolab.learning.update import StepContext, UpdateData, UpdateSchedule, accumulate_gradients
-from grpolab.objectives.advantages import group_advantages, informative_groups, min_valid_samples
+from grpolab.objectives.advantages import (
+    decoupled_advantages,
+    group_advantages,
+    informative_groups,
+    min_valid_samples,
+    valid_sample_scale,
+)
 from grpolab.objectives.beta_norm import beta_density_scale
-from grpolab.objectives.decoupled import decoupled_advantages
 from grpolab.objectives.presets import PRESETS
-from grpolab.objectives.valid_rescale import valid_sample_scale
 from grpolab.rollout.collect import RolloutBatch, kept_groups
 from grpolab.rollout.failures import TooManyFailures, check_failure_rate, failure_metrics, failure_totals
 from grpolab.tasks.base import ENVIRONMENT_TERM, Grade

@@ -26,7 +26,7 @@ def test_a_run_with_a_fifth_of_its_rewards_failing_trains_on_the_others(tmp_path
         valid = [[g.ok for g in group] for group in rollout.grades]
         failed = sum(not v for row in valid for v in row)
         assert 0 < failed < 32 and all(g.failure == "reward" for row in rollout.grades for g in row if not g.ok)
-        _, advantages = trainer.parts.learner.advantages(rollout)
+        _, advantages, _ = trainer.parts.learner.advantages(rollout)
         known = [[g.reward for g in group] for group in rollout.grades]
         want = reference_batch(known, valid, "mean", "std")
         torch.testing.assert_close(advantages.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-5)

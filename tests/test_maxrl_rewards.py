@@ -139,7 +139,7 @@ def test_maxrl_trains_on_partial_credit_rewards(tmp_path, warm_model_dir):
         rollout = trainer.parts.collector.collect(1)
         rewards = [[g.reward for g in group] for group in rollout.grades]
         assert any(r == 0.5 for group in rewards for r in group), rewards  # right format, wrong answer
-        _, advantages = trainer.parts.learner.advantages(rollout)
+        _, advantages, _ = trainer.parts.learner.advantages(rollout)
         want = torch.tensor(reference_maxrl(rewards), dtype=torch.float64)
         torch.testing.assert_close(advantages.double(), want, rtol=1e-4, atol=1e-5)
         assert (advantages != 0).any()

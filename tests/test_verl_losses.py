@@ -15,9 +15,9 @@ from threaded_ranks import run_as_threads
 
 from grpolab.config import ConfigError, validate_config
 from grpolab.learning.learner import PolicyLearner
+from grpolab.objectives.advantages import valid_sample_scale
 from grpolab.objectives.losses import PolicyLossInput, policy_loss, step_denominators
 from grpolab.objectives.presets import PRESETS
-from grpolab.objectives.valid_rescale import valid_sample_scale
 from grpolab.parallel.ranks import Ranks
 from grpolab.rollout.collect import RolloutBatch
 from grpolab.tasks.base import Grade
@@ -236,7 +236,7 @@ def test_the_learner_rescales_gpgs_advantages_over_the_whole_batch():
     class State:
         spec = PRESETS["gpg"]
 
-    _, got = PolicyLearner.advantages(State(), rollout)
+    _, got, _ = PolicyLearner.advantages(State(), rollout)
     want = torch.tensor(reference_advantages(REWARDS, "mean", "none", valid_rescale=True), dtype=got.dtype)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     State.spec = PRESETS["gpg"].override(valid_rescale=False)

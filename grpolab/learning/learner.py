@@ -38,12 +38,10 @@ from grpolab.learning.update import (
 )
 from grpolab.models.fidelity import forward_fidelity
 from grpolab.models.precision import TrainingPrecision
-from grpolab.objectives.advantages import advantage_metrics
+from grpolab.objectives.advantages import advantage_metrics, batch_advantages
 from grpolab.objectives.algorithms import AlgorithmSpec
-from grpolab.objectives.decoupled import batch_advantages
 from grpolab.objectives.rollout_correction import AUTO
 from grpolab.objectives.token_selection import AdaptiveEntropy
-from grpolab.objectives.valid_rescale import valid_sample_scale
 from grpolab.parallel.fsdp import drop_stale_weights, is_sharded
 from grpolab.parallel.ranks import Ranks, wrap_ddp
 from grpolab.rollout.base import Completion
@@ -284,12 +282,13 @@ class PolicyLearner:
 
     def learn(self, rollout: RolloutBatch) -> dict[str, Any]:
         """Advantages, sync check and the update schedule over one rollout batch; returns its metrics."""
-        rewards, advantages, part = self.global_advantages(rollout)
+        advantages, advantage_stats, part = self.global_advantages(rollout)
         mine = [c for group in part.of(rollout.completions) for c in group]
         batch = collate(mine, self.pad_token_id).to(self.device)
         valid = rollout.valid()
         if not bool(valid.all()):  # a failed sample trains no token and counts in no denominator
             batch.response_mask[~part.of(valid).flatten().to(self.device)] = 0
+        token_counts = self.lockstep.sum_counts(batch.token_counts())
         forward, routing = self.forward(batch), self.routing(batch, mine)
         old = self.old_logprobs(forward, routing)
         # a stale batch was sampled by an older policy: its difference is the policy's drift, not the sync's
@@ -314,38 +313,34 @@ class PolicyLearner:
         self.state.updates["attempted"] += result.attempted
         self.state.updates["actual"] += result.actual
         return {
-            **advantage_metrics(rewards, advantages, valid),
+            **advantage_stats,
             **result.metrics(),
             **sync.metrics,
-            **self.lockstep.sum_counts(batch.token_counts()),
+            **token_counts,
             **routing.metrics(self.lockstep.total),
         }
 
-    def global_advantages(self, rollout: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, RankPart]:
-        """(rewards, advantages) [B, G] of all groups, computed before the rank split (a batch-level statistic, Lite
-        PPO's std or GDPO's whitening, is the global batch's on every rank), and this rank's part of them."""
-        rewards, advantages = self.advantages(rollout)
-        return rewards, advantages, self.lockstep.part(len(rollout.completions), rewards.shape[1])
+    def global_advantages(self, rollout: RolloutBatch) -> tuple[torch.Tensor, dict[str, float], RankPart]:
+        """The advantages [B, G] of all groups, computed before the rank split (a batch-level statistic, Lite PPO's
+        std or GDPO's whitening, is the global batch's on every rank), their metrics, and this rank's part."""
+        rewards, advantages, stats = self.advantages(rollout)
+        return advantages, stats, self.lockstep.part(len(rollout.completions), rewards.shape[1])
 
-    def advantages(self, rollout: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rewards, advantages) [B, G] of every group of ``rollout``."""
+    def advantages(self, rollout: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """(rewards, advantages) [B, G] of every group of ``rollout``, and their metrics."""
         if self.spec.normalizer == "mean":
             refuse_negative_rewards(rollout)
-        rewards, valid = rollout.rewards(), rollout.valid()
-        valid = None if bool(valid.all()) else valid  # a failed sample takes no part (its advantage is 0)
-        if self.spec.multi_objective_aggregation == "sum_then_normalize":
-            advantages = batch_advantages(self.spec, rewards, valid=valid)
-        else:
-            weights = self.cfg.reward_weights()  # GDPO: each term apart (the config refused unknown weights)
-            if weights is None:
+        rewards, valid, terms, weights = rollout.rewards(), rollout.valid(), None, None
+        if self.spec.multi_objective_aggregation != "sum_then_normalize":
+            named = self.cfg.reward_weights()  # GDPO: each term apart (the config refused unknown weights)
+            if named is None:
                 raise ValueError(
                     f"algorithm {self.spec.name} needs the reward terms' weights; the task does not say them"
                 )
-            terms = rollout.reward_terms(list(weights))
-            advantages = batch_advantages(self.spec, rewards, terms, torch.tensor(list(weights.values())), valid)
-        if self.spec.valid_rescale:  # GPG's alpha over the whole rollout batch (every rank's groups)
-            advantages = advantages * valid_sample_scale(rewards, valid)
-        return rewards, advantages
+            terms, weights = rollout.reward_terms(list(named)), torch.tensor(list(named.values()))
+        valid = None if bool(valid.all()) else valid  # a failed sample takes no part (its advantage is 0)
+        advantages = batch_advantages(self.spec, rewards, terms, weights, valid)
+        return rewards, advantages, advantage_metrics(rewards, advantages, valid)
 
     def old_logprobs(self, forward: BatchForward, routing: DenseRouting) -> torch.Tensor | None:
         """[N, T] log-probs of the policy before the update, frozen; None with one optimizer step: the policy is

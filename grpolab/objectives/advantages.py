@@ -4,6 +4,24 @@ Rewards come as a [B, G] tensor: B prompts (groups), G sampled completions each.
 samples whose rollout and reward succeeded (None: all): a failed sample's reward is unknown, not 0, so it takes no
 part in any statistic; its group is the group without it (re-normalised over its valid samples), and a group with
 fewer valid samples than ``min_valid_samples`` is dropped (every advantage 0). A failed sample's advantage is 0.
+
+Over a whole rollout batch (``batch_advantages``): the group advantages of the summed RL reward, or GDPO's
+decoupled ones, then GPG's rescaling where the algorithm asks for it.
+
+GDPO (Group reward-Decoupled Normalization Policy Optimization, Liu et al., NVIDIA, arXiv 2601.05242; TRL's
+``multi_objective_aggregation = "normalize_then_sum"``)::
+
+    A^k_ij = (r^k_ij - mean_i r^k) / (std_i r^k + eps)     each term k within its group i (unbiased std)
+    S_ij   = sum_k w_k A^k_ij                              the weighted sum
+    A_ij   = (S_ij - mean(S)) / (std(S) + eps)             whitened over the whole (global) batch
+
+With GRPO's summed reward, two samples whose terms differ (format right and answer wrong against the reverse)
+can get the same advantage; decoupled, each term keeps its own resolution.
+
+GPG's advantage rescaling (Chu et al., 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for
+Model Reasoning"): alpha = B / (B - M), B samples of the rollout batch, M of them in groups whose rewards are
+all equal (their advantage is 0: they carry no gradient but still count in the loss's denominator, so alpha
+restores the gradient's scale).
 """
 
 from __future__ import annotations
@@ -11,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from grpolab.objectives.algorithms import AlgorithmSpec
 from grpolab.objectives.beta_norm import beta_density_scale
 
 
@@ -132,3 +151,71 @@ def advantage_metrics(rewards: Tensor, advantages: Tensor, valid: Tensor | None 
         "advantage_std": picked.std(unbiased=False).item(),
         "zero_advantage_group_frac": (advantages == 0).all(dim=1).float().mean().item(),
     }
+
+
+def decoupled_advantages(
+    terms: Tensor, weights: Tensor, baseline: str, normalizer: str, eps: float, valid: Tensor | None = None
+) -> Tensor:
+    """GDPO's advantages. ``terms``: [B, G, K] unweighted reward terms, ``weights``: [K], ``valid``: [B, G] bool
+    (None: all; ``grpolab.objectives.advantages``: a failed sample takes no part and gets 0). Returns [B, G] in the
+    terms' dtype.
+
+    Each term is a group advantage of its own (``group_advantages`` with ``baseline`` and ``normalizer``: a
+    group whose term is all equal gets exactly 0 for it), the weighted sum is whitened over the batch (unbiased
+    std). A group whose sum is 0 at every sample keeps exactly 0: the batch mean of S is 0 in exact arithmetic
+    (each group's S sums to 0), and its float rounding would otherwise give that group a spurious gradient."""
+    if terms.dim() != 3 or weights.shape != terms.shape[2:]:
+        raise ValueError(
+            f"terms must be [B, G, K] and weights [K], got {tuple(terms.shape)} and {tuple(weights.shape)}"
+        )
+    if terms.numel() // terms.shape[2] < 2:
+        raise ValueError("decoupled advantages need a batch of at least 2 samples")
+    per_term = torch.stack(
+        [group_advantages(terms[:, :, k], baseline, normalizer, eps, valid) for k in range(terms.shape[2])], dim=2
+    )
+    summed = (per_term * weights.to(terms.dtype)).sum(dim=2)  # [B, G]
+    silent = (summed == 0).all(dim=1, keepdim=True)
+    if valid is None:
+        whitened = (summed - summed.mean()) / (summed.std(unbiased=True) + eps)
+        return torch.where(silent, torch.zeros_like(whitened), whitened)
+    used = valid & (valid.sum(dim=1, keepdim=True) >= min_valid_samples(baseline, normalizer))
+    if int(used.sum()) < 2:  # no two samples to whiten over: no contrast
+        return torch.zeros_like(summed)
+    whitened = (summed - summed[used].mean()) / (summed[used].std(unbiased=True) + eps)
+    return torch.where(silent | ~used, torch.zeros_like(whitened), whitened)
+
+
+def batch_advantages(
+    spec: AlgorithmSpec,
+    rewards: Tensor,
+    terms: Tensor | None = None,
+    weights: Tensor | None = None,
+    valid: Tensor | None = None,
+) -> Tensor:
+    """[B, G] advantages of a whole rollout batch as ``spec`` forms them: of the summed RL reward ``rewards``
+    [B, G] (``multi_objective_aggregation`` "sum_then_normalize"), or of its terms ``terms`` [B, G, K] weighted
+    by ``weights`` [K] ("normalize_then_sum", GDPO); over the ``valid`` [B, G] samples only (None: all); then
+    scaled by GPG's B / B_valid over the whole batch where ``spec.valid_rescale``."""
+    if spec.multi_objective_aggregation == "sum_then_normalize":
+        advantages = group_advantages(rewards, spec.baseline, spec.normalizer, spec.adv_eps, valid)
+    elif terms is None or weights is None:
+        raise ValueError("multi_objective_aggregation 'normalize_then_sum' needs the reward terms and their weights")
+    else:
+        advantages = decoupled_advantages(terms, weights, spec.baseline, spec.normalizer, spec.adv_eps, valid)
+    return advantages * valid_sample_scale(rewards, valid) if spec.valid_rescale else advantages
+
+
+def valid_sample_scale(rewards: Tensor, valid: Tensor | None = None) -> Tensor:
+    """alpha = B / B_valid as a 0-dim tensor in the rewards' dtype, for rewards [groups, G].
+
+    B_valid counts the samples of groups whose rewards are not all equal; a batch without such a group
+    gets 1 (its advantages are all 0 anyway). With ``valid`` [groups, G] bool (samples whose rollout and reward
+    succeeded), B counts the valid samples (the failed ones count in no denominator) and B_valid the valid
+    samples of the informative groups.
+    """
+    if valid is None:
+        informative = int(informative_groups(rewards).sum())
+        return torch.tensor(rewards.shape[0] / informative if informative else 1.0, dtype=rewards.dtype)
+    counted = int(valid.sum())
+    informative = int((valid & informative_groups(rewards, valid)[:, None]).sum())
+    return torch.tensor(counted / informative if informative else 1.0, dtype=rewards.dtype)

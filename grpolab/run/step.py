@@ -80,7 +80,7 @@ def completion_rows(parts: RunParts, rollout: RolloutBatch, limit: int) -> tuple
     completion, RL reward and advantage, answer and format rewards, each reward term, length, truncation, the
     policy version that sampled it, and its failure kind (empty when it did not fail: then its rewards are
     unknown, and its advantage 0)."""
-    _, advantages = parts.learner.advantages(rollout)  # [B, G]: what the update used (recomputed, exact)
+    _, advantages, _ = parts.learner.advantages(rollout)  # [B, G]: what the update used (recomputed, exact)
     group_size = max(len(group) for group in rollout.completions)
     groups = max(1, limit // group_size)
     terms = list(
