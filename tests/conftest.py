@@ -47,7 +47,7 @@ torch.set_num_threads(int(os.environ.get("GRPOLAB_TEST_THREADS", "1")))
 # layers and lint); the default tier adds the runs, engines, processes and suites. tests/README.md: the tiers.
 UNIT_MODULES = frozenset(
     """
-    test_advantages test_failed_samples test_algorithms test_answers test_architectures test_batching test_calculator test_engine_weights
+    test_advantages test_sequential test_failed_samples test_algorithms test_answers test_architectures test_batching test_calculator test_engine_weights
     test_chat_arithmetic test_chat_prompts test_checkpoint_load test_dataset_task test_decode test_dropout
     test_dynamic_sampling test_engine_capabilities test_engine_config test_eval_records test_gguf test_gpu_check
     test_grouped_attention test_gsm8k test_help test_kv_cache test_layers test_lint test_logprobs test_losses test_maxrl_rewards

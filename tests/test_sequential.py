@@ -1,0 +1,99 @@
+"""Anytime-valid confidence sequences by betting (``grpolab.studies.sequential``): the hedged capital process
+against a direct transcription of Waudby-Smith and Ramdas (2024)'s formulas in float64, coverage at every time at
+once under peeking, and the paired-difference form."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from grpolab.studies.sequential import betting_cs, paired_difference_cs, predictable_bets
+
+
+def transcribed_capital(x: list[float], m: float, alpha: float, theta: float = 0.5, c: float = 0.5) -> list[float]:
+    """K_t(m) for t = 1..T, written out term by term from the paper's section 4 (eq. 26 bets, Theorem 3)."""
+    capital, plus, minus, total, squares = [], 1.0, 1.0, 0.0, 0.0
+    sigma2_previous = 0.25  # sigma2_0
+    for t, xt in enumerate(x, start=1):
+        bet = min(math.sqrt(2 * math.log(2 / alpha) / (sigma2_previous * t * math.log(1 + t))), c)
+        bet_plus = bet if m == 0 else min(bet, c / m)
+        bet_minus = bet if m == 1 else min(bet, c / (1 - m))
+        plus *= 1 + bet_plus * (xt - m)
+        minus *= 1 - bet_minus * (xt - m)
+        capital.append(max(theta * plus, (1 - theta) * minus))
+        total += xt
+        mu_t = (0.5 + total) / (t + 1)
+        squares += (xt - mu_t) ** 2
+        sigma2_previous = (0.25 + squares) / (t + 1)
+    return capital
+
+
+def transcribed_bounds(x: list[float], alpha: float, grid: int) -> tuple[list[float], list[float]]:
+    ms = [i / (grid - 1) for i in range(grid)]
+    capitals = [transcribed_capital(x, m, alpha) for m in ms]
+    lows, highs, low, high = [], [], 0.0, 1.0
+    for t in range(len(x)):
+        inside = [i for i, k in enumerate(capitals) if k[t] < 1 / alpha]
+        low = max(low, max(ms[inside[0]] - 1 / (grid - 1), 0.0))
+        high = min(high, min(ms[inside[-1]] + 1 / (grid - 1), 1.0))
+        lows.append(low)
+        highs.append(high)
+    return lows, highs
+
+
+def test_the_bounds_are_the_papers_formula_in_float64():
+    x = np.random.default_rng(0).beta(2, 5, size=60)
+    lower, upper = betting_cs(x, alpha=0.05, grid=101)
+    want_lower, want_upper = transcribed_bounds(x.tolist(), 0.05, 101)
+    np.testing.assert_allclose(lower, want_lower, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(upper, want_upper, rtol=0, atol=1e-12)
+    assert lower.dtype == np.float64 and (lower <= x.mean()).all() and (upper >= x.mean()).all()
+    # the bets: predictable (lambda_t reads X_1 .. X_{t-1} only), capped at c = 1/2
+    bets = predictable_bets(x, 0.05)
+    assert bets[0] == min(math.sqrt(2 * math.log(40) / (0.25 * 1 * math.log(2))), 0.5)
+    changed = x.copy()
+    changed[10] = 1 - changed[10]
+    assert np.array_equal(predictable_bets(changed, 0.05)[:11], bets[:11]) and (bets <= 0.5).all()
+
+
+def test_the_sequence_covers_the_mean_at_every_time_at_once_under_peeking():
+    """500 Bernoulli(0.3) streams of 300 observations, the sequence looked at after every one: the share of
+    streams whose sequence ever excludes 0.3 stays below alpha (Ville's inequality); a fixed-time 95% interval
+    looked at after every observation excludes it far more often."""
+    rng = np.random.default_rng(1)
+    alpha, mean, streams, n = 0.05, 0.3, 500, 300
+    missed_cs = missed_peeking = 0
+    for _ in range(streams):
+        x = (rng.random(n) < mean).astype(np.float64)
+        lower, upper = betting_cs(x, alpha, grid=201)
+        missed_cs += bool(((lower > mean) | (upper < mean)).any())
+        t = np.arange(1, n + 1)
+        running = np.cumsum(x) / t
+        half = 1.96 * np.sqrt(np.maximum(running * (1 - running), 1e-12) / t)  # Wald, peeked at every t >= 10
+        missed_peeking += bool((np.abs(running - mean)[9:] > half[9:]).any())
+    assert missed_cs / streams <= alpha
+    assert missed_peeking / streams > 3 * alpha
+
+
+def test_the_sequence_shrinks_and_a_clear_difference_excludes_zero():
+    rng = np.random.default_rng(2)
+    d = np.clip(rng.normal(0.2, 0.3, size=400), -1, 1)
+    lower, upper = paired_difference_cs(d, alpha=0.05, arms=3)
+    assert (np.diff(lower) >= 0).all() and (np.diff(upper) <= 0).all()  # a running intersection
+    assert upper[-1] - lower[-1] < 0.5 * (upper[19] - lower[19])
+    assert lower[-1] > 0 and lower[-1] <= d.mean() <= upper[-1]
+    wide, _ = paired_difference_cs(d, alpha=0.05, arms=1)
+    assert wide[-1] >= lower[-1]  # three arms at once: each at alpha / 3, so wider
+
+
+@pytest.mark.parametrize(
+    "x, alpha, message",
+    [([], 0.05, "non-empty"), ([0.5, 1.5], 0.05, r"\[0, 1\]"), ([0.5], 1.0, "alpha must be in")],
+)
+def test_bad_input_is_refused(x, alpha, message):
+    with pytest.raises(ValueError, match=message):
+        betting_cs(np.array(x, dtype=np.float64), alpha)
+    with pytest.raises(ValueError, match=r"\[-1, 1\]"):
+        paired_difference_cs(np.array([2.0]), 0.05)
