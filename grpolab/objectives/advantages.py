@@ -62,10 +62,9 @@ def group_advantages(
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [B, G], got shape {tuple(rewards.shape)}")
-    group_size = rewards.shape[1]
     if normalizer == "batch_std" and rewards.numel() < 2:
         raise ValueError("normalizer 'batch_std' needs a batch of at least 2 rewards")
-    if normalizer == "std" and group_size < 2:
+    if normalizer == "std" and rewards.shape[1] < 2:
         raise ValueError("normalizer 'std' needs a group size of at least 2")
     if valid is None:
         valid = torch.ones_like(rewards, dtype=torch.bool)
@@ -75,6 +74,18 @@ def group_advantages(
     kept = counts >= min_valid_samples(baseline, normalizer)  # [B, 1]
     used = valid & kept  # [B, G]: the samples every statistic reads
     rewards = torch.where(used, rewards, torch.zeros_like(rewards))  # a failed sample's reward is never read
+    _check_reward_range(rewards, used, normalizer)
+    n = counts.clamp(min=1).to(rewards.dtype)
+    whole = bool(used.all())  # every sample counts: the plain reductions (the same floats as ever)
+    mean = rewards.mean(dim=1, keepdim=True) if whole else rewards.sum(dim=1, keepdim=True) / n
+    centered = _centered(rewards, used, mean, baseline)
+    scaled = _scaled(centered, rewards, used, kept, mean, n, normalizer, eps)
+    return scaled if whole else torch.where(used, scaled, torch.zeros_like(scaled))
+
+
+def _check_reward_range(rewards: Tensor, used: Tensor, normalizer: str) -> None:
+    """Refuse rewards the normalizer is not defined for: negative ones for MaxRL's mean, any outside [0, 1] for
+    BNPO's Beta density. rewards, used: [B, G] (failed samples' rewards already 0)."""
     if normalizer == "mean":
         negative = (rewards < 0).nonzero()
         if len(negative):
@@ -90,43 +101,47 @@ def group_advantages(
             f"got {rewards[used].min().item():g} to {rewards[used].max().item():g}; use another normalizer "
             "(e.g. --algo grpo)"
         )
-    n = counts.clamp(min=1).to(rewards.dtype)
-    whole = bool(used.all())  # every sample counts: the plain reductions (the same floats as ever)
-    mean = rewards.mean(dim=1, keepdim=True) if whole else rewards.sum(dim=1, keepdim=True) / n
+
+
+def _centered(rewards: Tensor, used: Tensor, mean: Tensor, baseline: str) -> Tensor:
+    """[B, G] rewards less the baseline: r - mean_i (exactly 0 in a group whose used rewards are all equal), or r."""
     if baseline == "mean":
         centered = torch.where(used, rewards - mean, torch.zeros_like(rewards))
         first = rewards.gather(1, used.to(torch.int64).argmax(dim=1, keepdim=True))  # a valid sample's reward
         all_equal = ((rewards == first) | ~used).all(dim=1, keepdim=True)
-        centered = torch.where(all_equal, torch.zeros_like(centered), centered)
-    elif baseline == "none":
-        centered = rewards
-    else:
-        raise ValueError(f"unknown baseline {baseline!r}")
+        return torch.where(all_equal, torch.zeros_like(centered), centered)
+    if baseline == "none":
+        return rewards
+    raise ValueError(f"unknown baseline {baseline!r}")
 
+
+def _scaled(
+    centered: Tensor, rewards: Tensor, used: Tensor, kept: Tensor, mean: Tensor, n: Tensor, normalizer: str, eps: float
+) -> Tensor:
+    """[B, G] centered advantages divided by the normalizer's scale (``group_advantages``' table). mean, n, kept:
+    [B, 1] the groups' means over their used samples, their valid counts, whether they are kept."""
     if normalizer == "std":
-        if whole:
+        if bool(used.all()):
             std = rewards.std(dim=1, keepdim=True, unbiased=True)
         else:
             deviation = torch.where(used, rewards - mean, torch.zeros_like(rewards))
             std = (deviation.square().sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
-        scaled = centered / (std + eps)
-    elif normalizer == "batch_std":  # fewer than 2 valid samples in the batch: no scale, and no contrast
+        return centered / (std + eps)
+    if normalizer == "batch_std":  # fewer than 2 valid samples in the batch: no scale, and no contrast
         spread = rewards[used].std(unbiased=True) if int(used.sum()) >= 2 else torch.tensor(float("inf"))
-        scaled = centered / (spread + eps)
-    elif normalizer == "mean":
+        return centered / (spread + eps)
+    if normalizer == "mean":
         scaled = centered / (mean + eps)
-        scaled = torch.where(mean == 0, torch.zeros_like(scaled), scaled)
-    elif normalizer == "none":
-        scaled = centered
-    elif normalizer == "beta_density":
+        return torch.where(mean == 0, torch.zeros_like(scaled), scaled)
+    if normalizer == "none":
+        return centered
+    if normalizer == "beta_density":
         scale = torch.ones_like(mean)
         rows = kept[:, 0]
         if rows.any():
             scale[rows] = beta_density_scale(mean[rows, 0])
-        scaled = centered * scale
-    else:
-        raise ValueError(f"unknown normalizer {normalizer!r}")
-    return scaled if whole else torch.where(used, scaled, torch.zeros_like(scaled))
+        return centered * scale
+    raise ValueError(f"unknown normalizer {normalizer!r}")
 
 
 def informative_groups(rewards: Tensor, valid: Tensor | None = None) -> Tensor:
