@@ -97,3 +97,16 @@ def test_bad_input_is_refused(x, alpha, message):
         betting_cs(np.array(x, dtype=np.float64), alpha)
     with pytest.raises(ValueError, match=r"\[-1, 1\]"):
         paired_difference_cs(np.array([2.0]), 0.05)
+
+
+def test_the_peeking_benchmark_runs_and_prints_both_errors_and_the_table(capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import sequential_peeking
+
+    sequential_peeking.main(["--suites", "20", "--bootstrap-suites", "5", "--power-suites", "2", "--rounds", "8"])
+    out = capsys.readouterr().out
+    assert "betting confidence sequence: family-wise error" in out and "bootstrap interval, peeked from round 5" in out
+    assert len([line for line in out.splitlines() if line.startswith("| 0.")]) == 4  # two deltas x two alphas
