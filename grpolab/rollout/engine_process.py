@@ -119,7 +119,7 @@ def _answer(conn: Connection, reply: tuple[str, Any]) -> bool:
     try:
         conn.send(reply)
         return True
-    except (BrokenPipeError, ConnectionResetError, OSError):
+    except OSError:  # a broken pipe or reset connection
         return False
 
 
@@ -315,7 +315,7 @@ class EngineProcess:
         shared = SharedSlots(model, slots)
         return cls(
             lambda folder: shared,
-            lambda folder, slots: _Spawned(functools.partial(build, shared.model), shared.load, threads),
+            lambda folder, slots: _Spawned(functools.partial(build, shared.model), slots.load, threads),
             can,
         )
 
