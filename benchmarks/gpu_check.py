@@ -426,14 +426,17 @@ def weights_changed(device: str, quick: bool, steps: int = 10) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from grpolab.models.loading import load_policy, resolve_model_dir
+    from grpolab.models.loading import load_policy
     from grpolab.models.logprobs import token_logprobs
     from grpolab.models.precision import resolve_precision
+    from grpolab.models.sources import FolderRequest, resolve_model_dir
 
     task = warm_start_tasks()[1]
     # quick: the demo's tiny model (torch-optimi's CPU path is slow on a 150k-vocabulary embedding)
     model_dir = (
-        resolve_model_dir(None, task) if quick else resolve_model_dir("like:qwen3-0.6b", task, {"num_hidden_layers": 4})
+        resolve_model_dir(None, FolderRequest(task))
+        if quick
+        else resolve_model_dir("like:qwen3-0.6b", FolderRequest(task, {"num_hidden_layers": 4}))
     )
     rows, length = (2, 16) if quick else (8, 128)
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size

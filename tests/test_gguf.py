@@ -9,7 +9,18 @@ from rich.console import Console
 
 from grpolab.common.progress import Reporter
 from grpolab.models.gguf import gguf_file, tensors_counted_into
-from grpolab.models.loading import absolute_model_spec, check_model_spec
+from grpolab.models.sources import (
+    FolderSource,
+    GgufSource,
+    HubSource,
+    LikeSource,
+    WarmStartSource,
+    absolute_model_spec,
+    check_model_spec,
+    folder_record,
+    is_local_folder,
+    source_of,
+)
 
 
 def test_refusals_name_the_problem(tmp_path):
@@ -22,6 +33,28 @@ def test_refusals_name_the_problem(tmp_path):
         check_model_spec(str(tmp_path / "no-model"))
     check_model_spec(None)
     check_model_spec("like:qwen3-0.6b")
+
+
+def test_each_spec_has_one_source_and_a_local_path_wins_over_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    kinds = {
+        "like:qwen3-0.6b": LikeSource,
+        "gguf:smollm2": GgufSource,
+        None: WarmStartSource,
+        "Qwen/Qwen3-0.6B": HubSource,
+        "runs/demo/step_4": FolderSource,
+    }
+    for spec, kind in kinds.items():
+        assert type(source_of(spec)) is kind, spec
+    (tmp_path / "Qwen" / "Qwen3-0.6B").mkdir(parents=True)
+    assert type(source_of("Qwen/Qwen3-0.6B")) is FolderSource and is_local_folder("Qwen/Qwen3-0.6B")
+    assert not is_local_folder("like:qwen3-0.6b") and not is_local_folder(None) and not is_local_folder("absent")
+    with pytest.raises(ValueError, match="model.revision v1 applies to a Hugging Face hub id"):
+        check_model_spec("like:qwen3-0.6b", "v1")
+    # a folder no source made records nothing more; a converted GGUF folder records its file
+    assert folder_record(tmp_path) == {}
+    (tmp_path / "gguf_source.json").write_text('{"sha256": "ab"}')
+    assert folder_record(tmp_path) == {"gguf_source": {"sha256": "ab"}}
 
 
 def test_a_suite_keeps_naming_the_same_model_from_another_directory(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpolab.commands.cli import main
 from grpolab.config import ConfigError, load_config
 from grpolab.models.hub import is_hub_id, resolve, snapshot_of
-from grpolab.models.loading import check_model_spec, resolve_model_dir
+from grpolab.models.sources import FolderRequest, check_model_spec, resolve_model_dir
 from grpolab.run.trainer import train
 from grpolab.studies.suite.prepare import frozen_config
 
@@ -119,9 +119,9 @@ def test_a_run_by_hub_id_trains_from_the_cached_snapshot_and_records_its_commit(
 def test_revisions_resolve_in_the_cache_a_pin_holds_when_main_moves(cache, saved_model, warm_model_dir):
     cache_snapshot(cache, REPO, SECOND, saved_model)  # refs/main moves to a second commit
     task = None  # a hub id needs no task
-    assert resolve_model_dir(REPO, task) == cache / "models--tiny-org--tiny-model" / "snapshots" / SECOND
+    assert resolve_model_dir(REPO, FolderRequest(task)) == cache / "models--tiny-org--tiny-model" / "snapshots" / SECOND
     for revision in (FIRST, "v1"):  # a commit, a tag
-        folder = resolve_model_dir(REPO, task, revision=revision)
+        folder = resolve_model_dir(REPO, FolderRequest(task, revision=revision))
         assert snapshot_of(folder) == (REPO, FIRST)
     assert resolve(REPO, FIRST).commit == FIRST and resolve(REPO).commit == SECOND
     with pytest.raises(FileNotFoundError, match=f"model {REPO} at revision v2 is not in the Hugging Face cache"):

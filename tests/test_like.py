@@ -11,8 +11,9 @@ from conftest import GSM8K_DIR
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from grpolab.models.like import LIKE_CONFIGS, MARKER, is_like_dir, like_config, like_model_dir
-from grpolab.models.loading import load_policy, resolve_model_dir
+from grpolab.models.loading import load_policy
 from grpolab.models.routing import routers
+from grpolab.models.sources import FolderRequest, resolve_model_dir
 from grpolab.tasks import ArithmeticTask, GSM8KTask
 
 ONE_LAYER = {"num_hidden_layers": 1}
@@ -129,12 +130,12 @@ def test_the_cache_is_reused(task, cache, like_dirs) -> None:
 
 def test_resolve_model_dir_routes_like_paths_and_refuses_stray_overrides(task, cache, monkeypatch) -> None:
     monkeypatch.setenv("GRPOLAB_CACHE", str(cache.parent / "grpolab_cache"))
-    path = resolve_model_dir("like:llama3.2-1b", task, ONE_LAYER)
+    path = resolve_model_dir("like:llama3.2-1b", FolderRequest(task, ONE_LAYER))
     assert path.parent == cache.parent / "grpolab_cache" / "like" and is_like_dir(path)
     with pytest.raises(ValueError, match="model.like_overrides applies only to like: models"):
-        resolve_model_dir(str(path), task, ONE_LAYER)
+        resolve_model_dir(str(path), FolderRequest(task, ONE_LAYER))
     with pytest.raises(ValueError, match="only to like: models"):
-        resolve_model_dir(None, task, ONE_LAYER)
+        resolve_model_dir(None, FolderRequest(task, ONE_LAYER))
 
 
 def test_load_policy_is_seeded_and_leaves_the_global_rng_alone(like_dirs) -> None:

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from grpolab.common.progress import Reporter, format_seconds
 from grpolab.common.threads import choose_threads
 from grpolab.config import RolloutConfig, RunConfig
-from grpolab.models.loading import check_model_spec
+from grpolab.models.sources import check_model_spec
 from grpolab.models.tinymodel import (
     WarmStartSettings,
     default_cache_root,

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from grpolab.common.progress import Reporter
-from grpolab.models.loading import DTYPES, check_model_spec, load_policy, model_record, resolve_model_dir
+from grpolab.models.loading import DTYPES, load_policy, model_record
 from grpolab.models.settings import TeacherConfig
+from grpolab.models.sources import FolderRequest, check_model_spec, resolve_model_dir
 from grpolab.tasks.base import Task
 from grpolab.tasks.folder_hash import model_bytes, model_files, tree_sha256
 
@@ -81,7 +82,7 @@ def load_teacher(
     tokenizer checked against the policy's (``check_teacher_tokenizer``; the chat template too unless the task's
     ``prompt_format`` renders no template) and its files hashed for the manifest."""
     check_model_spec(teacher.path, teacher.revision)
-    model_dir = resolve_model_dir(teacher.path, task, reporter=reporter, revision=teacher.revision)
+    model_dir = resolve_model_dir(teacher.path, FolderRequest(task, revision=teacher.revision, reporter=reporter))
     dtype = compute_dtype if teacher.dtype == "auto" else DTYPES[teacher.dtype]
     with reporter.phase(f"load teacher {model_dir}") as phase:
         model, tokenizer = load_policy(model_dir, dtype, device)

@@ -9,8 +9,7 @@ build the same parts with ``assemble`` and no run directory.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,14 +23,13 @@ from grpolab.config import RunConfig
 from grpolab.learning.learner import SHARDED_FORWARD, FrozenModels, LearnerState, PolicyLearner, TrainedModel
 from grpolab.learning.shared_prefix import unit_logprobs
 from grpolab.models.fidelity import check_trainable
-from grpolab.models.gguf import GGUF_PREFIX
-from grpolab.models.like import LIKE_PREFIX, is_like_dir
-from grpolab.models.loading import check_model_spec, resolve_device, resolve_dtype, resolve_model_dir
+from grpolab.models.loading import resolve_device, resolve_dtype
 from grpolab.models.logprobs import enable_gradient_checkpointing
 from grpolab.models.policy import Policy, load_run_policy, policy_start
 from grpolab.models.precision import TrainingPrecision, resolve_precision
 from grpolab.models.prompt_tokens import tokenize_prompts
 from grpolab.models.routing import routers
+from grpolab.models.sources import FolderRequest, check_model_spec, is_local_folder, resolve_model_dir
 from grpolab.models.teacher import Teacher, load_teacher
 from grpolab.models.weights import PolicyWeights
 from grpolab.objectives.rollout_correction import AUTO, auto_rollout_correction
@@ -200,22 +198,10 @@ def prepare_policy(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Pa
             f"{cfg.rollout.prompts_per_step // ranks.world} prompt groups each per step"
         )
     # rank 0 first: a warm start of the demo's model is cached, and the other ranks then find it
-    resolve = partial(
-        resolve_model_dir,
-        cfg.model.path,
-        task,
-        cfg.model.like_overrides,
-        warm_start=cfg.model.warm_start,
-        revision=cfg.model.revision,
-    )
-    model_dir = ranks.run_on_main(lambda: resolve(reporter=reporter))
+    request = FolderRequest(task, cfg.model.like_overrides, cfg.model.warm_start, cfg.model.revision)
+    model_dir = ranks.run_on_main(lambda: resolve_model_dir(cfg.model.path, replace(request, reporter=reporter)))
     if not ranks.is_main:
-        model_dir = resolve()
-    if is_like_dir(model_dir):
-        reporter.line(
-            f"{cfg.model.path}: random weights at the real shapes (for memory and speed): "
-            "completions rarely stop and run to max_new_tokens"
-        )
+        model_dir = resolve_model_dir(cfg.model.path, request)
     precision = resolve_precision(cfg.optim.precision, resolve_dtype(cfg.model.dtype, device))
     model_dir, started_from = policy_start(model_dir, cfg.model.lora, cfg.needs_reference())
     weights_dir = weights_dir or model_dir
@@ -247,10 +233,10 @@ def prepare_policy(cfg: RunConfig, setting: Setting, task: Task, weights_dir: Pa
 
 def _checkpoint_path(path: str | None) -> Path | None:
     """``model.path`` when it names a folder a grpolab run wrote as a checkpoint, else None."""
-    if not path or path.startswith((LIKE_PREFIX, GGUF_PREFIX)):
+    if not is_local_folder(path):
         return None
     folder = Path(path).expanduser()
-    return folder if folder.is_dir() and is_checkpoint(folder) else None
+    return folder if is_checkpoint(folder) else None
 
 
 def prompt_token_ids(

@@ -18,7 +18,7 @@ from grpolab.common.progress import Reporter
 from grpolab.common.records import config_sha256
 from grpolab.config import RunConfig
 from grpolab.models.hub import current_commit, is_hub_id
-from grpolab.models.loading import absolute_model_spec, check_model_spec
+from grpolab.models.sources import absolute_model_spec, check_model_spec
 from grpolab.run.rundir import RunDirError
 from grpolab.studies.manifest import MANIFEST, PREPARING, RunRecord, SuiteManifest
 from grpolab.studies.suite.launch import LAUNCHERS, suite_launcher
