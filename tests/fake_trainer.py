@@ -17,6 +17,9 @@ Settings from the environment, read by the run process:
   GRPOLAB_FAKE_STEP_SECONDS  seconds a step takes (default 0.05)
   GRPOLAB_FAKE_SLOW          NAME=SECONDS,...: a slower step for the runs whose directory is named NAME
   GRPOLAB_FAKE_FAIL          NAME:STEP,...: run NAME fails in step STEP (its records and checkpoint unwritten)
+  GRPOLAB_FAKE_ACCURACY      ARM=P,...: the runs named ARM or ARM.sSEED (a decision suite's) write per-item
+                             records of their last evaluation, FAKE_ITEMS items each right with chance P (drawn
+                             from the hash chain: the seed moves them)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 
 FAIL_LINE = "error: non-finite loss (nan) or ratio in the policy update"
+FAKE_ITEMS = 200
 STOP: list[int] = []  # the signals asking this run to stop after its step (with a checkpoint)
 SITECUSTOMIZE = """
 import sys as _sys
@@ -81,6 +85,8 @@ class FakeRun:
         )
         fail = named("GRPOLAB_FAKE_FAIL", self.name)
         self.fail_at = int(fail) if fail else None
+        accuracy = named("GRPOLAB_FAKE_ACCURACY", self.name.rpartition(".s")[0] or self.name)
+        self.accuracy = float(accuracy) if accuracy else None
 
     def initial_state(self) -> str:
         """The run's settings (paths aside) and its start model's weights."""
@@ -118,6 +124,23 @@ class FakeRun:
         listing = {name: {"bytes": len(data), "sha256": sha(data)} for name, data in files.items()}
         (tmp / "checkpoint.json").write_text(json.dumps({"step": step, "files": listing}))
         tmp.rename(final)
+
+    def write_eval_records(self, step: int, state: str) -> float:
+        """eval/step_NNNNNN.jsonl as the trainer writes it: one record per item, right with chance
+        ``self.accuracy``; the accuracy."""
+        records = [
+            {
+                "id": f"item{k}",
+                "prompt_sha256": sha(f"item{k}"),
+                "correct": int(sha(f"{state} {k}")[:8], 16) / 2**32 < self.accuracy,
+            }
+            for k in range(FAKE_ITEMS)
+        ]
+        (self.run_dir / "eval").mkdir(exist_ok=True)
+        write_atomically(
+            self.run_dir / "eval" / f"step_{step:06d}.jsonl", "".join(json.dumps(r) + "\n" for r in records)
+        )
+        return sum(r["correct"] for r in records) / FAKE_ITEMS
 
     def newest_checkpoint(self) -> tuple[int, str | None]:
         """The newest checkpoint whose files match its checkpoint.json: (its step, its state); (0, None) if none."""
@@ -174,6 +197,8 @@ class FakeRun:
             record = {"step": step, "reward_mean": int(state[:8], 16) / 2**32, "fake/state": state}
             if step % eval_every == 0 or step == self.steps:
                 record["val/accuracy"] = int(state[8:16], 16) / 2**32
+            if step == self.steps and self.accuracy is not None:
+                record["val/accuracy"] = self.write_eval_records(step, state)
             with metrics.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             if step % every == 0 or step == self.steps or STOP:

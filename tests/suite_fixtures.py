@@ -46,6 +46,7 @@ class FakeRuns:
         extra: str = "",
         step_seconds: float = 0.05,
         start_seconds: float = 0.0,
+        accuracy: dict[str, float] | None = None,
     ) -> str:
         """The PYTHONPATH now set (run processes inherit it)."""
         hook = fake_trainer.install(self.tmp_path / "fake_hook", extra) if extra else self.hook
@@ -54,6 +55,7 @@ class FakeRuns:
         self.monkeypatch.setenv("GRPOLAB_FAKE_START_SECONDS", str(start_seconds))
         self.monkeypatch.setenv("GRPOLAB_FAKE_SLOW", ",".join(f"{k}={v}" for k, v in (slow or {}).items()))
         self.monkeypatch.setenv("GRPOLAB_FAKE_FAIL", ",".join(f"{k}:{v}" for k, v in (fail or {}).items()))
+        self.monkeypatch.setenv("GRPOLAB_FAKE_ACCURACY", ",".join(f"{k}={v}" for k, v in (accuracy or {}).items()))
         return str(hook)
 
 

@@ -9,7 +9,14 @@ import math
 import numpy as np
 import pytest
 
-from grpolab.studies.sequential import betting_cs, paired_difference_cs, predictable_bets
+from grpolab.studies.decision import OPEN, WITHIN, WORSE, Question, answered, compare, going_on, judge, spread_warnings
+from grpolab.studies.sequential import (
+    betting_cs,
+    normal_mixture_cs,
+    paired_difference_cs,
+    paired_normal_cs,
+    predictable_bets,
+)
 
 
 def transcribed_capital(x: list[float], m: float, alpha: float, theta: float = 0.5, c: float = 0.5) -> list[float]:
@@ -110,3 +117,97 @@ def test_the_peeking_benchmark_runs_and_prints_both_errors_and_the_table(capsys)
     out = capsys.readouterr().out
     assert "betting confidence sequence: family-wise error" in out and "bootstrap interval, peeked from round 5" in out
     assert len([line for line in out.splitlines() if line.startswith("| 0.")]) == 4  # two deltas x two alphas
+
+
+def transcribed_mixture(x: list[float], m: float, sd: float, rho: float) -> list[float]:
+    """M_t(m) for t = 1..T: the N(0, 1/rho) mixture of exp(l S_t - l^2 V_t / 2) over l, integrated numerically
+    (Robbins 1970), not through its closed form."""
+    lam = np.linspace(-60 / sd, 60 / sd, 40001)
+    weight = np.sqrt(rho / (2 * math.pi)) * np.exp(-rho * lam**2 / 2)
+    out, s = [], 0.0
+    for t, xt in enumerate(x, start=1):
+        s += xt - m
+        out.append(float(np.trapezoid(np.exp(lam * s - lam**2 * t * sd**2 / 2) * weight, lam)))
+    return out
+
+
+def test_the_normal_mixture_is_robbins_mixture_in_float64():
+    """Each bound is where the numerically integrated mixture reaches 1 / alpha (found by bisection), then
+    intersected over time."""
+    x = [0.31, 0.27, 0.35, 0.30, 0.12]
+    sd, alpha = 0.05, 0.05
+
+    def edge(t: int, side: float) -> float:
+        mean = float(np.mean(x[:t]))
+        inside, outside = mean, mean + side
+        for _ in range(40):
+            mid = (inside + outside) / 2
+            if transcribed_mixture(x[:t], mid, sd, sd**2)[-1] < 1 / alpha:
+                inside = mid
+            else:
+                outside = mid
+        return (inside + outside) / 2
+
+    want_lower = np.fmax.accumulate([edge(t, -1.0) for t in range(1, len(x) + 1)])
+    want_upper = np.fmin.accumulate([edge(t, 1.0) for t in range(1, len(x) + 1)])
+    lower, upper = normal_mixture_cs(np.array(x), alpha, sd)
+    np.testing.assert_allclose(lower, want_lower, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(upper, want_upper, rtol=0, atol=1e-6)
+    assert lower.dtype == np.float64 and upper[-1] < upper[-2]  # the fifth observation moved the interval down
+
+
+def test_the_normal_mixture_covers_under_peeking_when_its_sd_holds_and_not_when_it_is_too_small():
+    rng = np.random.default_rng(3)
+    alpha, streams, n = 0.05, 2000, 50
+    x = rng.normal(0.1, 0.05, size=(streams, n))
+
+    def missed(sd: float) -> float:
+        count = 0
+        for row in x:
+            lower, upper = normal_mixture_cs(row, alpha, sd)
+            count += bool(((lower > 0.1) | (upper < 0.1)).any())
+        return count / streams
+
+    assert missed(0.05) <= alpha
+    assert missed(0.02) > 3 * alpha  # a stated sd below the true spread breaks the guarantee
+
+
+def test_after_one_seed_the_normal_sequence_decides_a_collapse_the_betting_one_cannot():
+    d = np.array([-0.6])
+    lower, upper = paired_normal_cs(d, 0.05, arms=5, sd=0.05)
+    assert upper[0] < -0.05 and lower[0] >= -1
+    lower, upper = paired_difference_cs(np.full(4, -0.6), 0.05, arms=5)
+    assert upper[-1] > -0.05  # four seeds: the bounds alone cannot exclude -0.05
+    with pytest.raises(ValueError, match="stated sd"):
+        paired_normal_cs(d, 0.05)
+
+
+def test_decisions_against_a_baseline_are_final_and_say_their_evidence():
+    q = Question(("base", "bad", "same", "close"), "base", delta=0.05, alpha=0.05, sequence="normal", sd=0.03)
+    diffs = {("bad", "base"): [-0.5], ("same", "base"): [0.01], ("close", "base"): [-0.08]}
+    comparisons = compare(q, diffs)
+    verdicts = judge(q, comparisons, 0)
+    assert verdicts["bad"].status == WORSE and verdicts["bad"].round == 0
+    assert "bad - base <=" in verdicts["bad"].evidence and "< -0.05" in verdicts["bad"].evidence
+    assert verdicts["same"].status == OPEN and verdicts["close"].status == OPEN
+    assert going_on(q, verdicts) == ["base", "same", "close"]
+    more = {k: v * 30 for k, v in diffs.items()}  # thirty seeds alike
+    later = judge(q, compare(q, more), 29, verdicts)
+    assert later["bad"] == verdicts["bad"]  # decided once, kept
+    assert later["same"].status == WITHIN and later["close"].status == WORSE and answered(later)
+    assert going_on(q, later) == []
+
+
+def test_find_the_best_compares_every_pair_and_keeps_the_leaders_running():
+    q = Question(("a", "b", "c"), None, delta=0.05, alpha=0.05, sequence="normal", sd=0.02)
+    assert q.comparisons() == [("a", "b"), ("a", "c"), ("b", "c")]
+    verdicts = judge(q, compare(q, {("a", "b"): [0.01], ("a", "c"): [0.5], ("b", "c"): [0.49]}), 0)
+    assert verdicts["c"].status == WORSE and "c - a <=" in verdicts["c"].evidence
+    assert verdicts["a"].status == OPEN and going_on(q, verdicts) == ["a", "b"]
+
+
+def test_a_spread_beyond_the_stated_sd_is_said():
+    q = Question(("base", "x"), "base", delta=0.05, alpha=0.05, sequence="normal", sd=0.01)
+    lines = spread_warnings(q, compare(q, {("x", "base"): [0.1, -0.1, 0.05]}))
+    assert len(lines) == 1 and "more than the stated seed_sd 0.01" in lines[0]
+    assert not spread_warnings(Question(("base", "x"), "base", 0.05, 0.05), compare(q, {("x", "base"): [0.1, -0.1]}))

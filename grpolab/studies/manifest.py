@@ -14,7 +14,8 @@ from grpolab.run.rundir import write_json
 
 MANIFEST = "suite_manifest.json"
 PREPARING = ".preparing"  # in a suite's root from the start of its preparation until its manifest is written
-RunState = Literal["queued", "running", "completed", "failed", "stopped"]
+RunState = Literal["queued", "running", "completed", "failed", "stopped", "dropped"]
+DONE = ("completed", "dropped")  # dropped: a decision suite needs it no more (its arm was decided)
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -55,6 +56,8 @@ class RunRecord(BaseModel):
     )
     init_from: str | None = None
     factors: dict[str, str] = Field(default_factory=dict)
+    arm: str | None = Field(None, description="a decision suite's arm this run is a seed of")
+    round: int | None = Field(None, description="a decision suite's round: the index of the run's seed")
     world_size: int = Field(1, description="processes (devices) of the run: more than 1 runs under torchrun")
     devices: list[str] | None = Field(None, description="CUDA_VISIBLE_DEVICES of its latest attempt, where known")
     host: str | None = None
@@ -88,6 +91,10 @@ class SuiteManifest(BaseModel):
     runner_host: str | None = None
     runner_seen: float | None = Field(None, description="when the runner last wrote (seconds since the epoch)")
     runs: list[RunRecord]
+    decide: dict[str, Any] | None = Field(None, description="a decision suite's question ([decide])")
+    decisions: list[dict[str, Any]] = Field(
+        default_factory=list, description="a decision suite's rounds: comparisons, verdicts and the runs they read"
+    )
 
     def save(self, root: Path) -> None:
         write_json(root / MANIFEST, self.model_dump(mode="json"))

@@ -125,6 +125,7 @@ def _suite_runs(root: Path) -> list[Run]:
             here(r.config_file, "configs", f"{r.name}.json"),
         )
         for r in manifest.runs
+        if r.state != "dropped"  # a decision suite's run it needed no more: never started
     ]
 
 

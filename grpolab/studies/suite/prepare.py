@@ -136,7 +136,12 @@ def _prepare(
             write_run_config(run, frozen_config(cfg, data[key], run.init_from), root, folder, data[key], models)
         )
     manifest = SuiteManifest(
-        suite=spec.name, source_file=str(Path(suite_file).resolve()), code=code, placement=where, runs=records
+        suite=spec.name,
+        source_file=str(Path(suite_file).resolve()),
+        code=code,
+        placement=where,
+        runs=records,
+        decide=spec.decide.model_dump() if spec.decide is not None else None,
     )
     manifest.save(root)
     return manifest
@@ -183,6 +188,8 @@ def write_run_config(
         config_sha256=config_sha256(config),
         init_from=run.init_from,
         factors=run.factors,
+        arm=run.arm,
+        round=run.round,
         world_size=run.devices_per_run or 1,
         data_sha256={k: data[f"{k}_sha256"] for k in ("train", "validation", "prompt")},
         data_dir=str(folder),

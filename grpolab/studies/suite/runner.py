@@ -29,13 +29,14 @@ from grpolab.run.checkpoints import newest_verified
 from grpolab.run.rundir import RunDirError
 from grpolab.run.state import STATE_FILE
 from grpolab.studies.launchers import LaunchError
-from grpolab.studies.manifest import RunRecord, SuiteManifest, now, pid_alive
+from grpolab.studies.manifest import DONE, RunRecord, SuiteManifest, now, pid_alive
 from grpolab.studies.suite.completion import completion_problems, last_error, last_session_where, progress_of
 from grpolab.studies.suite.flight import Flight, classify, complete
 from grpolab.studies.suite.holder import run_holder
 from grpolab.studies.suite.launch import LocalLauncher, SuiteLauncher, suite_launcher
 from grpolab.studies.suite.placement import ONE_AT_A_TIME, DevicePool, next_to_start, parse_devices
 from grpolab.studies.suite.prepare import prepare_suite, resume_command, train_command
+from grpolab.studies.suite.rounds import Rounds
 from grpolab.studies.suite.status import status_table
 from grpolab.studies.suite.verify import reward_model_problem, start_checkpoint_problem, verify_suite
 
@@ -58,6 +59,7 @@ class SuiteRunner:
         self.pool: DevicePool | None = None  # None: the launcher's scheduler (Slurm) places the runs
         self.placed = False  # runs on listed devices (else one at a time on whatever each run sees)
         self.first_stop: str | None = None  # the run whose end stopped the queue
+        self.rounds: Rounds | None = None  # a decision suite's rounds ([decide])
 
     # ---- signals: the first stops every running run at a step boundary, the second kills them --------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -98,6 +100,9 @@ class SuiteRunner:
         manifest = SuiteManifest.load(self.root)
         self._claim(manifest)
         verify_suite(self.root, manifest)
+        if manifest.decide is not None:
+            self.rounds = Rounds(manifest)
+            self.rounds.check()
         if self.devices is not None:
             self._replace_devices(manifest)
         manifest.runner_pid, manifest.runner_host, manifest.runner_seen = os.getpid(), socket.gethostname(), time.time()
@@ -149,6 +154,8 @@ class SuiteRunner:
                     self._land(manifest, flight, code)
                 elif flight.job is not None:
                     self._follow(manifest, flight)
+            if self.rounds is not None:
+                self._decide(manifest)
             if not self.stopping:
                 self._start_what_fits(manifest)
             if not self.flights:
@@ -160,6 +167,14 @@ class SuiteRunner:
                 manifest.save(self.root)
                 last_line = time.monotonic()
             time.sleep(POLL_SECONDS)
+
+    def _decide(self, manifest: SuiteManifest) -> None:
+        """A decision suite: decide each round whose runs have ended, and drop the runs no longer needed."""
+        lines = self.rounds.decide()
+        if lines:
+            manifest.save(self.root)
+            for line in lines:
+                self.reporter.line(line)
 
     def _follow(self, manifest: SuiteManifest, flight: Flight) -> None:
         """A Slurm job's state (PENDING, RUNNING, ...) and node into the manifest as they change."""
@@ -174,7 +189,13 @@ class SuiteRunner:
     def _start_what_fits(self, manifest: SuiteManifest) -> None:
         while not self.stopping:
             completed = {r.name for r in manifest.runs if r.state == "completed"}
-            waiting = [r for r in manifest.runs if r.state != "completed" and r.name not in self.flights]
+            waiting = [
+                r
+                for r in manifest.runs
+                if r.state not in DONE
+                and r.name not in self.flights
+                and (self.rounds is None or self.rounds.may_start(r))
+            ]
             record = next_to_start(
                 waiting, completed, lambda r: self.pool is None or len(self.pool.free()) >= self._need(r)
             )
@@ -365,10 +386,14 @@ class SuiteRunner:
 
     def _outcome(self, manifest: SuiteManifest) -> int:
         """The suite's exit code and closing line; the report once every run completed."""
-        unfinished = [r for r in manifest.runs if r.state != "completed"]
+        unfinished = [r for r in manifest.runs if r.state not in DONE]
         if not unfinished:
+            ran = sum(r.state == "completed" for r in manifest.runs)
             self.reporter.line(
                 f"suite {manifest.suite}: all {len(manifest.runs)} runs completed; grpolab suite status {self.root}"
+                if ran == len(manifest.runs)
+                else f"suite {manifest.suite}: decided; {ran} of {len(manifest.runs)} runs completed, the others "
+                f"dropped; grpolab suite status {self.root}"
             )
             self._report()
             return 0

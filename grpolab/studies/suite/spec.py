@@ -24,6 +24,19 @@
     factors = { normalizer = "std", aggregation = "sequence" }   # optional: a factorial design's cell
 
 Runs that declare the same two factors with two levels each give the report a 2x2 interaction.
+
+With a ``[decide]`` section the suite decides as it goes (``grpolab.studies.decision``): each ``[[runs]]`` entry
+is an arm (no ``seed``, no ``init_from``), run at each of ``seeds`` in rounds (round r: seed r of every arm still
+in play, named ARM.sSEED); after each round every arm's confidence sequence is updated and the arms it decides
+get no further seed::
+
+    [decide]
+    baseline = "grpo"      # or leave it out: find the best
+    delta = 0.05           # the smallest accuracy difference that matters
+    alpha = 0.05           # the family-wise error rate, at every round at once
+    seeds = [0, 1, 2, 3]   # the budget: at most this many seeds per arm
+    sequence = "normal"    # or "betting" (no assumption but the bounds; needs many seeds)
+    seed_sd = 0.05         # normal: the stated spread of one seed's paired accuracy difference
 """
 
 from __future__ import annotations
@@ -60,6 +73,31 @@ class SuiteRun(BaseModel):
         None, description="an earlier run of this suite whose final checkpoint starts this one"
     )
     factors: dict[str, str] = Field(default_factory=dict, description="factor -> level, for the report's 2x2")
+    arm: str | None = Field(None, description="set by [decide]: the arm this run is a seed of")
+    round: int | None = Field(None, description="set by [decide]: the round (the index of its seed)")
+
+
+class DecideSection(BaseModel):
+    """A suite that decides as it goes (the module docstring): the question, its error rate and its budget."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    baseline: str | None = Field(None, description="the arm the others are compared with; none: find the best")
+    delta: float = Field(gt=0, lt=1, description="the smallest accuracy difference that matters")
+    alpha: float = Field(0.05, gt=0, lt=1, description="family-wise error rate, at every round at once")
+    seeds: list[int] = Field([0, 1, 2, 3], min_length=1, description="each arm's seeds, one per round: the budget")
+    sequence: Literal["betting", "normal"] = "betting"
+    seed_sd: float | None = Field(
+        None, gt=0, le=2, description="normal: the stated sd of one seed's paired accuracy difference"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DecideSection:
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError("decide.seeds lists a seed twice")
+        if (self.sequence == "normal") != (self.seed_sd is not None):
+            raise ValueError("decide.seed_sd is the normal sequence's stated spread: set both or neither")
+        return self
 
 
 class SuiteSection(BaseModel):
@@ -93,6 +131,7 @@ class SuiteSpec(BaseModel):
     suite: SuiteSection = Field(default_factory=SuiteSection)
     slurm: SlurmSettings = Field(default_factory=SlurmSettings)
     base: dict[str, Any] = Field(default_factory=dict)
+    decide: DecideSection | None = None
     runs: list[SuiteRun] = Field(min_length=1)
 
     @model_validator(mode="before")
@@ -108,6 +147,28 @@ class SuiteSpec(BaseModel):
             ]
             data = {**data, "base": base, "runs": runs}
         return data
+
+    @model_validator(mode="after")
+    def _rounds(self) -> SuiteSpec:
+        """With [decide]: every arm once per seed, round by round (refusals first, one line each)."""
+        if any(run.arm is not None or run.round is not None for run in self.runs):
+            raise ValueError("arm and round are set by [decide], not in [[runs]]")
+        if self.decide is None:
+            return self
+        arms = [run.name for run in self.runs]
+        for run in self.runs:
+            if "seed" in run.model_fields_set or run.init_from is not None:
+                raise ValueError(f"run {run.name!r}: with [decide] each run is an arm: its seeds are decide.seeds")
+        if self.decide.baseline is not None and self.decide.baseline not in arms:
+            raise ValueError(f"decide.baseline {self.decide.baseline!r} is not one of the runs ({', '.join(arms)})")
+        if len(arms) < 2:
+            raise ValueError("[decide] needs at least two arms")
+        self.runs = [
+            run.model_copy(update={"name": f"{run.name}.s{seed}", "seed": seed, "arm": run.name, "round": r})
+            for r, seed in enumerate(self.decide.seeds)
+            for run in self.runs
+        ]
+        return self
 
     @model_validator(mode="after")
     def _names(self) -> SuiteSpec:

@@ -13,7 +13,7 @@ from grpolab.common.progress import Reporter
 from grpolab.common.records import config_sha256, first_difference
 from grpolab.config import ConfigError, read_config_json
 from grpolab.run.checkpoints import weights_sha256
-from grpolab.studies.manifest import RunRecord, SuiteManifest
+from grpolab.studies.manifest import DONE, RunRecord, SuiteManifest
 from grpolab.studies.suite.snapshot import hash_reward_model
 from grpolab.tasks.datasets import file_sha256
 from grpolab.tasks.folder_hash import tree_files, tree_sha256
@@ -135,7 +135,7 @@ def start_checkpoint_problem(record: RunRecord, manifest: SuiteManifest) -> str 
 def verify_suite(root: Path, manifest: SuiteManifest) -> None:
     """Every unfinished run's config, the code snapshot and the data its runs read, against the manifest;
     raises ``SuiteChanged`` with one line per problem."""
-    pending = [r for r in manifest.runs if r.state != "completed"]
+    pending = [r for r in manifest.runs if r.state not in DONE]
     if not pending:
         return
     problems = [code_problem(manifest.code)]
