@@ -140,3 +140,38 @@ def test_a_recorded_decision_its_runs_no_longer_give_stops_resume_in_one_line(de
 def test_a_bad_decide_section_is_refused_in_one_line(decide, runs, message, warm_model_dir, tmp_path):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_suite(decide_suite(tmp_path, warm_model_dir, decide, runs))
+
+
+def test_the_report_says_what_was_decided_with_its_compute_and_draws_the_sequences(decided, tmp_path):
+    from grpolab.studies.report.decisions import decision_data, decision_figure, decision_section
+
+    d = decision_data(decided)
+    rows = {r["arm"]: r for r in d["arms"]}
+    assert (rows["bad"]["decision"], rows["bad"]["round"], rows["bad"]["seeds_run"]) == ("worse", 0, 1)
+    assert (rows["same"]["decision"], rows["same"]["round"], rows["same"]["steps_run"]) == ("within", 1, 6)
+    assert rows["base"]["decision"] == "baseline" and (d["steps_run"], d["steps_budget"]) == (15, 27)
+    text = "\n".join(decision_section(d))
+    assert "| bad | worse | 0 | bad - base <= " in text and "| 1/3 | 3/9 |" in text
+    assert "Compute: 15 of 27 training steps (44% saved)." in text and "The question is answered." in text
+    title, name = decision_figure(d, tmp_path)
+    assert (tmp_path / name).stat().st_size > 10_000 and "confidence sequence" in title
+    assert decision_data(tmp_path) is None  # not a suite
+
+
+def test_the_dry_run_plans_the_seeds_and_forecasts_the_compute_from_a_pilot(decided, warm_model_dir, tmp_path, capsys):
+    (tmp_path / "plan").mkdir()
+    suite = decide_suite(tmp_path / "plan", warm_model_dir)
+    out_root = tmp_path / "never"
+    assert main(["suite", "run", str(suite), "--output-root", str(out_root), "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert "decision plan: 3 arms, 2 comparisons at alpha 0.05 / 2 each, delta 0.15, normal sequence" in said
+    widths = next(line for line in said.splitlines() if line.startswith("  half-width:")).split()[1:]
+    assert len(widths) == 3 and float(widths[0]) > float(widths[1]) > float(widths[2]) > 0
+    assert "budget: 27 training steps; a pilot (--pilot DIR) forecasts" in said and not out_root.exists()
+    assert main(["suite", "run", str(suite), "--output-root", str(out_root), "--dry-run", "--pilot", str(decided)]) == 0
+    said = capsys.readouterr().out
+    bad = next(line for line in said.splitlines() if line.strip().startswith("bad: pilot difference"))
+    assert "decided within the budget 100% (worse 100%); expected seeds 1.0 of 3" in bad
+    assert "expected compute:" in said and "of 27 training steps" in said
+    assert main(["suite", "run", str(suite), "--output-root", str(out_root), "--pilot", str(decided)]) == 2
+    assert "--pilot forecasts a decision suite's plan: use it with --dry-run" in capsys.readouterr().out

@@ -180,7 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument(
         "--dry-run",
         action="store_true",
-        help="run: print every resolved config, command and the expected checkpoint footprint; write nothing",
+        help="run: print every resolved config, command and the expected checkpoint footprint (a [decide] suite: "
+        "its plan, the seeds its question needs); write nothing",
+    )
+    suite.add_argument(
+        "--pilot",
+        help="run --dry-run of a [decide] suite: a folder of earlier runs of its arms (named ARM or ARM.sSEED, such "
+        "as a suite's output root) whose final accuracies forecast the seeds and compute it will use",
     )
     suite.add_argument(
         "--devices",
@@ -276,7 +282,10 @@ def suite_command(args: argparse.Namespace, console: Console) -> int:
             raise ValueError("suite run needs --output-root DIR (a new or empty directory)")
         slurm = {"partition": args.partition, "time": args.time, "account": args.account}
         placement = {"devices": args.devices, "launcher": args.launcher, "slurm": slurm}
-        if prepare_suite(args.target, Path(args.output_root), console, args.dry_run, placement) is None:
+        if args.pilot and not args.dry_run:
+            raise ValueError("--pilot forecasts a decision suite's plan: use it with --dry-run")
+        pilot = Path(args.pilot) if args.pilot else None
+        if prepare_suite(args.target, Path(args.output_root), console, args.dry_run, placement, pilot) is None:
             return 0
         return SuiteRunner(Path(args.output_root).resolve(), console).execute()
     if args.launcher or args.partition or args.time or args.account:

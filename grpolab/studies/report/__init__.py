@@ -17,6 +17,7 @@ from grpolab.common.atomic import atomic_folder
 from grpolab.common.progress import Reporter
 from grpolab.objectives.stats import RESAMPLES
 from grpolab.studies.report.analysis import analyse, comparison
+from grpolab.studies.report.decisions import decision_data, decision_figure
 from grpolab.studies.report.folder import REPORT_DIR, check_replaceable, mark
 from grpolab.studies.report.runs import ReportError, Run, find_runs
 
@@ -49,11 +50,14 @@ def write_report(
     check_replaceable(target)
     with reporter.phase(f"report: statistics of {len(runs)} runs ({resamples:,} resamples)"):
         data = analyse(title, runs, baseline, resamples, seed)
+        data["decisions"] = decision_data(directory) if not select else None
     with atomic_folder(target, replace=check_replaceable) as tmp:  # checked again: something may have appeared
         mark(tmp)
         with reporter.phase("report: figures") as phase:
             figures, notes = all_figures(runs, data, tmp)
             figures += load_heatmaps(runs, tmp)
+            if data["decisions"] is not None and (made := decision_figure(data["decisions"], tmp)) is not None:
+                figures.insert(0, made)
             phase.info = f"{len(figures)} figures" + (f", {len(notes)} flat series noted instead" if notes else "")
         data["figure_notes"] = notes
         (tmp / "report.md").write_text(render(data, figures))

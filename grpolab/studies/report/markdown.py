@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from grpolab.common.progress import format_seconds
+from grpolab.studies.report.decisions import decision_section
 
 SEED_CAVEAT = (
     "Item-level intervals resample the evaluation items of one trained model each; they do not "
@@ -497,6 +498,8 @@ def render(data: dict[str, Any], figures: list[tuple[str, str]]) -> str:
         "",
     ]
     out += warnings_section(data["runs"])
+    if data.get("decisions"):
+        out += ["## Decisions", "", *decision_section(data["decisions"]), ""]
     if data["learning"]:
         out += [
             "## What training changed",

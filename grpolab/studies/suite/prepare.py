@@ -62,11 +62,17 @@ def placement_of(
 
 
 def prepare_suite(
-    suite_file: str | Path, root: Path, console: Console, dry_run: bool = False, placement: dict[str, Any] | None = None
+    suite_file: str | Path,
+    root: Path,
+    console: Console,
+    dry_run: bool = False,
+    placement: dict[str, Any] | None = None,
+    pilot: Path | None = None,
 ) -> SuiteManifest | None:
     """Resolve and validate every run; with ``dry_run`` print the configs, commands and checkpoint
     footprint and write nothing; otherwise snapshot code and data into the new ``root`` and write the
-    manifest of queued runs. ``placement``: the command line's devices, launcher and Slurm settings."""
+    manifest of queued runs. ``placement``: the command line's devices, launcher and Slurm settings; ``pilot``:
+    earlier runs of a decision suite's arms, for its plan."""
     spec = load_suite(suite_file)
     root = root.resolve()
     configs = resolve_runs(spec, root)
@@ -75,6 +81,9 @@ def prepare_suite(
         raise RunDirError(f"suite output root already exists and is not empty: {root} (choose a new --output-root)")
     if dry_run:
         print_plan(spec, configs, root, console, where)
+        if spec.decide is not None:
+            for line in decision_plan(spec, configs, pilot):
+                console.print(line, highlight=False, soft_wrap=True)
         return None
     check_package_links()  # before anything is written: a snapshot would copy in what a link leads to
     for run in spec.runs:  # a start model that cannot load is refused now, not hours into the queue
@@ -196,6 +205,29 @@ def write_run_config(
         data_files_sha256=data["files_sha256"],
         reward_models=reward_models or [],
     )
+
+
+def decision_plan(spec: SuiteSpec, configs: dict[str, RunConfig], pilot: Path | None) -> list[str]:
+    """A decision suite's plan (``grpolab.studies.planning``): the spread of one paired difference is the stated
+    seed_sd, else the pilot's (its arms' seed spread, where it has two seeds of an arm), else 0.05, said."""
+    from grpolab.studies.decision import Question
+    from grpolab.studies.planning import pilot_accuracies, plan_lines
+
+    decide = spec.decide
+    arms = tuple(dict.fromkeys(run.arm for run in spec.runs))
+    found = pilot_accuracies(pilot, arms) if pilot is not None else None
+    lines, sd = [], decide.seed_sd
+    if sd is None and found is not None and (spread := found.paired_spread()) is not None:
+        sd, note = spread, f"the pilot's seed spread, {spread:.3f}"
+    elif sd is None:
+        sd, note = 0.05, "0.05, assumed (no seed_sd, no pilot with two seeds of an arm)"
+    else:
+        note = "the stated seed_sd"
+    lines.append(f"\none paired difference's spread: {note}")
+    question = Question(arms, decide.baseline, decide.delta, decide.alpha, decide.sequence, decide.seed_sd)
+    steps = max(cfg.steps for cfg in configs.values())
+    means = found.means() if found is not None else None
+    return lines + plan_lines(question, len(decide.seeds), sd, means, steps)
 
 
 def print_plan(
