@@ -33,7 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpolab.studies.sequential import paired_difference_cs  # noqa: E402
+from grpolab.studies.decision import Question, compare, going_on, judge  # noqa: E402
+from grpolab.studies.sequential import SEQUENCES  # noqa: E402
 
 
 def suite_differences(rng, arms: int, rounds: int, items: int, effects: np.ndarray, seed_sd: float) -> np.ndarray:
@@ -58,79 +59,125 @@ def bootstrap_excludes_zero(rng, d: np.ndarray, alpha: float, resamples: int, fi
     return False
 
 
-def null_errors(args, rng) -> tuple[float, float, float]:
+def sequence_of(name: str, stated_sd: float):
+    """(differences [T], alpha, arms) -> (lower [T], upper [T]) for the sequence ``name``."""
+    options = {"sd": stated_sd} if name == "normal" else {}
+    return lambda d, alpha, arms: SEQUENCES[name](d, alpha, arms=arms, **options)
+
+
+def null_errors(args, rng, sequence, seed_sd: float, bootstrap: bool) -> tuple[float, float | None, float]:
     """(the sequence's family-wise error, the peeked bootstrap's, the sequence's mean half-width at the end)."""
     zero = np.zeros(args.arms)
     cs_errors = boot_errors = 0
     widths = []
     for s in range(args.suites):
-        d = suite_differences(rng, args.arms, args.rounds, args.items, zero, args.seed_sd)
-        sequences = [paired_difference_cs(row, args.alpha, arms=args.arms) for row in d]
-        cs_errors += any(bool(((lo > 0) | (up < 0)).any()) for lo, up in sequences)
-        widths += [(up[-1] - lo[-1]) / 2 for lo, up in sequences]
-        if s < args.bootstrap_suites:
+        d = suite_differences(rng, args.arms, args.rounds, args.items, zero, seed_sd)
+        bounds = [sequence(row, args.alpha, args.arms) for row in d]
+        cs_errors += any(bool(((lo > 0) | (up < 0)).any()) for lo, up in bounds)
+        widths += [(up[-1] - lo[-1]) / 2 for lo, up in bounds]
+        if bootstrap and s < args.bootstrap_suites:
             boot_errors += any(
                 bootstrap_excludes_zero(rng, row, args.alpha / args.arms, args.resamples, args.first_peek) for row in d
             )
     shown = max(1, min(args.suites, args.bootstrap_suites))
-    return cs_errors / args.suites, boot_errors / shown, float(np.mean(widths))
+    return cs_errors / args.suites, boot_errors / shown if bootstrap else None, float(np.mean(widths))
 
 
-def decisions(args, rng, delta: float, alpha: float) -> tuple[float, float]:
-    """(power: share of truly-worse arms stopped, share of arm-rounds saved) with half the arms worse by 2 delta."""
+def decisions(args, rng, name: str, delta: float, alpha: float) -> tuple[float, float, float]:
+    """(power: share of truly-worse arms shown worse, errors: share of suites showing an equal arm worse, compute
+    saved against every arm to the end) with half the arms worse by 2 x delta, the others equal to the baseline,
+    run through the decision suites' own verdicts (``grpolab.studies.decision``) against the baseline."""
     worse = args.arms // 2
     effects = np.array([-2 * delta] * worse + [0.0] * (args.arms - worse))
-    stopped = used = 0
+    arms = ("base", *(f"arm{a}" for a in range(args.arms)))
+    question = Question(arms, "base", delta, alpha, name, args.stated_sd if name == "normal" else None)
+    shown = wrong = used = 0
     for _ in range(args.power_suites):
         d = suite_differences(rng, args.arms, args.rounds, args.items, effects, args.seed_sd)
-        for a, row in enumerate(d):
-            _, upper = paired_difference_cs(row, alpha, arms=args.arms)
-            below = np.nonzero(upper < -delta)[0]
-            used += below[0] + 1 if len(below) else args.rounds
-            stopped += bool(len(below)) and a < worse
-    return stopped / (worse * args.power_suites), 1 - used / (args.arms * args.rounds * args.power_suites)
+        running, verdicts, seen = set(arms), {}, {}
+        for r in range(args.rounds):
+            used += len(running)
+            for a in range(args.arms):
+                if arms[a + 1] in running:
+                    seen.setdefault((arms[a + 1], "base"), []).append(d[a, r])
+            verdicts = judge(question, compare(question, seen), r, verdicts)
+            running = set(going_on(question, verdicts))
+            if not running:
+                break
+        shown += sum(verdicts[arms[a + 1]].status == "worse" for a in range(worse))
+        wrong += any(verdicts[arms[a + 1]].status == "worse" for a in range(worse, args.arms))
+    budget = (args.arms + 1) * args.rounds * args.power_suites
+    return shown / (worse * args.power_suites), wrong / args.power_suites, 1 - used / budget
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--suites", type=int, default=10000, help="null suites for the sequence's error")
+    p.add_argument("--suites", type=int, default=10000, help="null suites for each sequence's error")
     p.add_argument("--bootstrap-suites", type=int, default=2000, help="of them, how many the bootstrap peeks at")
-    p.add_argument("--power-suites", type=int, default=500, help="suites per (delta, alpha) cell of the table")
+    p.add_argument(
+        "--power-suites", type=int, default=300, help="suites per (sequence, delta, alpha) cell of the table"
+    )
     p.add_argument("--arms", type=int, default=5, help="arms compared with the baseline")
     p.add_argument("--rounds", type=int, default=20, help="seeds per arm (one per round)")
-    p.add_argument("--items", type=int, default=200, help="evaluation items per seed")
-    p.add_argument("--seed-sd", type=float, default=0.02, help="run-to-run spread of accuracy")
+    p.add_argument("--items", type=int, default=500, help="evaluation items per seed")
+    p.add_argument("--seed-sd", type=float, default=0.01, help="run-to-run spread of accuracy (the demo's: 0.008)")
+    p.add_argument(
+        "--stated-sd", type=float, default=0.05, help="the normal sequence's stated spread of one paired difference"
+    )
     p.add_argument("--alpha", type=float, default=0.05)
     p.add_argument("--resamples", type=int, default=500)
     p.add_argument("--first-peek", type=int, default=5, help="the first round the bootstrap is looked at")
     p.add_argument("--deltas", type=float, nargs="+", default=[0.05, 0.1])
     p.add_argument("--alphas", type=float, nargs="+", default=[0.05, 0.1])
+    p.add_argument("--sequences", nargs="+", default=["betting", "normal"], choices=sorted(SEQUENCES))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     rng = np.random.default_rng(args.seed)
-    cs, boot, width = null_errors(args, rng)
     print(
         f"null: {args.arms} arms x {args.rounds} rounds x {args.items} items, seed sd {args.seed_sd}, "
-        f"alpha {args.alpha}, peeking after every round"
+        f"alpha {args.alpha}, peeking after every round; normal sequence at a stated sd {args.stated_sd}"
+    )
+    for k, name in enumerate(args.sequences):
+        error, boot, width = null_errors(args, rng, sequence_of(name, args.stated_sd), args.seed_sd, k == 0)
+        print(
+            f"  {name} confidence sequence: family-wise error {error:.4f} over {args.suites} suites; half-width "
+            f"after round {args.rounds}: {width:.3f} (mean)"
+        )
+        if boot is not None:
+            shown = min(args.suites, args.bootstrap_suites)
+            print(
+                f"  bootstrap interval, peeked from round {args.first_peek}: family-wise error {boot:.4f} over "
+                f"{shown} suites ({boot / args.alpha:.1f}x alpha)"
+            )
+    if "normal" in args.sequences:  # stated at the truth: the error approaches alpha from below
+        zero = np.zeros(args.arms)
+        sample = [suite_differences(rng, args.arms, args.rounds, args.items, zero, args.seed_sd) for _ in range(200)]
+        true_sd = float(np.concatenate([d.ravel() for d in sample]).std())
+        error, _, _ = null_errors(args, rng, sequence_of("normal", true_sd), args.seed_sd, False)
+        print(
+            f"  normal sequence stated at the true spread of a paired difference ({true_sd:.3f}): family-wise "
+            f"error {error:.4f}"
+        )
+    if "normal" in args.sequences:  # the assumption broken: seeds spread far more than stated
+        broken = args.stated_sd * np.sqrt(2)  # a paired difference then spreads twice the stated sd
+        error, _, _ = null_errors(args, rng, sequence_of("normal", args.stated_sd), broken, False)
+        print(
+            f"  normal sequence when paired differences spread twice its stated sd (seed sd {broken:.3f}): "
+            f"family-wise error {error:.4f} ({error / args.alpha:.1f}x alpha)"
+        )
+    print(
+        f"decisions against a baseline: half the arms worse by 2 x delta, the others equal; the suite's own "
+        f"verdicts and dropping ({args.power_suites} suites each)"
     )
     print(
-        f"  betting confidence sequence: family-wise error {cs:.4f} over {args.suites} suites; half-width after "
-        f"round {args.rounds}: {width:.3f} (mean)"
+        "| sequence | delta | alpha | worse arms shown worse | suites with an equal arm shown worse | compute saved |"
     )
-    shown = min(args.suites, args.bootstrap_suites)
-    print(
-        f"  bootstrap interval, peeked from round {args.first_peek}: family-wise error {boot:.4f} over {shown} "
-        f"suites ({boot / args.alpha:.1f}x alpha)"
-    )
-    print(
-        f"decisions: half the arms worse by 2 x delta, stopped when the upper bound < -delta ({args.power_suites} suites each)"
-    )
-    print("| delta | alpha | worse arms stopped | arm-rounds saved |")
-    print("|---|---|---|---|")
-    for delta in args.deltas:
-        for alpha in args.alphas:
-            power, saved = decisions(args, rng, delta, alpha)
-            print(f"| {delta:g} | {alpha:g} | {power:.3f} | {saved:.3f} |")
+    print("|---|---|---|---|---|---|")
+    for name in args.sequences:
+        for delta in args.deltas:
+            for alpha in args.alphas:
+                power, wrong, saved = decisions(args, rng, name, delta, alpha)
+                print(f"| {name} | {delta:g} | {alpha:g} | {power:.3f} | {wrong:.3f} | {saved:.3f} |")
 
 
 if __name__ == "__main__":

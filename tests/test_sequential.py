@@ -116,7 +116,9 @@ def test_the_peeking_benchmark_runs_and_prints_both_errors_and_the_table(capsys)
     sequential_peeking.main(["--suites", "20", "--bootstrap-suites", "5", "--power-suites", "2", "--rounds", "8"])
     out = capsys.readouterr().out
     assert "betting confidence sequence: family-wise error" in out and "bootstrap interval, peeked from round 5" in out
-    assert len([line for line in out.splitlines() if line.startswith("| 0.")]) == 4  # two deltas x two alphas
+    assert "normal confidence sequence: family-wise error" in out and "spread twice its stated sd" in out
+    rows = [line for line in out.splitlines() if line.startswith(("| betting |", "| normal |"))]
+    assert len(rows) == 8  # two sequences x two deltas x two alphas
 
 
 def transcribed_mixture(x: list[float], m: float, sd: float, rho: float) -> list[float]:

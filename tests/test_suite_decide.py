@@ -175,3 +175,17 @@ def test_the_dry_run_plans_the_seeds_and_forecasts_the_compute_from_a_pilot(deci
     assert "expected compute:" in said and "of 27 training steps" in said
     assert main(["suite", "run", str(suite), "--output-root", str(out_root), "--pilot", str(decided)]) == 2
     assert "--pilot forecasts a decision suite's plan: use it with --dry-run" in capsys.readouterr().out
+
+
+def test_a_dropped_arm_can_be_run_anyway_and_its_verdict_stays(decided, fake_runs, capsys):
+    fake_runs.use(accuracy=ACCURACY)
+    before = SuiteManifest.load(decided).decisions
+    assert main(["suite", "resume", str(decided), "--run-dropped", "nope"]) == 2
+    assert "--run-dropped nope: not an arm of this suite (base, bad, same)" in capsys.readouterr().out
+    assert main(["suite", "resume", str(decided), "--run-dropped", "bad"]) == 0
+    manifest = SuiteManifest.load(decided)
+    assert states(decided)["bad.s1"] == states(decided)["bad.s2"] == "completed"
+    assert states(decided)["same.s2"] == "dropped" and manifest.decide["run_anyway"] == ["bad"]
+    assert manifest.decisions == before  # recorded decisions read what they read: the new runs change none
+    assert "--run-dropped: 2 dropped run(s) of bad queued again" in capsys.readouterr().out
+    assert main(["suite", "resume", str(decided)]) == 0  # and a later resume finds the decisions as recorded

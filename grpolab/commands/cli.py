@@ -184,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
         "its plan, the seeds its question needs); write nothing",
     )
     suite.add_argument(
+        "--run-dropped",
+        metavar="ARM[,ARM]",
+        help="resume of a [decide] suite: run these arms' dropped seeds anyway (their verdicts stay as recorded)",
+    )
+    suite.add_argument(
         "--pilot",
         help="run --dry-run of a [decide] suite: a folder of earlier runs of its arms (named ARM or ARM.sSEED, such "
         "as a suite's output root) whose final accuracies forecast the seeds and compute it will use",
@@ -290,7 +295,8 @@ def suite_command(args: argparse.Namespace, console: Console) -> int:
         return SuiteRunner(Path(args.output_root).resolve(), console).execute()
     if args.launcher or args.partition or args.time or args.account:
         raise ValueError("suite resume keeps the suite's launcher and Slurm settings; only --devices may change")
-    return SuiteRunner(Path(args.target).resolve(), console, devices=args.devices).execute()
+    run_dropped = args.run_dropped.split(",") if args.run_dropped else None
+    return SuiteRunner(Path(args.target).resolve(), console, args.devices, run_dropped).execute()
 
 
 def bench_command(args: argparse.Namespace, cfg, console: Console) -> None:

@@ -54,21 +54,40 @@ class Rounds:
         self.count = 1 + max(r.round for r in manifest.runs)
 
     def may_start(self, record: RunRecord) -> bool:
-        return record.round <= len(self.manifest.decisions)
+        """Round r once round r - 1 is decided; an arm the user runs on anyway (``run_dropped``) at once."""
+        return record.round <= len(self.manifest.decisions) or record.arm in self.manifest.decide.get("run_anyway", [])
 
-    def _differences(self, upto: int) -> dict[tuple[str, str], list[float]]:
+    def run_dropped(self, arms: list[str]) -> list[str]:
+        """Queue the dropped runs of ``arms`` again, recorded as the user's override (their verdicts stay)."""
+        unknown = [a for a in arms if a not in self.question.arms]
+        if unknown:
+            raise ValueError(
+                f"--run-dropped {', '.join(unknown)}: not an arm of this suite ({', '.join(self.question.arms)})"
+            )
+        runs = [r for r in self.manifest.runs if r.arm in arms and r.state == "dropped"]
+        for run in runs:
+            run.state, run.reason = "queued", "dropped by a decision, run anyway (--run-dropped)"
+        self.manifest.decide["run_anyway"] = sorted({*self.manifest.decide.get("run_anyway", []), *arms})
+        return [f"--run-dropped: {len(runs)} dropped run(s) of {', '.join(arms)} queued again"]
+
+    def _differences(self, read: set[str]) -> dict[tuple[str, str], list[float]]:
+        """Each comparison's paired differences, round by round, over the runs ``read``."""
         out: dict[tuple[str, str], list[float]] = {}
         for arm, other in self.question.comparisons():
-            for r in range(upto + 1):
+            for r in range(self.count):
                 a, b = self.at[(arm, r)], self.at[(other, r)]
-                if a.state == b.state == "completed":
+                if a.name in read and b.name in read:
                     out.setdefault((arm, other), []).append(paired_difference(a, b))
         return out
 
-    def _decision(self, r: int, before: dict[str, Verdict]) -> dict:
-        comparisons = compare(self.question, self._differences(r))
+    def _decision(self, r: int, before: dict[str, Verdict], runs: list[str] | None = None) -> dict:
+        """Round ``r``'s decision: it reads the runs the earlier rounds read and ``runs`` (default: round r's
+        completed ones; a run of an arm run anyway that completes later is read by no recorded decision)."""
+        if runs is None:
+            runs = [self.at[(arm, r)].name for arm in self.question.arms if self.at[(arm, r)].state == "completed"]
+        read = {name for record in self.manifest.decisions if record["round"] < r for name in record["runs"]}
+        comparisons = compare(self.question, self._differences(read | set(runs)))
         verdicts = judge(self.question, comparisons, r, before)
-        runs = [self.at[(arm, r)].name for arm in self.question.arms if self.at[(arm, r)].state == "completed"]
         return {**as_record(r, comparisons, verdicts, runs), "warnings": spread_warnings(self.question, comparisons)}
 
     @property
@@ -107,6 +126,8 @@ class Rounds:
                 if done
                 else f"{arm} is {verdict.status} at round {verdict.round} ({verdict.evidence})"
             )
+            if arm in self.manifest.decide.get("run_anyway", []):
+                continue
             for run in (run for (a, k), run in self.at.items() if a == arm and k > r and run.state == "queued"):
                 run.state, run.reason = "dropped", f"not needed: {why}"
                 dropped.append(run.name)
@@ -120,7 +141,7 @@ class Rounds:
         """Recompute every recorded decision from the runs on disk; one line per round that differs."""
         problems, before = [], {}
         for record in self.manifest.decisions:
-            again = self._decision(record["round"], before)
+            again = self._decision(record["round"], before, record["runs"])
             if again != record:
                 problems.append(
                     f"round {record['round']}: the recorded decision is not what its runs give now "

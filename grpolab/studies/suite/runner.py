@@ -49,8 +49,8 @@ ATTEMPTS_DIR = "attempts"
 class SuiteRunner:
     """Executes the manifest of the suite in ``root``; ``devices`` (resume) places the runs on another list."""
 
-    def __init__(self, root: Path, console: Console, devices: str | None = None):
-        self.root, self.console, self.devices = root, console, devices
+    def __init__(self, root: Path, console: Console, devices: str | None = None, run_dropped: list[str] | None = None):
+        self.root, self.console, self.devices, self.run_dropped = root, console, devices, run_dropped
         self.reporter = Reporter(console)
         self.signals = 0
         self.flights: dict[str, Flight] = {}
@@ -103,6 +103,11 @@ class SuiteRunner:
         if manifest.decide is not None:
             self.rounds = Rounds(manifest)
             self.rounds.check()
+            if self.run_dropped:
+                for line in self.rounds.run_dropped(self.run_dropped):
+                    self.reporter.line(line)
+        elif self.run_dropped:
+            raise ValueError("--run-dropped applies to a suite with [decide]; this one runs every run")
         if self.devices is not None:
             self._replace_devices(manifest)
         manifest.runner_pid, manifest.runner_host, manifest.runner_seen = os.getpid(), socket.gethostname(), time.time()
