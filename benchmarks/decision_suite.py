@@ -53,6 +53,65 @@ def final_accuracy(run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["val_accuracy"]["final"]
 
 
+def replay(full: Path, seeds: list[int], delta: float, alpha: float, sequence: str, sd: float | None):
+    """What a decision suite with these settings decides from the full suite's runs (its runs are those runs):
+    (verdicts by arm, seeds run by arm, the largest spread of a comparison's paired differences)."""
+    from grpolab.studies.decision import Question, compare, going_on, judge
+    from grpolab.studies.report.runs import Run, outcomes, pair
+
+    def outcome(arm: str, seed: int):
+        return outcomes(Run(f"{arm}.s{seed}", full / "runs" / f"{arm}.s{seed}", "completed"))
+
+    question = Question(ARMS, None, delta, alpha, sequence, sd)
+    running, verdicts, seen, used, spread = set(ARMS), {}, {}, dict.fromkeys(ARMS, 0), 0.0
+    for r, seed in enumerate(seeds):
+        for arm in running:
+            used[arm] += 1
+        for a, b in question.comparisons():
+            if a in running and b in running:
+                paired = pair(outcome(a, seed), outcome(b, seed))
+                seen.setdefault((a, b), []).append(float((paired.a - paired.b).mean()))
+        comparisons = compare(question, seen)
+        spread = max([spread] + [c.spread for c in comparisons if c.spread is not None])
+        verdicts = judge(question, comparisons, r, verdicts)
+        running = set(going_on(question, verdicts))
+        if not running:
+            break
+    return verdicts, used, spread
+
+
+def within_best(means: dict[str, float], delta: float) -> list[str]:
+    """The full suite's answer: the arms whose seed mean is within ``delta`` of the best's."""
+    return sorted(arm for arm in ARMS if means[arm] >= max(means.values()) - delta)
+
+
+def replay_table(full: Path, seeds: list[int], means: dict[str, float]) -> None:
+    """The decisions other settings would have made on the same runs: whether any verdict contradicts the full
+    suite's answer, which arms stay open, the compute, and whether the normal sequence's stated sd held."""
+    print("\nthe same runs decided at other settings (replayed: the decision suite's runs are the full suite's):")
+    print(
+        "| sequence | seed_sd | delta | alpha | full suite's answer | verdicts agree | left open | runs | compute "
+        "saved | largest observed spread | decided (round) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    budget = len(ARMS) * len(seeds)
+    for sequence, sd in (("normal", 0.05), ("normal", 0.1), ("normal", 0.15), ("betting", None)):
+        for delta in (0.05, 0.1):
+            for alpha in (0.05, 0.1):
+                answer = within_best(means, delta)
+                verdicts, used, spread = replay(full, seeds, delta, alpha, sequence, sd)
+                agree = all(
+                    (v.status == "worse") == (a not in answer) for a, v in verdicts.items() if v.status != "open"
+                )
+                left = ", ".join(a for a, v in verdicts.items() if v.status == "open") or "-"
+                runs = sum(used.values())
+                decided = ", ".join(f"{a} {v.status} ({v.round})" for a, v in verdicts.items() if v.round is not None)
+                print(
+                    f"| {sequence} | {sd or '-'} | {delta:g} | {alpha:g} | {', '.join(answer)} | {agree} | {left} | "
+                    f"{runs}/{budget} | {1 - runs / budget:.0%} | {spread:.3f} | {decided or '-'} |"
+                )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="a new folder for both suites")
@@ -80,8 +139,7 @@ def main(argv: list[str] | None = None) -> None:
 
     full = {arm: [final_accuracy(args.out / "full" / "runs" / f"{arm}.s{s}") for s in seeds] for arm in ARMS}
     means = {arm: sum(v) / len(v) for arm, v in full.items()}
-    best = max(means.values())
-    full_answer = sorted(arm for arm in ARMS if means[arm] >= best - args.delta)
+    full_answer = within_best(means, args.delta)
 
     manifest = SuiteManifest.load(args.out / "decide")
     ran = [r for r in manifest.runs if r.state == "completed"]
@@ -117,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"wall time: {walls['full']:.0f} s vs {walls['decide']:.0f} s ({1 - walls['decide'] / walls['full']:.1%} less)"
     )
+    replay_table(args.out / "full", seeds, means)
 
 
 if __name__ == "__main__":
