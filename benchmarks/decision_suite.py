@@ -121,6 +121,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--delta", type=float, default=0.05)
     p.add_argument("--alpha", type=float, default=0.05)
     p.add_argument("--seed-sd", type=float, default=0.05)
+    p.add_argument(
+        "--full-only",
+        action="store_true",
+        help="run the full suite only and replay the decisions on its runs (a decision suite's runs are the same "
+        "runs: the side-by-side run checks that)",
+    )
     args = p.parse_args(argv)
     from grpolab.studies.manifest import SuiteManifest
 
@@ -131,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         f'sequence = "normal"\nseed_sd = {args.seed_sd}\n'
     )
     walls = {}
-    for kind, text in (("full", ""), ("decide", decide)):
+    for kind, text in (("full", ""), ("decide", decide))[: 1 if args.full_only else 2]:
         path = args.out / f"{kind}.toml"
         path.write_text(suite_text(kind, args.steps, args.threads, seeds, text))
         walls[kind] = run_suite(path, args.out / kind)
@@ -140,6 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     full = {arm: [final_accuracy(args.out / "full" / "runs" / f"{arm}.s{s}") for s in seeds] for arm in ARMS}
     means = {arm: sum(v) / len(v) for arm, v in full.items()}
     full_answer = within_best(means, args.delta)
+    if args.full_only:
+        for arm in ARMS:
+            print(f"{arm}: seed accuracies {', '.join(f'{a:.3f}' for a in full[arm])}, mean {means[arm]:.3f}")
+        replay_table(args.out / "full", seeds, means)
+        return
 
     manifest = SuiteManifest.load(args.out / "decide")
     ran = [r for r in manifest.runs if r.state == "completed"]

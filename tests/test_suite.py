@@ -114,7 +114,7 @@ def test_a_missing_start_model_is_refused_before_anything_is_written(warm_model_
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["demo_all", "reference_eight", "tools_minimind", "moe_e3"])
+@pytest.mark.parametrize("name", ["demo_all", "reference_eight", "tools_minimind", "moe_e3", "demo_decide"])
 def test_the_shipped_suites_resolve(name, tmp_path, capsys):
     assert (
         main(["suite", "run", str(ROOT / "suites" / f"{name}.toml"), "--output-root", str(tmp_path / "o"), "--dry-run"])
@@ -123,7 +123,7 @@ def test_the_shipped_suites_resolve(name, tmp_path, capsys):
     out = capsys.readouterr().out
     assert (
         out.count("grpolab.commands.cli train --config")
-        == {"demo_all": 15, "reference_eight": 8, "tools_minimind": 4, "moe_e3": 4}[name]
+        == {"demo_all": 15, "reference_eight": 8, "tools_minimind": 4, "moe_e3": 4, "demo_decide": 24}[name]
     )
 
 

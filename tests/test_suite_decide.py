@@ -79,6 +79,10 @@ def test_a_decided_arm_gets_no_further_seed_and_the_answered_question_ends_the_s
     assert "round 1: same is within (same - base >= " in out
     assert "round 1: the question is answered; 2 queued run(s) dropped" in out
     assert "suite decide: decided; 5 of 9 runs completed, the others dropped" in out
+    from grpolab.studies.suite.status import status_table
+
+    caption = str(status_table(decided).caption)
+    assert caption == "decisions after round 1: base baseline; bad worse at round 0; same within at round 1"
 
 
 def test_a_decision_suite_killed_outright_resumes_to_the_same_decisions(decided, fake_runs, warm_model_dir, tmp_path):

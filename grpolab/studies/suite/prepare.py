@@ -223,6 +223,12 @@ def decision_plan(spec: SuiteSpec, configs: dict[str, RunConfig], pilot: Path | 
         sd, note = 0.05, "0.05, assumed (no seed_sd, no pilot with two seeds of an arm)"
     else:
         note = "the stated seed_sd"
+        spread = found.paired_spread() if found is not None else None
+        if spread is not None and spread > sd:
+            note += (
+                f"; the pilot's seeds spread more ({spread:.3f}): the normal sequence's guarantee needs a "
+                f"seed_sd of at least that"
+            )
     lines.append(f"\none paired difference's spread: {note}")
     question = Question(arms, decide.baseline, decide.delta, decide.alpha, decide.sequence, decide.seed_sd)
     steps = max(cfg.steps for cfg in configs.values())

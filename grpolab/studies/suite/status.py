@@ -50,4 +50,11 @@ def status_table(root: Path) -> Table:
             record.reason or "",
         )
         table.add_row(*map(Text, cells))  # as written: a reason's [brackets] are not markup
+    if manifest.decisions:  # a decision suite: each arm's verdict after the last decided round
+        last = manifest.decisions[-1]
+        verdicts = "; ".join(
+            f"{arm} {v['status']}" + (f" at round {v['round']}" if v["round"] is not None else "")
+            for arm, v in last["verdicts"].items()
+        )
+        table.caption = Text(f"decisions after round {last['round']}: {verdicts}")
     return table
