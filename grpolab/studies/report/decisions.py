@@ -73,8 +73,8 @@ def decision_section(d: dict[str, Any]) -> list[str]:
         )
     saved = 1 - d["steps_run"] / d["steps_budget"] if d["steps_budget"] else 0.0
     out += ["", f"Compute: {d['steps_run']} of {d['steps_budget']} training steps ({saved:.0%} saved)."]
-    warnings = [w for r in d["rounds"] for w in r.get("warnings", [])]
-    out += [f"\nWarning: {w}" for w in dict.fromkeys(warnings)]
+    if d["rounds"]:  # the last round's: every comparison's spread over all the seeds it has
+        out += [f"\nWarning: {w}" for w in d["rounds"][-1].get("warnings", [])]
     return out
 
 
