@@ -119,15 +119,13 @@ class Rounds:
         on = set(going_on(self.question, verdicts))
         dropped = []
         for arm, verdict in verdicts.items():
-            if arm in on:
+            if arm in on or arm in self.manifest.decide.get("run_anyway", []):
                 continue
             why = (
                 f"the question is answered after round {r}"
                 if done
                 else f"{arm} is {verdict.status} at round {verdict.round} ({verdict.evidence})"
             )
-            if arm in self.manifest.decide.get("run_anyway", []):
-                continue
             for run in (run for (a, k), run in self.at.items() if a == arm and k > r and run.state == "queued"):
                 run.state, run.reason = "dropped", f"not needed: {why}"
                 dropped.append(run.name)
