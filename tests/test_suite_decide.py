@@ -3,6 +3,7 @@ further seed, the decisions are in the manifest and a killed suite resumes to th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -37,21 +38,43 @@ def decide_suite(tmp_path: Path, model_dir: Path, decide: str = DECIDE, runs: st
     return write_suite(tmp_path, "decide", tiny_base(model_dir) + decide, arms)
 
 
-@pytest.fixture
-def decided(fake_runs, warm_model_dir, tmp_path, capsys) -> Path:
+def run_decided(fake_runs, model_dir: Path, tmp_path: Path, capsys) -> Path:
     """The decision suite run uninterrupted with fake runs; what it printed in ``said.txt`` beside it."""
     fake_runs.use(accuracy=ACCURACY)
     root = tmp_path / "reference"
-    assert main(["suite", "run", str(decide_suite(tmp_path, warm_model_dir)), "--output-root", str(root)]) == 0
+    assert main(["suite", "run", str(decide_suite(tmp_path, model_dir)), "--output-root", str(root)]) == 0
     (tmp_path / "said.txt").write_text(capsys.readouterr().out)
     return root
+
+
+@pytest.fixture(scope="module")
+def reference(fake_hook, warm_model_dir, tmp_path_factory) -> Path:
+    """The decision suite run once for the tests that only read it."""
+    from suite_fixtures import FakeRuns  # the plugin's own module (pytest_plugins), imported once it is loaded
+
+    tmp_path = tmp_path_factory.mktemp("decided")
+    with pytest.MonkeyPatch.context() as mp:
+        fake_runs = FakeRuns(mp, fake_hook, tmp_path)
+        fake_runs.use(accuracy=ACCURACY)
+        root = tmp_path / "reference"
+        log = tmp_path / "said.txt"
+        with log.open("w") as out, contextlib.redirect_stdout(out):
+            assert main(["suite", "run", str(decide_suite(tmp_path, warm_model_dir)), "--output-root", str(root)]) == 0
+    return root
+
+
+@pytest.fixture
+def decided(fake_runs, warm_model_dir, tmp_path, capsys) -> Path:
+    """A decision suite of this test's own, for the tests that change it."""
+    return run_decided(fake_runs, warm_model_dir, tmp_path, capsys)
 
 
 def states(root: Path) -> dict[str, str]:
     return {r.name: r.state for r in SuiteManifest.load(root).runs}
 
 
-def test_a_decided_arm_gets_no_further_seed_and_the_answered_question_ends_the_suite(decided):
+def test_a_decided_arm_gets_no_further_seed_and_the_answered_question_ends_the_suite(reference):
+    decided = reference
     manifest = SuiteManifest.load(decided)
     assert [r.name for r in manifest.runs][:3] == ["base.s0", "bad.s0", "same.s0"]  # round by round
     assert {r.name: (r.arm, r.round) for r in manifest.runs}["same.s2"] == ("same", 2)
@@ -85,7 +108,8 @@ def test_a_decided_arm_gets_no_further_seed_and_the_answered_question_ends_the_s
     assert caption == "decisions after round 1: base baseline; bad worse at round 0; same within at round 1"
 
 
-def test_a_decision_suite_killed_outright_resumes_to_the_same_decisions(decided, fake_runs, warm_model_dir, tmp_path):
+def test_a_decision_suite_killed_outright_resumes_to_the_same_decisions(reference, fake_runs, warm_model_dir, tmp_path):
+    decided = reference
     """A power cut in round 1, after round 0's decision: the same decisions, runs and numbers as uninterrupted."""
     fake_runs.use(accuracy=ACCURACY, slow={"same.s1": 0.3})
     root = tmp_path / "out"
@@ -146,7 +170,8 @@ def test_a_bad_decide_section_is_refused_in_one_line(decide, runs, message, warm
         load_suite(decide_suite(tmp_path, warm_model_dir, decide, runs))
 
 
-def test_the_report_says_what_was_decided_with_its_compute_and_draws_the_sequences(decided, tmp_path):
+def test_the_report_says_what_was_decided_with_its_compute_and_draws_the_sequences(reference, tmp_path):
+    decided = reference
     from grpolab.studies.report.decisions import decision_data, decision_figure, decision_section
 
     d = decision_data(decided)
@@ -162,7 +187,10 @@ def test_the_report_says_what_was_decided_with_its_compute_and_draws_the_sequenc
     assert decision_data(tmp_path) is None  # not a suite
 
 
-def test_the_dry_run_plans_the_seeds_and_forecasts_the_compute_from_a_pilot(decided, warm_model_dir, tmp_path, capsys):
+def test_the_dry_run_plans_the_seeds_and_forecasts_the_compute_from_a_pilot(
+    reference, warm_model_dir, tmp_path, capsys
+):
+    decided = reference
     (tmp_path / "plan").mkdir()
     suite = decide_suite(tmp_path / "plan", warm_model_dir)
     out_root = tmp_path / "never"
