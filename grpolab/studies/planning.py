@@ -19,12 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from grpolab.studies.decision import WITHIN, WORSE, Question, compare, going_on, judge
+from grpolab.studies.sequential import SEQUENCES
 
 
 def half_widths(question: Question, rounds: int, sd: float, draws: int = 200) -> list[float]:
     """Half-width of one comparison's sequence after each of ``rounds`` seeds [rounds], at alpha / comparisons."""
-    from grpolab.studies.sequential import SEQUENCES
-
     sequence, k = SEQUENCES[question.sequence], len(question.comparisons())
     if question.sequence == "normal":
         lower, upper = sequence(np.zeros(rounds), question.alpha, arms=k, sd=question.sd)
