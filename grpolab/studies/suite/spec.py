@@ -36,7 +36,7 @@ get no further seed::
     alpha = 0.05           # the family-wise error rate, at every round at once
     seeds = [0, 1, 2, 3]   # the budget: at most this many seeds per arm
     sequence = "normal"    # or "betting" (no assumption but the bounds; needs many seeds)
-    seed_sd = 0.05         # normal: the stated spread of one seed's paired accuracy difference
+    seed_sd = 0.15         # normal: the stated spread of one seed's paired accuracy difference
 """
 
 from __future__ import annotations
