@@ -55,29 +55,18 @@ def final_accuracy(run_dir: Path) -> float:
 
 def replay(full: Path, seeds: list[int], delta: float, alpha: float, sequence: str, sd: float | None):
     """What a decision suite with these settings decides from the full suite's runs (its runs are those runs):
-    (verdicts by arm, seeds run by arm, the largest spread of a comparison's paired differences)."""
-    from grpolab.studies.decision import Question, compare, going_on, judge
+    (verdicts by arm, seeds run by arm, the largest spread of a comparison's paired differences at the end)."""
+    from grpolab.studies.decision import Question, play
     from grpolab.studies.report.runs import Run, outcomes, pair
 
-    def outcome(arm: str, seed: int):
-        return outcomes(Run(f"{arm}.s{seed}", full / "runs" / f"{arm}.s{seed}", "completed"))
+    def difference(a: str, b: str, r: int) -> float:
+        a_run, b_run = (Run(f"{x}.s{seeds[r]}", full / "runs" / f"{x}.s{seeds[r]}", "completed") for x in (a, b))
+        paired = pair(outcomes(a_run), outcomes(b_run))
+        return float((paired.a - paired.b).mean())
 
-    question = Question(ARMS, None, delta, alpha, sequence, sd)
-    running, verdicts, seen, used, spread = set(ARMS), {}, {}, dict.fromkeys(ARMS, 0), 0.0
-    for r, seed in enumerate(seeds):
-        for arm in running:
-            used[arm] += 1
-        for a, b in question.comparisons():
-            if a in running and b in running:
-                paired = pair(outcome(a, seed), outcome(b, seed))
-                seen.setdefault((a, b), []).append(float((paired.a - paired.b).mean()))
-        comparisons = compare(question, seen)
-        spread = max([spread] + [c.spread for c in comparisons if c.spread is not None])
-        verdicts = judge(question, comparisons, r, verdicts)
-        running = set(going_on(question, verdicts))
-        if not running:
-            break
-    return verdicts, used, spread
+    played = play(Question(ARMS, None, delta, alpha, sequence, sd), difference, len(seeds))
+    spread = max(c.spread for c in played.comparisons if c.spread is not None)
+    return played.verdicts, played.seeds, spread
 
 
 def within_best(means: dict[str, float], delta: float) -> list[str]:

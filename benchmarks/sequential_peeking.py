@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpolab.studies.decision import Question, compare, going_on, judge  # noqa: E402
+from grpolab.studies.decision import Question, play  # noqa: E402
 from grpolab.studies.sequential import SEQUENCES  # noqa: E402
 
 
@@ -94,16 +94,9 @@ def decisions(args, rng, name: str, delta: float, alpha: float) -> tuple[float, 
     shown = wrong = used = 0
     for _ in range(args.power_suites):
         d = suite_differences(rng, args.arms, args.rounds, args.items, effects, args.seed_sd)
-        running, verdicts, seen = set(arms), {}, {}
-        for r in range(args.rounds):
-            used += len(running)
-            for a in range(args.arms):
-                if arms[a + 1] in running:
-                    seen.setdefault((arms[a + 1], "base"), []).append(d[a, r])
-            verdicts = judge(question, compare(question, seen), r, verdicts)
-            running = set(going_on(question, verdicts))
-            if not running:
-                break
+        played = play(question, lambda arm, _, r, d=d: d[arms.index(arm) - 1, r], args.rounds)
+        verdicts = played.verdicts
+        used += sum(played.seeds.values())
         shown += sum(verdicts[arms[a + 1]].status == "worse" for a in range(worse))
         wrong += any(verdicts[arms[a + 1]].status == "worse" for a in range(worse, args.arms))
     budget = (args.arms + 1) * args.rounds * args.power_suites

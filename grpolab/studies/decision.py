@@ -22,7 +22,9 @@ best, every arm still in play going on while any arm is open).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +45,13 @@ class Question:
     alpha: float
     sequence: str = "betting"
     sd: float | None = None
+
+    @classmethod
+    def of(cls, arms: tuple[str, ...], settings: dict[str, Any]) -> Question:
+        """The question of a suite's ``[decide]`` settings (as the suite file or its manifest holds them)."""
+        return cls(
+            arms, settings["baseline"], settings["delta"], settings["alpha"], settings["sequence"], settings["seed_sd"]
+        )
 
     def comparisons(self) -> list[tuple[str, str]]:
         """(arm, other) pairs whose mean difference "arm minus other" is followed."""
@@ -140,6 +149,36 @@ def going_on(question: Question, verdicts: dict[str, Verdict]) -> list[str]:
     if question.baseline is not None:
         return [a for a in question.arms if verdicts[a].status in (OPEN, BASELINE)]
     return [a for a in question.arms if verdicts[a].status != WORSE]
+
+
+@dataclass(frozen=True)
+class Played:
+    """A decision suite played through in memory: the final verdicts, the seeds each arm ran, and the last
+    round's comparisons."""
+
+    verdicts: dict[str, Verdict]
+    seeds: dict[str, int]
+    comparisons: list[Comparison]
+
+
+def play(question: Question, difference: Callable[[str, str, int], float], rounds: int) -> Played:
+    """Up to ``rounds`` rounds as the suite runner plays them: round r reads ``difference(arm, other, r)`` for
+    every comparison whose two arms are still in play, judges, and drops the arms that go on no further (the
+    planner's forecast and the benchmarks use it; the runner does the same from the runs on disk)."""
+    running, verdicts, seen = set(question.arms), {}, {}
+    seeds, comparisons = dict.fromkeys(question.arms, 0), []
+    for r in range(rounds):
+        for arm in running:
+            seeds[arm] += 1
+        for arm, other in question.comparisons():
+            if arm in running and other in running:
+                seen.setdefault((arm, other), []).append(difference(arm, other, r))
+        comparisons = compare(question, seen)
+        verdicts = judge(question, comparisons, r, verdicts)
+        running = set(going_on(question, verdicts))
+        if not running:
+            break
+    return Played(verdicts, seeds, comparisons)
 
 
 def spread_warnings(question: Question, comparisons: list[Comparison]) -> list[str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grpolab.studies.decision import WITHIN, WORSE, Question, compare, going_on, judge
+from grpolab.studies.decision import WITHIN, WORSE, Question, play
 from grpolab.studies.sequential import SEQUENCES
 
 
@@ -56,21 +56,11 @@ def forecast(
     decided, worse, seeds = (dict.fromkeys(arms, 0.0) for _ in range(3))
     for _ in range(draws):
         scores = {a: pilot[a] + rng.normal(0, sd / np.sqrt(2), rounds) for a in arms}
-        running, verdicts = set(arms), {}
-        differences: dict[tuple[str, str], list[float]] = {}
-        for r in range(rounds):
-            for a in running:
-                seeds[a] += 1
-            for a, b in question.comparisons():
-                if a in running and b in running:
-                    differences.setdefault((a, b), []).append(float(np.clip(scores[a][r] - scores[b][r], -1, 1)))
-            verdicts = judge(question, compare(question, differences), r, verdicts)
-            running = set(going_on(question, verdicts))
-            if not running:
-                break
+        played = play(question, lambda a, b, r, s=scores: float(np.clip(s[a][r] - s[b][r], -1, 1)), rounds)
         for a in arms:
-            decided[a] += verdicts[a].status in (WORSE, WITHIN)
-            worse[a] += verdicts[a].status == WORSE
+            seeds[a] += played.seeds[a]
+            decided[a] += played.verdicts[a].status in (WORSE, WITHIN)
+            worse[a] += played.verdicts[a].status == WORSE
     reference = pilot[question.baseline] if question.baseline else max(pilot.values())
     return [Forecast(a, pilot[a] - reference, decided[a] / draws, worse[a] / draws, seeds[a] / draws) for a in arms]
 

@@ -3,7 +3,6 @@ evidence and compute, and a figure of every comparison's confidence sequence ove
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ def decision_data(directory: Path) -> dict[str, Any] | None:
     if manifest.decide is None:
         return None
     arms = list(dict.fromkeys(r.arm for r in manifest.runs))
-    steps = {r.name: json.loads(Path(r.config_file).read_text())["steps"] for r in manifest.runs}
+    steps = {r.name: r.config["steps"] for r in manifest.runs}
     last = manifest.decisions[-1]["verdicts"] if manifest.decisions else {}
     rows = []
     for arm in arms:

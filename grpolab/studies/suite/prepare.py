@@ -230,7 +230,7 @@ def decision_plan(spec: SuiteSpec, configs: dict[str, RunConfig], pilot: Path | 
                 f"seed_sd of at least that"
             )
     lines.append(f"\none paired difference's spread: {note}")
-    question = Question(arms, decide.baseline, decide.delta, decide.alpha, decide.sequence, decide.seed_sd)
+    question = Question.of(arms, decide.model_dump())
     steps = max(cfg.steps for cfg in configs.values())
     means = found.means() if found is not None else None
     return lines + plan_lines(question, len(decide.seeds), sd, means, steps)

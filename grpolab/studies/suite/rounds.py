@@ -24,24 +24,8 @@ from grpolab.studies.decision import (
     verdicts_of,
 )
 from grpolab.studies.manifest import RunRecord, SuiteManifest
-from grpolab.studies.report.runs import Run, outcomes, pair
+from grpolab.studies.report.runs import Outcomes, Run, outcomes, pair
 from grpolab.studies.suite.verify import SuiteChanged
-
-
-def question_of(manifest: SuiteManifest) -> Question:
-    decide = manifest.decide
-    arms = tuple(dict.fromkeys(r.arm for r in manifest.runs))
-    return Question(
-        arms, decide["baseline"], decide["delta"], decide["alpha"], decide["sequence"], decide.get("seed_sd")
-    )
-
-
-def paired_difference(a: RunRecord, b: RunRecord) -> float:
-    """Run ``a``'s final accuracy minus run ``b``'s, over the items both evaluated (and neither failed)."""
-    paired = pair(*(outcomes(Run(r.name, Path(r.run_dir), r.state)) for r in (a, b)))
-    if not paired.shared:
-        raise ValueError(f"runs {a.name} and {b.name} share no evaluated item")
-    return float((paired.a - paired.b).mean())
 
 
 class Rounds:
@@ -49,7 +33,8 @@ class Rounds:
 
     def __init__(self, manifest: SuiteManifest):
         self.manifest = manifest
-        self.question = question_of(manifest)
+        self.question = Question.of(tuple(dict.fromkeys(r.arm for r in manifest.runs)), manifest.decide)
+        self.outcomes: dict[str, Outcomes] = {}  # a completed run's final evaluation, read once
         self.at = {(r.arm, r.round): r for r in manifest.runs}
         self.count = 1 + max(r.round for r in manifest.runs)
 
@@ -70,6 +55,18 @@ class Rounds:
         self.manifest.decide["run_anyway"] = sorted({*self.manifest.decide.get("run_anyway", []), *arms})
         return [f"--run-dropped: {len(runs)} dropped run(s) of {', '.join(arms)} queued again"]
 
+    def _final(self, record: RunRecord) -> Outcomes:
+        if record.name not in self.outcomes:
+            self.outcomes[record.name] = outcomes(Run(record.name, Path(record.run_dir), record.state))
+        return self.outcomes[record.name]
+
+    def paired_difference(self, a: RunRecord, b: RunRecord) -> float:
+        """Run ``a``'s final accuracy minus run ``b``'s, over the items both evaluated (and neither failed)."""
+        paired = pair(self._final(a), self._final(b))
+        if not paired.shared:
+            raise ValueError(f"runs {a.name} and {b.name} share no evaluated item")
+        return float((paired.a - paired.b).mean())
+
     def _differences(self, read: set[str]) -> dict[tuple[str, str], list[float]]:
         """Each comparison's paired differences, round by round, over the runs ``read``."""
         out: dict[tuple[str, str], list[float]] = {}
@@ -77,7 +74,7 @@ class Rounds:
             for r in range(self.count):
                 a, b = self.at[(arm, r)], self.at[(other, r)]
                 if a.name in read and b.name in read:
-                    out.setdefault((arm, other), []).append(paired_difference(a, b))
+                    out.setdefault((arm, other), []).append(self.paired_difference(a, b))
         return out
 
     def _decision(self, r: int, before: dict[str, Verdict], runs: list[str] | None = None) -> dict:
