@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import warnings
@@ -137,3 +138,46 @@ def test_the_engine_receives_weights_in_its_compute_dtype(bf16_model, tmp_path):
     name, weight = next(iter(bf16_model.named_parameters()))
     assert torch.equal(tensors[name], weight.detach().bfloat16())
     assert {t.dtype for t in load_file(save_weights(bf16_model, tmp_path)).values()} == {torch.float32}
+
+
+def _two_bf16_steps(model_dir, out, micro_batch_size: int):
+    """(the weights after two RL steps of a bf16 run on float32 masters, with 8 prompts x 8 per step in
+    micro-batches of ``micro_batch_size``, and the count of casts (``aten::_to_copy``) made meanwhile)."""
+    from grpolab.common.progress import Reporter
+    from grpolab.run.parts import assemble
+    from grpolab.run.step import rl_step
+
+    cfg = quick_config(
+        model_dir,
+        out,
+        **{"model.dtype": "bfloat16", "rollout.prompts_per_step": 8, "optim.micro_batch_size": micro_batch_size},
+    )
+    parts = assemble(cfg, lambda ranks: Reporter(Console(quiet=True)))
+    try:
+        with torch.profiler.profile() as prof:
+            for step in (1, 2):
+                rl_step(parts, step)
+        casts = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+        return {k: v.detach().clone() for k, v in parts.model.state_dict().items()}, casts
+    finally:
+        parts.close()
+
+
+def test_one_weight_cast_per_optimizer_step_trains_exactly_as_a_cast_per_micro_batch(
+    warm_model_dir, tmp_path, monkeypatch
+):
+    """With float32 masters each weight is cast to bf16 once per optimizer step (one autocast context over the
+    step's micro-batches, the backward outside autocast) and once per frozen pass, not in every micro-batch's
+    forward: the same gradients, so the same weights after two steps, with fewer casts."""
+    from grpolab.learning.learner import BatchForward
+
+    scoped, scoped_casts = _two_bf16_steps(warm_model_dir, tmp_path / "scoped", 8)
+    monkeypatch.setattr(BatchForward, "cast_scope", lambda self: contextlib.nullcontext())
+    per_forward, per_forward_casts = _two_bf16_steps(warm_model_dir, tmp_path / "per_forward", 8)
+    assert scoped.keys() == per_forward.keys()
+    # every weight bit for bit but the tied embedding / output layer, the one weight with two gradients, which
+    # differs in its last bits (float32 rounding)
+    tied = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert all(torch.equal(scoped[k], per_forward[k]) for k in scoped.keys() - tied)
+    assert all(torch.allclose(scoped[k], per_forward[k], rtol=0, atol=1e-7) for k in tied)
+    assert scoped_casts < per_forward_casts

@@ -96,6 +96,14 @@ class BatchForward:
         # every planned micro-batch of this batch, by id (the tensor is kept, so that its id stays its own)
         self._planned: dict[int, tuple[torch.Tensor, list[int]]] = {}
 
+    def cast_scope(self) -> AbstractContextManager:
+        """The context a run of forwards over unchanging weights spans (one optimizer step's micro-batches, a
+        frozen pass): the precision's autocast, in which each float32 master weight is cast to bf16 once (autocast
+        keeps a leaf weight's cast until its outermost context ends) and not at every forward. Nothing where no
+        weight is cast (float32, bf16 storage), nor under FSDP (``lockstep``), which gathers and frees the weights
+        around each forward: a cast kept across forwards would keep a whole bf16 copy alive."""
+        return nullcontext() if self.lockstep else self.precision.autocast(self.device)
+
     def plan(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """The planner's micro-batches of ``rows`` (index tensors on their device). Their rows are read to
         the host here, once per optimizer step, so that the micro-batches' forwards wait for nothing."""
@@ -144,8 +152,9 @@ class BatchForward:
         forward = PolicyForward(model)
         out = torch.zeros(self.batch.input_ids.shape, dtype=torch.float32, device=self.batch.input_ids.device)
         micros = self.plan(torch.arange(len(self.batch), device=out.device))
-        for micro in micros:
-            out[micro] = self.logprobs(forward, micro, False, around)[0]
+        with self.cast_scope():
+            for micro in micros:
+                out[micro] = self.logprobs(forward, micro, False, around)[0]
         for _ in range(self.lockstep.max(len(micros)) - len(micros) if self.lockstep else 0):
             self.logprobs(forward, micros[0][:1], False)  # joins the busiest rank's weight gathers
         return out
@@ -387,7 +396,13 @@ class PolicyLearner:
         def filler(indices: torch.Tensor):  # a row that only joins the busiest rank's collectives
             return forward.logprobs(self.train_forward, indices, True, routing.uncounted)
 
-        trainee = Trainee(routing.with_aux_loss(policy), self.optimizer, self.params, extra_loss=routing.extra_loss)
+        trainee = Trainee(
+            routing.with_aux_loss(policy),
+            self.optimizer,
+            self.params,
+            extra_loss=routing.extra_loss,
+            cast_scope=forward.cast_scope,
+        )
         share = self.lockstep.share(part, filler) if part is not None else None
         hooks = UpdateHooks(share, self.state.entropy_control, first_step_check)
         self.model.train()

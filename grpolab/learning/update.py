@@ -204,12 +204,16 @@ class UpdateSchedule:
 class Trainee:
     """The policy an update trains: ``logprobs`` its training forward (module docstring), ``parameters`` the
     tensors ``optimizer`` steps; ``extra_loss``: ``logprobs`` returns a loss term beside the objective (an MoE's
-    load-balancing loss), so every row has a gradient."""
+    load-balancing loss), so every row has a gradient. ``cast_scope``: the context one optimizer step's
+    micro-batches run in, between two optimizer steps (``accumulate_gradients``): with float32 master weights and
+    bf16 compute, one autocast context, so that each weight is cast to bf16 once per optimizer step (autocast
+    keeps a cast until its outermost context ends) instead of once per micro-batch."""
 
     logprobs: PolicyLogprobs
     optimizer: torch.optim.Optimizer
     parameters: list[Tensor]
     extra_loss: bool = False
+    cast_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -432,7 +436,7 @@ class MicroBatchPass:
         plan, rows = self.plan, micro.rows
         loss, metrics = policy_loss(plan.loss_input(rows, logprobs, entropy), plan.step.spec, plan.denominators)
         if micro.backward:
-            (loss + extra / plan.denominators.kl if extra is not None else loss).backward()
+            backward(loss + extra / plan.denominators.kl if extra is not None else loss)
         return _with_entropy(metrics, entropy, plan.step.data.response_mask[rows])
 
     def _forward(self, micro: MicroBatch) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -449,7 +453,15 @@ class MicroBatchPass:
         filler = torch.zeros(1, dtype=torch.long, device=self.plan.step.indices.device)
         logprobs = self.filler_logprobs(filler)[0]
         if micro.backward:
-            (logprobs.sum() * 0.0).backward()
+            backward(logprobs.sum() * 0.0)
+
+
+def backward(loss: Tensor) -> None:
+    """``loss.backward()`` with autocast off. Within a step's ``cast_scope`` (an autocast context around its
+    forwards) a backward would otherwise run under autocast, which casts the backward's own float32 matmuls to
+    bf16: the gradient would no longer be the one the graph recorded."""
+    with torch.autocast(loss.device.type, enabled=False):
+        loss.backward()
 
 
 def _with_entropy(metrics: TokenMetrics, entropy: Tensor | None, mask: Tensor) -> TokenMetrics:
@@ -458,9 +470,15 @@ def _with_entropy(metrics: TokenMetrics, entropy: Tensor | None, mask: Tensor) -
     return metrics
 
 
-def accumulate_gradients(step: StepContext, policy_logprobs: PolicyLogprobs) -> StepGradients:
+def accumulate_gradients(
+    step: StepContext,
+    policy_logprobs: PolicyLogprobs,
+    cast_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> StepGradients:
     """Backward the loss of one optimizer step over ``step.indices`` [n], micro-batch by micro-batch
-    (``step.schedule``'s split), in one loop over the step's plan (``plan_step``).
+    (``step.schedule``'s split), in one loop over the step's plan (``plan_step``), within ``cast_scope``
+    (``Trainee.cast_scope``). The backpropagated micro-batches run first: a weight's cast is made, and kept, by a
+    forward that records its gradient, never by a no-grad one (whose cast would carry no gradient).
 
     Rows whose loss is identically zero (``rows_with_gradient``) are not backpropagated: their
     gradient is exactly 0 and the denominators still count them, so the gradient is identical. With
@@ -480,11 +498,12 @@ def accumulate_gradients(step: StepContext, policy_logprobs: PolicyLogprobs) -> 
     plan = plan_step(step, policy_logprobs)
     run = MicroBatchPass(plan, policy_logprobs)
     merged = TokenMetrics()
-    for micro in plan.micro_batches:
-        with micro.context(step.share):
-            metrics = run(micro)
-        if metrics is not None:
-            merged = merged.merge(metrics)
+    with cast_scope():
+        for micro in plan.micro_batches:
+            with micro.context(step.share):
+                metrics = run(micro)
+            if metrics is not None:
+                merged = merged.merge(metrics)
     return StepGradients(merged, backward=plan.backward)
 
 
@@ -522,7 +541,7 @@ def run_update(
         record = ForwardRecord(data.response_mask) if first_check is not None else None
         coef = bonus.coef()
         step = StepContext(spec, data, share.local(indices), schedule, share, coef, trainee.extra_loss, record)
-        gradients = accumulate_gradients(step, trainee.logprobs)
+        gradients = accumulate_gradients(step, trainee.logprobs, trainee.cast_scope)
         metrics = _global_metrics(gradients.metrics, share.ranks, trainee)  # the step's one wait for the device
         if first_check is not None:
             first_check(record.logprobs, record.covered)
