@@ -19,7 +19,7 @@ second (tokens up to and including each row's stop) and its share of each roofli
 ``generate`` = transformers' ``model.generate`` with the same sampling (the hf engine before it had its
 own loop), ``hf`` = grpolab's hf engine, ``hf-unpacked`` = the same with ``rollout.pack_weights = false``,
 ``hf-sdpa`` = the same attending through transformers' ``sdpa`` (grouped key/value heads copied under a
-padding mask, as before ``grpolab.rollout.hf.grouped_attention``), and ``vllm`` when the interpreter has vLLM. Target (issue 27): hf >= 60% of the roofline on one thread
+padding mask, as before ``grpolab.models.grouped_attention``), and ``vllm`` when the interpreter has vLLM. Target (issue 27): hf >= 60% of the roofline on one thread
 and on two.
 
 Floor (hf engines): the matmuls alone of the forwards the engine actually ran, each forward's linear

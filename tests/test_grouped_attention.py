@@ -1,4 +1,4 @@
-"""Grouped key/value heads attend as they are on a CPU (grpolab.rollout.hf.grouped_attention): the same
+"""Grouped key/value heads attend as they are on a CPU (grpolab.models.grouped_attention): the same
 outputs as transformers' sdpa, without its copies of the cache (repeat_kv), switched for generation only."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers.integrations.sdpa_attention as sdpa_module
 
+from grpolab.models.grouped_attention import SDPA_GROUPED, grouped_kv_attention
 from grpolab.rollout import HFEngine, SamplingParams
-from grpolab.rollout.hf.grouped_attention import SDPA_GROUPED, grouped_kv_attention
 
 PROMPTS = ["12+34=", "7+8=<think>", "a"]  # of different lengths: the batch has a padding mask
 
@@ -79,3 +79,91 @@ def test_other_attention_kernels_are_left_alone(make_tiny_model):
     model.config._attn_implementation = "eager"
     with grouped_kv_attention(model) as switched:
         assert switched is False and model.config._attn_implementation == "eager"
+
+
+def test_float32_backward_keeps_the_bf16_forward_and_computes_a_closer_gradient():
+    """Float32Backward against float64 attention on the same bf16 inputs (softmax(q k^T / sqrt(d) + mask) v over
+    grouped heads): its forward is torch's bf16 kernel's output bit for bit; its gradients come back in bf16 and
+    are at least as close to float64's as the bf16 kernel's own backward (the slower one on a CPU)."""
+    from grpolab.models.grouped_attention import Float32Backward
+
+    torch.manual_seed(0)
+    b, heads, groups, q_len, k_len, d = 3, 6, 3, 7, 11, 16
+    inputs = [
+        torch.randn(b, n, length, d).bfloat16() for n, length in ((heads, q_len), (groups, k_len), (groups, k_len))
+    ]
+    mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len).expand(b, 1, q_len, k_len).clone()
+    mask[0, :, :, :3] = False  # a left-padded row
+    grad = torch.randn(b, heads, q_len, d).bfloat16()
+
+    def gradients(attend, dtype):
+        leaves = [t.detach().clone().to(dtype).requires_grad_() for t in inputs]
+        out = attend(*leaves)
+        out.backward(grad.to(dtype))
+        return out, [t.grad for t in leaves]
+
+    def kernel(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def formula(q, k, v):  # float64, heads of a group share their key/value head
+        k, v = k.repeat_interleave(heads // groups, 1), v.repeat_interleave(heads // groups, 1)
+        scores = (q @ k.transpose(-1, -2)) / d**0.5
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+    ours, ours_grads = gradients(lambda q, k, v: Float32Backward.apply(q, k, v, mask, None), torch.bfloat16)
+    bf16, bf16_grads = gradients(kernel, torch.bfloat16)
+    exact, exact_grads = gradients(formula, torch.float64)
+    assert torch.equal(ours, bf16)
+    assert all(g.dtype == torch.bfloat16 for g in ours_grads)
+    for mine, theirs, reference in zip(ours_grads, bf16_grads, exact_grads):
+        scale = reference.abs().max()
+        mine_error = ((mine.double() - reference).abs().max() / scale).item()
+        kernel_error = ((theirs.double() - reference).abs().max() / scale).item()
+        assert mine_error <= max(kernel_error, 2**-8), (mine_error, kernel_error)
+
+
+def _learned(model_dir, out, dtype: str) -> dict:
+    """The metrics of one update on a run's first rollout batch."""
+    from conftest import quick_config
+    from rich.console import Console
+
+    from grpolab.common.progress import Reporter
+    from grpolab.run.parts import assemble
+
+    cfg = quick_config(model_dir, out, **{"model.dtype": dtype, "rollout.sync_check": False})
+    parts = assemble(cfg, lambda ranks: Reporter(Console(quiet=True)))
+    try:
+        return parts.learner.learn(parts.rollouts.batch(1))
+    finally:
+        parts.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_training_in_bf16_attends_with_a_float32_backward_and_the_same_forward(
+    warm_model_dir, tmp_path, monkeypatch, dtype
+):
+    """A bf16 run's training forwards attend through SDPA_GROUPED's Float32Backward: the same loss, bit for bit,
+    as through sdpa, and the gradient's norm within 1% (its backward in float32); a float32 run's attend as the
+    model's config says (sdpa), as before."""
+    from grpolab.learning.learner import BatchForward
+    from grpolab.models import grouped_attention
+
+    calls, original = [], grouped_attention.Float32Backward
+
+    class Counted(original):
+        @staticmethod
+        def forward(ctx, *args):
+            calls.append(1)
+            return original.forward(ctx, *args)
+
+    monkeypatch.setattr(grouped_attention, "Float32Backward", Counted)
+    metrics = _learned(warm_model_dir, tmp_path / "grouped", dtype)
+    assert bool(calls) == (dtype == "bfloat16")
+    if dtype == "float32":
+        return
+    monkeypatch.setattr(BatchForward, "attention", lambda self, forward: contextlib.nullcontext())
+    calls.clear()
+    sdpa = _learned(warm_model_dir, tmp_path / "sdpa", dtype)
+    assert calls == []
+    assert metrics["loss"] == sdpa["loss"]
+    assert abs(metrics["grad_norm"] - sdpa["grad_norm"]) <= 1e-2 * sdpa["grad_norm"]

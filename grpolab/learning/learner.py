@@ -37,6 +37,7 @@ from grpolab.learning.update import (
     run_update,
 )
 from grpolab.models.fidelity import forward_fidelity
+from grpolab.models.grouped_attention import grouped_kv_attention
 from grpolab.models.precision import TrainingPrecision
 from grpolab.objectives.advantages import advantage_metrics, batch_advantages
 from grpolab.objectives.algorithms import AlgorithmSpec
@@ -104,6 +105,14 @@ class BatchForward:
         around each forward: a cast kept across forwards would keep a whole bf16 copy alive."""
         return nullcontext() if self.lockstep else self.precision.autocast(self.device)
 
+    def attention(self, forward: nn.Module) -> AbstractContextManager:
+        """In bf16 on a CPU, the training forward attends through ``grpolab.models.grouped_attention``'s
+        ``SDPA_GROUPED`` (grouped key/value heads as they are; with gradients, bf16 attention with a float32
+        backward, the faster there); otherwise as the model's config says."""
+        if self.precision.compute != torch.bfloat16:
+            return nullcontext()
+        return grouped_kv_attention(getattr(forward, "module", forward).model)
+
     def plan(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """The planner's micro-batches of ``rows`` (index tensors on their device). Their rows are read to
         the host here, once per optimizer step, so that the micro-batches' forwards wait for nothing."""
@@ -135,7 +144,11 @@ class BatchForward:
             units,
             shared=any(len(u) > 1 for u in units),
         )
-        with self.precision.autocast(self.device), around(layout) if around is not None else nullcontext():
+        with (
+            self.precision.autocast(self.device),
+            self.attention(forward),
+            around(layout) if around is not None else nullcontext(),
+        ):
             return forward(
                 layout,
                 len(indices),

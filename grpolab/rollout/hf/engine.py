@@ -11,7 +11,7 @@ Shared prefill (``grpolab.rollout.hf.prefill``): each distinct prompt of a batch
 only the prompts' last tokens are prefilled per row.
 
 On a CPU, grouped key/value heads attend as they are, even with the padding's mask
-(``grpolab.rollout.hf.grouped_attention``), and large weights are laid out once per call
+(``grpolab.models.grouped_attention``), and large weights are laid out once per call
 (``grpolab.rollout.hf.packed_linear``).
 
 With float32 master weights and a bf16 compute dtype the engine generates on its own copy of the model whose
@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from grpolab.models.grouped_attention import grouped_kv_attention
 from grpolab.models.logprobs import backbone_and_head
 from grpolab.models.routing import routers
 from grpolab.models.weights import PolicyWeights
@@ -55,7 +56,6 @@ from grpolab.rollout.base import Completion, SamplingParams, collect_eos_ids
 from grpolab.rollout.capabilities import HF_CAPABILITIES
 from grpolab.rollout.hf.decode import decode
 from grpolab.rollout.hf.engine_weights import ComputeCopy, CopyMode, engine_weights
-from grpolab.rollout.hf.grouped_attention import grouped_kv_attention
 from grpolab.rollout.hf.kv_cache import joins_rows, reserved_cache
 from grpolab.rollout.hf.packed_linear import packed_linears
 from grpolab.rollout.hf.prefill import prompt_layout, shared_prefill
