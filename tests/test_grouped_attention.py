@@ -122,7 +122,7 @@ def test_float32_backward_keeps_the_bf16_forward_and_computes_a_closer_gradient(
         assert mine_error <= max(kernel_error, 2**-8), (mine_error, kernel_error)
 
 
-def _learned(model_dir, out, dtype: str) -> dict:
+def _learned(model_dir, out, dtype: str, **settings) -> dict:
     """The metrics of one update on a run's first rollout batch."""
     from conftest import quick_config
     from rich.console import Console
@@ -130,7 +130,7 @@ def _learned(model_dir, out, dtype: str) -> dict:
     from grpolab.common.progress import Reporter
     from grpolab.run.parts import assemble
 
-    cfg = quick_config(model_dir, out, **{"model.dtype": dtype, "rollout.sync_check": False})
+    cfg = quick_config(model_dir, out, **{"model.dtype": dtype, "rollout.sync_check": False, **settings})
     parts = assemble(cfg, lambda ranks: Reporter(Console(quiet=True)))
     try:
         return parts.learner.learn(parts.rollouts.batch(1))
@@ -167,3 +167,15 @@ def test_training_in_bf16_attends_with_a_float32_backward_and_the_same_forward(
     assert calls == []
     assert metrics["loss"] == sdpa["loss"]
     assert abs(metrics["grad_norm"] - sdpa["grad_norm"]) <= 1e-2 * sdpa["grad_norm"]
+
+
+def test_a_checkpointed_layer_recomputes_its_attention_as_its_forward_ran(warm_model_dir, tmp_path):
+    """Gradient checkpointing recomputes each layer in the backward pass, which runs within the step's scope: it
+    attends through the same function as the forward did (torch checks that the recomputation saves the same
+    tensors), and the gradient is the one without checkpointing (its norm within 1%; the loss itself is a sum of
+    rounding here, ratios of 1 times advantages that sum to 0 per group)."""
+    plain = _learned(warm_model_dir, tmp_path / "plain", "bfloat16")
+    checkpointed = _learned(
+        warm_model_dir, tmp_path / "checkpointed", "bfloat16", **{"model.gradient_checkpointing": True}
+    )
+    assert abs(checkpointed["grad_norm"] - plain["grad_norm"]) <= 1e-2 * plain["grad_norm"]

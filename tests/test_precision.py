@@ -172,7 +172,7 @@ def test_one_weight_cast_per_optimizer_step_trains_exactly_as_a_cast_per_micro_b
     from grpolab.learning.learner import BatchForward
 
     scoped, scoped_casts = _two_bf16_steps(warm_model_dir, tmp_path / "scoped", 8)
-    monkeypatch.setattr(BatchForward, "cast_scope", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(BatchForward, "cast_scope", lambda self, model: contextlib.nullcontext())
     per_forward, per_forward_casts = _two_bf16_steps(warm_model_dir, tmp_path / "per_forward", 8)
     assert scoped.keys() == per_forward.keys()
     # every weight bit for bit but the tied embedding / output layer, the one weight with two gradients, which

@@ -12,8 +12,8 @@ the sync and reports metrics over the global batch."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -97,21 +97,25 @@ class BatchForward:
         # every planned micro-batch of this batch, by id (the tensor is kept, so that its id stays its own)
         self._planned: dict[int, tuple[torch.Tensor, list[int]]] = {}
 
-    def cast_scope(self) -> AbstractContextManager:
-        """The context a run of forwards over unchanging weights spans (one optimizer step's micro-batches, a
-        frozen pass): the precision's autocast, in which each float32 master weight is cast to bf16 once (autocast
-        keeps a leaf weight's cast until its outermost context ends) and not at every forward. Nothing where no
-        weight is cast (float32, bf16 storage), nor under FSDP (``lockstep``), which gathers and frees the weights
-        around each forward: a cast kept across forwards would keep a whole bf16 copy alive."""
-        return nullcontext() if self.lockstep else self.precision.autocast(self.device)
+    @contextmanager
+    def cast_scope(self, model: nn.Module) -> Iterator[None]:
+        """The context a run of ``model``'s forwards over unchanging weights spans, backwards included (one
+        optimizer step's micro-batches, a frozen pass): the precision's autocast, in which each float32 master
+        weight is cast to bf16 once (autocast keeps a leaf weight's cast until its outermost context ends) and not
+        at every forward, and the training ``attention``, so that a backward's recomputation (gradient
+        checkpointing) attends as its forward did. No autocast where no weight is cast (float32, bf16 storage),
+        nor under FSDP (``lockstep``), which gathers and frees the weights around each forward: a cast kept across
+        forwards would keep a whole bf16 copy alive."""
+        with nullcontext() if self.lockstep else self.precision.autocast(self.device), self.attention(model):
+            yield
 
-    def attention(self, forward: nn.Module) -> AbstractContextManager:
-        """In bf16 on a CPU, the training forward attends through ``grpolab.models.grouped_attention``'s
+    def attention(self, model: nn.Module) -> AbstractContextManager:
+        """In bf16 on a CPU, ``model``'s training forward attends through ``grpolab.models.grouped_attention``'s
         ``SDPA_GROUPED`` (grouped key/value heads as they are; with gradients, bf16 attention with a float32
         backward, the faster there); otherwise as the model's config says."""
         if self.precision.compute != torch.bfloat16:
             return nullcontext()
-        return grouped_kv_attention(getattr(forward, "module", forward).model)
+        return grouped_kv_attention(model)
 
     def plan(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """The planner's micro-batches of ``rows`` (index tensors on their device). Their rows are read to
@@ -146,7 +150,7 @@ class BatchForward:
         )
         with (
             self.precision.autocast(self.device),
-            self.attention(forward),
+            self.attention(getattr(forward, "module", forward).model),
             around(layout) if around is not None else nullcontext(),
         ):
             return forward(
@@ -165,7 +169,7 @@ class BatchForward:
         forward = PolicyForward(model)
         out = torch.zeros(self.batch.input_ids.shape, dtype=torch.float32, device=self.batch.input_ids.device)
         micros = self.plan(torch.arange(len(self.batch), device=out.device))
-        with self.cast_scope():
+        with self.cast_scope(model):
             for micro in micros:
                 out[micro] = self.logprobs(forward, micro, False, around)[0]
         for _ in range(self.lockstep.max(len(micros)) - len(micros) if self.lockstep else 0):
@@ -414,7 +418,7 @@ class PolicyLearner:
             self.optimizer,
             self.params,
             extra_loss=routing.extra_loss,
-            cast_scope=forward.cast_scope,
+            cast_scope=partial(forward.cast_scope, self.model),
         )
         share = self.lockstep.share(part, filler) if part is not None else None
         hooks = UpdateHooks(share, self.state.entropy_control, first_step_check)
