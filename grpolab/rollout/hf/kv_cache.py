@@ -11,7 +11,8 @@ kinds stay as ``DynamicCache`` builds them.
 Under CPU autocast (bf16 compute on float32 masters) attention is one of the ops autocast runs in bf16: it casts
 its float32 inputs to bf16 at every call. The keys come out of the rotary embedding in float32 (bf16 projection
 times float32 cos/sin), so a float32 cache had its whole key buffer cast again at every decoding step, in every
-layer (1.3 of 6.8 s of a SmolLM2-135M generation, 8 prompts x 8, <= 64 tokens, one thread). A ``ReservedLayer``
+layer (1.3 of 6.8 s of a profiled SmolLM2-135M generation, 8 prompts x 8, <= 64 tokens, one thread; 2026-12-07,
+Intel Xeon with AMX). A ``ReservedLayer``
 made under autocast stores its columns in the autocast dtype (``storage_dtype``): each column is rounded once, when
 it is written, to exactly the value the per-step cast gave, so attention reads the same numbers and the tokens
 and log-probs are bit for bit those of the float32 cache.
