@@ -3,6 +3,7 @@
     python benchmarks/training_roofline.py                    # SmolLM2-135M-Instruct, 8 prompts x 8, <= 64 tokens
     python benchmarks/training_roofline.py --threads 1 --dtypes bfloat16 --repeats 3
     python benchmarks/training_roofline.py --config demo       # the demo's tiny model: checks that it runs
+    python benchmarks/training_roofline.py --rollout.max_new_tokens 128   # overrides of the config
 
 One rollout batch of the config (default ``configs/smollm2_arithmetic.toml`` with 8 prompts x 8 samples, at most
 64 new tokens, temperature 1, hf engine; the sync check off, as the same batch is learned again) and, for each
@@ -33,24 +34,17 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.flop_counter import FlopCounterMode
 
+from grpolab.commands.cli import parse_overrides
 from grpolab.common.progress import Reporter
 from grpolab.common.provenance import cpu_description, describe_cpu
 from grpolab.config import load_config
 from grpolab.run.parts import assemble
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2 = ROOT / "configs" / "smollm2_arithmetic.toml"
-SETTINGS = {
-    "rollout.engine": "hf",
-    "rollout.prompts_per_step": 8,
-    "rollout.group_size": 8,
-    "rollout.max_new_tokens": 64,
-    "rollout.temperature": 1.0,
-    "rollout.sync_check": False,
-    "model.device": "cpu",
-    "eval.every": 10_000,
-    "checkpoint.every": 10_000,
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from precision_step import SETTINGS as STEP_SETTINGS  # noqa: E402
+from precision_step import SMOLLM2  # noqa: E402
+
+SETTINGS = {**STEP_SETTINGS, "rollout.sync_check": False}  # precision_step's, the same batch learned again
 
 
 def matmul_roofline(model: torch.nn.Module, rows: int, dtype: torch.dtype, repeats: int = 5) -> float:
@@ -73,10 +67,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def measure(config: str | None, dtype: str, threads: list[int], repeats: int, console: Console) -> list[dict]:
-    """One rollout batch of the config in ``dtype``; its training phase's FLOPs, then per thread count its
-    seconds and the roofline."""
-    cfg = load_config(config, {**SETTINGS, "model.dtype": dtype, "threads": threads[0]})
+def measure(
+    config: str | None, overrides: dict, dtype: str, threads: list[int], repeats: int, console: Console
+) -> list[dict]:
+    """One rollout batch of the config (with ``overrides``) in ``dtype``; its training phase's FLOPs, then per
+    thread count its seconds and the roofline."""
+    cfg = load_config(config, {**SETTINGS, **overrides, "model.dtype": dtype, "threads": threads[0]})
     parts = assemble(cfg, lambda ranks: Reporter(Console(quiet=True)))
     try:
         rollout = parts.rollouts.batch(1)
@@ -104,18 +100,21 @@ def measure(config: str | None, dtype: str, threads: list[int], repeats: int, co
         parts.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(SMOLLM2), help="a config file, or 'demo' (the demo's tiny model)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="torch CPU thread counts")
     parser.add_argument("--repeats", type=int, default=2, help="timed training phases per variant")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
     if args.repeats < 1 or min(args.threads) < 1:
         parser.error("--repeats and --threads must be >= 1")
     console = Console()
     config = None if args.config == "demo" else args.config
-    results = [r for dtype in args.dtypes for r in measure(config, dtype, args.threads, args.repeats, console)]
+    overrides = parse_overrides(rest)
+    results = [
+        r for dtype in args.dtypes for r in measure(config, overrides, dtype, args.threads, args.repeats, console)
+    ]
     table = Table(
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -135,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{achieved / r['roofline']:.0%}",
         )
     console.print(table)
-    return 0
+    return results
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -291,3 +291,14 @@ def test_cli_startup_times_every_command_beside_the_interpreter(capsys):
     for label in ("python -c pass", "grpolab --help", "grpolab train --help", "grpolab config --config configs/"):
         assert any(line.startswith(label) for line in out.splitlines()), label
     assert "--optim.lrr 1 (refused)" in out and "grpolab algorithms" in out and "target: each grpolab command" in out
+
+
+def test_training_roofline_counts_the_phase_and_puts_it_against_each_dtypes_roofline(warm_model_dir, capsys):
+    import training_roofline
+
+    argv = ["--config", "demo", "--threads", "1", "--repeats", "1", "--model.path", str(warm_model_dir)]
+    argv += ["--rollout.prompts_per_step", "2", "--rollout.group_size", "2", "--rollout.max_new_tokens", "6"]
+    results = training_roofline.main(argv)
+    assert [r["dtype"] for r in results] == ["float32", "bfloat16"]
+    assert all(r["flops"] > 0 and r["seconds"] > 0 and r["roofline"] > 0 for r in results)
+    assert "Training phase against its dtype's matmul roofline" in capsys.readouterr().out
