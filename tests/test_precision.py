@@ -140,8 +140,8 @@ def test_the_engine_receives_weights_in_its_compute_dtype(bf16_model, tmp_path):
     assert {t.dtype for t in load_file(save_weights(bf16_model, tmp_path)).values()} == {torch.float32}
 
 
-def _two_bf16_steps(model_dir, out, micro_batch_size: int):
-    """(the weights after two RL steps of a bf16 run on float32 masters, with 8 prompts x 8 per step in
+def _two_bf16_steps(model_dir, out, micro_batch_size: int, algo: str):
+    """(the weights after two RL steps of ``algo`` in a bf16 run on float32 masters, with 8 prompts x 8 per step in
     micro-batches of ``micro_batch_size``, and the count of casts (``aten::_to_copy``) made meanwhile)."""
     from grpolab.common.progress import Reporter
     from grpolab.run.parts import assemble
@@ -150,6 +150,7 @@ def _two_bf16_steps(model_dir, out, micro_batch_size: int):
     cfg = quick_config(
         model_dir,
         out,
+        algo=algo,
         **{"model.dtype": "bfloat16", "rollout.prompts_per_step": 8, "optim.micro_batch_size": micro_batch_size},
     )
     parts = assemble(cfg, lambda ranks: Reporter(Console(quiet=True)))
@@ -163,17 +164,18 @@ def _two_bf16_steps(model_dir, out, micro_batch_size: int):
         parts.close()
 
 
+@pytest.mark.parametrize("algo", ["grpo", "gspo"])  # gspo: four optimizer steps a batch, a fresh cast each
 def test_one_weight_cast_per_optimizer_step_trains_exactly_as_a_cast_per_micro_batch(
-    warm_model_dir, tmp_path, monkeypatch
+    warm_model_dir, tmp_path, monkeypatch, algo
 ):
     """With float32 masters each weight is cast to bf16 once per optimizer step (one autocast context over the
     step's micro-batches, the backward outside autocast) and once per frozen pass, not in every micro-batch's
     forward: the same gradients, so the same weights after two steps, with fewer casts."""
     from grpolab.learning.learner import BatchForward
 
-    scoped, scoped_casts = _two_bf16_steps(warm_model_dir, tmp_path / "scoped", 8)
+    scoped, scoped_casts = _two_bf16_steps(warm_model_dir, tmp_path / "scoped", 8, algo)
     monkeypatch.setattr(BatchForward, "cast_scope", lambda self, model: contextlib.nullcontext())
-    per_forward, per_forward_casts = _two_bf16_steps(warm_model_dir, tmp_path / "per_forward", 8)
+    per_forward, per_forward_casts = _two_bf16_steps(warm_model_dir, tmp_path / "per_forward", 8, algo)
     assert scoped.keys() == per_forward.keys()
     # every weight bit for bit but the tied embedding / output layer, the one weight with two gradients, which
     # differs in its last bits (float32 rounding)
@@ -181,3 +183,22 @@ def test_one_weight_cast_per_optimizer_step_trains_exactly_as_a_cast_per_micro_b
     assert all(torch.equal(scoped[k], per_forward[k]) for k in scoped.keys() - tied)
     assert all(torch.allclose(scoped[k], per_forward[k], rtol=0, atol=1e-7) for k in tied)
     assert scoped_casts < per_forward_casts
+
+
+def test_the_first_update_of_a_bf16_multi_update_step_has_ratios_of_exactly_one(warm_model_dir, tmp_path):
+    """bf16 on float32 masters, one GSPO batch (four optimizer steps): the old log-probs (a frozen pass, one cast
+    per weight) and the first update's forwards (one cast per weight for the step, attention with a float32
+    backward) compute the same numbers, so the first update's ratios are exactly 1."""
+    cfg = quick_config(
+        warm_model_dir,
+        tmp_path / "run",
+        algo="gspo",
+        **{"model.dtype": "bfloat16", "rollout.sync_check": True, "optim.micro_batch_size": 8},
+    )
+    trainer = Trainer(cfg, Console(quiet=True))
+    try:
+        record = trainer.train_step(1)
+    finally:
+        trainer.close()
+    assert record["attempted_updates"] == 4 and record["actual_updates"] >= 1
+    assert record["first_update/ratio_min"] == 1.0 and record["first_update/ratio_max"] == 1.0
