@@ -19,7 +19,8 @@ then ``--steps`` steps; mean seconds per phase):
   bf16 all       the same, the copy in bf16 throughout, generating without autocast (``all``)
 
 Printed: seconds of generate / train / sync / whole step per variant, each bf16 variant's ratio to float32
-(bf16 / fp32 seconds: < 1 is faster), completion tokens/s, and the largest engine - trainer log-prob difference
+(bf16 / fp32 seconds: < 1 is faster), completion tokens/s, milliseconds of a whole step per completion token
+(and its ratio), and the largest engine - trainer log-prob difference
 of the sync check. Samples differ between variants (bf16 rounding changes what is sampled), so completion
 lengths differ too: compare tokens/s beside the seconds. Needs an idle machine for meaningful figures.
 """
@@ -84,6 +85,11 @@ def measure(config: str | None, overrides: dict[str, Any], variant: str, steps: 
         parts.close()
 
 
+def step_per_token(m: dict[str, Any]) -> float:
+    """Seconds of a whole step per completion token it generated (the variants' samples differ in length)."""
+    return m["step"] / (m["tokens_per_s"] * m["generate"])
+
+
 def table(results: dict[str, dict[str, Any]], title: str) -> Table:
     out = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title)
     base = results.get("float32")
@@ -93,6 +99,9 @@ def table(results: dict[str, dict[str, Any]], title: str) -> Table:
         if base is not None:
             out.add_column("/fp32", justify="right")
     out.add_column("tok/s", justify="right")
+    out.add_column("step ms/tok", justify="right")
+    if base is not None:
+        out.add_column("/fp32", justify="right")
     out.add_column("max|d|", justify="right")
     for name, m in results.items():
         cells = []
@@ -101,8 +110,17 @@ def table(results: dict[str, dict[str, Any]], title: str) -> Table:
             if base is not None:
                 # a phase float32 hardly has (the sync: no copy to refresh) has no meaningful ratio
                 cells.append(f"{m[phase] / base[phase]:.2f}" if base[phase] > 1e-3 else "-")
+        per_token = [f"{step_per_token(m) * 1e3:.3g}"]
+        if base is not None:
+            per_token.append(f"{step_per_token(m) / step_per_token(base):.2f}")
         diff = m.get("logprob_diff_max")
-        out.add_row(name, *cells, f"{m['tokens_per_s']:.0f}", "-" if diff is None or diff != diff else f"{diff:.1e}")
+        out.add_row(
+            name,
+            *cells,
+            f"{m['tokens_per_s']:.0f}",
+            *per_token,
+            "-" if diff is None or diff != diff else f"{diff:.1e}",
+        )
     return out
 
 
@@ -121,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     config = None if args.config == "demo" else args.config
     overrides = {**SETTINGS, **parse_overrides(rest), "threads": args.threads}
     torch.set_num_threads(args.threads)
-    console = Console(width=max(Console().width, 132))  # the table's 12 columns
+    console = Console(width=max(Console().width, 150))  # the table's 14 columns
     cpu = describe_cpu(cpu_description())
     results: dict[str, dict[str, Any]] = {}
     for variant in args.variants:
