@@ -320,6 +320,22 @@ def quick_config(model_dir, out, **overrides) -> RunConfig:
     return load_config(None, {**quick_settings(model_dir, out), **overrides})
 
 
+def first_update_of_gspo(model_dir, out, **overrides) -> dict:
+    """Step 1 of a quick GSPO run (four optimizer steps on one batch, sync check on, micro-batches of 8) with
+    ``overrides``: its record, checked to have ratios of exactly 1 in its first update."""
+    from grpolab.run.trainer import Trainer
+
+    settings = {"rollout.sync_check": True, "optim.micro_batch_size": 8, **overrides}
+    trainer = Trainer(quick_config(model_dir, out, algo="gspo", **settings))
+    try:
+        record = trainer.train_step(1)
+    finally:
+        trainer.close()
+    assert record["attempted_updates"] == 4 and record["actual_updates"] >= 1
+    assert record["first_update/ratio_min"] == 1.0 and record["first_update/ratio_max"] == 1.0
+    return record
+
+
 def quick_run(tmp_path_factory, model_dir, name: str, **overrides) -> Path:
     """A finished quick run (``quick_config`` with ``overrides``) of the model in ``model_dir``, in a new folder
     ``name``: the reference a module's tests compare their runs with."""

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import quick_config
+from conftest import first_update_of_gspo, quick_config
 from rich.console import Console
 from tiny_configs import tiny_sizes
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -189,16 +189,4 @@ def test_the_first_update_of_a_bf16_multi_update_step_has_ratios_of_exactly_one(
     """bf16 on float32 masters, one GSPO batch (four optimizer steps): the old log-probs (a frozen pass, one cast
     per weight) and the first update's forwards (one cast per weight for the step, attention with a float32
     backward) compute the same numbers, so the first update's ratios are exactly 1."""
-    cfg = quick_config(
-        warm_model_dir,
-        tmp_path / "run",
-        algo="gspo",
-        **{"model.dtype": "bfloat16", "rollout.sync_check": True, "optim.micro_batch_size": 8},
-    )
-    trainer = Trainer(cfg, Console(quiet=True))
-    try:
-        record = trainer.train_step(1)
-    finally:
-        trainer.close()
-    assert record["attempted_updates"] == 4 and record["actual_updates"] >= 1
-    assert record["first_update/ratio_min"] == 1.0 and record["first_update/ratio_max"] == 1.0
+    first_update_of_gspo(warm_model_dir, tmp_path / "run", **{"model.dtype": "bfloat16"})
