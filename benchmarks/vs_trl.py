@@ -269,7 +269,7 @@ def main() -> int:
         parser.error("cannot match in TRL: " + "; ".join(problems))
     torch.set_num_threads(args.threads)
 
-    console = Console()
+    console = Console(width=max(Console().width, 120))  # piped output keeps every column whole
     with tempfile.TemporaryDirectory(prefix="grpolab-vs-trl-") as root:
         console.print(f"grpolab: {args.steps + 1} steps ...")
         ours, model_dir, task = time_grpolab(cfg.model_copy(update={"output_dir": f"{root}/grpolab"}), args.steps)
