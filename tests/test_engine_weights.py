@@ -186,9 +186,26 @@ def test_the_bf16_copy_generates_on_packed_weights(make_tiny_model, tokenizer, m
     assert seen and set(seen) == {True} and "forward" not in head.__dict__
 
 
+@pytest.fixture
+def cached_dtypes(monkeypatch) -> set[torch.dtype]:
+    """The dtypes the decoding cache's layers return their keys and values in, recorded as they are written."""
+    from grpolab.rollout.hf import kv_cache
+
+    seen: set[torch.dtype] = set()
+    update = kv_cache.ReservedLayer.update
+
+    def recording(self, *args, **kwargs):
+        keys, values = update(self, *args, **kwargs)
+        seen.update((keys.dtype, values.dtype))
+        return keys, values
+
+    monkeypatch.setattr(kv_cache.ReservedLayer, "update", recording)
+    return seen
+
+
 @pytest.mark.parametrize("family", ["llama", "olmo2"])
 def test_under_autocast_the_cache_keeps_its_keys_in_bf16_and_samples_the_same(
-    make_tiny_model, tokenizer, monkeypatch, family
+    make_tiny_model, tokenizer, monkeypatch, cached_dtypes, family
 ):
     """The keys leave the rotary embedding in float32 and autocast cast the whole key cache to bf16 at every step;
     the cache now stores each column in bf16 once, when written: the same values reach attention, so the same
@@ -197,36 +214,19 @@ def test_under_autocast_the_cache_keeps_its_keys_in_bf16_and_samples_the_same(
 
     model = make_tiny_model(family)
     params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=11)
-    stored: set[torch.dtype] = set()
-    update = kv_cache.ReservedLayer.update
-
-    def recording(self, *args, **kwargs):
-        keys, values = update(self, *args, **kwargs)
-        stored.update((keys.dtype, values.dtype))
-        return keys, values
-
-    monkeypatch.setattr(kv_cache.ReservedLayer, "update", recording)
     now = _engine(model, tokenizer).generate(_prompts(tokenizer), 3, params)
-    assert stored == {torch.bfloat16}
-    stored.clear()
+    assert cached_dtypes == {torch.bfloat16}
+    cached_dtypes.clear()
     monkeypatch.setattr(kv_cache, "storage_dtype", lambda states: states.dtype)
     before = _engine(model, tokenizer).generate(_prompts(tokenizer), 3, params)
     if family == "llama":  # OLMo-2's key norm already returns bf16 keys: its cache was bf16 before too
-        assert torch.float32 in stored
+        assert torch.float32 in cached_dtypes
     for a, b in zip((c for g in now for c in g), (c for g in before for c in g)):
         assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
 
 
-def test_without_autocast_the_cache_keeps_the_states_dtype(make_tiny_model, tokenizer, monkeypatch):
-    from grpolab.rollout.hf import kv_cache
-
-    model = make_tiny_model("llama")
-    stored: set[torch.dtype] = set()
-    update = kv_cache.ReservedLayer.update
-    monkeypatch.setattr(
-        kv_cache.ReservedLayer,
-        "update",
-        lambda self, *a, **k: stored.update(t.dtype for t in update(self, *a, **k)) or (self.keys, self.values),
+def test_without_autocast_the_cache_keeps_the_states_dtype(make_tiny_model, tokenizer, cached_dtypes):
+    HFEngine(make_tiny_model("llama"), tokenizer).generate(
+        _prompts(tokenizer), 2, SamplingParams(max_new_tokens=4, seed=1)
     )
-    HFEngine(model, tokenizer).generate(_prompts(tokenizer), 2, SamplingParams(max_new_tokens=4, seed=1))
-    assert stored == {torch.float32}
+    assert cached_dtypes == {torch.float32}

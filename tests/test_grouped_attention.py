@@ -161,7 +161,7 @@ def test_training_in_bf16_attends_with_a_float32_backward_and_the_same_forward(
     assert bool(calls) == (dtype == "bfloat16")
     if dtype == "float32":
         return
-    monkeypatch.setattr(BatchForward, "attention", lambda self, forward: contextlib.nullcontext())
+    monkeypatch.setattr(BatchForward, "attention", lambda self, model: contextlib.nullcontext())
     calls.clear()
     sdpa = _learned(warm_model_dir, tmp_path / "sdpa", dtype)
     assert calls == []

@@ -140,9 +140,9 @@ def test_the_engine_receives_weights_in_its_compute_dtype(bf16_model, tmp_path):
     assert {t.dtype for t in load_file(save_weights(bf16_model, tmp_path)).values()} == {torch.float32}
 
 
-def _two_bf16_steps(model_dir, out, micro_batch_size: int, algo: str):
+def _two_bf16_steps(model_dir, out, algo: str):
     """(the weights after two RL steps of ``algo`` in a bf16 run on float32 masters, with 8 prompts x 8 per step in
-    micro-batches of ``micro_batch_size``, and the count of casts (``aten::_to_copy``) made meanwhile)."""
+    micro-batches of 8, and the count of casts (``aten::_to_copy``) made meanwhile)."""
     from grpolab.common.progress import Reporter
     from grpolab.run.parts import assemble
     from grpolab.run.step import rl_step
@@ -151,7 +151,7 @@ def _two_bf16_steps(model_dir, out, micro_batch_size: int, algo: str):
         model_dir,
         out,
         algo=algo,
-        **{"model.dtype": "bfloat16", "rollout.prompts_per_step": 8, "optim.micro_batch_size": micro_batch_size},
+        **{"model.dtype": "bfloat16", "rollout.prompts_per_step": 8, "optim.micro_batch_size": 8},
     )
     parts = assemble(cfg, lambda ranks: Reporter(Console(quiet=True)))
     try:
@@ -173,9 +173,9 @@ def test_one_weight_cast_per_optimizer_step_trains_exactly_as_a_cast_per_micro_b
     forward: the same gradients, so the same weights after two steps, with fewer casts."""
     from grpolab.learning.learner import BatchForward
 
-    scoped, scoped_casts = _two_bf16_steps(warm_model_dir, tmp_path / "scoped", 8, algo)
+    scoped, scoped_casts = _two_bf16_steps(warm_model_dir, tmp_path / "scoped", algo)
     monkeypatch.setattr(BatchForward, "cast_scope", lambda self, model: contextlib.nullcontext())
-    per_forward, per_forward_casts = _two_bf16_steps(warm_model_dir, tmp_path / "per_forward", 8, algo)
+    per_forward, per_forward_casts = _two_bf16_steps(warm_model_dir, tmp_path / "per_forward", algo)
     assert scoped.keys() == per_forward.keys()
     # every weight bit for bit but the tied embedding / output layer, the one weight with two gradients, which
     # differs in its last bits (float32 rounding)

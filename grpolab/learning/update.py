@@ -205,9 +205,10 @@ class Trainee:
     """The policy an update trains: ``logprobs`` its training forward (module docstring), ``parameters`` the
     tensors ``optimizer`` steps; ``extra_loss``: ``logprobs`` returns a loss term beside the objective (an MoE's
     load-balancing loss), so every row has a gradient. ``cast_scope``: the context one optimizer step's
-    micro-batches run in, between two optimizer steps (``accumulate_gradients``): with float32 master weights and
-    bf16 compute, one autocast context, so that each weight is cast to bf16 once per optimizer step (autocast
-    keeps a cast until its outermost context ends) instead of once per micro-batch."""
+    micro-batches and backwards run in, between two optimizer steps (``accumulate_gradients``; the learner's is
+    ``grpolab.learning.learner.BatchForward.cast_scope``): with float32 master weights and bf16 compute, one
+    autocast context, so that each weight is cast to bf16 once per optimizer step (autocast keeps a cast until its
+    outermost context ends) instead of once per micro-batch."""
 
     logprobs: PolicyLogprobs
     optimizer: torch.optim.Optimizer
